@@ -1,0 +1,95 @@
+//! Canonical-order f32 kernels: the arithmetic half of lmrr's determinism contract.
+//!
+//! Every op here is a pure function over slices and comes in two forms with the
+//! same name stem: `*_ref`, a slow scalar reference written to be read, and the
+//! fast path (AVX2+FMA through `std::arch`, selected at run time, threads over
+//! independent outputs). The two agree bit for bit on every input; the tests in
+//! `tests/` compare them with `to_bits()` on awkward sizes and 1, 2, 3 threads.
+//!
+//! The canonical order (contract version [`CONTRACT_VERSION`]):
+//! - A reduction over `k` elements is cut into chunks of [`CHUNK`] elements
+//!   aligned to index 0. Inside a chunk, element `i` goes to lane `i % LANES`
+//!   ([`LANES`] = 8); each lane is an FMA chain from `+0.0`. The lanes of a chunk
+//!   are joined by the fixed tree of [`lane_tree`]; the chunk partials are added
+//!   sequentially, in chunk order, from `+0.0`.
+//! - Attention walks keys in tiles of [`ATTN_TILE`] absolute positions and merges
+//!   tiles in order with the online-softmax rescale (see [`attention`]).
+//! - Transcendentals are built from fma/mul/add only ([`exp::det_exp`]);
+//!   division and square root are IEEE correctly rounded.
+//!
+//! A wider SIMD unit must emulate the 8-lane order; it never reassociates.
+
+pub mod act;
+pub mod argmax;
+pub mod attention;
+pub mod exp;
+pub mod matmul;
+pub mod norm;
+pub mod reduce;
+pub mod rope;
+pub mod softmax;
+pub mod threads;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+pub use act::{silu, silu_ref, swiglu, swiglu_ref};
+pub use argmax::{argmax, argmax_ref};
+pub use attention::{attention, attention_ref, AttnShape, AttnTask, KvView};
+pub use exp::{det_exp, exp_slice, exp_slice_ref};
+pub use matmul::{matmul, matmul_ref, Matrix, Weights};
+pub use norm::{rms_norm, rms_norm_ref};
+pub use reduce::{dot, dot_ref, lane_tree, sum, sum_ref};
+pub use rope::{rope, rope_ref, RopeTable};
+pub use softmax::{softmax, softmax_ref};
+pub use threads::Threads;
+
+/// Version of the arithmetic contract. Any change to an op's order of operations
+/// changes the bits of some logits and must bump this number.
+pub const CONTRACT_VERSION: u32 = 1;
+/// Reduction chunk length: partial sums restart from `+0.0` every `CHUNK` elements.
+pub const CHUNK: usize = 64;
+/// Interleaved FMA chains inside a chunk.
+pub const LANES: usize = 8;
+/// Attention key tile, in absolute positions.
+pub const ATTN_TILE: usize = 32;
+
+/// Which implementation the fast entry points run on this machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// AVX2 + FMA (x86_64), detected at run time.
+    Avx2Fma,
+    /// The scalar code path (bitwise the same results, slower).
+    Scalar,
+}
+
+/// The ISA the fast paths use; detected once. `LMRR_FORCE_SCALAR=1` forces the
+/// scalar path (used to cross-check the SIMD path end to end).
+pub fn isa() -> Isa {
+    use std::sync::OnceLock;
+    static ISA: OnceLock<Isa> = OnceLock::new();
+    *ISA.get_or_init(|| {
+        if std::env::var_os("LMRR_FORCE_SCALAR").is_some_and(|v| v == "1") {
+            return Isa::Scalar;
+        }
+        detect()
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect() -> Isa {
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        Isa::Avx2Fma
+    } else {
+        Isa::Scalar
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detect() -> Isa {
+    Isa::Scalar
+}
+
+#[inline]
+pub(crate) fn use_avx2() -> bool {
+    isa() == Isa::Avx2Fma
+}

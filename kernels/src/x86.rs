@@ -1,0 +1,282 @@
+//! AVX2 + FMA building blocks shared by the fast paths.
+//!
+//! Every function here reproduces the scalar reference order exactly: lane `i`
+//! of a `__m256` accumulator is lane `i % 8` of the canonical chunk, and
+//! [`hsum1`]/[`hsum8x`] join lanes with the tree of [`crate::lane_tree`].
+//! All functions are `unsafe` because they require AVX2 and FMA, which the
+//! callers check at run time through [`crate::use_avx2`].
+
+use std::arch::x86_64::*;
+
+use crate::CHUNK;
+
+/// Element types a weight row can be stored in; all widen to f32 exactly.
+pub(crate) trait Lanes: Copy + Send + Sync {
+    /// Loads 8 consecutive elements as f32.
+    unsafe fn load8(p: *const Self) -> __m256;
+    /// Widens one element.
+    fn to_f32(self) -> f32;
+    /// Loads `n < 8` elements, zero-filling the rest.
+    #[inline(always)]
+    unsafe fn load_partial(p: *const Self, n: usize) -> __m256 {
+        let mut buf = [0.0f32; 8];
+        for (i, b) in buf.iter_mut().enumerate().take(n) {
+            *b = (*p.add(i)).to_f32();
+        }
+        _mm256_loadu_ps(buf.as_ptr())
+    }
+}
+
+impl Lanes for f32 {
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        _mm256_loadu_ps(p)
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+/// bf16 stored as its raw `u16` bits.
+impl Lanes for u16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        let h = _mm_loadu_si128(p as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f32::from_bits((self as u32) << 16)
+    }
+}
+
+/// Lane tree of one accumulator.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn hsum1(a: __m256) -> f32 {
+    let t = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    let u = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    let v = _mm_add_ss(u, _mm_shuffle_ps(u, u, 0b01));
+    _mm_cvtss_f32(v)
+}
+
+/// Lane trees of 8 accumulators at once: element `e` of the result is the tree
+/// of `a[e]`. Same adds as [`crate::lane_tree`], applied in parallel.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn hsum8x(a: &[__m256; 8]) -> __m256 {
+    // Interleave so that the shuffles below land results in natural order.
+    let b = [a[0], a[4], a[1], a[5], a[2], a[6], a[3], a[7]];
+    // t[i] = l[i] + l[i+4]: lane 0 holds t of b[2j], lane 1 of b[2j+1].
+    let t = |x: __m256, y: __m256| {
+        _mm256_add_ps(
+            _mm256_permute2f128_ps(x, y, 0x20),
+            _mm256_permute2f128_ps(x, y, 0x31),
+        )
+    };
+    let x0 = t(b[0], b[1]);
+    let x1 = t(b[2], b[3]);
+    let x2 = t(b[4], b[5]);
+    let x3 = t(b[6], b[7]);
+    // u[0] = t[0] + t[2], u[1] = t[1] + t[3].
+    let u01 = _mm256_add_ps(
+        _mm256_shuffle_ps(x0, x1, 0b01_00_01_00),
+        _mm256_shuffle_ps(x0, x1, 0b11_10_11_10),
+    );
+    let u23 = _mm256_add_ps(
+        _mm256_shuffle_ps(x2, x3, 0b01_00_01_00),
+        _mm256_shuffle_ps(x2, x3, 0b11_10_11_10),
+    );
+    // v = u[0] + u[1].
+    _mm256_add_ps(
+        _mm256_shuffle_ps(u01, u23, 0b10_00_10_00),
+        _mm256_shuffle_ps(u01, u23, 0b11_01_11_01),
+    )
+}
+
+/// 8 canonical dot products at once: output `t * R + r` is
+/// `dot(xs[t][..k], ws[r][..k])`. Requires `R * T == 8`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn dot8<W: Lanes, const R: usize, const T: usize>(
+    xs: &[*const f32; T],
+    ws: &[*const W; R],
+    k: usize,
+) -> __m256 {
+    debug_assert_eq!(R * T, 8);
+    let mut tot = _mm256_setzero_ps();
+    let mut c0 = 0;
+    while c0 < k {
+        let cend = (c0 + CHUNK).min(k);
+        let mut acc = [_mm256_setzero_ps(); 8];
+        let mut i = c0;
+        while i + 8 <= cend {
+            let mut xv = [_mm256_setzero_ps(); T];
+            for t in 0..T {
+                xv[t] = _mm256_loadu_ps(xs[t].add(i));
+            }
+            for r in 0..R {
+                let wv = W::load8(ws[r].add(i));
+                for t in 0..T {
+                    acc[t * R + r] = _mm256_fmadd_ps(xv[t], wv, acc[t * R + r]);
+                }
+            }
+            i += 8;
+        }
+        if i < cend {
+            let n = cend - i;
+            let mut xv = [_mm256_setzero_ps(); T];
+            for t in 0..T {
+                xv[t] = f32::load_partial(xs[t].add(i), n);
+            }
+            for r in 0..R {
+                let wv = W::load_partial(ws[r].add(i), n);
+                for t in 0..T {
+                    acc[t * R + r] = _mm256_fmadd_ps(xv[t], wv, acc[t * R + r]);
+                }
+            }
+        }
+        tot = _mm256_add_ps(tot, hsum8x(&acc));
+        c0 = cend;
+    }
+    tot
+}
+
+/// One canonical dot product.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let k = a.len();
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut total = 0.0f32;
+    let mut c0 = 0;
+    while c0 < k {
+        let cend = (c0 + CHUNK).min(k);
+        let mut acc = _mm256_setzero_ps();
+        let mut i = c0;
+        while i + 8 <= cend {
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc);
+            i += 8;
+        }
+        if i < cend {
+            let n = cend - i;
+            acc = _mm256_fmadd_ps(
+                f32::load_partial(pa.add(i), n),
+                f32::load_partial(pb.add(i), n),
+                acc,
+            );
+        }
+        total += hsum1(acc);
+        c0 = cend;
+    }
+    total
+}
+
+/// One canonical sum.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn sum(a: &[f32]) -> f32 {
+    let k = a.len();
+    let pa = a.as_ptr();
+    let mut total = 0.0f32;
+    let mut c0 = 0;
+    while c0 < k {
+        let cend = (c0 + CHUNK).min(k);
+        let mut acc = _mm256_setzero_ps();
+        let mut i = c0;
+        while i + 8 <= cend {
+            acc = _mm256_add_ps(acc, _mm256_loadu_ps(pa.add(i)));
+            i += 8;
+        }
+        if i < cend {
+            acc = _mm256_add_ps(acc, f32::load_partial(pa.add(i), cend - i));
+        }
+        total += hsum1(acc);
+        c0 = cend;
+    }
+    total
+}
+
+/// [`crate::exp::det_exp`] on 8 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn exp8(x: __m256) -> __m256 {
+    use crate::exp::{EXP_HI, EXP_LO, LN2_HI, LN2_LO, LOG2E, POLY, ROUND_MAGIC};
+    let xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+    let t = _mm256_mul_ps(xc, _mm256_set1_ps(LOG2E));
+    let magic = _mm256_set1_ps(ROUND_MAGIC);
+    let n = _mm256_sub_ps(_mm256_add_ps(t, magic), magic);
+    let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), xc);
+    let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
+    let mut p = _mm256_set1_ps(POLY[0]);
+    for &c in &POLY[1..] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    }
+    let r2 = _mm256_mul_ps(r, r);
+    let y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0));
+    let e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+        23,
+    );
+    let y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    let y = _mm256_blendv_ps(
+        y,
+        _mm256_set1_ps(f32::INFINITY),
+        _mm256_cmp_ps(x, _mm256_set1_ps(EXP_HI), _CMP_GT_OQ),
+    );
+    let y = _mm256_blendv_ps(
+        y,
+        _mm256_setzero_ps(),
+        _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_LT_OQ),
+    );
+    _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q))
+}
+
+/// Loads `n <= 8` f32s (zero-filled) and stores back only `n`.
+#[inline(always)]
+pub(crate) unsafe fn store_partial(p: *mut f32, v: __m256, n: usize) {
+    let mut buf = [0.0f32; 8];
+    _mm256_storeu_ps(buf.as_mut_ptr(), v);
+    std::ptr::copy_nonoverlapping(buf.as_ptr(), p, n);
+}
+
+/// Applies an 8-lane map `f` over `x` into `out` (same length), tail included.
+#[inline(always)]
+pub(crate) unsafe fn map8(x: &[f32], out: &mut [f32], f: impl Fn(__m256) -> __m256) {
+    let n = x.len();
+    let mut i = 0;
+    while i + 8 <= n {
+        _mm256_storeu_ps(out.as_mut_ptr().add(i), f(_mm256_loadu_ps(x.as_ptr().add(i))));
+        i += 8;
+    }
+    if i < n {
+        let v = f(f32::load_partial(x.as_ptr().add(i), n - i));
+        store_partial(out.as_mut_ptr().add(i), v, n - i);
+    }
+}
+
+/// Applies an 8-lane binary map over `a`, `b` into `out` (same lengths).
+#[inline(always)]
+pub(crate) unsafe fn zip8(
+    a: &[f32],
+    b: &[f32],
+    out: &mut [f32],
+    f: impl Fn(__m256, __m256) -> __m256,
+) {
+    let n = a.len();
+    let mut i = 0;
+    while i + 8 <= n {
+        let v = f(
+            _mm256_loadu_ps(a.as_ptr().add(i)),
+            _mm256_loadu_ps(b.as_ptr().add(i)),
+        );
+        _mm256_storeu_ps(out.as_mut_ptr().add(i), v);
+        i += 8;
+    }
+    if i < n {
+        let v = f(
+            f32::load_partial(a.as_ptr().add(i), n - i),
+            f32::load_partial(b.as_ptr().add(i), n - i),
+        );
+        store_partial(out.as_mut_ptr().add(i), v, n - i);
+    }
+}
