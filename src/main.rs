@@ -1,1 +1,197 @@
-fn main() {}
+//! `lmrr`: the command-line edge. Parses arguments, calls the libraries, prints.
+//! No engine logic lives here.
+
+mod bench;
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+
+use lmrr_engine::generate::hex;
+use lmrr_engine::synth::SynthDtype;
+use lmrr_engine::{GenerateOptions, Model, Preset, SamplingParams, SynthSpec};
+use lmrr_kernels::Threads;
+
+/// rr for LLM inference: a deterministic engine whose logits are a pure function
+/// of the tokens, bit for bit.
+///
+/// With no command, generates text from the embedded default model (a seeded
+/// synthetic llama, no download) and prints its digest.
+#[derive(Parser, Debug)]
+#[command(name = "lmrr", version, about, long_about)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Write a complete HF-layout model with seeded synthetic weights.
+    GenModel(GenModelArgs),
+    /// Generate a continuation and print its digest.
+    Generate(GenerateArgs),
+    /// Measure kernels, prefill and decode against the memory bandwidth.
+    Bench(bench::BenchArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct GenModelArgs {
+    /// Model family (only `llama`).
+    #[arg(long, default_value = "llama")]
+    arch: String,
+    /// `tiny` (~1M parameters) or `small` (SmolLM2-135M shape).
+    #[arg(long)]
+    preset: Preset,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Weight storage: bf16 or f32.
+    #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
+    dtype: SynthDtype,
+    /// Output directory (created).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+fn parse_dtype(s: &str) -> Result<SynthDtype, String> {
+    match s {
+        "bf16" => Ok(SynthDtype::Bf16),
+        "f32" => Ok(SynthDtype::F32),
+        _ => Err(format!("unknown dtype `{s}` (bf16, f32)")),
+    }
+}
+
+#[derive(clap::Args, Debug)]
+struct GenerateArgs {
+    /// Model: an HF directory, or `synthetic:PRESET[:SEED]`. Default: the
+    /// embedded synthetic tiny model, seed 0.
+    #[arg(long)]
+    model: Option<String>,
+    #[arg(long, default_value = "The quick brown fox")]
+    prompt: String,
+    #[arg(long, default_value_t = 32)]
+    max_tokens: usize,
+    /// Sampling seed (the draw at a position depends only on it and the logits).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// 0 = off.
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// 1 = off.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Worker threads (default: all cores). Never changes a bit.
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Prompt tokens per prefill step (default: whole prompt). Never changes a bit.
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
+    /// Keep generating after the EOS token.
+    #[arg(long)]
+    ignore_eos: bool,
+}
+
+impl Default for GenerateArgs {
+    fn default() -> Self {
+        Self {
+            model: None,
+            prompt: "The quick brown fox".into(),
+            max_tokens: 32,
+            seed: 0,
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            threads: None,
+            prefill_chunk: None,
+            ignore_eos: false,
+        }
+    }
+}
+
+/// Resolves `--model`: a directory, `synthetic:PRESET[:SEED]`, or the default.
+pub(crate) fn load_model(spec: Option<&str>) -> Result<Model> {
+    let synth = match spec {
+        None => Some(SynthSpec::embedded_default()),
+        Some(s) if s.starts_with("synthetic:") => {
+            let mut parts = s["synthetic:".len()..].split(':');
+            let preset: Preset = parts.next().unwrap_or("").parse().map_err(anyhow::Error::msg)?;
+            let seed = match parts.next() {
+                None => 0,
+                Some(x) => x.trim_start_matches("seed").parse().with_context(|| format!("bad seed in `{s}`"))?,
+            };
+            Some(SynthSpec::new(preset, seed))
+        }
+        Some(_) => None,
+    };
+    match (synth, spec) {
+        (Some(sp), _) => Model::from_files(sp.build()).with_context(|| format!("loading {}", sp.name())),
+        (None, Some(dir)) => Model::load_dir(std::path::Path::new(dir)).with_context(|| format!("loading model `{dir}`")),
+        (None, None) => unreachable!("no spec means the embedded default"),
+    }
+}
+
+pub(crate) fn threads(n: Option<usize>) -> Result<Threads> {
+    let n = n.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    Ok(Threads::new(n)?)
+}
+
+fn run_generate(a: &GenerateArgs) -> Result<()> {
+    let model = load_model(a.model.as_deref())?;
+    let th = threads(a.threads)?;
+    let prompt = model.tokenizer.encode(&a.prompt)?;
+    let opts = GenerateOptions {
+        max_tokens: a.max_tokens,
+        sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
+        prefill_chunk: a.prefill_chunk,
+        stop_at_eos: !a.ignore_eos,
+        keep_logits: false,
+    };
+    let t0 = std::time::Instant::now();
+    let g = lmrr_engine::generate(&model.llama, &prompt, &opts, &th)?;
+    let dt = t0.elapsed().as_secs_f64();
+    let text = model.tokenizer.decode(&g.tokens)?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{}{}", a.prompt, text)?;
+    writeln!(out, "digest: {}", hex(&g.digest))?;
+    eprintln!(
+        "model {} · prompt {} tokens · generated {} ({:?}) · {:.2}s · {} threads",
+        model.origin,
+        prompt.len(),
+        g.tokens.len(),
+        g.finish,
+        dt,
+        th.count()
+    );
+    Ok(())
+}
+
+fn run_gen_model(a: &GenModelArgs) -> Result<()> {
+    if a.arch != "llama" {
+        bail!("unknown --arch `{}`: only `llama` is implemented", a.arch);
+    }
+    let spec = SynthSpec { preset: a.preset, seed: a.seed, dtype: a.dtype };
+    spec.write_dir(&a.out).with_context(|| format!("writing {}", a.out.display()))?;
+    println!("wrote {} to {}", spec.name(), a.out.display());
+    Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let res = match &cli.cmd {
+        None => run_generate(&GenerateArgs::default()),
+        Some(Cmd::Generate(a)) => run_generate(a),
+        Some(Cmd::GenModel(a)) => run_gen_model(a),
+        Some(Cmd::Bench(a)) => bench::run(a),
+    };
+    match res {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}

@@ -1,1 +1,64 @@
-//! placeholder
+//! lmrr's deterministic inference engine.
+//!
+//! Owns model loading (HF directory: `config.json`, `model.safetensors`,
+//! `tokenizer.json`), the llama family forward pass over a batch of
+//! (sequence, token span) entries, the KV store interface, seeded sampling, the
+//! synthetic model generator and the single-request generation driver.
+//!
+//! Invariant (the contract, see docs/ARCHITECTURE.md): the logits at position
+//! `p` of a sequence are a pure function of its tokens `[0..=p]` — independent of
+//! batch-mates, chunking, thread count and run. Every reduction goes through
+//! `lmrr_kernels`' canonical order; nothing here reduces floats on its own.
+
+pub mod config;
+pub mod error;
+pub mod generate;
+pub mod kv;
+pub mod llama;
+pub mod sampling;
+pub mod synth;
+pub mod tokenizer;
+pub mod weights;
+
+pub use config::LlamaConfig;
+pub use error::EngineError;
+pub use generate::{generate, FinishReason, GenerateOptions, Generation};
+pub use kv::{KvCache, SeqId, SeqKvStore};
+pub use llama::{Llama, LogitsWanted, SeqSpan};
+pub use sampling::{sample, SamplingParams};
+pub use synth::{Preset, SynthSpec};
+pub use tokenizer::Tokenizer;
+pub use weights::ModelFiles;
+
+/// A loaded model: weights and tokenizer, ready to run.
+pub struct Model {
+    pub llama: Llama,
+    pub tokenizer: Tokenizer,
+    /// Where it came from, for messages.
+    pub origin: String,
+}
+
+impl Model {
+    /// Loads an HF-layout directory.
+    pub fn load_dir(dir: &std::path::Path) -> Result<Self, EngineError> {
+        Self::from_files(ModelFiles::open_dir(dir)?)
+    }
+
+    /// Loads from files already opened or generated in memory.
+    pub fn from_files(files: ModelFiles) -> Result<Self, EngineError> {
+        let llama = Llama::load(&files)?;
+        let tokenizer = Tokenizer::from_bytes(&files.tokenizer, &files.tokenizer_path)?;
+        if tokenizer.vocab_size() > llama.config().vocab_size {
+            return Err(EngineError::ConfigValue {
+                path: files.config_path.clone(),
+                field: "vocab_size",
+                value: llama.config().vocab_size.to_string(),
+                why: format!(
+                    "tokenizer has {} tokens, more than the model's vocabulary",
+                    tokenizer.vocab_size()
+                ),
+            });
+        }
+        Ok(Self { llama, tokenizer, origin: files.origin })
+    }
+}

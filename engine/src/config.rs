@@ -1,0 +1,169 @@
+//! `config.json` of the HF llama family: parsing and validation.
+//!
+//! Unknown fields are ignored (real configs carry many); fields that would
+//! change the arithmetic and that this engine does not implement (`rope_scaling`,
+//! attention/MLP biases, an activation other than SiLU) are refused by name.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::EngineError;
+
+/// `eos_token_id` is an integer or a list in the wild.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum TokenIds {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl TokenIds {
+    pub fn contains(&self, id: u32) -> bool {
+        match self {
+            Self::One(x) => *x == id,
+            Self::Many(v) => v.contains(&id),
+        }
+    }
+}
+
+fn default_theta() -> f64 {
+    10_000.0
+}
+fn default_eps() -> f32 {
+    1e-6
+}
+fn default_act() -> String {
+    "silu".into()
+}
+fn default_model_type() -> String {
+    "llama".into()
+}
+
+/// The subset of HF `LlamaConfig` this engine reads.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LlamaConfig {
+    #[serde(default)]
+    pub architectures: Vec<String>,
+    #[serde(default = "default_model_type")]
+    pub model_type: String,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    pub vocab_size: usize,
+    pub max_position_embeddings: usize,
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f32,
+    #[serde(default = "default_theta")]
+    pub rope_theta: f64,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default = "default_act")]
+    pub hidden_act: String,
+    #[serde(default)]
+    pub bos_token_id: Option<u32>,
+    #[serde(default)]
+    pub eos_token_id: Option<TokenIds>,
+    #[serde(default)]
+    pub rope_scaling: Option<serde_json::Value>,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default)]
+    pub mlp_bias: bool,
+    #[serde(default)]
+    pub torch_dtype: Option<String>,
+}
+
+/// Largest dimension accepted from a config (guards allocation sizes).
+const MAX_DIM: usize = 1 << 20;
+
+impl LlamaConfig {
+    /// Parses and validates `bytes` read from `path`.
+    pub fn parse(bytes: &[u8], path: &Path) -> Result<Self, EngineError> {
+        let cfg: Self = serde_json::from_slice(bytes)
+            .map_err(|e| EngineError::Config { path: path.into(), msg: e.to_string() })?;
+        cfg.validate(path)?;
+        Ok(cfg)
+    }
+
+    fn validate(&self, path: &Path) -> Result<(), EngineError> {
+        let bad = |field: &'static str, value: String, why: &str| EngineError::ConfigValue {
+            path: path.into(),
+            field,
+            value,
+            why: why.into(),
+        };
+        if self.model_type != "llama" {
+            return Err(bad("model_type", self.model_type.clone(), "only the llama family is supported"));
+        }
+        for (field, v) in [
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("vocab_size", self.vocab_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ] {
+            if v == 0 || v > MAX_DIM {
+                return Err(bad(field, v.to_string(), &format!("must be in 1..={MAX_DIM}")));
+            }
+        }
+        let kv = self.n_kv_heads();
+        if kv == 0 || self.num_attention_heads % kv != 0 {
+            return Err(bad(
+                "num_key_value_heads",
+                kv.to_string(),
+                &format!("must divide num_attention_heads = {}", self.num_attention_heads),
+            ));
+        }
+        if self.head_dim.is_none() && self.hidden_size % self.num_attention_heads != 0 {
+            return Err(bad(
+                "hidden_size",
+                self.hidden_size.to_string(),
+                &format!("not divisible by num_attention_heads = {}", self.num_attention_heads),
+            ));
+        }
+        let hd = self.head_dim();
+        if hd == 0 || hd % 2 != 0 || hd > 4096 {
+            return Err(bad("head_dim", hd.to_string(), "must be even, in 2..=4096"));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+            return Err(bad("rms_norm_eps", self.rms_norm_eps.to_string(), "must be finite and > 0"));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 1.0) {
+            return Err(bad("rope_theta", self.rope_theta.to_string(), "must be finite and > 1"));
+        }
+        if self.hidden_act != "silu" {
+            return Err(bad("hidden_act", self.hidden_act.clone(), "only silu is supported"));
+        }
+        if self.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(bad(
+                "rope_scaling",
+                self.rope_scaling.as_ref().map(|v| v.to_string()).unwrap_or_default(),
+                "rope scaling is not supported",
+            ));
+        }
+        if self.attention_bias || self.mlp_bias {
+            return Err(bad("attention_bias", "true".into(), "biases are not supported"));
+        }
+        Ok(())
+    }
+
+    pub fn n_kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    /// Whether `id` ends generation.
+    pub fn is_eos(&self, id: u32) -> bool {
+        self.eos_token_id.as_ref().is_some_and(|e| e.contains(id))
+    }
+}

@@ -1,0 +1,46 @@
+//! Engine errors. Every variant names the file, tensor or sequence involved and
+//! the numbers (expected vs found) so a message alone says what to fix.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("reading {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("model directory {dir} has no {file}")]
+    MissingFile { dir: PathBuf, file: &'static str },
+    #[error("{path}: {msg}")]
+    Config { path: PathBuf, msg: String },
+    #[error("{path}: field `{field}` = {value}: {why}")]
+    ConfigValue { path: PathBuf, field: &'static str, value: String, why: String },
+    #[error("{path}: not a valid safetensors file: {msg}")]
+    SafeTensors { path: PathBuf, msg: String },
+    #[error("{path}: tensor `{name}` is missing")]
+    MissingTensor { path: PathBuf, name: String },
+    #[error("{path}: tensor `{name}` has shape {found:?}, expected {expected:?}")]
+    TensorShape { path: PathBuf, name: String, expected: Vec<usize>, found: Vec<usize> },
+    #[error("{path}: tensor `{name}` has dtype {dtype}, supported: F32, BF16, F16")]
+    TensorDtype { path: PathBuf, name: String, dtype: String },
+    #[error("{path}: tokenizer: {msg}")]
+    Tokenizer { path: PathBuf, msg: String },
+    #[error("prompt is {tokens} tokens, the model's context is {context}")]
+    PromptTooLong { tokens: usize, context: usize },
+    #[error("empty prompt: at least one token is needed")]
+    EmptyPrompt,
+    #[error("token id {token} is outside the vocabulary of {vocab}")]
+    TokenOutOfRange { token: u32, vocab: usize },
+    #[error("sequence {seq}: span starts at position {start} but the KV store holds {held} positions")]
+    KvPosition { seq: u64, start: usize, held: usize },
+    #[error("sequence {seq}: position {pos} is beyond the model's context of {context}")]
+    ContextOverflow { seq: u64, pos: usize, context: usize },
+    #[error("sequence {seq} appears twice in one batch")]
+    DuplicateSeq { seq: u64 },
+    #[error("invalid option {name} = {value}: {why}")]
+    InvalidOption { name: &'static str, value: String, why: String },
+    #[error(transparent)]
+    Threads(#[from] lmrr_kernels::threads::ThreadsError),
+}

@@ -1,0 +1,104 @@
+//! The KV store interface the forward pass writes to and attends over, and a
+//! simple per-sequence implementation.
+//!
+//! A store holds, per sequence and layer, K and V rows of `kv_dim` floats for
+//! positions `0..len`. The forward pass calls [`KvCache::prepare`] for each span
+//! (the span must start exactly at `len`), writes rows, then reads them back
+//! through [`KvCache::view`] as fixed-length blocks — so a paged pool plugs in
+//! behind the same trait without touching the model.
+
+use std::collections::HashMap;
+
+use lmrr_kernels::KvView;
+
+use crate::EngineError;
+
+/// Identifies a sequence in a KV store.
+pub type SeqId = u64;
+
+pub trait KvCache {
+    /// Positions held for `seq` (0 for an unknown sequence).
+    fn len(&self, seq: SeqId) -> usize;
+    /// Makes positions `start..start + n` of `seq` writable; `start` must equal
+    /// `len(seq)`. Afterwards `len(seq) == start + n`.
+    fn prepare(&mut self, seq: SeqId, start: usize, n: usize) -> Result<(), EngineError>;
+    /// Writes the K and V rows of `seq` at `pos` in `layer`.
+    fn write(&mut self, seq: SeqId, layer: usize, pos: usize, k: &[f32], v: &[f32]);
+    /// Blocks covering positions `0..len(seq)` of `layer`.
+    fn view(&self, seq: SeqId, layer: usize) -> KvView<'_>;
+}
+
+/// One contiguous, growable buffer per (sequence, layer).
+#[derive(Debug)]
+pub struct SeqKvStore {
+    layers: usize,
+    kv_dim: usize,
+    seqs: HashMap<SeqId, SeqKv>,
+}
+
+#[derive(Debug, Default)]
+struct SeqKv {
+    len: usize,
+    cap: usize,
+    /// Per layer, `(cap, kv_dim)`.
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+}
+
+impl SeqKvStore {
+    pub fn new(layers: usize, kv_dim: usize) -> Self {
+        Self { layers, kv_dim, seqs: HashMap::new() }
+    }
+
+    /// Drops a sequence's KV.
+    pub fn remove(&mut self, seq: SeqId) {
+        self.seqs.remove(&seq);
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.seqs.values().map(|s| s.cap * self.kv_dim * 4 * 2 * self.layers).sum()
+    }
+}
+
+impl KvCache for SeqKvStore {
+    fn len(&self, seq: SeqId) -> usize {
+        self.seqs.get(&seq).map_or(0, |s| s.len)
+    }
+
+    fn prepare(&mut self, seq: SeqId, start: usize, n: usize) -> Result<(), EngineError> {
+        let (layers, kv_dim) = (self.layers, self.kv_dim);
+        let s = self.seqs.entry(seq).or_insert_with(|| SeqKv {
+            k: vec![Vec::new(); layers],
+            v: vec![Vec::new(); layers],
+            ..Default::default()
+        });
+        if start != s.len {
+            return Err(EngineError::KvPosition { seq, start, held: s.len });
+        }
+        let need = start + n;
+        if need > s.cap {
+            let cap = need.max(s.cap * 2).max(16);
+            for buf in s.k.iter_mut().chain(s.v.iter_mut()) {
+                buf.resize(cap * kv_dim, 0.0);
+            }
+            s.cap = cap;
+        }
+        s.len = need;
+        Ok(())
+    }
+
+    fn write(&mut self, seq: SeqId, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
+        let d = self.kv_dim;
+        let s = self.seqs.get_mut(&seq).expect("write after prepare");
+        s.k[layer][pos * d..(pos + 1) * d].copy_from_slice(k);
+        s.v[layer][pos * d..(pos + 1) * d].copy_from_slice(v);
+    }
+
+    fn view(&self, seq: SeqId, layer: usize) -> KvView<'_> {
+        match self.seqs.get(&seq) {
+            Some(s) if s.cap > 0 => KvView { block_len: s.cap, k: vec![&s.k[layer]], v: vec![&s.v[layer]] },
+            _ => KvView { block_len: 1, k: Vec::new(), v: Vec::new() },
+        }
+    }
+}

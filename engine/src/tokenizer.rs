@@ -1,0 +1,138 @@
+//! Tokenizer: `tokenizer.json` through the `tokenizers` crate, and the
+//! byte-level BPE tokenizer written for synthetic models.
+
+use std::path::{Path, PathBuf};
+
+use crate::EngineError;
+
+/// A loaded tokenizer.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    path: PathBuf,
+}
+
+impl Tokenizer {
+    pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<Self, EngineError> {
+        let inner = tokenizers::Tokenizer::from_bytes(bytes)
+            .map_err(|e| EngineError::Tokenizer { path: path.into(), msg: e.to_string() })?;
+        Ok(Self { inner, path: path.into() })
+    }
+
+    /// Token ids of `text`, special tokens written in the text recognised, no
+    /// BOS/EOS added.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, EngineError> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| EngineError::Tokenizer { path: self.path.clone(), msg: e.to_string() })?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Text of `ids`, special tokens kept.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, EngineError> {
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| EngineError::Tokenizer { path: self.path.clone(), msg: e.to_string() })
+    }
+
+    /// Number of tokens, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Id of a token string, if present.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+}
+
+/// GPT-2's reversible byte → printable char map used by byte-level BPE.
+pub fn bytes_to_unicode() -> [char; 256] {
+    let mut out = ['\0'; 256];
+    let mut extra = 0u32;
+    for b in 0..256u32 {
+        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let c = if printable {
+            b
+        } else {
+            extra += 1;
+            255 + extra
+        };
+        out[b as usize] = char::from_u32(c).expect("valid code point");
+    }
+    out
+}
+
+/// Special tokens of synthetic models, ids 0.. (ChatML, as SmolLM2).
+pub const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+
+/// Order in which bytes pair up into merges (frequent English letters first).
+const MERGE_ALPHABET: &[u8] =
+    b" etaoinshrdlcumwfgypbvkjxqzETAOINSHRDLCUMWFGYPBVKJXQZ0123456789.,;:!?'\"-()[]{}<>/\\|@#$%^&*_+=~`";
+
+/// A byte-level BPE `tokenizer.json` with exactly `vocab_size` tokens: the
+/// special tokens, the 256 bytes, then merges — all pairs of
+/// [`MERGE_ALPHABET`] in order, then (pair + char) triples — until full.
+/// Deterministic: the same `vocab_size` gives the same bytes.
+pub fn byte_level_json(vocab_size: usize) -> String {
+    use serde_json::json;
+    let map = bytes_to_unicode();
+    let mut vocab: Vec<(String, usize)> = Vec::with_capacity(vocab_size);
+    for s in SPECIAL_TOKENS {
+        vocab.push((s.to_string(), vocab.len()));
+    }
+    for c in map {
+        vocab.push((c.to_string(), vocab.len()));
+    }
+    let alpha: Vec<String> = MERGE_ALPHABET.iter().map(|&b| map[b as usize].to_string()).collect();
+    let mut merges: Vec<(String, String)> = Vec::new();
+    let mut pairs: Vec<String> = Vec::new();
+    'fill: {
+        for a in &alpha {
+            for b in &alpha {
+                if vocab.len() >= vocab_size {
+                    break 'fill;
+                }
+                merges.push((a.clone(), b.clone()));
+                pairs.push(format!("{a}{b}"));
+                vocab.push((format!("{a}{b}"), vocab.len()));
+            }
+        }
+        for p in &pairs {
+            for c in &alpha {
+                if vocab.len() >= vocab_size {
+                    break 'fill;
+                }
+                merges.push((p.clone(), c.clone()));
+                vocab.push((format!("{p}{c}"), vocab.len()));
+            }
+        }
+    }
+    let vocab_obj: serde_json::Map<String, serde_json::Value> =
+        vocab.iter().map(|(s, i)| (s.clone(), json!(i))).collect();
+    let added: Vec<_> = SPECIAL_TOKENS
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            json!({"id": i, "content": s, "single_word": false, "lstrip": false,
+                   "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    let merges: Vec<String> = merges.iter().map(|(a, b)| format!("{a} {b}")).collect();
+    let v = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab_obj, "merges": merges
+        }
+    });
+    serde_json::to_string_pretty(&v).expect("json of strings and numbers serialises")
+}

@@ -1,0 +1,307 @@
+//! Model files and tensor storage.
+//!
+//! [`ModelFiles`] holds the three files of an HF directory: `model.safetensors`
+//! memory-mapped (or generated in memory by [`crate::synth`]), the two JSON files
+//! read whole. [`Tensor`] is a typed view into that storage: f32 and bf16 are
+//! used in place when aligned (bf16 widens to f32 exactly inside the kernels);
+//! f16 is widened to f32 once at load. Every tensor is checked for name, dtype
+//! and shape against what the model expects, with errors naming all three.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use lmrr_kernels::{Matrix, Weights};
+
+use crate::EngineError;
+
+/// Bytes of `model.safetensors`.
+pub enum Backing {
+    Mapped(memmap2::Mmap),
+    Owned(Vec<u8>),
+}
+
+impl Backing {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Self::Mapped(m) => m,
+            Self::Owned(v) => v,
+        }
+    }
+}
+
+/// The files of a model, from disk or memory.
+pub struct ModelFiles {
+    pub config: Vec<u8>,
+    pub config_path: PathBuf,
+    pub tokenizer: Vec<u8>,
+    pub tokenizer_path: PathBuf,
+    pub weights: Arc<Backing>,
+    pub weights_path: PathBuf,
+    /// Human description of the origin (directory or generator).
+    pub origin: String,
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, EngineError> {
+    std::fs::read(path).map_err(|source| EngineError::Io { path: path.into(), source })
+}
+
+impl ModelFiles {
+    /// Opens `dir/config.json`, `dir/tokenizer.json` and maps `dir/model.safetensors`.
+    pub fn open_dir(dir: &Path) -> Result<Self, EngineError> {
+        if !dir.is_dir() {
+            return Err(EngineError::Io {
+                path: dir.into(),
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, "not a directory"),
+            });
+        }
+        let need = |file: &'static str| {
+            let p = dir.join(file);
+            if p.is_file() {
+                Ok(p)
+            } else {
+                Err(EngineError::MissingFile { dir: dir.into(), file })
+            }
+        };
+        let config_path = need("config.json")?;
+        let tokenizer_path = need("tokenizer.json")?;
+        let weights_path = need("model.safetensors")?;
+        let f = std::fs::File::open(&weights_path)
+            .map_err(|source| EngineError::Io { path: weights_path.clone(), source })?;
+        // SAFETY: the map is read-only; a file truncated by another process while
+        // mapped is outside what any reader can defend against (as in every
+        // mmap-based loader). Bounds are still checked by safetensors' parser.
+        let map = unsafe { memmap2::Mmap::map(&f) }
+            .map_err(|source| EngineError::Io { path: weights_path.clone(), source })?;
+        Ok(Self {
+            config: read(&config_path)?,
+            config_path,
+            tokenizer: read(&tokenizer_path)?,
+            tokenizer_path,
+            weights: Arc::new(Backing::Mapped(map)),
+            weights_path,
+            origin: dir.display().to_string(),
+        })
+    }
+
+    /// Files held in memory; `name` is used in paths of messages.
+    pub fn in_memory(name: &str, config: Vec<u8>, tokenizer: Vec<u8>, weights: Vec<u8>) -> Self {
+        let base = PathBuf::from(name);
+        Self {
+            config,
+            config_path: base.join("config.json"),
+            tokenizer,
+            tokenizer_path: base.join("tokenizer.json"),
+            weights: Arc::new(Backing::Owned(weights)),
+            weights_path: base.join("model.safetensors"),
+            origin: name.to_string(),
+        }
+    }
+
+    /// The raw weight bytes.
+    pub fn weight_bytes(&self) -> &[u8] {
+        self.weights.bytes()
+    }
+}
+
+/// Element storage of a tensor.
+enum Data {
+    /// `len` elements of `T` at byte offset `off` of the backing (aligned).
+    Mapped { backing: Arc<Backing>, off: usize, len: usize },
+    F32(Vec<f32>),
+    U16(Vec<u16>),
+}
+
+/// Storage dtype as used by the kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    Bf16,
+}
+
+/// A loaded tensor (row-major).
+pub struct Tensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+    data: Data,
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tensor({} {:?} {:?})", self.name, self.shape, self.dtype)
+    }
+}
+
+fn f16_to_f32(h: u16) -> f32 {
+    let sign = ((h >> 15) as u32) << 31;
+    let exp = ((h >> 10) & 0x1f) as u32;
+    let man = (h & 0x3ff) as u32;
+    let bits = match (exp, man) {
+        (0, 0) => sign,
+        (0, m) => {
+            // Subnormal: normalise.
+            let shift = m.leading_zeros() - 21;
+            let m = (m << shift) & 0x3ff;
+            sign | ((127 - 15 + 1 - shift) << 23) | (m << 13)
+        }
+        (0x1f, m) => sign | 0x7f80_0000 | (m << 13),
+        (e, m) => sign | ((e + 127 - 15) << 23) | (m << 13),
+    };
+    f32::from_bits(bits)
+}
+
+impl Tensor {
+    fn typed<T>(&self) -> &[T] {
+        match &self.data {
+            Data::Mapped { backing, off, len } => {
+                let b = &backing.bytes()[*off..*off + len * std::mem::size_of::<T>()];
+                // SAFETY: alignment of `off` for `T` was checked at load, the
+                // range is in bounds (sliced above), and f32/u16 accept any bits.
+                unsafe { std::slice::from_raw_parts(b.as_ptr() as *const T, *len) }
+            }
+            Data::F32(v) => {
+                // SAFETY: only called with T = f32 for this variant (see `weights`).
+                unsafe { std::slice::from_raw_parts(v.as_ptr() as *const T, v.len()) }
+            }
+            Data::U16(v) => {
+                // SAFETY: only called with T = u16 for this variant (see `weights`).
+                unsafe { std::slice::from_raw_parts(v.as_ptr() as *const T, v.len()) }
+            }
+        }
+    }
+
+    /// The kernel view of this tensor.
+    pub fn weights(&self) -> Weights<'_> {
+        match self.dtype {
+            DType::F32 => Weights::F32(self.typed::<f32>()),
+            DType::Bf16 => Weights::Bf16(self.typed::<u16>()),
+        }
+    }
+
+    /// As a `(shape[0], shape[1])` matrix.
+    pub fn matrix(&self) -> Matrix<'_> {
+        let (r, c) = (self.shape[0], self.shape.get(1).copied().unwrap_or(1));
+        // Shape was checked against the element count at load.
+        Matrix::new(self.weights(), r, c).expect("tensor shape matches its length")
+    }
+
+    /// Row `r` of a matrix, widened to f32 (embedding lookup).
+    pub fn row_into(&self, r: usize, out: &mut [f32]) {
+        let c = out.len();
+        match self.weights() {
+            Weights::F32(s) => out.copy_from_slice(&s[r * c..(r + 1) * c]),
+            Weights::Bf16(s) => {
+                for (o, &b) in out.iter_mut().zip(&s[r * c..(r + 1) * c]) {
+                    *o = lmrr_kernels::matmul::bf16_to_f32(b);
+                }
+            }
+        }
+    }
+
+    /// All elements widened to f32.
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        match self.weights() {
+            Weights::F32(s) => s.to_vec(),
+            Weights::Bf16(s) => s.iter().map(|&b| lmrr_kernels::matmul::bf16_to_f32(b)).collect(),
+        }
+    }
+
+    /// Bytes the kernels stream to read this tensor once.
+    pub fn nbytes(&self) -> usize {
+        let n: usize = self.shape.iter().product();
+        n * match self.dtype {
+            DType::F32 => 4,
+            DType::Bf16 => 2,
+        }
+    }
+}
+
+/// Parsed `model.safetensors`: the tensor table, checked on every lookup.
+pub struct TensorFile<'a> {
+    files: &'a ModelFiles,
+    st: safetensors::SafeTensors<'a>,
+}
+
+impl<'a> TensorFile<'a> {
+    pub fn parse(files: &'a ModelFiles) -> Result<Self, EngineError> {
+        let st = safetensors::SafeTensors::deserialize(files.weight_bytes()).map_err(|e| {
+            EngineError::SafeTensors { path: files.weights_path.clone(), msg: e.to_string() }
+        })?;
+        Ok(Self { files, st })
+    }
+
+    /// Loads tensor `name`, which must have exactly `shape`.
+    pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor, EngineError> {
+        let path = &self.files.weights_path;
+        let view = self
+            .st
+            .tensor(name)
+            .map_err(|_| EngineError::MissingTensor { path: path.clone(), name: name.into() })?;
+        if view.shape() != shape {
+            return Err(EngineError::TensorShape {
+                path: path.clone(),
+                name: name.into(),
+                expected: shape.to_vec(),
+                found: view.shape().to_vec(),
+            });
+        }
+        let bytes = view.data();
+        let base = self.files.weight_bytes().as_ptr() as usize;
+        let off = bytes.as_ptr() as usize - base;
+        let len: usize = shape.iter().product();
+        let mapped = |elem: usize| Data::Mapped { backing: self.files.weights.clone(), off, len: bytes.len() / elem };
+        let le_u16 = || bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]));
+        let (dtype, data) = match view.dtype() {
+            safetensors::Dtype::F32 if bytes.as_ptr() as usize % 4 == 0 && cfg!(target_endian = "little") => {
+                (DType::F32, mapped(4))
+            }
+            safetensors::Dtype::F32 => (
+                DType::F32,
+                Data::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+            ),
+            safetensors::Dtype::BF16 if bytes.as_ptr() as usize % 2 == 0 && cfg!(target_endian = "little") => {
+                (DType::Bf16, mapped(2))
+            }
+            safetensors::Dtype::BF16 => (DType::Bf16, Data::U16(le_u16().collect())),
+            safetensors::Dtype::F16 => (DType::F32, Data::F32(le_u16().map(f16_to_f32).collect())),
+            other => {
+                return Err(EngineError::TensorDtype {
+                    path: path.clone(),
+                    name: name.into(),
+                    dtype: format!("{other:?}"),
+                })
+            }
+        };
+        let t = Tensor { name: name.into(), shape: shape.to_vec(), dtype, data };
+        debug_assert_eq!(t.weights_len(), len);
+        Ok(t)
+    }
+}
+
+impl Tensor {
+    fn weights_len(&self) -> usize {
+        match self.weights() {
+            Weights::F32(s) => s.len(),
+            Weights::Bf16(s) => s.len(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::f16_to_f32;
+
+    #[test]
+    fn f16_widening_is_exact() {
+        // Independent expectations: values exactly representable in f16.
+        assert_eq!(f16_to_f32(0x3c00), 1.0);
+        assert_eq!(f16_to_f32(0xc000), -2.0);
+        assert_eq!(f16_to_f32(0x3555), 0.333_251_95);
+        assert_eq!(f16_to_f32(0x0001), 2f32.powi(-24)); // smallest subnormal
+        assert_eq!(f16_to_f32(0x03ff), 1023.0 * 2f32.powi(-24)); // largest subnormal
+        assert_eq!(f16_to_f32(0x7bff), 65504.0);
+        assert_eq!(f16_to_f32(0x7c00), f32::INFINITY);
+        assert!(f16_to_f32(0x7e00).is_nan());
+        assert_eq!(f16_to_f32(0x8000).to_bits(), (-0.0f32).to_bits());
+    }
+}
