@@ -1,1 +1,6 @@
-use anyhow::Result; #[derive(clap::Args, Debug)] pub struct BenchArgs {} pub fn run(_a: &BenchArgs) -> Result<()> { Ok(()) }
+use anyhow::Result;
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {}
+pub fn run(_a: &BenchArgs) -> Result<()> {
+    Ok(())
+}

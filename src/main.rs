@@ -118,18 +118,28 @@ pub(crate) fn load_model(spec: Option<&str>) -> Result<Model> {
         None => Some(SynthSpec::embedded_default()),
         Some(s) if s.starts_with("synthetic:") => {
             let mut parts = s["synthetic:".len()..].split(':');
-            let preset: Preset = parts.next().unwrap_or("").parse().map_err(anyhow::Error::msg)?;
+            let preset: Preset = parts
+                .next()
+                .unwrap_or("")
+                .parse()
+                .map_err(anyhow::Error::msg)?;
             let seed = match parts.next() {
                 None => 0,
-                Some(x) => x.trim_start_matches("seed").parse().with_context(|| format!("bad seed in `{s}`"))?,
+                Some(x) => x
+                    .trim_start_matches("seed")
+                    .parse()
+                    .with_context(|| format!("bad seed in `{s}`"))?,
             };
             Some(SynthSpec::new(preset, seed))
         }
         Some(_) => None,
     };
     match (synth, spec) {
-        (Some(sp), _) => Model::from_files(sp.build()).with_context(|| format!("loading {}", sp.name())),
-        (None, Some(dir)) => Model::load_dir(std::path::Path::new(dir)).with_context(|| format!("loading model `{dir}`")),
+        (Some(sp), _) => {
+            Model::from_files(sp.build()).with_context(|| format!("loading {}", sp.name()))
+        }
+        (None, Some(dir)) => Model::load_dir(std::path::Path::new(dir))
+            .with_context(|| format!("loading model `{dir}`")),
         (None, None) => unreachable!("no spec means the embedded default"),
     }
 }
@@ -145,7 +155,12 @@ fn run_generate(a: &GenerateArgs) -> Result<()> {
     let prompt = model.tokenizer.encode(&a.prompt)?;
     let opts = GenerateOptions {
         max_tokens: a.max_tokens,
-        sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            seed: a.seed,
+        },
         prefill_chunk: a.prefill_chunk,
         stop_at_eos: !a.ignore_eos,
         keep_logits: false,
@@ -173,8 +188,13 @@ fn run_gen_model(a: &GenModelArgs) -> Result<()> {
     if a.arch != "llama" {
         bail!("unknown --arch `{}`: only `llama` is implemented", a.arch);
     }
-    let spec = SynthSpec { preset: a.preset, seed: a.seed, dtype: a.dtype };
-    spec.write_dir(&a.out).with_context(|| format!("writing {}", a.out.display()))?;
+    let spec = SynthSpec {
+        preset: a.preset,
+        seed: a.seed,
+        dtype: a.dtype,
+    };
+    spec.write_dir(&a.out)
+        .with_context(|| format!("writing {}", a.out.display()))?;
     println!("wrote {} to {}", spec.name(), a.out.display());
     Ok(())
 }

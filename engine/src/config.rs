@@ -85,8 +85,10 @@ const MAX_DIM: usize = 1 << 20;
 impl LlamaConfig {
     /// Parses and validates `bytes` read from `path`.
     pub fn parse(bytes: &[u8], path: &Path) -> Result<Self, EngineError> {
-        let cfg: Self = serde_json::from_slice(bytes)
-            .map_err(|e| EngineError::Config { path: path.into(), msg: e.to_string() })?;
+        let cfg: Self = serde_json::from_slice(bytes).map_err(|e| EngineError::Config {
+            path: path.into(),
+            msg: e.to_string(),
+        })?;
         cfg.validate(path)?;
         Ok(cfg)
     }
@@ -99,7 +101,11 @@ impl LlamaConfig {
             why: why.into(),
         };
         if self.model_type != "llama" {
-            return Err(bad("model_type", self.model_type.clone(), "only the llama family is supported"));
+            return Err(bad(
+                "model_type",
+                self.model_type.clone(),
+                "only the llama family is supported",
+            ));
         }
         for (field, v) in [
             ("hidden_size", self.hidden_size),
@@ -110,7 +116,11 @@ impl LlamaConfig {
             ("max_position_embeddings", self.max_position_embeddings),
         ] {
             if v == 0 || v > MAX_DIM {
-                return Err(bad(field, v.to_string(), &format!("must be in 1..={MAX_DIM}")));
+                return Err(bad(
+                    field,
+                    v.to_string(),
+                    &format!("must be in 1..={MAX_DIM}"),
+                ));
             }
         }
         let kv = self.n_kv_heads();
@@ -118,14 +128,20 @@ impl LlamaConfig {
             return Err(bad(
                 "num_key_value_heads",
                 kv.to_string(),
-                &format!("must divide num_attention_heads = {}", self.num_attention_heads),
+                &format!(
+                    "must divide num_attention_heads = {}",
+                    self.num_attention_heads
+                ),
             ));
         }
         if self.head_dim.is_none() && self.hidden_size % self.num_attention_heads != 0 {
             return Err(bad(
                 "hidden_size",
                 self.hidden_size.to_string(),
-                &format!("not divisible by num_attention_heads = {}", self.num_attention_heads),
+                &format!(
+                    "not divisible by num_attention_heads = {}",
+                    self.num_attention_heads
+                ),
             ));
         }
         let hd = self.head_dim();
@@ -133,23 +149,42 @@ impl LlamaConfig {
             return Err(bad("head_dim", hd.to_string(), "must be even, in 2..=4096"));
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
-            return Err(bad("rms_norm_eps", self.rms_norm_eps.to_string(), "must be finite and > 0"));
+            return Err(bad(
+                "rms_norm_eps",
+                self.rms_norm_eps.to_string(),
+                "must be finite and > 0",
+            ));
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 1.0) {
-            return Err(bad("rope_theta", self.rope_theta.to_string(), "must be finite and > 1"));
+            return Err(bad(
+                "rope_theta",
+                self.rope_theta.to_string(),
+                "must be finite and > 1",
+            ));
         }
         if self.hidden_act != "silu" {
-            return Err(bad("hidden_act", self.hidden_act.clone(), "only silu is supported"));
+            return Err(bad(
+                "hidden_act",
+                self.hidden_act.clone(),
+                "only silu is supported",
+            ));
         }
         if self.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
             return Err(bad(
                 "rope_scaling",
-                self.rope_scaling.as_ref().map(|v| v.to_string()).unwrap_or_default(),
+                self.rope_scaling
+                    .as_ref()
+                    .map(|v| v.to_string())
+                    .unwrap_or_default(),
                 "rope scaling is not supported",
             ));
         }
         if self.attention_bias || self.mlp_bias {
-            return Err(bad("attention_bias", "true".into(), "biases are not supported"));
+            return Err(bad(
+                "attention_bias",
+                "true".into(),
+                "biases are not supported",
+            ));
         }
         Ok(())
     }
@@ -159,7 +194,8 @@ impl LlamaConfig {
     }
 
     pub fn head_dim(&self) -> usize {
-        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
     /// Whether `id` ends generation.

@@ -16,15 +16,29 @@ pub enum EngineError {
     #[error("{path}: {msg}")]
     Config { path: PathBuf, msg: String },
     #[error("{path}: field `{field}` = {value}: {why}")]
-    ConfigValue { path: PathBuf, field: &'static str, value: String, why: String },
+    ConfigValue {
+        path: PathBuf,
+        field: &'static str,
+        value: String,
+        why: String,
+    },
     #[error("{path}: not a valid safetensors file: {msg}")]
     SafeTensors { path: PathBuf, msg: String },
     #[error("{path}: tensor `{name}` is missing")]
     MissingTensor { path: PathBuf, name: String },
     #[error("{path}: tensor `{name}` has shape {found:?}, expected {expected:?}")]
-    TensorShape { path: PathBuf, name: String, expected: Vec<usize>, found: Vec<usize> },
+    TensorShape {
+        path: PathBuf,
+        name: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
     #[error("{path}: tensor `{name}` has dtype {dtype}, supported: F32, BF16, F16")]
-    TensorDtype { path: PathBuf, name: String, dtype: String },
+    TensorDtype {
+        path: PathBuf,
+        name: String,
+        dtype: String,
+    },
     #[error("{path}: tokenizer: {msg}")]
     Tokenizer { path: PathBuf, msg: String },
     #[error("prompt is {tokens} tokens, the model's context is {context}")]
@@ -33,14 +47,24 @@ pub enum EngineError {
     EmptyPrompt,
     #[error("token id {token} is outside the vocabulary of {vocab}")]
     TokenOutOfRange { token: u32, vocab: usize },
-    #[error("sequence {seq}: span starts at position {start} but the KV store holds {held} positions")]
+    #[error(
+        "sequence {seq}: span starts at position {start} but the KV store holds {held} positions"
+    )]
     KvPosition { seq: u64, start: usize, held: usize },
     #[error("sequence {seq}: position {pos} is beyond the model's context of {context}")]
-    ContextOverflow { seq: u64, pos: usize, context: usize },
+    ContextOverflow {
+        seq: u64,
+        pos: usize,
+        context: usize,
+    },
     #[error("sequence {seq} appears twice in one batch")]
     DuplicateSeq { seq: u64 },
     #[error("invalid option {name} = {value}: {why}")]
-    InvalidOption { name: &'static str, value: String, why: String },
+    InvalidOption {
+        name: &'static str,
+        value: String,
+        why: String,
+    },
     #[error(transparent)]
     Threads(#[from] lmrr_kernels::threads::ThreadsError),
 }

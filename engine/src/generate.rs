@@ -29,7 +29,13 @@ pub struct GenerateOptions {
 
 impl Default for GenerateOptions {
     fn default() -> Self {
-        Self { max_tokens: 32, sampling: SamplingParams::default(), prefill_chunk: None, stop_at_eos: true, keep_logits: false }
+        Self {
+            max_tokens: 32,
+            sampling: SamplingParams::default(),
+            prefill_chunk: None,
+            stop_at_eos: true,
+            keep_logits: false,
+        }
     }
 }
 
@@ -66,10 +72,17 @@ pub fn generate(
         return Err(EngineError::EmptyPrompt);
     }
     if prompt.len() > model.context() {
-        return Err(EngineError::PromptTooLong { tokens: prompt.len(), context: model.context() });
+        return Err(EngineError::PromptTooLong {
+            tokens: prompt.len(),
+            context: model.context(),
+        });
     }
     if opts.prefill_chunk == Some(0) {
-        return Err(EngineError::InvalidOption { name: "prefill_chunk", value: "0".into(), why: "must be at least 1".into() });
+        return Err(EngineError::InvalidOption {
+            name: "prefill_chunk",
+            value: "0".into(),
+            why: "must be at least 1".into(),
+        });
     }
     let shape = model.attn_shape();
     let mut kv = SeqKvStore::new(model.config().num_hidden_layers, shape.kv_dim());
@@ -82,12 +95,24 @@ pub fn generate(
             seq,
             start: kv.len(seq),
             tokens: part,
-            logits: if is_last { LogitsWanted::Last } else { LogitsWanted::None },
+            logits: if is_last {
+                LogitsWanted::Last
+            } else {
+                LogitsWanted::None
+            },
         };
-        last = model.forward(&mut kv, &[span], threads)?.pop().unwrap_or_default();
+        last = model
+            .forward(&mut kv, &[span], threads)?
+            .pop()
+            .unwrap_or_default();
     }
     let mut hasher = Sha256::new();
-    let mut out = Generation { tokens: Vec::new(), logits: Vec::new(), digest: [0; 32], finish: FinishReason::Length };
+    let mut out = Generation {
+        tokens: Vec::new(),
+        logits: Vec::new(),
+        digest: [0; 32],
+        finish: FinishReason::Length,
+    };
     let mut pos = prompt.len();
     while out.tokens.len() < opts.max_tokens {
         let tok = sample(&last, &opts.sampling, pos as u64);
@@ -110,8 +135,16 @@ pub fn generate(
             out.finish = FinishReason::Context;
             break;
         }
-        let span = SeqSpan { seq, start: pos, tokens: std::slice::from_ref(&tok), logits: LogitsWanted::Last };
-        last = model.forward(&mut kv, &[span], threads)?.pop().unwrap_or_default();
+        let span = SeqSpan {
+            seq,
+            start: pos,
+            tokens: std::slice::from_ref(&tok),
+            logits: LogitsWanted::Last,
+        };
+        last = model
+            .forward(&mut kv, &[span], threads)?
+            .pop()
+            .unwrap_or_default();
         pos += 1;
     }
     out.digest = hasher.finalize().into();

@@ -47,7 +47,11 @@ struct SeqKv {
 
 impl SeqKvStore {
     pub fn new(layers: usize, kv_dim: usize) -> Self {
-        Self { layers, kv_dim, seqs: HashMap::new() }
+        Self {
+            layers,
+            kv_dim,
+            seqs: HashMap::new(),
+        }
     }
 
     /// Drops a sequence's KV.
@@ -57,7 +61,10 @@ impl SeqKvStore {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.seqs.values().map(|s| s.cap * self.kv_dim * 4 * 2 * self.layers).sum()
+        self.seqs
+            .values()
+            .map(|s| s.cap * self.kv_dim * 4 * 2 * self.layers)
+            .sum()
     }
 }
 
@@ -74,7 +81,11 @@ impl KvCache for SeqKvStore {
             ..Default::default()
         });
         if start != s.len {
-            return Err(EngineError::KvPosition { seq, start, held: s.len });
+            return Err(EngineError::KvPosition {
+                seq,
+                start,
+                held: s.len,
+            });
         }
         let need = start + n;
         if need > s.cap {
@@ -97,8 +108,16 @@ impl KvCache for SeqKvStore {
 
     fn view(&self, seq: SeqId, layer: usize) -> KvView<'_> {
         match self.seqs.get(&seq) {
-            Some(s) if s.cap > 0 => KvView { block_len: s.cap, k: vec![&s.k[layer]], v: vec![&s.v[layer]] },
-            _ => KvView { block_len: 1, k: Vec::new(), v: Vec::new() },
+            Some(s) if s.cap > 0 => KvView {
+                block_len: s.cap,
+                k: vec![&s.k[layer]],
+                v: vec![&s.v[layer]],
+            },
+            _ => KvView {
+                block_len: 1,
+                k: Vec::new(),
+                v: Vec::new(),
+            },
         }
     }
 }

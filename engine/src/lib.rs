@@ -59,6 +59,10 @@ impl Model {
                 ),
             });
         }
-        Ok(Self { llama, tokenizer, origin: files.origin })
+        Ok(Self {
+            llama,
+            tokenizer,
+            origin: files.origin,
+        })
     }
 }

@@ -101,10 +101,22 @@ impl Llama {
             });
         }
         let embed = tf.get("model.embed_tokens.weight", &[v, d])?;
-        let lm_head = if cfg.tie_word_embeddings { None } else { Some(tf.get("lm_head.weight", &[v, d])?) };
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(tf.get("lm_head.weight", &[v, d])?)
+        };
         let norm = vecf("model.norm.weight", d)?;
         let rope = RopeTable::new(shape.head_dim, cfg.rope_theta, cfg.max_position_embeddings);
-        Ok(Self { cfg, embed, lm_head, norm, layers, rope, shape })
+        Ok(Self {
+            cfg,
+            embed,
+            lm_head,
+            norm,
+            layers,
+            rope,
+            shape,
+        })
     }
 
     pub fn config(&self) -> &LlamaConfig {
@@ -125,7 +137,12 @@ impl Llama {
         let layers: usize = self
             .layers
             .iter()
-            .map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down].iter().map(|t| t.nbytes()).sum::<usize>())
+            .map(|l| {
+                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
+                    .iter()
+                    .map(|t| t.nbytes())
+                    .sum::<usize>()
+            })
             .sum();
         layers + self.lm_head.as_ref().unwrap_or(&self.embed).nbytes()
     }
@@ -136,10 +153,19 @@ impl Llama {
         let mats: usize = self
             .layers
             .iter()
-            .map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down].iter().map(|t| t.shape.iter().product::<usize>()).sum::<usize>() + 2 * d)
+            .map(|l| {
+                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
+                    .iter()
+                    .map(|t| t.shape.iter().product::<usize>())
+                    .sum::<usize>()
+                    + 2 * d
+            })
             .sum();
         mats + self.embed.shape.iter().product::<usize>()
-            + self.lm_head.as_ref().map_or(0, |t| t.shape.iter().product())
+            + self
+                .lm_head
+                .as_ref()
+                .map_or(0, |t| t.shape.iter().product())
             + d
     }
 
@@ -162,7 +188,11 @@ impl Llama {
             }
             let held = kv.len(s.seq);
             if s.start != held {
-                return Err(EngineError::KvPosition { seq: s.seq, start: s.start, held });
+                return Err(EngineError::KvPosition {
+                    seq: s.seq,
+                    start: s.start,
+                    held,
+                });
             }
             if s.start + s.tokens.len() > self.context() {
                 return Err(EngineError::ContextOverflow {
@@ -198,7 +228,8 @@ impl Llama {
             a: vec![0.0; n * ff],
         };
         for (i, &t) in spans.iter().flat_map(|s| s.tokens).enumerate() {
-            self.embed.row_into(t as usize, &mut sc.x[i * d..(i + 1) * d]);
+            self.embed
+                .row_into(t as usize, &mut sc.x[i * d..(i + 1) * d]);
         }
         let scale = 1.0 / (self.shape.head_dim as f32).sqrt();
         for (li, l) in self.layers.iter().enumerate() {
@@ -218,7 +249,11 @@ impl Llama {
                 let tasks: Vec<AttnTask> = tok
                     .iter()
                     .enumerate()
-                    .map(|(i, &(si, pos))| AttnTask { q: &sc.q[i * qd..(i + 1) * qd], kv: &views[si], pos })
+                    .map(|(i, &(si, pos))| AttnTask {
+                        q: &sc.q[i * qd..(i + 1) * qd],
+                        kv: &views[si],
+                        pos,
+                    })
                     .collect();
                 k::attention(threads, &tasks, &self.shape, scale, &mut sc.att);
             }

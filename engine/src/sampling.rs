@@ -31,20 +31,30 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        Self { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 }
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }
     }
 }
 
 impl SamplingParams {
     /// Checks ranges; the message names the field and the value.
     pub fn validate(&self) -> Result<(), crate::EngineError> {
-        let bad = |name: &'static str, value: String, why: &str| crate::EngineError::InvalidOption {
-            name,
-            value,
-            why: why.into(),
-        };
+        let bad =
+            |name: &'static str, value: String, why: &str| crate::EngineError::InvalidOption {
+                name,
+                value,
+                why: why.into(),
+            };
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(bad("temperature", self.temperature.to_string(), "must be finite and >= 0"));
+            return Err(bad(
+                "temperature",
+                self.temperature.to_string(),
+                "must be finite and >= 0",
+            ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(bad("top_p", self.top_p.to_string(), "must be in (0, 1]"));
@@ -133,7 +143,12 @@ mod tests {
     fn top_k_one_is_greedy_whatever_the_seed() {
         let l = [0.5, 2.0, 1.9, 2.0, -1.0];
         for seed in 0..50 {
-            let p = SamplingParams { temperature: 1.3, top_k: 1, top_p: 1.0, seed };
+            let p = SamplingParams {
+                temperature: 1.3,
+                top_k: 1,
+                top_p: 1.0,
+                seed,
+            };
             assert_eq!(sample(&l, &p, seed * 7), 1);
         }
     }
@@ -142,7 +157,12 @@ mod tests {
     fn draws_follow_the_distribution() {
         // Two tokens with weights 1 : e ≈ 0.269 : 0.731; 4000 positions.
         let l = [0.0f32, 1.0];
-        let p = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 42 };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 42,
+        };
         let ones = (0..4000).filter(|&pos| sample(&l, &p, pos) == 1).count();
         let frac = ones as f64 / 4000.0;
         let want = 1.0f64.exp() / (1.0 + 1.0f64.exp());
@@ -154,7 +174,12 @@ mod tests {
         // Probabilities ~ [0.66, 0.24, 0.09, ...]: top_p 0.5 keeps only the first.
         let l = [3.0f32, 2.0, 1.0, 0.0];
         for pos in 0..200 {
-            let p = SamplingParams { temperature: 1.0, top_k: 0, top_p: 0.5, seed: 3 };
+            let p = SamplingParams {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 0.5,
+                seed: 3,
+            };
             assert_eq!(sample(&l, &p, pos), 0);
         }
     }

@@ -64,7 +64,11 @@ pub struct SynthSpec {
 
 impl SynthSpec {
     pub fn new(preset: Preset, seed: u64) -> Self {
-        Self { preset, seed, dtype: SynthDtype::Bf16 }
+        Self {
+            preset,
+            seed,
+            dtype: SynthDtype::Bf16,
+        }
     }
 
     /// The embedded default model: tiny, seed 0, bf16.
@@ -95,7 +99,7 @@ impl SynthSpec {
             max_position_embeddings: ctx,
             rms_norm_eps: 1e-5,
             rope_theta: 100_000.0,
-            tie_word_embeddings: true,
+            tie_word_embeddings: false,
             hidden_act: "silu".into(),
             bos_token_id: Some(1),
             eos_token_id: Some(TokenIds::One(2)),
@@ -121,7 +125,10 @@ impl SynthSpec {
     /// Writes the files to `dir` (created if needed).
     pub fn write_dir(&self, dir: &Path) -> Result<(), EngineError> {
         let files = self.build();
-        std::fs::create_dir_all(dir).map_err(|source| EngineError::Io { path: dir.into(), source })?;
+        std::fs::create_dir_all(dir).map_err(|source| EngineError::Io {
+            path: dir.into(),
+            source,
+        })?;
         for (name, bytes) in [
             ("config.json", &files.config[..]),
             ("tokenizer.json", &files.tokenizer[..]),
@@ -139,8 +146,17 @@ impl SynthSpec {
         let (qd, kvd) = (cfg.num_attention_heads * hd, cfg.n_kv_heads() * hd);
         // (name, shape, kind)
         let mut specs: Vec<(String, Vec<usize>, Init)> = vec![
-            ("model.embed_tokens.weight".into(), vec![v, d], Init::Normal(EMBED_STD)),
+            (
+                "model.embed_tokens.weight".into(),
+                vec![v, d],
+                Init::Normal(EMBED_STD),
+            ),
             ("model.norm.weight".into(), vec![d], Init::Norm),
+            (
+                "lm_head.weight".into(),
+                vec![v, d],
+                Init::Normal(1.0 / (d as f64).sqrt()),
+            ),
         ];
         let proj = |fan_in: usize| Init::Normal(1.0 / (fan_in as f64).sqrt());
         for i in 0..cfg.num_hidden_layers {
@@ -148,10 +164,26 @@ impl SynthSpec {
             specs.extend([
                 (format!("{p}.input_layernorm.weight"), vec![d], Init::Norm),
                 (format!("{p}.self_attn.q_proj.weight"), vec![qd, d], proj(d)),
-                (format!("{p}.self_attn.k_proj.weight"), vec![kvd, d], proj(d)),
-                (format!("{p}.self_attn.v_proj.weight"), vec![kvd, d], proj(d)),
-                (format!("{p}.self_attn.o_proj.weight"), vec![d, qd], proj(qd)),
-                (format!("{p}.post_attention_layernorm.weight"), vec![d], Init::Norm),
+                (
+                    format!("{p}.self_attn.k_proj.weight"),
+                    vec![kvd, d],
+                    proj(d),
+                ),
+                (
+                    format!("{p}.self_attn.v_proj.weight"),
+                    vec![kvd, d],
+                    proj(d),
+                ),
+                (
+                    format!("{p}.self_attn.o_proj.weight"),
+                    vec![d, qd],
+                    proj(qd),
+                ),
+                (
+                    format!("{p}.post_attention_layernorm.weight"),
+                    vec![d],
+                    Init::Norm,
+                ),
                 (format!("{p}.mlp.gate_proj.weight"), vec![f, d], proj(d)),
                 (format!("{p}.mlp.up_proj.weight"), vec![f, d], proj(d)),
                 (format!("{p}.mlp.down_proj.weight"), vec![d, f], proj(f)),
@@ -243,4 +275,4 @@ pub fn f32_to_bf16(x: f32) -> u16 {
 /// Embedding scale. Small against the layers' residual updates (std ≈ 1), so
 /// the tied output head does not simply echo the current token's embedding —
 /// with std 1, greedy decoding collapses into repeating the last token.
-const EMBED_STD: f64 = 0.05;
+const EMBED_STD: f64 = 1.0;

@@ -13,9 +13,15 @@ pub struct Tokenizer {
 
 impl Tokenizer {
     pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<Self, EngineError> {
-        let inner = tokenizers::Tokenizer::from_bytes(bytes)
-            .map_err(|e| EngineError::Tokenizer { path: path.into(), msg: e.to_string() })?;
-        Ok(Self { inner, path: path.into() })
+        let inner =
+            tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| EngineError::Tokenizer {
+                path: path.into(),
+                msg: e.to_string(),
+            })?;
+        Ok(Self {
+            inner,
+            path: path.into(),
+        })
     }
 
     /// Token ids of `text`, special tokens written in the text recognised, no
@@ -24,7 +30,10 @@ impl Tokenizer {
         let enc = self
             .inner
             .encode(text, false)
-            .map_err(|e| EngineError::Tokenizer { path: self.path.clone(), msg: e.to_string() })?;
+            .map_err(|e| EngineError::Tokenizer {
+                path: self.path.clone(),
+                msg: e.to_string(),
+            })?;
         Ok(enc.get_ids().to_vec())
     }
 
@@ -32,7 +41,10 @@ impl Tokenizer {
     pub fn decode(&self, ids: &[u32]) -> Result<String, EngineError> {
         self.inner
             .decode(ids, false)
-            .map_err(|e| EngineError::Tokenizer { path: self.path.clone(), msg: e.to_string() })
+            .map_err(|e| EngineError::Tokenizer {
+                path: self.path.clone(),
+                msg: e.to_string(),
+            })
     }
 
     /// Number of tokens, added tokens included.
@@ -51,7 +63,8 @@ pub fn bytes_to_unicode() -> [char; 256] {
     let mut out = ['\0'; 256];
     let mut extra = 0u32;
     for b in 0..256u32 {
-        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let printable =
+            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
         let c = if printable {
             b
         } else {
@@ -84,7 +97,10 @@ pub fn byte_level_json(vocab_size: usize) -> String {
     for c in map {
         vocab.push((c.to_string(), vocab.len()));
     }
-    let alpha: Vec<String> = MERGE_ALPHABET.iter().map(|&b| map[b as usize].to_string()).collect();
+    let alpha: Vec<String> = MERGE_ALPHABET
+        .iter()
+        .map(|&b| map[b as usize].to_string())
+        .collect();
     let mut merges: Vec<(String, String)> = Vec::new();
     let mut pairs: Vec<String> = Vec::new();
     'fill: {

@@ -42,7 +42,10 @@ pub struct ModelFiles {
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, EngineError> {
-    std::fs::read(path).map_err(|source| EngineError::Io { path: path.into(), source })
+    std::fs::read(path).map_err(|source| EngineError::Io {
+        path: path.into(),
+        source,
+    })
 }
 
 impl ModelFiles {
@@ -59,19 +62,26 @@ impl ModelFiles {
             if p.is_file() {
                 Ok(p)
             } else {
-                Err(EngineError::MissingFile { dir: dir.into(), file })
+                Err(EngineError::MissingFile {
+                    dir: dir.into(),
+                    file,
+                })
             }
         };
         let config_path = need("config.json")?;
         let tokenizer_path = need("tokenizer.json")?;
         let weights_path = need("model.safetensors")?;
-        let f = std::fs::File::open(&weights_path)
-            .map_err(|source| EngineError::Io { path: weights_path.clone(), source })?;
+        let f = std::fs::File::open(&weights_path).map_err(|source| EngineError::Io {
+            path: weights_path.clone(),
+            source,
+        })?;
         // SAFETY: the map is read-only; a file truncated by another process while
         // mapped is outside what any reader can defend against (as in every
         // mmap-based loader). Bounds are still checked by safetensors' parser.
-        let map = unsafe { memmap2::Mmap::map(&f) }
-            .map_err(|source| EngineError::Io { path: weights_path.clone(), source })?;
+        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|source| EngineError::Io {
+            path: weights_path.clone(),
+            source,
+        })?;
         Ok(Self {
             config: read(&config_path)?,
             config_path,
@@ -106,7 +116,11 @@ impl ModelFiles {
 /// Element storage of a tensor.
 enum Data {
     /// `len` elements of `T` at byte offset `off` of the backing (aligned).
-    Mapped { backing: Arc<Backing>, off: usize, len: usize },
+    Mapped {
+        backing: Arc<Backing>,
+        off: usize,
+        len: usize,
+    },
     F32(Vec<f32>),
     U16(Vec<u16>),
 }
@@ -202,7 +216,10 @@ impl Tensor {
     pub fn to_f32_vec(&self) -> Vec<f32> {
         match self.weights() {
             Weights::F32(s) => s.to_vec(),
-            Weights::Bf16(s) => s.iter().map(|&b| lmrr_kernels::matmul::bf16_to_f32(b)).collect(),
+            Weights::Bf16(s) => s
+                .iter()
+                .map(|&b| lmrr_kernels::matmul::bf16_to_f32(b))
+                .collect(),
         }
     }
 
@@ -225,7 +242,10 @@ pub struct TensorFile<'a> {
 impl<'a> TensorFile<'a> {
     pub fn parse(files: &'a ModelFiles) -> Result<Self, EngineError> {
         let st = safetensors::SafeTensors::deserialize(files.weight_bytes()).map_err(|e| {
-            EngineError::SafeTensors { path: files.weights_path.clone(), msg: e.to_string() }
+            EngineError::SafeTensors {
+                path: files.weights_path.clone(),
+                msg: e.to_string(),
+            }
         })?;
         Ok(Self { files, st })
     }
@@ -236,7 +256,10 @@ impl<'a> TensorFile<'a> {
         let view = self
             .st
             .tensor(name)
-            .map_err(|_| EngineError::MissingTensor { path: path.clone(), name: name.into() })?;
+            .map_err(|_| EngineError::MissingTensor {
+                path: path.clone(),
+                name: name.into(),
+            })?;
         if view.shape() != shape {
             return Err(EngineError::TensorShape {
                 path: path.clone(),
@@ -249,17 +272,34 @@ impl<'a> TensorFile<'a> {
         let base = self.files.weight_bytes().as_ptr() as usize;
         let off = bytes.as_ptr() as usize - base;
         let len: usize = shape.iter().product();
-        let mapped = |elem: usize| Data::Mapped { backing: self.files.weights.clone(), off, len: bytes.len() / elem };
-        let le_u16 = || bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]));
+        let mapped = |elem: usize| Data::Mapped {
+            backing: self.files.weights.clone(),
+            off,
+            len: bytes.len() / elem,
+        };
+        let le_u16 = || {
+            bytes
+                .chunks_exact(2)
+                .map(|c| u16::from_le_bytes([c[0], c[1]]))
+        };
         let (dtype, data) = match view.dtype() {
-            safetensors::Dtype::F32 if bytes.as_ptr() as usize % 4 == 0 && cfg!(target_endian = "little") => {
+            safetensors::Dtype::F32
+                if bytes.as_ptr() as usize % 4 == 0 && cfg!(target_endian = "little") =>
+            {
                 (DType::F32, mapped(4))
             }
             safetensors::Dtype::F32 => (
                 DType::F32,
-                Data::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+                Data::F32(
+                    bytes
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect(),
+                ),
             ),
-            safetensors::Dtype::BF16 if bytes.as_ptr() as usize % 2 == 0 && cfg!(target_endian = "little") => {
+            safetensors::Dtype::BF16
+                if bytes.as_ptr() as usize % 2 == 0 && cfg!(target_endian = "little") =>
+            {
                 (DType::Bf16, mapped(2))
             }
             safetensors::Dtype::BF16 => (DType::Bf16, Data::U16(le_u16().collect())),
@@ -272,7 +312,12 @@ impl<'a> TensorFile<'a> {
                 })
             }
         };
-        let t = Tensor { name: name.into(), shape: shape.to_vec(), dtype, data };
+        let t = Tensor {
+            name: name.into(),
+            shape: shape.to_vec(),
+            dtype,
+            data,
+        };
         debug_assert_eq!(t.weights_len(), len);
         Ok(t)
     }

@@ -19,7 +19,10 @@ pub fn silu_ref(x: &[f32], out: &mut [f32]) {
 
 /// `out[i] = silu(g[i]) * u[i]`, scalar reference.
 pub fn swiglu_ref(g: &[f32], u: &[f32], out: &mut [f32]) {
-    assert!(g.len() == u.len() && g.len() == out.len(), "swiglu: length mismatch");
+    assert!(
+        g.len() == u.len() && g.len() == out.len(),
+        "swiglu: length mismatch"
+    );
     for ((o, &a), &b) in out.iter_mut().zip(g).zip(u) {
         *o = silu_scalar(a) * b;
     }
@@ -39,7 +42,10 @@ pub fn silu(x: &[f32], out: &mut [f32]) {
 
 /// Fast SwiGLU, bitwise equal to [`swiglu_ref`].
 pub fn swiglu(g: &[f32], u: &[f32], out: &mut [f32]) {
-    assert!(g.len() == u.len() && g.len() == out.len(), "swiglu: length mismatch");
+    assert!(
+        g.len() == u.len() && g.len() == out.len(),
+        "swiglu: length mismatch"
+    );
     #[cfg(target_arch = "x86_64")]
     if crate::use_avx2() {
         // SAFETY: AVX2+FMA detected; lengths checked above.

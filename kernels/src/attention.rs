@@ -77,11 +77,22 @@ pub struct AttnTask<'a> {
 }
 
 fn check(tasks: &[AttnTask], shape: &AttnShape, out: &[f32]) {
-    assert!(shape.n_kv_heads > 0 && shape.n_heads % shape.n_kv_heads == 0, "attention: bad GQA");
-    assert_eq!(out.len(), tasks.len() * shape.q_dim(), "attention: out is not (tasks, q_dim)");
+    assert!(
+        shape.n_kv_heads > 0 && shape.n_heads % shape.n_kv_heads == 0,
+        "attention: bad GQA"
+    );
+    assert_eq!(
+        out.len(),
+        tasks.len() * shape.q_dim(),
+        "attention: out is not (tasks, q_dim)"
+    );
     for t in tasks {
         assert_eq!(t.q.len(), shape.q_dim(), "attention: q row width");
-        assert!(t.pos < t.kv.capacity(), "attention: position {} beyond KV", t.pos);
+        assert!(
+            t.pos < t.kv.capacity(),
+            "attention: position {} beyond KV",
+            t.pos
+        );
     }
 }
 
@@ -145,7 +156,13 @@ fn head_ref(task: &AttnTask, h: usize, shape: &AttnShape, scale: f32, out: &mut 
 
 /// Fast path over all tasks and heads, (task, head) pairs spread over threads;
 /// bitwise equal to [`attention_ref`].
-pub fn attention(threads: &Threads, tasks: &[AttnTask], shape: &AttnShape, scale: f32, out: &mut [f32]) {
+pub fn attention(
+    threads: &Threads,
+    tasks: &[AttnTask],
+    shape: &AttnShape,
+    scale: f32,
+    out: &mut [f32],
+) {
     check(tasks, shape, out);
     let (hd, nh) = (shape.head_dim, shape.n_heads);
     let items = tasks.len() * nh;
@@ -179,7 +196,13 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn head(task: &AttnTask, h: usize, shape: &AttnShape, scale: f32, out: &mut [f32]) {
+    pub(super) unsafe fn head(
+        task: &AttnTask,
+        h: usize,
+        shape: &AttnShape,
+        scale: f32,
+        out: &mut [f32],
+    ) {
         let (hd, kvd) = (shape.head_dim, shape.kv_dim());
         let kvh = h / (shape.n_heads / shape.n_kv_heads);
         let q = task.q.as_ptr().add(h * hd);
@@ -246,7 +269,10 @@ mod avx2 {
             while d < vd {
                 let a = _mm256_loadu_ps(acc.as_ptr().add(d));
                 let t = _mm256_loadu_ps(acc_t.as_ptr().add(d));
-                _mm256_storeu_ps(acc.as_mut_ptr().add(d), _mm256_add_ps(_mm256_mul_ps(a, av), t));
+                _mm256_storeu_ps(
+                    acc.as_mut_ptr().add(d),
+                    _mm256_add_ps(_mm256_mul_ps(a, av), t),
+                );
                 d += 8;
             }
             for d in vd..hd {

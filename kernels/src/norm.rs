@@ -11,7 +11,11 @@ fn inv_rms(ss: f32, n: usize, eps: f32) -> f32 {
 
 fn check(x: &[f32], w: &[f32], out: &[f32]) {
     assert!(!w.is_empty(), "rms_norm: empty weight");
-    assert_eq!(x.len() % w.len(), 0, "rms_norm: input not a whole number of rows");
+    assert_eq!(
+        x.len() % w.len(),
+        0,
+        "rms_norm: input not a whole number of rows"
+    );
     assert_eq!(x.len(), out.len(), "rms_norm: output length mismatch");
 }
 

@@ -18,7 +18,10 @@ pub struct RopeTable {
 impl RopeTable {
     /// Builds the table for positions `0..max_pos`. `head_dim` must be even.
     pub fn new(head_dim: usize, theta: f64, max_pos: usize) -> Self {
-        assert!(head_dim % 2 == 0 && head_dim > 0, "rope: head_dim must be even");
+        assert!(
+            head_dim % 2 == 0 && head_dim > 0,
+            "rope: head_dim must be even"
+        );
         let half = head_dim / 2;
         let mut cos = Vec::with_capacity(max_pos * half);
         let mut sin = Vec::with_capacity(max_pos * half);
@@ -32,7 +35,12 @@ impl RopeTable {
                 sin.push(a.sin() as f32);
             }
         }
-        Self { half, max_pos, cos, sin }
+        Self {
+            half,
+            max_pos,
+            cos,
+            sin,
+        }
     }
 
     /// Positions covered.
@@ -46,7 +54,11 @@ impl RopeTable {
     }
 
     fn row(&self, pos: usize) -> (&[f32], &[f32]) {
-        assert!(pos < self.max_pos, "rope: position {pos} beyond table ({})", self.max_pos);
+        assert!(
+            pos < self.max_pos,
+            "rope: position {pos} beyond table ({})",
+            self.max_pos
+        );
         let r = pos * self.half..(pos + 1) * self.half;
         (&self.cos[r.clone()], &self.sin[r])
     }

@@ -201,7 +201,10 @@ pub(crate) unsafe fn sum(a: &[f32]) -> f32 {
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn exp8(x: __m256) -> __m256 {
     use crate::exp::{EXP_HI, EXP_LO, LN2_HI, LN2_LO, LOG2E, POLY, ROUND_MAGIC};
-    let xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+    let xc = _mm256_min_ps(
+        _mm256_max_ps(x, _mm256_set1_ps(EXP_LO)),
+        _mm256_set1_ps(EXP_HI),
+    );
     let t = _mm256_mul_ps(xc, _mm256_set1_ps(LOG2E));
     let magic = _mm256_set1_ps(ROUND_MAGIC);
     let n = _mm256_sub_ps(_mm256_add_ps(t, magic), magic);
@@ -245,7 +248,10 @@ pub(crate) unsafe fn map8(x: &[f32], out: &mut [f32], f: impl Fn(__m256) -> __m2
     let n = x.len();
     let mut i = 0;
     while i + 8 <= n {
-        _mm256_storeu_ps(out.as_mut_ptr().add(i), f(_mm256_loadu_ps(x.as_ptr().add(i))));
+        _mm256_storeu_ps(
+            out.as_mut_ptr().add(i),
+            f(_mm256_loadu_ps(x.as_ptr().add(i))),
+        );
         i += 8;
     }
     if i < n {

@@ -23,7 +23,9 @@ impl Rng {
     }
 }
 
-const SIZES: &[usize] = &[0, 1, 3, 7, 8, 9, 15, 63, 64, 65, 71, 127, 129, 200, 577, 1000];
+const SIZES: &[usize] = &[
+    0, 1, 3, 7, 8, 9, 15, 63, 64, 65, 71, 127, 129, 200, 577, 1000,
+];
 
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
@@ -51,7 +53,11 @@ fn dot_and_sum_match_reference() {
         for scale in [1.0f32, 1e-3, 1e4] {
             let a = r.vec(n, scale);
             let b = r.vec(n, 1.0);
-            assert_eq!(dot(&a, &b).to_bits(), dot_ref(&a, &b).to_bits(), "dot n={n}");
+            assert_eq!(
+                dot(&a, &b).to_bits(),
+                dot_ref(&a, &b).to_bits(),
+                "dot n={n}"
+            );
             assert_eq!(sum(&a).to_bits(), sum_ref(&a).to_bits(), "sum n={n}");
         }
     }
@@ -111,7 +117,12 @@ fn matmul_matches_reference_for_f32_and_bf16_and_threads() {
                 for th in pools() {
                     let mut got = vec![f32::NAN; n * rows];
                     matmul(&th, &x, n, &m, &mut got);
-                    assert_eq!(bits(&got), bits(&want), "rows={rows} cols={cols} n={n} threads={}", th.count());
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "rows={rows} cols={cols} n={n} threads={}",
+                        th.count()
+                    );
                 }
             }
         }
@@ -132,7 +143,11 @@ fn matmul_of_one_token_equals_its_row_in_a_batch() {
     for t in 0..11 {
         let mut one = vec![0.0; rows];
         matmul(&th, &x[t * cols..(t + 1) * cols], 1, &m, &mut one);
-        assert_eq!(bits(&one), bits(&all[t * rows..(t + 1) * rows]), "token {t}");
+        assert_eq!(
+            bits(&one),
+            bits(&all[t * rows..(t + 1) * rows]),
+            "token {t}"
+        );
     }
 }
 
@@ -141,7 +156,16 @@ fn exp_matches_reference_and_is_accurate() {
     let mut r = Rng(5);
     let mut x = r.vec(10_001, 90.0);
     x.extend([
-        0.0, -0.0, 88.0, 88.000_01, -87.0, -87.000_01, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1e-30,
+        0.0,
+        -0.0,
+        88.0,
+        88.000_01,
+        -87.0,
+        -87.000_01,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        1e-30,
     ]);
     let mut want = vec![0.0; x.len()];
     let mut got = vec![0.0; x.len()];
@@ -153,7 +177,10 @@ fn exp_matches_reference_and_is_accurate() {
         if (EXP_DOMAIN.0..=EXP_DOMAIN.1).contains(&v) {
             let e = det_exp(v) as f64;
             let t = (v as f64).exp();
-            assert!(((e - t) / t).abs() < 4.0 * f32::EPSILON as f64, "exp({v}) = {e}, want {t}");
+            assert!(
+                ((e - t) / t).abs() < 4.0 * f32::EPSILON as f64,
+                "exp({v}) = {e}, want {t}"
+            );
         }
     }
     assert_eq!(det_exp(0.0), 1.0);
@@ -266,12 +293,19 @@ fn blocks(data: &[f32], kv_dim: usize, block_len: usize) -> Vec<Vec<f32>> {
 fn attention_matches_reference_across_layouts_and_threads() {
     let mut r = Rng(11);
     for &(nh, nkv, hd) in &[(6usize, 2usize, 10usize), (4, 4, 64), (9, 3, 66), (2, 1, 7)] {
-        let shape = AttnShape { n_heads: nh, n_kv_heads: nkv, head_dim: hd };
+        let shape = AttnShape {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+        };
         let len = 100;
         let k = r.vec(len * shape.kv_dim(), 1.5);
         let v = r.vec(len * shape.kv_dim(), 1.0);
         let positions = [0usize, 1, 31, 32, 33, 64, 99];
-        let qs: Vec<Vec<f32>> = positions.iter().map(|_| r.vec(shape.q_dim(), 1.0)).collect();
+        let qs: Vec<Vec<f32>> = positions
+            .iter()
+            .map(|_| r.vec(shape.q_dim(), 1.0))
+            .collect();
         let scale = 1.0 / (hd as f32).sqrt();
         let mut want: Option<Vec<u32>> = None;
         for block_len in [1usize, 5, 16, 100] {
@@ -290,11 +324,20 @@ fn attention_matches_reference_across_layouts_and_threads() {
             let mut refo = vec![0.0; tasks.len() * shape.q_dim()];
             attention_ref(&tasks, &shape, scale, &mut refo);
             let want = want.get_or_insert_with(|| bits(&refo));
-            assert_eq!(&bits(&refo), want, "layout changed the reference (block {block_len})");
+            assert_eq!(
+                &bits(&refo),
+                want,
+                "layout changed the reference (block {block_len})"
+            );
             for th in pools() {
                 let mut got = vec![0.0; refo.len()];
                 attention(&th, &tasks, &shape, scale, &mut got);
-                assert_eq!(&bits(&got), want, "shape {shape:?} block {block_len} threads {}", th.count());
+                assert_eq!(
+                    &bits(&got),
+                    want,
+                    "shape {shape:?} block {block_len} threads {}",
+                    th.count()
+                );
             }
         }
     }
@@ -303,12 +346,24 @@ fn attention_matches_reference_across_layouts_and_threads() {
 #[test]
 fn attention_over_one_key_returns_its_value() {
     // Softmax over a single key is exactly 1: out == v (independent expectation).
-    let shape = AttnShape { n_heads: 2, n_kv_heads: 1, head_dim: 9 };
+    let shape = AttnShape {
+        n_heads: 2,
+        n_kv_heads: 1,
+        head_dim: 9,
+    };
     let k: Vec<f32> = (0..9).map(|i| i as f32).collect();
     let v: Vec<f32> = (0..9).map(|i| 0.25 * i as f32 - 1.0).collect();
-    let view = KvView { block_len: 1, k: vec![&k], v: vec![&v] };
+    let view = KvView {
+        block_len: 1,
+        k: vec![&k],
+        v: vec![&v],
+    };
     let q = vec![0.3f32; 18];
-    let tasks = [AttnTask { q: &q, kv: &view, pos: 0 }];
+    let tasks = [AttnTask {
+        q: &q,
+        kv: &view,
+        pos: 0,
+    }];
     let mut out = vec![0.0; 18];
     attention(&Threads::single(), &tasks, &shape, 0.1, &mut out);
     assert_eq!(bits(&out[..9]), bits(&v));
