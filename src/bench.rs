@@ -1,6 +1,168 @@
+//! `lmrr bench`: prefill and decode throughput at batch 1 and 8, matmul
+//! GFLOP/s, and the machine's memory bandwidth measured in the same run, so
+//! decode time can be compared with its physical floor (streaming the weights
+//! once). Medians over repeats; the machine is shared and noisy.
+
+use std::time::Instant;
+
 use anyhow::Result;
+
+use lmrr_engine::{KvCache, LogitsWanted, SeqKvStore, SeqSpan};
+use lmrr_kernels::{matmul, Matrix, Threads, Weights};
+
 #[derive(clap::Args, Debug)]
-pub struct BenchArgs {}
-pub fn run(_a: &BenchArgs) -> Result<()> {
+pub struct BenchArgs {
+    /// Model: an HF directory or `synthetic:PRESET[:SEED]`.
+    #[arg(long, default_value = "synthetic:small")]
+    model: String,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Prompt length for the prefill measurements.
+    #[arg(long, default_value_t = 128)]
+    prompt_len: usize,
+    /// Decode steps measured per batch size.
+    #[arg(long, default_value_t = 16)]
+    decode_steps: usize,
+    /// Repeats of each measurement (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Size of the buffer read for the bandwidth measurement, MiB.
+    #[arg(long, default_value_t = 1024)]
+    bandwidth_mib: usize,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn time<F: FnMut()>(repeats: usize, mut f: F) -> f64 {
+    median(
+        (0..repeats.max(1))
+            .map(|_| {
+                let t = Instant::now();
+                f();
+                t.elapsed().as_secs_f64()
+            })
+            .collect(),
+    )
+}
+
+/// Read bandwidth in bytes/s: every thread sums its share of a buffer larger
+/// than the last-level cache.
+fn bandwidth(th: &Threads, mib: usize, repeats: usize) -> f64 {
+    let n = mib * (1 << 20) / 4;
+    let buf: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
+    let grain = n.div_ceil(th.count());
+    let sink = std::sync::atomic::AtomicU32::new(0);
+    let secs = time(repeats + 2, || {
+        th.for_ranges(n, grain, |r| {
+            let s = lmrr_kernels::sum(&buf[r]);
+            sink.fetch_xor(s.to_bits(), std::sync::atomic::Ordering::Relaxed);
+        })
+    });
+    (n * 4) as f64 / secs
+}
+
+pub fn run(a: &BenchArgs) -> Result<()> {
+    let th = crate::threads(a.threads)?;
+    let t_load = Instant::now();
+    let model = crate::load_model(Some(&a.model))?;
+    let load_s = t_load.elapsed().as_secs_f64();
+    let m = &model.llama;
+    let cfg = m.config();
+    let r = a.repeats;
+    println!(
+        "# lmrr bench — model {} ({:.1}M params, {} layers, hidden {}, vocab {}), {} threads, ISA {:?}",
+        model.origin,
+        m.param_count() as f64 / 1e6,
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        cfg.vocab_size,
+        th.count(),
+        lmrr_kernels::isa()
+    );
+    println!("model built/loaded in {load_s:.2}s");
+
+    let bw = bandwidth(&th, a.bandwidth_mib, r);
+    let wbytes = m.weight_bytes_per_step() as f64;
+    let floor = wbytes / bw;
+
+    // Matmul GFLOP/s on an MLP-shaped matrix, 64 tokens, f32 and bf16.
+    let (rows, cols, n) = (cfg.intermediate_size, cfg.hidden_size, 64);
+    let x: Vec<f32> = (0..n * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
+    let wf: Vec<f32> = (0..rows * cols).map(|i| ((i * 53 % 97) as f32 - 48.0) / 480.0).collect();
+    let wb: Vec<u16> = wf.iter().map(|&v| (v.to_bits() >> 16) as u16).collect();
+    let mut y = vec![0.0; n * rows];
+    let flops = 2.0 * (n * rows * cols) as f64;
+    let mut gflops = Vec::new();
+    for (label, w) in [("f32", Weights::F32(&wf)), ("bf16", Weights::Bf16(&wb))] {
+        let mm = Matrix::new(w, rows, cols).expect("shape");
+        let s = time(r + 4, || matmul(&th, &x, n, &mm, &mut y));
+        gflops.push((label, flops / s / 1e9));
+    }
+
+    let new_kv = || SeqKvStore::new(cfg.num_hidden_layers, m.attn_shape().kv_dim());
+    let prompt = |s: u64| -> Vec<u32> {
+        (0..a.prompt_len as u64).map(|i| ((i * 7919 + s * 104_729) % (cfg.vocab_size as u64 - 3)) as u32 + 3).collect()
+    };
+    let prompts: Vec<Vec<u32>> = (0..8).map(prompt).collect();
+    let mut rows_out = Vec::new();
+    for batch in [1usize, 8] {
+        // Prefill: `batch` prompts in one step.
+        let mut kv = new_kv();
+        let mut pre = Vec::new();
+        for rep in 0..r {
+            let mut fresh = new_kv();
+            let spans: Vec<SeqSpan> = (0..batch)
+                .map(|i| SeqSpan { seq: i as u64, start: 0, tokens: &prompts[i], logits: LogitsWanted::Last })
+                .collect();
+            let t = Instant::now();
+            m.forward(&mut fresh, &spans, &th)?;
+            pre.push(t.elapsed().as_secs_f64());
+            if rep == 0 {
+                kv = fresh;
+            }
+        }
+        let prefill_s = median(pre);
+        // Decode: `batch` sequences advance one token per step.
+        let mut steps = Vec::new();
+        let toks: Vec<u32> = (0..batch as u32).map(|i| 100 + i).collect();
+        for _ in 0..a.decode_steps {
+            let spans: Vec<SeqSpan> = (0..batch)
+                .map(|i| SeqSpan {
+                    seq: i as u64,
+                    start: kv.len(i as u64),
+                    tokens: std::slice::from_ref(&toks[i]),
+                    logits: LogitsWanted::Last,
+                })
+                .collect();
+            let t = Instant::now();
+            m.forward(&mut kv, &spans, &th)?;
+            steps.push(t.elapsed().as_secs_f64());
+        }
+        let step_s = median(steps);
+        rows_out.push((batch, (batch * a.prompt_len) as f64 / prefill_s, batch as f64 / step_s, step_s));
+    }
+
+    println!();
+    println!("| measurement | value |");
+    println!("|---|---|");
+    println!("| memory read bandwidth ({} MiB buffer) | {:.2} GB/s |", a.bandwidth_mib, bw / 1e9);
+    println!("| weights streamed per decode step | {:.1} MB |", wbytes / 1e6);
+    println!("| floor: time to stream them once | {:.2} ms |", floor * 1e3);
+    for (label, g) in &gflops {
+        println!("| matmul {label} ({n}×{cols} · {cols}×{rows}) | {g:.1} GFLOP/s |");
+    }
+    for (batch, pre, dec, step) in &rows_out {
+        println!("| prefill, batch {batch} × {} tokens | {pre:.1} tok/s |", a.prompt_len);
+        println!(
+            "| decode, batch {batch} (context ~{}) | {dec:.1} tok/s ({:.2} ms/step, {:.2}× the floor) |",
+            a.prompt_len,
+            step * 1e3,
+            step / floor
+        );
+    }
     Ok(())
 }

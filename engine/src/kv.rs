@@ -16,7 +16,7 @@ use crate::EngineError;
 /// Identifies a sequence in a KV store.
 pub type SeqId = u64;
 
-pub trait KvCache {
+pub trait KvCache: Send {
     /// Positions held for `seq` (0 for an unknown sequence).
     fn len(&self, seq: SeqId) -> usize;
     /// Makes positions `start..start + n` of `seq` writable; `start` must equal

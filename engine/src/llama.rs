@@ -177,6 +177,15 @@ impl Llama {
         spans: &[SeqSpan],
         threads: &Threads,
     ) -> Result<Vec<Vec<f32>>, EngineError> {
+        threads.install(|| self.forward_in_pool(kv, spans, threads))
+    }
+
+    fn forward_in_pool(
+        &self,
+        kv: &mut dyn KvCache,
+        spans: &[SeqSpan],
+        threads: &Threads,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
         let cfg = &self.cfg;
         let (d, ff, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let (qd, kvd) = (self.shape.q_dim(), self.shape.kv_dim());

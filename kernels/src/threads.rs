@@ -81,6 +81,15 @@ impl Threads {
         }
     }
 
+    /// Runs `f` with the pool's threads as the current rayon context, so the
+    /// parallel regions inside it start without cross-thread injection.
+    pub fn install<R: Send, F: FnOnce() -> R + Send>(&self, f: F) -> R {
+        match &self.pool {
+            Some(pool) => pool.install(f),
+            None => f(),
+        }
+    }
+
     /// A grain that gives each thread a few tasks, rounded up to `align`.
     pub fn grain(&self, total: usize, align: usize) -> usize {
         let tasks = if self.n == 1 { 1 } else { self.n * 4 };
