@@ -91,8 +91,12 @@ pub fn run(a: &BenchArgs) -> Result<()> {
 
     // Matmul GFLOP/s on an MLP-shaped matrix, 64 tokens, f32 and bf16.
     let (rows, cols, n) = (cfg.intermediate_size, cfg.hidden_size, 64);
-    let x: Vec<f32> = (0..n * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
-    let wf: Vec<f32> = (0..rows * cols).map(|i| ((i * 53 % 97) as f32 - 48.0) / 480.0).collect();
+    let x: Vec<f32> = (0..n * cols)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+        .collect();
+    let wf: Vec<f32> = (0..rows * cols)
+        .map(|i| ((i * 53 % 97) as f32 - 48.0) / 480.0)
+        .collect();
     let wb: Vec<u16> = wf.iter().map(|&v| (v.to_bits() >> 16) as u16).collect();
     let mut y = vec![0.0; n * rows];
     let flops = 2.0 * (n * rows * cols) as f64;
@@ -105,7 +109,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
 
     let new_kv = || SeqKvStore::new(cfg.num_hidden_layers, m.attn_shape().kv_dim());
     let prompt = |s: u64| -> Vec<u32> {
-        (0..a.prompt_len as u64).map(|i| ((i * 7919 + s * 104_729) % (cfg.vocab_size as u64 - 3)) as u32 + 3).collect()
+        (0..a.prompt_len as u64)
+            .map(|i| ((i * 7919 + s * 104_729) % (cfg.vocab_size as u64 - 3)) as u32 + 3)
+            .collect()
     };
     let prompts: Vec<Vec<u32>> = (0..8).map(prompt).collect();
     let mut rows_out = Vec::new();
@@ -116,7 +122,12 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         for rep in 0..r {
             let mut fresh = new_kv();
             let spans: Vec<SeqSpan> = (0..batch)
-                .map(|i| SeqSpan { seq: i as u64, start: 0, tokens: &prompts[i], logits: LogitsWanted::Last })
+                .map(|i| SeqSpan {
+                    seq: i as u64,
+                    start: 0,
+                    tokens: &prompts[i],
+                    logits: LogitsWanted::Last,
+                })
                 .collect();
             let t = Instant::now();
             m.forward(&mut fresh, &spans, &th)?;
@@ -143,20 +154,38 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             steps.push(t.elapsed().as_secs_f64());
         }
         let step_s = median(steps);
-        rows_out.push((batch, (batch * a.prompt_len) as f64 / prefill_s, batch as f64 / step_s, step_s));
+        rows_out.push((
+            batch,
+            (batch * a.prompt_len) as f64 / prefill_s,
+            batch as f64 / step_s,
+            step_s,
+        ));
     }
 
     println!();
     println!("| measurement | value |");
     println!("|---|---|");
-    println!("| memory read bandwidth ({} MiB buffer) | {:.2} GB/s |", a.bandwidth_mib, bw / 1e9);
-    println!("| weights streamed per decode step | {:.1} MB |", wbytes / 1e6);
-    println!("| floor: time to stream them once | {:.2} ms |", floor * 1e3);
+    println!(
+        "| memory read bandwidth ({} MiB buffer) | {:.2} GB/s |",
+        a.bandwidth_mib,
+        bw / 1e9
+    );
+    println!(
+        "| weights streamed per decode step | {:.1} MB |",
+        wbytes / 1e6
+    );
+    println!(
+        "| floor: time to stream them once | {:.2} ms |",
+        floor * 1e3
+    );
     for (label, g) in &gflops {
         println!("| matmul {label} ({n}×{cols} · {cols}×{rows}) | {g:.1} GFLOP/s |");
     }
     for (batch, pre, dec, step) in &rows_out {
-        println!("| prefill, batch {batch} × {} tokens | {pre:.1} tok/s |", a.prompt_len);
+        println!(
+            "| prefill, batch {batch} × {} tokens | {pre:.1} tok/s |",
+            a.prompt_len
+        );
         println!(
             "| decode, batch {batch} (context ~{}) | {dec:.1} tok/s ({:.2} ms/step, {:.2}× the floor) |",
             a.prompt_len,

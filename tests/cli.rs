@@ -1,0 +1,173 @@
+//! The real `lmrr` binary, run in a temp dir with a cleared environment.
+
+use std::process::{Command, Output};
+
+fn lmrr(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = Command::new(env!("CARGO_BIN_EXE_lmrr"));
+    c.args(args).current_dir(dir.path()).env_clear();
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().unwrap()
+}
+
+fn digest(o: &Output) -> String {
+    assert!(
+        o.status.success(),
+        "lmrr failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let out = String::from_utf8(o.stdout.clone()).unwrap();
+    let last = out.lines().last().unwrap_or_default().to_string();
+    let hex = last
+        .strip_prefix("digest: ")
+        .unwrap_or_else(|| panic!("no digest line in {out:?}"));
+    assert_eq!(hex.len(), 64);
+    assert!(hex.bytes().all(|b| b.is_ascii_hexdigit()));
+    hex.to_string()
+}
+
+const LONG_PROMPT: &str = "In the beginning the engine was deterministic, and every logit was a pure function of the tokens before it; chunked or whole, batched or alone, one thread or three.";
+
+#[test]
+fn bare_lmrr_runs_the_embedded_default() {
+    let o = lmrr(&[], &[]);
+    digest(&o);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(stderr.contains("synthetic:tiny:seed0"), "{stderr}");
+}
+
+#[test]
+fn threads_and_prefill_chunks_give_one_digest() {
+    let base = digest(&lmrr(
+        &[
+            "generate",
+            "--prompt",
+            LONG_PROMPT,
+            "--max-tokens",
+            "20",
+            "--threads",
+            "1",
+        ],
+        &[],
+    ));
+    for extra in [
+        vec!["--threads", "2"],
+        vec!["--threads", "3"],
+        vec!["--prefill-chunk", "1"],
+        vec!["--prefill-chunk", "7", "--threads", "2"],
+        vec!["--prefill-chunk", "64", "--threads", "3"],
+    ] {
+        let mut args = vec!["generate", "--prompt", LONG_PROMPT, "--max-tokens", "20"];
+        args.extend(&extra);
+        assert_eq!(digest(&lmrr(&args, &[])), base, "{extra:?}");
+    }
+}
+
+#[test]
+fn scalar_and_simd_engines_agree_end_to_end() {
+    let args = [
+        "generate",
+        "--prompt",
+        LONG_PROMPT,
+        "--max-tokens",
+        "16",
+        "--temperature",
+        "0.7",
+        "--seed",
+        "3",
+    ];
+    assert_eq!(
+        digest(&lmrr(&args, &[("LMRR_FORCE_SCALAR", "1")])),
+        digest(&lmrr(&args, &[]))
+    );
+}
+
+#[test]
+fn sampling_is_seeded() {
+    let run = |seed: &str| {
+        digest(&lmrr(
+            &[
+                "generate",
+                "--max-tokens",
+                "24",
+                "--temperature",
+                "1.0",
+                "--top-p",
+                "0.9",
+                "--seed",
+                seed,
+            ],
+            &[],
+        ))
+    };
+    assert_eq!(run("5"), run("5"));
+    assert_ne!(run("5"), run("6"));
+}
+
+#[test]
+fn gen_model_writes_identical_directories_that_generate_like_the_default() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b) = (d.path().join("a"), d.path().join("b"));
+    for p in [&a, &b] {
+        let o = lmrr(
+            &[
+                "gen-model",
+                "--arch",
+                "llama",
+                "--preset",
+                "tiny",
+                "--seed",
+                "0",
+                "--out",
+                p.to_str().unwrap(),
+            ],
+            &[],
+        );
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    for f in ["config.json", "tokenizer.json", "model.safetensors"] {
+        assert!(
+            std::fs::read(a.join(f)).unwrap() == std::fs::read(b.join(f)).unwrap(),
+            "{f} differs"
+        );
+    }
+    let from_dir = digest(&lmrr(&["generate", "--model", a.to_str().unwrap()], &[]));
+    assert_eq!(from_dir, digest(&lmrr(&["generate"], &[])));
+}
+
+#[test]
+fn bad_input_exits_2_with_a_clear_message() {
+    let o = lmrr(&["generate", "--model", "/nonexistent/model-dir"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("/nonexistent/model-dir"));
+
+    let o = lmrr(
+        &[
+            "gen-model",
+            "--arch",
+            "mistral",
+            "--preset",
+            "tiny",
+            "--out",
+            "x",
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("mistral"));
+
+    let long = " a".repeat(3000);
+    let o = lmrr(&["generate", "--prompt", &long], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.contains("context is 2048") && e.contains("prompt is 3000 tokens"),
+        "{e}"
+    );
+
+    let o = lmrr(&["generate", "--threads", "0"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("at least 1"));
+}
