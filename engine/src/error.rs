@@ -57,6 +57,22 @@ pub enum EngineError {
         pos: usize,
         context: usize,
     },
+    #[error("sequence {seq}: needs {need_pages} KV pages, holds {have_pages}")]
+    PoolExhausted {
+        seq: u64,
+        need_pages: usize,
+        have_pages: usize,
+    },
+    #[error("request {id} can never fit: {tokens} tokens need {need_pages} pages of {page_size}, the pool has {pool_pages}")]
+    NeverFits {
+        id: u64,
+        tokens: usize,
+        need_pages: usize,
+        pool_pages: usize,
+        page_size: usize,
+    },
+    #[error("infeasible decision: {what}")]
+    Infeasible { what: String },
     #[error("sequence {seq} appears twice in one batch")]
     DuplicateSeq { seq: u64 },
     #[error("invalid option {name} = {value}: {why}")]

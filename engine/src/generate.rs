@@ -40,7 +40,8 @@ impl Default for GenerateOptions {
 }
 
 /// Why generation stopped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum FinishReason {
     /// `max_tokens` reached.
     Length,
@@ -48,6 +49,19 @@ pub enum FinishReason {
     Eos,
     /// The model's context is full.
     Context,
+    /// Interrupted (aborted) at a step boundary.
+    Interrupted,
+}
+
+impl std::fmt::Display for FinishReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Length => "length",
+            Self::Eos => "eos",
+            Self::Context => "context",
+            Self::Interrupted => "interrupted",
+        })
+    }
 }
 
 /// The result of [`generate`].

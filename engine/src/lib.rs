@@ -15,7 +15,10 @@ pub mod error;
 pub mod generate;
 pub mod kv;
 pub mod llama;
+pub mod pool;
+pub mod radix;
 pub mod sampling;
+pub mod scheduler;
 pub mod synth;
 pub mod tokenizer;
 pub mod weights;
@@ -26,6 +29,9 @@ pub use generate::{generate, FinishReason, GenerateOptions, Generation};
 pub use kv::{KvCache, SeqId, SeqKvStore};
 pub use llama::{Llama, LogitsWanted, SeqSpan};
 pub use sampling::{sample, SamplingParams};
+pub use scheduler::{
+    Decision, EngineConfig, Request, RequestId, RequestOutput, Scheduler, SeqReport, StepReport,
+};
 pub use synth::{Preset, SynthSpec};
 pub use tokenizer::Tokenizer;
 pub use weights::ModelFiles;

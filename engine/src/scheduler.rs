@@ -1,0 +1,740 @@
+//! The serving core's step loop: continuous batching over the paged KV pool and
+//! the radix prefix cache, with chunked prefill, preemption by recompute and
+//! interrupts at step boundaries.
+//!
+//! Policy (FCFS by submission order, no wall clock anywhere):
+//! 1. pending interrupts are applied, in the order they were requested;
+//! 2. running sequences, oldest first, get their next span — one token when
+//!    decoding, a chunk of the remaining prompt when prefilling — under the
+//!    per-step token budget; when pages run out, unreferenced cached pages are
+//!    evicted (LRU), then the youngest running sequence not yet scheduled in
+//!    this step is preempted (its pages released, its tokens kept, recomputed
+//!    on re-admission);
+//! 3. waiting requests, oldest first, are admitted while budget and pages last,
+//!    reusing the longest cached prefix; the head of the queue blocks the rest.
+//!
+//! Every decision is a [`Decision`] value, listed in the [`StepReport`];
+//! [`Scheduler::step_forced`] executes a given list instead of deciding, which
+//! is how a recording's schedule is replayed.
+//!
+//! Contract: a request's tokens and logits depend only on its own tokens (I4,
+//! I2, I3): a cache hit reuses K/V that a recompute would produce bit for bit.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use lmrr_kernels::Threads;
+
+use crate::llama::{LogitsWanted, SeqSpan};
+use crate::pool::{BlockTable, Hash, PagePool, PagedKv};
+use crate::radix::RadixCache;
+use crate::sampling::{sample, SamplingParams};
+use crate::{EngineError, FinishReason, Llama};
+
+pub type RequestId = u64;
+
+/// One generation request, fully tokenized.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Request {
+    pub id: RequestId,
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    pub stop_at_eos: bool,
+}
+
+/// Serving-core configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineConfig {
+    /// Positions per KV page.
+    pub page_size: usize,
+    /// Pages in the pool.
+    pub pool_pages: usize,
+    /// Tokens (prefill + decode) per step.
+    pub max_batch_tokens: usize,
+    /// Reuse cached prefixes across requests.
+    pub prefix_cache: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            page_size: 16,
+            pool_pages: 256,
+            max_batch_tokens: 512,
+            prefix_cache: true,
+        }
+    }
+}
+
+/// A scheduling decision. Applied in list order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Decision {
+    /// Abort a request at this step boundary.
+    Interrupt { id: RequestId },
+    /// Release a running request's pages; it waits and is recomputed later.
+    Preempt { id: RequestId },
+    /// Start a waiting request, reusing `cached_tokens` from the prefix cache.
+    Admit { id: RequestId, cached_tokens: usize },
+    /// Run positions `start..start + len` of a running request in this step.
+    Schedule {
+        id: RequestId,
+        start: usize,
+        len: usize,
+    },
+}
+
+/// What happened to one scheduled request in a step.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SeqReport {
+    pub id: RequestId,
+    pub start: usize,
+    pub len: usize,
+    /// Token sampled at the end of the span, if the span reached the end of the
+    /// request's known tokens.
+    pub sampled: Option<u32>,
+    /// SHA-256 of the logits row `sampled` was drawn from.
+    pub logits_digest: Option<Hash>,
+    pub finish: Option<FinishReason>,
+}
+
+/// The outcome of one step.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepReport {
+    pub step: u64,
+    pub decisions: Vec<Decision>,
+    pub seqs: Vec<SeqReport>,
+    /// Requests that ended this step (interrupted ones included).
+    pub finished: Vec<(RequestId, FinishReason)>,
+    /// Merkle hash of the radix tree.
+    pub radix_hash: Hash,
+    /// Hash over the radix hash and every in-use page's id, refcount and content.
+    pub cache_state: Hash,
+}
+
+/// A request's result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestOutput {
+    pub id: RequestId,
+    pub prompt_len: usize,
+    pub tokens: Vec<u32>,
+    pub finish: FinishReason,
+    /// Same definition as [`crate::Generation::digest`].
+    pub digest: Hash,
+    /// Prompt tokens served from the prefix cache at first admission.
+    pub cached_tokens: usize,
+    pub preemptions: usize,
+}
+
+struct Seq {
+    req: Request,
+    /// Prompt then generated tokens.
+    tokens: Vec<u32>,
+    order: u64,
+    hasher: Sha256,
+    cached_tokens: Option<usize>,
+    preemptions: usize,
+}
+
+impl Seq {
+    fn generated(&self) -> &[u32] {
+        &self.tokens[self.req.prompt.len()..]
+    }
+}
+
+/// The serving core.
+pub struct Scheduler<'m> {
+    model: &'m Llama,
+    threads: Threads,
+    cfg: EngineConfig,
+    kv: PagedKv,
+    radix: RadixCache,
+    seqs: BTreeMap<RequestId, Seq>,
+    waiting: VecDeque<RequestId>,
+    running: Vec<RequestId>,
+    pending_interrupts: Vec<RequestId>,
+    done: BTreeMap<RequestId, RequestOutput>,
+    step: u64,
+    next_order: u64,
+}
+
+fn infeasible(what: String) -> EngineError {
+    EngineError::Infeasible { what }
+}
+
+impl<'m> Scheduler<'m> {
+    pub fn new(model: &'m Llama, cfg: EngineConfig, threads: Threads) -> Result<Self, EngineError> {
+        if cfg.max_batch_tokens == 0 {
+            return Err(EngineError::InvalidOption {
+                name: "max_batch_tokens",
+                value: "0".into(),
+                why: "must be at least 1".into(),
+            });
+        }
+        let shape = model.attn_shape();
+        let pool = PagePool::new(
+            cfg.page_size,
+            cfg.pool_pages,
+            model.config().num_hidden_layers,
+            shape.kv_dim(),
+        )?;
+        Ok(Self {
+            model,
+            threads,
+            cfg,
+            kv: PagedKv::new(pool),
+            radix: RadixCache::new(),
+            seqs: BTreeMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            pending_interrupts: Vec::new(),
+            done: BTreeMap::new(),
+            step: 0,
+            next_order: 0,
+        })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// Pages a request may need at most: prompt plus generation, capped by the context.
+    pub fn pages_needed(&self, prompt_len: usize, max_tokens: usize) -> usize {
+        (prompt_len + max_tokens)
+            .min(self.model.context())
+            .div_ceil(self.cfg.page_size)
+    }
+
+    /// Queues a request. Refuses, before anything runs, one that could never fit.
+    pub fn submit(&mut self, req: Request) -> Result<(), EngineError> {
+        let id = req.id;
+        if self.seqs.contains_key(&id) || self.done.contains_key(&id) {
+            return Err(EngineError::InvalidOption {
+                name: "request id",
+                value: id.to_string(),
+                why: "already submitted".into(),
+            });
+        }
+        req.sampling.validate()?;
+        if req.prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let vocab = self.model.config().vocab_size;
+        if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::TokenOutOfRange { token: t, vocab });
+        }
+        if req.prompt.len() > self.model.context() {
+            return Err(EngineError::PromptTooLong {
+                tokens: req.prompt.len(),
+                context: self.model.context(),
+            });
+        }
+        let need = self.pages_needed(req.prompt.len(), req.max_tokens);
+        if need > self.cfg.pool_pages {
+            return Err(EngineError::NeverFits {
+                id,
+                tokens: (req.prompt.len() + req.max_tokens).min(self.model.context()),
+                need_pages: need,
+                pool_pages: self.cfg.pool_pages,
+                page_size: self.cfg.page_size,
+            });
+        }
+        let tokens = req.prompt.clone();
+        self.seqs.insert(
+            id,
+            Seq {
+                req,
+                tokens,
+                order: self.next_order,
+                hasher: Sha256::new(),
+                cached_tokens: None,
+                preemptions: 0,
+            },
+        );
+        self.next_order += 1;
+        self.waiting.push_back(id);
+        Ok(())
+    }
+
+    /// Requests an abort of `id` at the next step boundary. Returns `false` if
+    /// the request already ended.
+    pub fn interrupt(&mut self, id: RequestId) -> Result<bool, EngineError> {
+        if self.done.contains_key(&id) {
+            return Ok(false);
+        }
+        if !self.seqs.contains_key(&id) {
+            return Err(EngineError::InvalidOption {
+                name: "interrupt",
+                value: id.to_string(),
+                why: "no such request".into(),
+            });
+        }
+        if !self.pending_interrupts.contains(&id) {
+            self.pending_interrupts.push(id);
+        }
+        Ok(true)
+    }
+
+    /// Nothing waiting, running or pending.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty() && self.pending_interrupts.is_empty()
+    }
+
+    /// Steps taken so far.
+    pub fn steps(&self) -> u64 {
+        self.step
+    }
+
+    /// Tokens generated so far by a live or finished request.
+    pub fn generated(&self, id: RequestId) -> Option<&[u32]> {
+        match self.seqs.get(&id) {
+            Some(s) => Some(s.generated()),
+            None => self.done.get(&id).map(|o| o.tokens.as_slice()),
+        }
+    }
+
+    /// The result of a finished request.
+    pub fn output(&self, id: RequestId) -> Option<&RequestOutput> {
+        self.done.get(&id)
+    }
+
+    /// All finished requests by id.
+    pub fn outputs(&self) -> &BTreeMap<RequestId, RequestOutput> {
+        &self.done
+    }
+
+    /// Decides and runs one step.
+    pub fn step(&mut self) -> Result<StepReport, EngineError> {
+        let mut decisions = Vec::new();
+        let mut finished = Vec::new();
+        self.decide(&mut decisions, &mut finished)?;
+        self.execute(decisions, finished)
+    }
+
+    /// Runs one step under the given decisions (replay). An infeasible decision
+    /// is an error naming it.
+    pub fn step_forced(&mut self, decisions: Vec<Decision>) -> Result<StepReport, EngineError> {
+        let mut finished = Vec::new();
+        for d in &decisions {
+            self.apply(d, &mut finished)?;
+        }
+        self.execute(decisions, finished)
+    }
+
+    fn decide(
+        &mut self,
+        out: &mut Vec<Decision>,
+        finished: &mut Vec<(RequestId, FinishReason)>,
+    ) -> Result<(), EngineError> {
+        let ps = self.cfg.page_size;
+        for id in self.pending_interrupts.clone() {
+            let d = Decision::Interrupt { id };
+            self.apply(&d, finished)?;
+            out.push(d);
+        }
+        let mut budget = self.cfg.max_batch_tokens;
+        let mut scheduled: Vec<RequestId> = Vec::new();
+        // Running sequences, oldest first.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let (kv_len, have) = self.table(id).map(|t| (t.len, t.pages.len()))?;
+            let remaining = self.seqs[&id].tokens.len() - kv_len;
+            let mut n = remaining.min(budget);
+            loop {
+                let need = (kv_len + n).div_ceil(ps).saturating_sub(have);
+                let avail = self.kv.pool.free_count()
+                    + if self.cfg.prefix_cache {
+                        self.radix.evictable(&self.kv.pool, &[])
+                    } else {
+                        0
+                    };
+                if need <= avail {
+                    break;
+                }
+                // Preempt the youngest running request not scheduled yet.
+                let victim = self
+                    .running
+                    .iter()
+                    .rev()
+                    .copied()
+                    .find(|&v| v != id && !scheduled.contains(&v));
+                match victim {
+                    Some(v) => {
+                        let d = Decision::Preempt { id: v };
+                        self.apply(&d, finished)?;
+                        out.push(d);
+                    }
+                    None => {
+                        n = ((have + avail) * ps).saturating_sub(kv_len).min(n);
+                        break;
+                    }
+                }
+            }
+            // `running` may have shrunk behind us; find our index again.
+            i = self
+                .running
+                .iter()
+                .position(|&r| r == id)
+                .map_or(i, |p| p + 1);
+            if n == 0 {
+                continue;
+            }
+            let d = Decision::Schedule {
+                id,
+                start: kv_len,
+                len: n,
+            };
+            self.apply(&d, finished)?;
+            out.push(d);
+            scheduled.push(id);
+            budget -= n;
+        }
+        // Admissions, FCFS; the head of the queue blocks the rest.
+        while budget > 0 {
+            let Some(&id) = self.waiting.front() else {
+                break;
+            };
+            let tokens = &self.seqs[&id].tokens;
+            let matched = if self.cfg.prefix_cache {
+                self.radix
+                    .match_prefix(&tokens[..tokens.len() - 1], ps, false)
+            } else {
+                Vec::new()
+            };
+            let cached = matched.len() * ps;
+            let avail = self.kv.pool.free_count()
+                + if self.cfg.prefix_cache {
+                    self.radix.evictable(&self.kv.pool, &matched)
+                } else {
+                    0
+                };
+            let fit = ((matched.len() + avail) * ps).saturating_sub(cached);
+            let n = (tokens.len() - cached).min(budget).min(fit);
+            if n == 0 {
+                break;
+            }
+            for d in [
+                Decision::Admit {
+                    id,
+                    cached_tokens: cached,
+                },
+                Decision::Schedule {
+                    id,
+                    start: cached,
+                    len: n,
+                },
+            ] {
+                self.apply(&d, finished)?;
+                out.push(d);
+            }
+            budget -= n;
+        }
+        Ok(())
+    }
+
+    fn table(&self, id: RequestId) -> Result<&BlockTable, EngineError> {
+        self.kv
+            .tables
+            .get(&id)
+            .ok_or_else(|| infeasible(format!("request {id} has no KV (not running)")))
+    }
+
+    /// Applies one decision to the scheduler state.
+    fn apply(
+        &mut self,
+        d: &Decision,
+        finished: &mut Vec<(RequestId, FinishReason)>,
+    ) -> Result<(), EngineError> {
+        let ps = self.cfg.page_size;
+        match *d {
+            Decision::Interrupt { id } => {
+                self.pending_interrupts.retain(|&x| x != id);
+                if let Some(pos) = self.waiting.iter().position(|&x| x == id) {
+                    self.waiting.remove(pos);
+                } else if self.running.contains(&id) {
+                    self.release(id, true);
+                } else {
+                    return Err(infeasible(format!(
+                        "interrupt of request {id}, which is neither waiting nor running"
+                    )));
+                }
+                self.finish(id, FinishReason::Interrupted);
+                finished.push((id, FinishReason::Interrupted));
+            }
+            Decision::Preempt { id } => {
+                if !self.running.contains(&id) {
+                    return Err(infeasible(format!(
+                        "preemption of request {id}, which is not running"
+                    )));
+                }
+                self.release(id, true);
+                let seq = self.seqs.get_mut(&id).expect("running request exists");
+                seq.preemptions += 1;
+                let order = seq.order;
+                let at = self
+                    .waiting
+                    .iter()
+                    .position(|w| self.seqs[w].order > order)
+                    .unwrap_or(self.waiting.len());
+                self.waiting.insert(at, id);
+            }
+            Decision::Admit { id, cached_tokens } => {
+                let Some(pos) = self.waiting.iter().position(|&x| x == id) else {
+                    return Err(infeasible(format!(
+                        "admission of request {id}, which is not waiting"
+                    )));
+                };
+                if cached_tokens % ps != 0 || (cached_tokens > 0 && !self.cfg.prefix_cache) {
+                    return Err(infeasible(format!("admission of request {id} with {cached_tokens} cached tokens (page size {ps})")));
+                }
+                let seq = &self.seqs[&id];
+                let probe = &seq.tokens[..seq.tokens.len() - 1];
+                let pages = if cached_tokens > 0 {
+                    self.radix.match_prefix(probe, ps, true)
+                } else {
+                    Vec::new()
+                };
+                if pages.len() * ps < cached_tokens {
+                    return Err(infeasible(format!(
+                        "admission of request {id} expects {cached_tokens} cached tokens, the cache holds {}",
+                        pages.len() * ps
+                    )));
+                }
+                let pages: Vec<_> = pages.into_iter().take(cached_tokens / ps).collect();
+                for &p in &pages {
+                    self.kv.pool.incref(p);
+                }
+                self.waiting.remove(pos);
+                self.kv.tables.insert(
+                    id,
+                    BlockTable {
+                        pages,
+                        len: cached_tokens,
+                    },
+                );
+                let seq = self.seqs.get_mut(&id).expect("waiting request exists");
+                seq.cached_tokens.get_or_insert(cached_tokens);
+                let order = seq.order;
+                let at = self
+                    .running
+                    .iter()
+                    .position(|r| self.seqs[r].order > order)
+                    .unwrap_or(self.running.len());
+                self.running.insert(at, id);
+            }
+            Decision::Schedule { id, start, len } => {
+                let t = self.table(id)?;
+                let total = self.seqs[&id].tokens.len();
+                if start != t.len || len == 0 || start + len > total {
+                    return Err(infeasible(format!(
+                        "schedule of request {id} positions {start}..{} (it holds {} of {total} tokens)",
+                        start + len,
+                        t.len
+                    )));
+                }
+                let need = (start + len).div_ceil(ps).saturating_sub(t.pages.len());
+                for _ in 0..need {
+                    let page = match self.kv.pool.alloc() {
+                        Some(p) => p,
+                        None => {
+                            self.radix.evict(1, &mut self.kv.pool);
+                            self.kv.pool.alloc().ok_or_else(|| {
+                                infeasible(format!(
+                                    "schedule of request {id}: the pool has no free page"
+                                ))
+                            })?
+                        }
+                    };
+                    self.kv
+                        .tables
+                        .get_mut(&id)
+                        .expect("table checked")
+                        .pages
+                        .push(page);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Releases a running request's pages; with `cache`, its full computed
+    /// pages enter the prefix cache first.
+    fn release(&mut self, id: RequestId, cache: bool) {
+        self.running.retain(|&r| r != id);
+        let Some(t) = self.kv.tables.remove(&id) else {
+            return;
+        };
+        if cache && self.cfg.prefix_cache {
+            let full = t.len / self.cfg.page_size;
+            let tokens = &self.seqs[&id].tokens[..full * self.cfg.page_size];
+            self.radix
+                .insert(tokens, &t.pages[..full], &mut self.kv.pool);
+        }
+        for p in t.pages {
+            self.kv.pool.decref(p);
+        }
+    }
+
+    fn finish(&mut self, id: RequestId, reason: FinishReason) {
+        let Some(seq) = self.seqs.remove(&id) else {
+            return;
+        };
+        let out = RequestOutput {
+            id,
+            prompt_len: seq.req.prompt.len(),
+            tokens: seq.generated().to_vec(),
+            finish: reason,
+            digest: seq.hasher.finalize().into(),
+            cached_tokens: seq.cached_tokens.unwrap_or(0),
+            preemptions: seq.preemptions,
+        };
+        self.done.insert(id, out);
+    }
+
+    fn execute(
+        &mut self,
+        decisions: Vec<Decision>,
+        mut finished: Vec<(RequestId, FinishReason)>,
+    ) -> Result<StepReport, EngineError> {
+        let sched: Vec<(RequestId, usize, usize)> = decisions
+            .iter()
+            .filter_map(|d| match *d {
+                Decision::Schedule { id, start, len } => Some((id, start, len)),
+                _ => None,
+            })
+            .collect();
+        let spans: Vec<SeqSpan> = sched
+            .iter()
+            .map(|&(id, start, len)| {
+                let toks = &self.seqs[&id].tokens;
+                SeqSpan {
+                    seq: id,
+                    start,
+                    tokens: &toks[start..start + len],
+                    logits: if start + len == toks.len() {
+                        LogitsWanted::Last
+                    } else {
+                        LogitsWanted::None
+                    },
+                }
+            })
+            .collect();
+        let logits = if spans.is_empty() {
+            Vec::new()
+        } else {
+            self.model.forward(&mut self.kv, &spans, &self.threads)?
+        };
+        self.kv.finish_step();
+        let mut seqs = Vec::with_capacity(sched.len());
+        for (&(id, start, len), row) in sched.iter().zip(logits) {
+            let mut rep = SeqReport {
+                id,
+                start,
+                len,
+                sampled: None,
+                logits_digest: None,
+                finish: None,
+            };
+            if !row.is_empty() {
+                let cfg = self.model.config();
+                let context = self.model.context();
+                let seq = self.seqs.get_mut(&id).expect("scheduled request exists");
+                let pos = seq.tokens.len();
+                let tok = sample(&row, &seq.req.sampling, pos as u64);
+                let mut rh = Sha256::new();
+                for v in &row {
+                    let b = v.to_bits().to_le_bytes();
+                    seq.hasher.update(b);
+                    rh.update(b);
+                }
+                seq.hasher.update(tok.to_le_bytes());
+                seq.tokens.push(tok);
+                rep.sampled = Some(tok);
+                rep.logits_digest = Some(rh.finalize().into());
+                let n_gen = seq.tokens.len() - seq.req.prompt.len();
+                rep.finish = if seq.req.stop_at_eos && cfg.is_eos(tok) {
+                    Some(FinishReason::Eos)
+                } else if n_gen >= seq.req.max_tokens {
+                    Some(FinishReason::Length)
+                } else if seq.tokens.len() > context {
+                    Some(FinishReason::Context)
+                } else {
+                    None
+                };
+            }
+            if let Some(r) = rep.finish {
+                self.release(id, true);
+                self.finish(id, r);
+                finished.push((id, r));
+            }
+            seqs.push(rep);
+        }
+        let radix_hash = self.radix.structure_hash(&self.kv.pool);
+        let mut h = Sha256::new();
+        h.update(radix_hash);
+        for (p, refs, content) in self.kv.pool.in_use() {
+            h.update(p.to_le_bytes());
+            h.update(refs.to_le_bytes());
+            h.update(content);
+        }
+        let report = StepReport {
+            step: self.step,
+            decisions,
+            seqs,
+            finished,
+            radix_hash,
+            cache_state: h.finalize().into(),
+        };
+        self.step += 1;
+        Ok(report)
+    }
+
+    /// Checks pool accounting: every page's refcount equals the number of
+    /// block tables holding it plus one if the tree holds it; free pages are
+    /// exactly those with refcount 0. Returns a description of the first
+    /// mismatch.
+    pub fn check_accounting(&self) -> Result<(), String> {
+        let pool = &self.kv.pool;
+        let mut expect = vec![0u32; pool.n_pages()];
+        for t in self.kv.tables.values() {
+            for &p in &t.pages {
+                expect[p as usize] += 1;
+            }
+        }
+        for p in self.radix.pages() {
+            expect[p as usize] += 1;
+        }
+        for (p, &e) in expect.iter().enumerate() {
+            let r = pool.refcount(p as u32);
+            if r != e {
+                return Err(format!("page {p}: refcount {r}, held by {e}"));
+            }
+        }
+        let zero = expect.iter().filter(|&&e| e == 0).count();
+        if pool.free_count() != zero {
+            return Err(format!(
+                "free list has {} pages, {zero} have refcount 0",
+                pool.free_count()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Pages in the pool that are neither free nor owned by the tree alone.
+    pub fn pages_held_by_requests(&self) -> usize {
+        self.kv.tables.values().map(|t| t.pages.len()).sum()
+    }
+
+    /// Pages cached by the radix tree.
+    pub fn cached_pages(&self) -> usize {
+        self.radix.len()
+    }
+
+    /// Free pages.
+    pub fn free_pages(&self) -> usize {
+        self.kv.pool.free_count()
+    }
+}
