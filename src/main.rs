@@ -11,7 +11,10 @@ use clap::{Parser, Subcommand};
 
 use lmrr_engine::generate::hex;
 use lmrr_engine::synth::SynthDtype;
-use lmrr_engine::{GenerateOptions, Model, Preset, SamplingParams, SynthSpec};
+use lmrr_engine::{
+    run_session, EngineConfig, GenerateOptions, Model, Preset, SamplingParams, Scheduler, Script,
+    SynthSpec,
+};
 use lmrr_kernels::Threads;
 
 /// rr for LLM inference: a deterministic engine whose logits are a pure function
@@ -32,8 +35,35 @@ enum Cmd {
     GenModel(GenModelArgs),
     /// Generate a continuation and print its digest.
     Generate(GenerateArgs),
+    /// Run a session script (multi-request, multi-turn) on the serving core.
+    Run(RunArgs),
     /// Measure kernels, prefill and decode against the memory bandwidth.
     Bench(bench::BenchArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct RunArgs {
+    /// Model: an HF directory, or `synthetic:PRESET[:SEED]` (default: embedded).
+    #[arg(long)]
+    model: Option<String>,
+    /// Session script (TOML; format in README.md).
+    #[arg(long)]
+    script: PathBuf,
+    /// Worker threads (default: all cores). Never changes a bit.
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Positions per KV page.
+    #[arg(long, default_value_t = 16)]
+    page_size: usize,
+    /// Pages in the KV pool.
+    #[arg(long, default_value_t = 256)]
+    pool_pages: usize,
+    /// Tokens per step (decode + chunked prefill).
+    #[arg(long, default_value_t = 512)]
+    max_batch_tokens: usize,
+    /// Disable the radix prefix cache.
+    #[arg(long)]
+    no_prefix_cache: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -184,6 +214,49 @@ fn run_generate(a: &GenerateArgs) -> Result<()> {
     Ok(())
 }
 
+fn run_run(a: &RunArgs) -> Result<()> {
+    let script = Script::load(&a.script)?;
+    let model = load_model(a.model.as_deref())?;
+    let th = threads(a.threads)?;
+    let cfg = EngineConfig {
+        page_size: a.page_size,
+        pool_pages: a.pool_pages,
+        max_batch_tokens: a.max_batch_tokens,
+        prefix_cache: !a.no_prefix_cache,
+    };
+    let mut sch = Scheduler::new(&model.llama, cfg, th)?;
+    let t0 = std::time::Instant::now();
+    let res = run_session(&model, &script, &mut sch, |_| {})?;
+    let dt = t0.elapsed().as_secs_f64();
+    let mut out = std::io::stdout().lock();
+    for r in &res.requests {
+        let o = &r.output;
+        writeln!(
+            out,
+            "=== {} · arrived at step {} · prompt {} tokens ({} from cache) · generated {} · {}",
+            r.name,
+            r.arrived_at_step,
+            r.prompt.len(),
+            o.cached_tokens,
+            o.tokens.len(),
+            o.finish
+        )?;
+        writeln!(out, "{}", model.tokenizer.decode(&r.prompt)?)?;
+        writeln!(out, "--- output")?;
+        writeln!(out, "{}", model.tokenizer.decode(&o.tokens)?)?;
+        writeln!(out, "digest: {}", hex(&o.digest))?;
+    }
+    eprintln!(
+        "model {} · {} requests · {} steps · {:.2}s · {} pages cached at the end",
+        model.origin,
+        res.requests.len(),
+        res.steps,
+        dt,
+        sch.cached_pages()
+    );
+    Ok(())
+}
+
 fn run_gen_model(a: &GenModelArgs) -> Result<()> {
     if a.arch != "llama" {
         bail!("unknown --arch `{}`: only `llama` is implemented", a.arch);
@@ -205,6 +278,7 @@ fn main() -> std::process::ExitCode {
         None => run_generate(&GenerateArgs::default()),
         Some(Cmd::Generate(a)) => run_generate(a),
         Some(Cmd::GenModel(a)) => run_gen_model(a),
+        Some(Cmd::Run(a)) => run_run(a),
         Some(Cmd::Bench(a)) => bench::run(a),
     };
     match res {

@@ -171,3 +171,55 @@ fn bad_input_exits_2_with_a_clear_message() {
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("at least 1"));
 }
+
+#[test]
+fn run_plays_the_incident_script_with_one_digest_per_request() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/incident.toml");
+    let run = |extra: &[&str]| {
+        let mut args = vec!["run", "--script", script];
+        args.extend(extra);
+        let o = lmrr(&args, &[]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let out = String::from_utf8(o.stdout).unwrap();
+        assert!(
+            out.contains("=== turn1") && out.contains("=== turn2") && out.contains("interrupted"),
+            "{out}"
+        );
+        out.lines()
+            .filter(|l| l.starts_with("digest: "))
+            .map(String::from)
+            .collect::<Vec<_>>()
+    };
+    let base = run(&[]);
+    assert_eq!(base.len(), 2);
+    // Cache off, tiny pages, a one-token budget: same bits.
+    assert_eq!(run(&["--no-prefix-cache", "--threads", "1"]), base);
+    assert_eq!(
+        run(&[
+            "--page-size",
+            "1",
+            "--pool-pages",
+            "1024",
+            "--max-batch-tokens",
+            "1",
+            "--threads",
+            "3"
+        ]),
+        base
+    );
+}
+
+#[test]
+fn run_refuses_a_bad_script_with_exit_2() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("bad.toml");
+    std::fs::write(
+        &p,
+        "[[request]]\nid = \"a\"\nprompt = \"x\"\nafter = \"nobody\"\n",
+    )
+    .unwrap();
+    let o = lmrr(&["run", "--script", p.to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("bad.toml:4") && e.contains("nobody"), "{e}");
+}

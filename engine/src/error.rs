@@ -63,9 +63,9 @@ pub enum EngineError {
         need_pages: usize,
         have_pages: usize,
     },
-    #[error("request {id} can never fit: {tokens} tokens need {need_pages} pages of {page_size}, the pool has {pool_pages}")]
+    #[error("request `{id}` can never fit: {tokens} tokens need {need_pages} pages of {page_size}, the pool has {pool_pages}")]
     NeverFits {
-        id: u64,
+        id: String,
         tokens: usize,
         need_pages: usize,
         pool_pages: usize,

@@ -10,6 +10,7 @@
 //! batch-mates, chunking, thread count and run. Every reduction goes through
 //! `lmrr_kernels`' canonical order; nothing here reduces floats on its own.
 
+pub mod chat;
 pub mod config;
 pub mod error;
 pub mod generate;
@@ -19,6 +20,7 @@ pub mod pool;
 pub mod radix;
 pub mod sampling;
 pub mod scheduler;
+pub mod session;
 pub mod synth;
 pub mod tokenizer;
 pub mod weights;
@@ -32,6 +34,7 @@ pub use sampling::{sample, SamplingParams};
 pub use scheduler::{
     Decision, EngineConfig, Request, RequestId, RequestOutput, Scheduler, SeqReport, StepReport,
 };
+pub use session::{run_session, Script, ScriptError, SessionResult};
 pub use synth::{Preset, SynthSpec};
 pub use tokenizer::Tokenizer;
 pub use weights::ModelFiles;

@@ -234,7 +234,7 @@ impl<'m> Scheduler<'m> {
         let need = self.pages_needed(req.prompt.len(), req.max_tokens);
         if need > self.cfg.pool_pages {
             return Err(EngineError::NeverFits {
-                id,
+                id: id.to_string(),
                 tokens: (req.prompt.len() + req.max_tokens).min(self.model.context()),
                 need_pages: need,
                 pool_pages: self.cfg.pool_pages,

@@ -381,7 +381,7 @@ fn requests_that_can_never_fit_are_refused_with_numbers() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("request 3")
+        e.contains("request `3`")
             && e.contains("40 tokens")
             && e.contains("3 pages")
             && e.contains("has 2"),
