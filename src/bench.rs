@@ -162,6 +162,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         ));
     }
 
+    let (hash_s, total_s, steps) = serving_hash_share(&model, &th, a.prompt_len, a.decode_steps)?;
+
     println!();
     println!("| measurement | value |");
     println!("|---|---|");
@@ -193,5 +195,47 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             step / floor
         );
     }
+    println!(
+        "| serving: 4 requests × {} prompt (half shared) + {} decode, {steps} steps | hashing {:.1} ms of {:.0} ms = {:.2}% of step time |",
+        a.prompt_len,
+        a.decode_steps,
+        hash_s * 1e3,
+        total_s * 1e3,
+        100.0 * hash_s / total_s
+    );
     Ok(())
+}
+
+/// A serving session on the benchmark model: `n` requests sharing a prefix,
+/// run through the scheduler; reports the share of step time spent hashing
+/// (slot digests, page hashes, radix/cache-state hashes, logits-row digests).
+pub fn serving_hash_share(
+    model: &lmrr_engine::Model,
+    th: &Threads,
+    prompt_len: usize,
+    decode: usize,
+) -> Result<(f64, f64, u64)> {
+    use lmrr_engine::{EngineConfig, Request, SamplingParams, Scheduler};
+    let vocab = model.llama.config().vocab_size as u64;
+    let mut sch = Scheduler::new(&model.llama, EngineConfig::default(), th.clone())?;
+    for i in 0..4u64 {
+        let prompt: Vec<u32> = (0..prompt_len as u64)
+            .map(|j| {
+                let salt = if j < prompt_len as u64 / 2 { 0 } else { i + 1 };
+                ((j * 7919 + salt * 104_729) % (vocab - 3)) as u32 + 3
+            })
+            .collect();
+        sch.submit(Request {
+            id: i,
+            prompt,
+            sampling: SamplingParams::default(),
+            max_tokens: decode,
+            stop_at_eos: false,
+        })?;
+    }
+    while !sch.is_idle() {
+        sch.step()?;
+    }
+    let t = sch.timings();
+    Ok((t.hashing.as_secs_f64(), t.total.as_secs_f64(), sch.steps()))
 }

@@ -130,9 +130,11 @@ pub fn generate(
     let mut pos = prompt.len();
     while out.tokens.len() < opts.max_tokens {
         let tok = sample(&last, &opts.sampling, pos as u64);
-        for v in &last {
-            hasher.update(v.to_bits().to_le_bytes());
-        }
+        let bytes: Vec<u8> = last
+            .iter()
+            .flat_map(|v| v.to_bits().to_le_bytes())
+            .collect();
+        hasher.update(&bytes);
         hasher.update(tok.to_le_bytes());
         out.tokens.push(tok);
         if opts.keep_logits {

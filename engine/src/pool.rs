@@ -181,16 +181,18 @@ impl PagedKv {
         let written = std::mem::take(&mut self.written);
         let mut pages = BTreeSet::new();
         let pool = &mut self.pool;
+        let mut buf = Vec::with_capacity(pool.kv_dim * 4);
+        let mut h_row = |h: &mut Sha256, row: &[f32]| {
+            buf.clear();
+            buf.extend(row.iter().flat_map(|x| x.to_bits().to_le_bytes()));
+            h.update(&buf);
+        };
         for &(p, slot) in &written {
             let off = pool.offset(p, slot);
             let mut h = Sha256::new();
             for l in 0..pool.layers {
-                for x in &pool.k[l][off..off + pool.kv_dim] {
-                    h.update(x.to_bits().to_le_bytes());
-                }
-                for x in &pool.v[l][off..off + pool.kv_dim] {
-                    h.update(x.to_bits().to_le_bytes());
-                }
+                h_row(&mut h, &pool.k[l][off..off + pool.kv_dim]);
+                h_row(&mut h, &pool.v[l][off..off + pool.kv_dim]);
             }
             pool.slot_digest[p as usize * pool.page_size + slot] = h.finalize().into();
             let f = &mut pool.filled[p as usize];

@@ -158,6 +158,17 @@ pub struct Scheduler<'m> {
     done: BTreeMap<RequestId, RequestOutput>,
     step: u64,
     next_order: u64,
+    timings: StepTimings,
+}
+
+/// Time spent inside steps, for `lmrr bench` (measurement only: no decision
+/// ever reads a clock).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepTimings {
+    /// Whole steps.
+    pub total: std::time::Duration,
+    /// Slot digests, page hashes, radix and cache-state hashes.
+    pub hashing: std::time::Duration,
 }
 
 fn infeasible(what: String) -> EngineError {
@@ -193,6 +204,7 @@ impl<'m> Scheduler<'m> {
             done: BTreeMap::new(),
             step: 0,
             next_order: 0,
+            timings: StepTimings::default(),
         })
     }
 
@@ -305,22 +317,33 @@ impl<'m> Scheduler<'m> {
         &self.done
     }
 
+    /// Accumulated step timings.
+    pub fn timings(&self) -> StepTimings {
+        self.timings
+    }
+
     /// Decides and runs one step.
     pub fn step(&mut self) -> Result<StepReport, EngineError> {
+        let t0 = std::time::Instant::now();
         let mut decisions = Vec::new();
         let mut finished = Vec::new();
         self.decide(&mut decisions, &mut finished)?;
-        self.execute(decisions, finished)
+        let r = self.execute(decisions, finished);
+        self.timings.total += t0.elapsed();
+        r
     }
 
     /// Runs one step under the given decisions (replay). An infeasible decision
     /// is an error naming it.
     pub fn step_forced(&mut self, decisions: Vec<Decision>) -> Result<StepReport, EngineError> {
+        let t0 = std::time::Instant::now();
         let mut finished = Vec::new();
         for d in &decisions {
             self.apply(d, &mut finished)?;
         }
-        self.execute(decisions, finished)
+        let r = self.execute(decisions, finished);
+        self.timings.total += t0.elapsed();
+        r
     }
 
     fn decide(
@@ -627,7 +650,9 @@ impl<'m> Scheduler<'m> {
         } else {
             self.model.forward(&mut self.kv, &spans, &self.threads)?
         };
+        let th = std::time::Instant::now();
         self.kv.finish_step();
+        let mut hash_time = th.elapsed();
         let mut seqs = Vec::with_capacity(sched.len());
         for (&(id, start, len), row) in sched.iter().zip(logits) {
             let mut rep = SeqReport {
@@ -644,16 +669,15 @@ impl<'m> Scheduler<'m> {
                 let seq = self.seqs.get_mut(&id).expect("scheduled request exists");
                 let pos = seq.tokens.len();
                 let tok = sample(&row, &seq.req.sampling, pos as u64);
-                let mut rh = Sha256::new();
-                for v in &row {
-                    let b = v.to_bits().to_le_bytes();
-                    seq.hasher.update(b);
-                    rh.update(b);
-                }
+                let th = std::time::Instant::now();
+                let bytes = row_bytes(&row);
+                seq.hasher.update(&bytes);
                 seq.hasher.update(tok.to_le_bytes());
+                let row_digest: Hash = Sha256::digest(&bytes).into();
+                hash_time += th.elapsed();
                 seq.tokens.push(tok);
                 rep.sampled = Some(tok);
-                rep.logits_digest = Some(rh.finalize().into());
+                rep.logits_digest = Some(row_digest);
                 let n_gen = seq.tokens.len() - seq.req.prompt.len();
                 rep.finish = if seq.req.stop_at_eos && cfg.is_eos(tok) {
                     Some(FinishReason::Eos)
@@ -672,6 +696,7 @@ impl<'m> Scheduler<'m> {
             }
             seqs.push(rep);
         }
+        let th = std::time::Instant::now();
         let radix_hash = self.radix.structure_hash(&self.kv.pool);
         let mut h = Sha256::new();
         h.update(radix_hash);
@@ -680,6 +705,8 @@ impl<'m> Scheduler<'m> {
             h.update(refs.to_le_bytes());
             h.update(content);
         }
+        hash_time += th.elapsed();
+        self.timings.hashing += hash_time;
         let report = StepReport {
             step: self.step,
             decisions,
@@ -737,4 +764,9 @@ impl<'m> Scheduler<'m> {
     pub fn free_pages(&self) -> usize {
         self.kv.pool.free_count()
     }
+}
+
+/// Little-endian bits of a logits row.
+fn row_bytes(row: &[f32]) -> Vec<u8> {
+    row.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect()
 }
