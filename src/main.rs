@@ -16,6 +16,7 @@ use lmrr_engine::{
     SynthSpec,
 };
 use lmrr_kernels::Threads;
+use lmrr_recorder::{HostInfo, Manifest, ModelInfo, Recorder, SessionSource, Summary};
 
 /// rr for LLM inference: a deterministic engine whose logits are a pure function
 /// of the tokens, bit for bit.
@@ -37,6 +38,8 @@ enum Cmd {
     Generate(GenerateArgs),
     /// Run a session script (multi-request, multi-turn) on the serving core.
     Run(RunArgs),
+    /// Print a bundle's manifest, counts, size and integrity verdict.
+    Inspect(InspectArgs),
     /// Measure kernels, prefill and decode against the memory bandwidth.
     Bench(bench::BenchArgs),
 }
@@ -64,6 +67,18 @@ struct RunArgs {
     /// Disable the radix prefix cache.
     #[arg(long)]
     no_prefix_cache: bool,
+    /// Record the session into this `.lmrr` bundle.
+    #[arg(long)]
+    record: Option<PathBuf>,
+}
+
+#[derive(clap::Args, Debug)]
+struct InspectArgs {
+    /// The bundle.
+    bundle: PathBuf,
+    /// Print JSON (manifest and summary) instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -165,9 +180,7 @@ pub(crate) fn load_model(spec: Option<&str>) -> Result<Model> {
         Some(_) => None,
     };
     match (synth, spec) {
-        (Some(sp), _) => {
-            Model::from_files(sp.build()).with_context(|| format!("loading {}", sp.name()))
-        }
+        (Some(sp), _) => Model::synthetic(sp).with_context(|| format!("loading {}", sp.name())),
         (None, Some(dir)) => Model::load_dir(std::path::Path::new(dir))
             .with_context(|| format!("loading model `{dir}`")),
         (None, None) => unreachable!("no spec means the embedded default"),
@@ -224,9 +237,53 @@ fn run_run(a: &RunArgs) -> Result<()> {
         max_batch_tokens: a.max_batch_tokens,
         prefix_cache: !a.no_prefix_cache,
     };
+    let threads_n = th.count();
     let mut sch = Scheduler::new(&model.llama, cfg, th)?;
+    let mut recorder = match &a.record {
+        None => None,
+        Some(path) => {
+            let manifest = Manifest {
+                format_version: lmrr_recorder::FORMAT_VERSION,
+                contract_version: lmrr_kernels::CONTRACT_VERSION,
+                tool_version: env!("CARGO_PKG_VERSION").into(),
+                git_revision: env!("LMRR_GIT_REV").into(),
+                model: ModelInfo {
+                    origin: model.origin.clone(),
+                    identity: model.identity(),
+                    synthetic: model.synthetic,
+                },
+                engine: cfg,
+                patches: Vec::new(),
+                host: HostInfo::current(),
+                source: SessionSource {
+                    script_path: a.script.display().to_string(),
+                    script: script.source.clone(),
+                },
+                top_logprobs: TOP_LOGPROBS as u32,
+                threads: threads_n as u32,
+            };
+            sch.set_top_logprobs(TOP_LOGPROBS);
+            let f = std::fs::File::create(path)
+                .with_context(|| format!("creating {}", path.display()))?;
+            Some(Recorder::new(std::io::BufWriter::new(f), &manifest)?)
+        }
+    };
     let t0 = std::time::Instant::now();
-    let res = run_session(&model, &script, &mut sch, |_| {})?;
+    let res = run_session(&model, &script, &mut sch, |e| {
+        if let Some(r) = recorder.as_mut() {
+            r.observe(e)
+        }
+    })?;
+    if let (Some(r), Some(path)) = (recorder, &a.record) {
+        let w = r
+            .finish()
+            .with_context(|| format!("recording {}", path.display()))?;
+        let f = w
+            .into_inner()
+            .map_err(|e| anyhow::anyhow!("flushing {}: {}", path.display(), e.error()))?;
+        f.sync_all()
+            .with_context(|| format!("syncing {}", path.display()))?;
+    }
     let dt = t0.elapsed().as_secs_f64();
     let mut out = std::io::stdout().lock();
     for r in &res.requests {
@@ -257,6 +314,69 @@ fn run_run(a: &RunArgs) -> Result<()> {
     Ok(())
 }
 
+/// Top-k logprobs recorded per sampled token.
+const TOP_LOGPROBS: usize = 5;
+
+fn run_inspect(a: &InspectArgs) -> Result<()> {
+    let b = lmrr_recorder::open(&a.bundle)
+        .with_context(|| format!("reading bundle {}", a.bundle.display()))?;
+    let s = Summary::of(&b);
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        let v = serde_json::json!({ "manifest": b.manifest, "summary": s });
+        writeln!(out, "{}", serde_json::to_string_pretty(&v)?)?;
+        return Ok(());
+    }
+    let m = &b.manifest;
+    writeln!(out, "bundle      {}", a.bundle.display())?;
+    writeln!(
+        out,
+        "format      v{} · contract v{} · lmrr {} ({})",
+        m.format_version, m.contract_version, m.tool_version, m.git_revision
+    )?;
+    writeln!(out, "model       {} · {}", m.model.origin, m.model.identity)?;
+    writeln!(
+        out,
+        "engine      page size {} · pool {} pages · {} tokens/step · prefix cache {}",
+        m.engine.page_size,
+        m.engine.pool_pages,
+        m.engine.max_batch_tokens,
+        if m.engine.prefix_cache { "on" } else { "off" }
+    )?;
+    writeln!(
+        out,
+        "patches     {}",
+        if m.patches.is_empty() {
+            "none".to_string()
+        } else {
+            m.patches.join(",")
+        }
+    )?;
+    writeln!(
+        out,
+        "host        {} {} · {} · {} · {} threads",
+        m.host.os, m.host.arch, m.host.isa, m.host.cpu, m.threads
+    )?;
+    writeln!(out, "session     {}", m.source.script_path)?;
+    writeln!(
+        out,
+        "counts      {} requests · {} turns · {} interrupts · {} preemptions · {} steps",
+        s.requests, s.turns, s.interrupts, s.preemptions, s.steps
+    )?;
+    writeln!(
+        out,
+        "tokens      {} prompt · {} generated",
+        s.prompt_tokens, s.generated_tokens
+    )?;
+    writeln!(
+        out,
+        "size        {} bytes in {} frames · {:.2} bytes/token · token data {} bytes ({:.2}/token) · hashes {} bytes",
+        s.bytes, s.frames, s.bytes_per_token, s.token_data_bytes, s.token_data_bytes_per_token, s.hash_bytes
+    )?;
+    writeln!(out, "integrity   {}", s.integrity)?;
+    Ok(())
+}
+
 fn run_gen_model(a: &GenModelArgs) -> Result<()> {
     if a.arch != "llama" {
         bail!("unknown --arch `{}`: only `llama` is implemented", a.arch);
@@ -279,6 +399,7 @@ fn main() -> std::process::ExitCode {
         Some(Cmd::Generate(a)) => run_generate(a),
         Some(Cmd::GenModel(a)) => run_gen_model(a),
         Some(Cmd::Run(a)) => run_run(a),
+        Some(Cmd::Inspect(a)) => run_inspect(a),
         Some(Cmd::Bench(a)) => bench::run(a),
     };
     match res {

@@ -45,6 +45,29 @@ pub struct Model {
     pub tokenizer: Tokenizer,
     /// Where it came from, for messages.
     pub origin: String,
+    /// The generator, for synthetic models.
+    pub synthetic: Option<SynthSpec>,
+    files: ModelFiles,
+}
+
+/// What a model is, by content: SHA-256 (hex) of each of its three files.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ModelIdentity {
+    pub config_sha256: String,
+    pub weights_sha256: String,
+    pub tokenizer_sha256: String,
+}
+
+impl std::fmt::Display for ModelIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "config {} · weights {} · tokenizer {}",
+            &self.config_sha256[..16],
+            &self.weights_sha256[..16],
+            &self.tokenizer_sha256[..16]
+        )
+    }
 }
 
 impl Model {
@@ -71,7 +94,27 @@ impl Model {
         Ok(Self {
             llama,
             tokenizer,
-            origin: files.origin,
+            origin: files.origin.clone(),
+            synthetic: None,
+            files,
         })
+    }
+
+    /// Generates and loads a synthetic model.
+    pub fn synthetic(spec: SynthSpec) -> Result<Self, EngineError> {
+        let mut m = Self::from_files(spec.build())?;
+        m.synthetic = Some(spec);
+        Ok(m)
+    }
+
+    /// SHA-256 of the model's files (reads all weights once).
+    pub fn identity(&self) -> ModelIdentity {
+        use sha2::{Digest, Sha256};
+        let hex = |b: &[u8]| generate::hex(&Sha256::digest(b));
+        ModelIdentity {
+            config_sha256: hex(&self.files.config),
+            weights_sha256: hex(self.files.weight_bytes()),
+            tokenizer_sha256: hex(&self.files.tokenizer),
+        }
     }
 }

@@ -87,7 +87,7 @@ pub enum Decision {
 }
 
 /// What happened to one scheduled request in a step.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SeqReport {
     pub id: RequestId,
     pub start: usize,
@@ -97,11 +97,15 @@ pub struct SeqReport {
     pub sampled: Option<u32>,
     /// SHA-256 of the logits row `sampled` was drawn from.
     pub logits_digest: Option<Hash>,
+    /// The most likely tokens of that row with their log-probabilities (for
+    /// reports; computed in f64, outside the contract). Empty unless enabled
+    /// with [`Scheduler::set_top_logprobs`].
+    pub top_logprobs: Vec<(u32, f32)>,
     pub finish: Option<FinishReason>,
 }
 
 /// The outcome of one step.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepReport {
     pub step: u64,
     pub decisions: Vec<Decision>,
@@ -159,6 +163,7 @@ pub struct Scheduler<'m> {
     step: u64,
     next_order: u64,
     timings: StepTimings,
+    top_logprobs: usize,
 }
 
 /// Time spent inside steps, for `lmrr bench` (measurement only: no decision
@@ -205,6 +210,7 @@ impl<'m> Scheduler<'m> {
             step: 0,
             next_order: 0,
             timings: StepTimings::default(),
+            top_logprobs: 0,
         })
     }
 
@@ -315,6 +321,11 @@ impl<'m> Scheduler<'m> {
     /// All finished requests by id.
     pub fn outputs(&self) -> &BTreeMap<RequestId, RequestOutput> {
         &self.done
+    }
+
+    /// Reports the `k` most likely tokens of every sampled row (0 = off).
+    pub fn set_top_logprobs(&mut self, k: usize) {
+        self.top_logprobs = k;
     }
 
     /// Accumulated step timings.
@@ -661,6 +672,7 @@ impl<'m> Scheduler<'m> {
                 len,
                 sampled: None,
                 logits_digest: None,
+                top_logprobs: Vec::new(),
                 finish: None,
             };
             if !row.is_empty() {
@@ -678,6 +690,7 @@ impl<'m> Scheduler<'m> {
                 seq.tokens.push(tok);
                 rep.sampled = Some(tok);
                 rep.logits_digest = Some(row_digest);
+                rep.top_logprobs = top_logprobs(&row, self.top_logprobs);
                 let n_gen = seq.tokens.len() - seq.req.prompt.len();
                 rep.finish = if seq.req.stop_at_eos && cfg.is_eos(tok) {
                     Some(FinishReason::Eos)
@@ -769,4 +782,39 @@ impl<'m> Scheduler<'m> {
 /// Little-endian bits of a logits row.
 fn row_bytes(row: &[f32]) -> Vec<u8> {
     row.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect()
+}
+
+/// The `k` largest logits (ties to the lowest id) as `(token, log-probability)`,
+/// log-softmax in f64. For reports only.
+pub fn top_logprobs(row: &[f32], k: usize) -> Vec<(u32, f32)> {
+    if k == 0 || row.is_empty() {
+        return Vec::new();
+    }
+    let m = row
+        .iter()
+        .copied()
+        .filter(|v| !v.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = m + row
+        .iter()
+        .filter(|v| !v.is_nan())
+        .map(|&v| (v as f64 - m).exp())
+        .sum::<f64>()
+        .ln();
+    let mut idx: Vec<u32> = (0..row.len() as u32)
+        .filter(|&i| !row[i as usize].is_nan())
+        .collect();
+    let order = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
+    let k = k.min(idx.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    if k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, order);
+        idx.truncate(k);
+    }
+    idx.sort_unstable_by(order);
+    idx.into_iter()
+        .map(|i| (i, (row[i as usize] as f64 - lse) as f32))
+        .collect()
 }

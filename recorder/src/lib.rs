@@ -1,7 +1,26 @@
-//! The recorder: trace schema and the `.lmrr` bundle format.
+//! The recorder: the trace schema and the `.lmrr` bundle format.
 //!
-//! Owns everything that turns an engine run into bytes on disk and back. Not yet
-//! built: the serving core it observes comes first (see docs/ARCHITECTURE.md).
+//! A bundle is what a user attaches to a bug report: everything needed to
+//! re-execute a session and check it. It is small (zstd-compressed bincode,
+//! tokens as varints), versioned (magic, format and contract versions),
+//! crash-safe (append-only frames flushed every few steps, so a killed recorder
+//! leaves a bundle readable up to its last complete frame) and safe to open
+//! from a stranger (every length checked against a named limit before anything
+//! is allocated; corrupt input is an error with the frame index and byte
+//! offset, never a panic).
+//!
+//! Modules: [`schema`] (the serde types), [`codec`] (the only place that
+//! touches bincode), [`format`] (framing, writer, reader, limits), [`record`]
+//! (session observer → bundle) and [`summary`] (counts for `lmrr inspect`).
 //! Dependency direction: kernels ← engine ← recorder ← replays ← binary.
 
-pub use lmrr_engine as engine;
+pub mod codec;
+pub mod format;
+pub mod record;
+pub mod schema;
+pub mod summary;
+
+pub use format::{open, read, Bundle, BundleError, BundleWriter, Integrity};
+pub use record::Recorder;
+pub use schema::{Event, HostInfo, Manifest, ModelInfo, SessionSource, Trailer, FORMAT_VERSION};
+pub use summary::Summary;

@@ -1,0 +1,110 @@
+//! The trace schema: a manifest, then events in order. Serde types, encoded by
+//! [`crate::codec`]. Changing any type here changes the bytes of a bundle and
+//! must bump [`FORMAT_VERSION`].
+
+use serde::{Deserialize, Serialize};
+
+use lmrr_engine::scheduler::{Request, RequestId, StepReport};
+use lmrr_engine::{EngineConfig, ModelIdentity, SynthSpec};
+
+/// Version of the bundle format (framing and schema).
+pub const FORMAT_VERSION: u32 = 1;
+
+/// Everything about a recording except its events.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format_version: u32,
+    /// Arithmetic contract the logits were computed under.
+    pub contract_version: u32,
+    pub tool_version: String,
+    pub git_revision: String,
+    pub model: ModelInfo,
+    pub engine: EngineConfig,
+    /// Engine patches active while recording (empty = reference engine).
+    pub patches: Vec<String>,
+    pub host: HostInfo,
+    pub source: SessionSource,
+    /// Top-k logprobs recorded per sampled token.
+    pub top_logprobs: u32,
+    /// Threads used (never changes a bit; recorded for reports).
+    pub threads: u32,
+}
+
+/// Which model produced the recording.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelInfo {
+    /// Directory or generator name, as given.
+    pub origin: String,
+    pub identity: ModelIdentity,
+    /// Generator, preset and seed, for synthetic models.
+    pub synthetic: Option<SynthSpec>,
+}
+
+/// Host and ISA fingerprint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HostInfo {
+    pub os: String,
+    pub arch: String,
+    /// Kernel path used: `avx2+fma` or `scalar`.
+    pub isa: String,
+    pub cpu: String,
+}
+
+impl HostInfo {
+    /// This machine.
+    pub fn current() -> Self {
+        let cpu = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+            })
+            .unwrap_or_else(|| "unknown".into());
+        let isa = match lmrr_kernels::isa() {
+            lmrr_kernels::Isa::Avx2Fma => "avx2+fma",
+            lmrr_kernels::Isa::Scalar => "scalar",
+        };
+        Self {
+            os: std::env::consts::OS.into(),
+            arch: std::env::consts::ARCH.into(),
+            isa: isa.into(),
+            cpu,
+        }
+    }
+}
+
+/// The session as the user wrote it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionSource {
+    pub script_path: String,
+    pub script: String,
+}
+
+/// One recorded event. Arrivals and interrupts happen at the boundary before
+/// step `step`; a `Step` is the scheduler's full report of that step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Event {
+    Arrival {
+        step: u64,
+        name: String,
+        request: Request,
+    },
+    Interrupt {
+        step: u64,
+        name: String,
+        id: RequestId,
+    },
+    Step(StepReport),
+}
+
+/// The last frame of a complete bundle.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Trailer {
+    /// Frames before the trailer (manifest included).
+    pub frames: u32,
+    pub events: u64,
+    pub steps: u64,
+    /// SHA-256 over every byte before the trailer frame (header included).
+    pub sha256: [u8; 32],
+}
