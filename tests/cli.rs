@@ -223,3 +223,74 @@ fn run_refuses_a_bad_script_with_exit_2() {
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(e.contains("bad.toml:4") && e.contains("nobody"), "{e}");
 }
+
+#[test]
+fn record_then_inspect_reports_counts_and_integrity() {
+    let d = tempfile::tempdir().unwrap();
+    let b = d.path().join("s.lmrr");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/incident.toml");
+    let o = lmrr(
+        &["run", "--script", script, "--record", b.to_str().unwrap()],
+        &[],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = lmrr(&["inspect", b.to_str().unwrap()], &[]);
+    assert!(o.status.success());
+    let out = String::from_utf8(o.stdout).unwrap();
+    assert!(out.contains("2 requests · 1 turns · 1 interrupts"), "{out}");
+    assert!(out.contains("integrity   complete"), "{out}");
+    let o = lmrr(&["inspect", "--json", b.to_str().unwrap()], &[]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["summary"]["generated_tokens"], 60 + 120);
+    assert_eq!(v["manifest"]["model"]["synthetic"]["preset"], "tiny");
+    // A foreign file: exit 2, says what it is not.
+    std::fs::write(d.path().join("x.lmrr"), b"hello world").unwrap();
+    let o = lmrr(&["inspect", d.path().join("x.lmrr").to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not an lmrr bundle"));
+}
+
+#[test]
+fn a_recorder_killed_with_sigkill_leaves_a_readable_truncated_bundle() {
+    let d = tempfile::tempdir().unwrap();
+    let script = d.path().join("long.toml");
+    let mut s = String::new();
+    for i in 0..40 {
+        s += &format!("[[request]]\nid = \"r{i}\"\nprompt = \"request {i}\"\nmax_tokens = 1900\nignore_eos = true\n");
+        if i > 0 {
+            s += &format!("after = \"r{}\"\n", i - 1);
+        }
+    }
+    std::fs::write(&script, s).unwrap();
+    let b = d.path().join("killed.lmrr");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lmrr"))
+        .args([
+            "run",
+            "--script",
+            script.to_str().unwrap(),
+            "--record",
+            b.to_str().unwrap(),
+            "--threads",
+            "1",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while std::fs::metadata(&b).map_or(0, |m| m.len()) < 20_000 {
+        assert!(t0.elapsed().as_secs() < 60, "recorder wrote nothing");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the session ended before it could be killed"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let o = lmrr(&["inspect", b.to_str().unwrap()], &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8(o.stdout).unwrap();
+    assert!(out.contains("TRUNCATED"), "{out}");
+    assert!(!out.contains(" 0 steps"), "{out}");
+}

@@ -1,0 +1,254 @@
+//! Bundles as untrusted input: round trip, then hand-corrupted copies — a bit
+//! flip in every region, truncation at every frame boundary and inside frames,
+//! oversized lengths, foreign files, wrong versions. Nothing may panic; every
+//! failure names what and where; truncation keeps what was complete.
+
+use lmrr_engine::session::SessionEvent;
+use lmrr_engine::{run_session, EngineConfig, Model, Scheduler, Script, SynthSpec};
+use lmrr_kernels::Threads;
+use lmrr_recorder::format::{FRAME_HEADER_LEN, HEADER_LEN, MAX_FRAME_COMPRESSED, MAX_FRAME_RAW};
+use lmrr_recorder::{
+    read, BundleError, Event, HostInfo, Integrity, Manifest, ModelInfo, Recorder, SessionSource,
+    Summary,
+};
+
+const SCRIPT: &str = r#"
+[[request]]
+id = "a"
+messages = [{ role = "user", content = "hello" }]
+max_tokens = 12
+ignore_eos = true
+
+[[request]]
+id = "b"
+after = "a"
+messages = [{ role = "user", content = "hello" }, { role = "assistant", from = "a" }, { role = "user", content = "more" }]
+max_tokens = 20
+interrupt_after_tokens = 7
+"#;
+
+fn record() -> (Vec<u8>, Vec<Event>) {
+    let m = Model::synthetic(SynthSpec::embedded_default()).unwrap();
+    let script = Script::parse(SCRIPT, "t.toml").unwrap();
+    let cfg = EngineConfig {
+        page_size: 4,
+        ..Default::default()
+    };
+    let manifest = Manifest {
+        format_version: lmrr_recorder::FORMAT_VERSION,
+        contract_version: lmrr_kernels::CONTRACT_VERSION,
+        tool_version: "test".into(),
+        git_revision: "test".into(),
+        model: ModelInfo {
+            origin: m.origin.clone(),
+            identity: m.identity(),
+            synthetic: m.synthetic,
+        },
+        engine: cfg,
+        patches: vec![],
+        host: HostInfo::current(),
+        source: SessionSource {
+            script_path: "t.toml".into(),
+            script: SCRIPT.into(),
+        },
+        top_logprobs: 5,
+        threads: 1,
+    };
+    let mut sch = Scheduler::new(&m.llama, cfg, Threads::single()).unwrap();
+    sch.set_top_logprobs(5);
+    let mut rec = Recorder::new(Vec::new(), &manifest).unwrap();
+    let mut seen = Vec::new();
+    run_session(&m, &script, &mut sch, |e: SessionEvent| {
+        seen.push(match &e {
+            SessionEvent::Arrival {
+                step,
+                name,
+                request,
+            } => Event::Arrival {
+                step: *step,
+                name: name.to_string(),
+                request: (*request).clone(),
+            },
+            SessionEvent::Interrupt { step, name, id } => Event::Interrupt {
+                step: *step,
+                name: name.to_string(),
+                id: *id,
+            },
+            SessionEvent::Step(r) => Event::Step((*r).clone()),
+        });
+        rec.observe(e)
+    })
+    .unwrap();
+    (rec.finish().unwrap(), seen)
+}
+
+/// Byte offsets where frames start (the header ends at HEADER_LEN).
+fn frame_starts(b: &[u8]) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut off = HEADER_LEN;
+    while off + FRAME_HEADER_LEN <= b.len() {
+        out.push(off);
+        let len = u32::from_le_bytes(b[off + 4..off + 8].try_into().unwrap()) as usize;
+        off += FRAME_HEADER_LEN + len;
+    }
+    out
+}
+
+#[test]
+fn a_bundle_round_trips_every_event() {
+    let (bytes, events) = record();
+    let b = read(&bytes).unwrap();
+    assert!(matches!(b.integrity, Integrity::Complete { .. }));
+    assert_eq!(b.events, events);
+    assert_eq!(b.frames, frame_starts(&bytes).len());
+    let s = Summary::of(&b);
+    assert_eq!(
+        (s.requests, s.turns, s.interrupts, s.generated_tokens),
+        (2, 1, 1, 12 + 7)
+    );
+    assert!(
+        s.token_data_bytes_per_token < 4.0,
+        "{}",
+        s.token_data_bytes_per_token
+    );
+    // Top-5 logprobs recorded and ordered.
+    let tops: Vec<_> = b
+        .events
+        .iter()
+        .filter_map(|e| {
+            if let Event::Step(r) = e {
+                r.seqs
+                    .iter()
+                    .find(|s| s.sampled.is_some())
+                    .map(|s| s.top_logprobs.clone())
+            } else {
+                None
+            }
+        })
+        .collect();
+    assert!(tops
+        .iter()
+        .all(|t| t.len() == 5 && t.windows(2).all(|w| w[0].1 >= w[1].1)));
+}
+
+#[test]
+fn a_bit_flip_anywhere_is_an_error_or_a_flagged_truncation_never_a_panic() {
+    let (bytes, _) = record();
+    let starts = frame_starts(&bytes);
+    for i in 0..bytes.len() {
+        for bit in [0u8, 3, 7] {
+            let mut c = bytes.clone();
+            c[i] ^= 1 << bit;
+            match read(&c) {
+                Ok(b) => {
+                    // Only a flip in a length field can look like a truncation,
+                    // and then it must say so.
+                    assert!(
+                        matches!(b.integrity, Integrity::Truncated { .. }),
+                        "flip at byte {i} bit {bit} went unnoticed"
+                    );
+                }
+                Err(e) => {
+                    let msg = e.to_string();
+                    if let BundleError::Corrupt { frame, offset, .. } = &e {
+                        assert!(
+                            *frame <= starts.len() && (*offset as usize) < bytes.len(),
+                            "{msg}"
+                        );
+                    }
+                    assert!(!msg.is_empty());
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn truncation_at_every_frame_boundary_keeps_the_complete_frames() {
+    let (bytes, events) = record();
+    let starts = frame_starts(&bytes);
+    for (k, &cut) in starts.iter().enumerate().skip(1) {
+        let b = read(&bytes[..cut]).unwrap();
+        assert_eq!(b.frames, k);
+        match &b.integrity {
+            Integrity::Truncated { frames, offset, .. } => {
+                assert_eq!((*frames, *offset as usize), (k, cut))
+            }
+            other => panic!("cut at {cut}: {other:?}"),
+        }
+        assert_eq!(b.events[..], events[..b.events.len()], "cut at {cut}");
+        // And inside the next frame: same events, still flagged.
+        for inside in [
+            cut + 1,
+            cut + FRAME_HEADER_LEN - 1,
+            cut + FRAME_HEADER_LEN + 1,
+        ] {
+            if inside < bytes.len() {
+                let t = read(&bytes[..inside]).unwrap();
+                assert_eq!(t.events.len(), b.events.len());
+                assert!(matches!(t.integrity, Integrity::Truncated { .. }));
+            }
+        }
+    }
+    // Before the manifest is complete there is nothing to read.
+    for cut in [0, 5, HEADER_LEN, HEADER_LEN + 3, starts[1] - 1] {
+        let e = read(&bytes[..cut]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                BundleError::NoManifest { .. } | BundleError::Foreign { .. }
+            ),
+            "cut {cut}: {e}"
+        );
+    }
+}
+
+#[test]
+fn truncation_at_every_byte_never_panics() {
+    let (bytes, _) = record();
+    for cut in 0..bytes.len() {
+        let _ = read(&bytes[..cut]);
+    }
+}
+
+#[test]
+fn oversized_lengths_are_refused_before_allocating() {
+    let (bytes, _) = record();
+    let starts = frame_starts(&bytes);
+    let at = starts[1];
+    let mut c = bytes.clone();
+    c[at + 4..at + 8].copy_from_slice(&u32::MAX.to_le_bytes());
+    let e = read(&c).unwrap_err().to_string();
+    assert!(
+        e.contains("frame 1") && e.contains(&MAX_FRAME_COMPRESSED.to_string()),
+        "{e}"
+    );
+    let mut c = bytes.clone();
+    c[at + 8..at + 12].copy_from_slice(&u32::MAX.to_le_bytes());
+    let e = read(&c).unwrap_err().to_string();
+    assert!(
+        e.contains("frame 1") && e.contains(&MAX_FRAME_RAW.to_string()),
+        "{e}"
+    );
+    assert!(e.contains(&format!("byte {at}")), "{e}");
+}
+
+#[test]
+fn foreign_files_and_other_versions_are_named() {
+    let e = read(b"PK\x03\x04 this is a zip file").unwrap_err();
+    assert!(matches!(e, BundleError::Foreign { .. }), "{e}");
+    assert!(e.to_string().contains("PK"), "{e}");
+    let (mut bytes, _) = record();
+    bytes[8..12].copy_from_slice(&7u32.to_le_bytes());
+    let e = read(&bytes).unwrap_err().to_string();
+    assert!(e.contains("version 7") && e.contains("version 1"), "{e}");
+    assert!(read(b"").is_err());
+}
+
+#[test]
+fn bytes_after_the_trailer_are_corruption() {
+    let (mut bytes, _) = record();
+    bytes.extend_from_slice(b"junk");
+    let e = read(&bytes).unwrap_err().to_string();
+    assert!(e.contains("after the trailer"), "{e}");
+}
