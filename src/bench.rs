@@ -163,6 +163,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     }
 
     let (hash_s, total_s, steps) = serving_hash_share(&model, &th, a.prompt_len, a.decode_steps)?;
+    let rf = recording_overhead(&model, &th, r)?;
 
     println!();
     println!("| measurement | value |");
@@ -203,6 +204,32 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         total_s * 1e3,
         100.0 * hash_s / total_s
     );
+    println!(
+        "| session of 4 chat requests × 32 tokens: plain / recorded | {:.0} ms / {:.0} ms = {:+.2}% (identity hash {:.0} ms included) |",
+        rf.plain_s * 1e3,
+        rf.recorded_s * 1e3,
+        100.0 * (rf.recorded_s / rf.plain_s - 1.0),
+        rf.identity_s * 1e3
+    );
+    println!(
+        "| recording, excluding the one-time identity hash | {:+.2}% |",
+        100.0 * ((rf.recorded_s - rf.identity_s) / rf.plain_s - 1.0)
+    );
+    println!(
+        "| bundle | {} bytes for {} tokens = {:.1} bytes/token; token data {:.2} bytes/token |",
+        rf.bytes,
+        rf.tokens,
+        rf.bytes as f64 / rf.tokens as f64,
+        rf.token_data_per_token
+    );
+    println!(
+        "| bundle write (observer time) / read | {:.2} MB/s ({:.1} ms) / {:.1} MB/s ({} events in {:.2} ms) |",
+        rf.bytes as f64 / rf.observe_s / 1e6,
+        rf.observe_s * 1e3,
+        rf.bytes as f64 / rf.read_s / 1e6,
+        rf.events,
+        rf.read_s * 1e3
+    );
     Ok(())
 }
 
@@ -238,4 +265,101 @@ pub fn serving_hash_share(
     }
     let t = sch.timings();
     Ok((t.hashing.as_secs_f64(), t.total.as_secs_f64(), sch.steps()))
+}
+
+/// Figures of recording a session on the benchmark model.
+pub struct RecordFigures {
+    pub plain_s: f64,
+    pub recorded_s: f64,
+    pub observe_s: f64,
+    pub identity_s: f64,
+    pub bytes: u64,
+    pub tokens: usize,
+    pub token_data_per_token: f64,
+    pub read_s: f64,
+    pub events: usize,
+}
+
+/// Runs one session with and without `--record` (alternating, `repeats` times
+/// each, medians), then reads the bundle back.
+pub fn recording_overhead(
+    model: &lmrr_engine::Model,
+    th: &Threads,
+    repeats: usize,
+) -> Result<RecordFigures> {
+    use lmrr_engine::{run_session, EngineConfig, Scheduler, Script};
+    use lmrr_recorder::{HostInfo, Manifest, ModelInfo, Recorder, SessionSource, Summary};
+    let mut src = String::new();
+    for i in 0..4 {
+        src += &format!(
+            "[[request]]\nid = \"u{i}\"\nmessages = [{{ role = \"user\", content = \"You are reviewing a pull request that rewrites the decode attention kernel. Question {i}: what could go wrong?\" }}]\nmax_tokens = 32\nignore_eos = true\n"
+        );
+    }
+    let script = Script::parse(&src, "bench.toml")?;
+    let cfg = EngineConfig::default();
+    let path = std::env::temp_dir().join(format!("lmrr-bench-{}.lmrr", std::process::id()));
+    let (mut plain, mut recorded, mut observe, mut identity) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..repeats.max(1) {
+        let mut sch = Scheduler::new(&model.llama, cfg, th.clone())?;
+        let t = Instant::now();
+        run_session(model, &script, &mut sch, |_| {})?;
+        plain.push(t.elapsed().as_secs_f64());
+
+        let mut sch = Scheduler::new(&model.llama, cfg, th.clone())?;
+        let t = Instant::now();
+        let ti = Instant::now();
+        let id = model.identity();
+        identity.push(ti.elapsed().as_secs_f64());
+        let manifest = Manifest {
+            format_version: lmrr_recorder::FORMAT_VERSION,
+            contract_version: lmrr_kernels::CONTRACT_VERSION,
+            tool_version: env!("CARGO_PKG_VERSION").into(),
+            git_revision: env!("LMRR_GIT_REV").into(),
+            model: ModelInfo {
+                origin: model.origin.clone(),
+                identity: id,
+                synthetic: model.synthetic,
+            },
+            engine: cfg,
+            patches: Vec::new(),
+            host: HostInfo::current(),
+            source: SessionSource {
+                script_path: "bench.toml".into(),
+                script: src.clone(),
+            },
+            top_logprobs: 5,
+            threads: th.count() as u32,
+        };
+        sch.set_top_logprobs(5);
+        let mut rec = Recorder::new(
+            std::io::BufWriter::new(std::fs::File::create(&path)?),
+            &manifest,
+        )?;
+        let mut obs = 0.0;
+        run_session(model, &script, &mut sch, |e| {
+            let t = Instant::now();
+            rec.observe(e);
+            obs += t.elapsed().as_secs_f64();
+        })?;
+        rec.finish()?;
+        recorded.push(t.elapsed().as_secs_f64());
+        observe.push(obs);
+    }
+    let t = Instant::now();
+    let b = lmrr_recorder::open(&path)?;
+    let read_s = t.elapsed().as_secs_f64();
+    let s = Summary::of(&b);
+    let _ = std::fs::remove_file(&path);
+    Ok(RecordFigures {
+        plain_s: median(plain),
+        recorded_s: median(recorded),
+        observe_s: median(observe),
+        identity_s: median(identity),
+        bytes: b.size,
+        tokens: s.prompt_tokens + s.generated_tokens,
+        token_data_per_token: s.token_data_bytes_per_token,
+        read_s,
+        events: b.events.len(),
+    })
 }

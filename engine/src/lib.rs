@@ -16,6 +16,7 @@ pub mod error;
 pub mod generate;
 pub mod kv;
 pub mod llama;
+pub mod patches;
 pub mod pool;
 pub mod radix;
 pub mod sampling;
@@ -30,6 +31,7 @@ pub use error::EngineError;
 pub use generate::{generate, FinishReason, GenerateOptions, Generation};
 pub use kv::{KvCache, SeqId, SeqKvStore};
 pub use llama::{Llama, LogitsWanted, SeqSpan};
+pub use patches::{Patch, PatchSet};
 pub use sampling::{sample, SamplingParams};
 pub use scheduler::{
     Decision, EngineConfig, Request, RequestId, RequestOutput, Scheduler, SeqReport, StepReport,

@@ -11,8 +11,10 @@
 use lmrr_kernels::{self as k, AttnShape, AttnTask, RopeTable, Threads};
 
 use crate::kv::{KvCache, SeqId};
+use crate::patches::{Patch, PatchSet};
 use crate::weights::{Tensor, TensorFile};
 use crate::{EngineError, LlamaConfig, ModelFiles};
+use lmrr_kernels::attention_variants::{attention_variant, ExpKind};
 
 struct Layer {
     attn_norm: Vec<f32>,
@@ -177,7 +179,19 @@ impl Llama {
         spans: &[SeqSpan],
         threads: &Threads,
     ) -> Result<Vec<Vec<f32>>, EngineError> {
-        threads.install(|| self.forward_in_pool(kv, spans, threads))
+        self.forward_patched(kv, spans, threads, &PatchSet::none())
+    }
+
+    /// [`Self::forward`] with engine patches applied (`splitk-decode`,
+    /// `fast-exp` act here; the cache patches act in the scheduler).
+    pub fn forward_patched(
+        &self,
+        kv: &mut dyn KvCache,
+        spans: &[SeqSpan],
+        threads: &Threads,
+        patches: &PatchSet,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        threads.install(|| self.forward_in_pool(kv, spans, threads, patches))
     }
 
     fn forward_in_pool(
@@ -185,6 +199,7 @@ impl Llama {
         kv: &mut dyn KvCache,
         spans: &[SeqSpan],
         threads: &Threads,
+        patches: &PatchSet,
     ) -> Result<Vec<Vec<f32>>, EngineError> {
         let cfg = &self.cfg;
         let (d, ff, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
@@ -241,6 +256,23 @@ impl Llama {
                 .row_into(t as usize, &mut sc.x[i * d..(i + 1) * d]);
         }
         let scale = 1.0 / (self.shape.head_dim as f32).sqrt();
+        // Patched attention: split-K follows the number of decoding sequences.
+        let decoding = spans
+            .iter()
+            .filter(|s| s.tokens.len() == 1 && s.start > 0)
+            .count();
+        let split_of: Vec<usize> = spans
+            .iter()
+            .map(|s| {
+                if patches.contains(Patch::SplitkDecode) && s.tokens.len() == 1 && s.start > 0 {
+                    decoding.min(4)
+                } else {
+                    1
+                }
+            })
+            .collect();
+        let variant =
+            (patches.contains(Patch::FastExp) || split_of.iter().any(|&s| s > 1)).then_some(());
         for (li, l) in self.layers.iter().enumerate() {
             // Attention block.
             k::rms_norm(&sc.x, &l.attn_norm, cfg.rms_norm_eps, &mut sc.h);
@@ -264,7 +296,25 @@ impl Llama {
                         pos,
                     })
                     .collect();
-                k::attention(threads, &tasks, &self.shape, scale, &mut sc.att);
+                if variant.is_some() {
+                    let splits: Vec<usize> = tok.iter().map(|&(si, _)| split_of[si]).collect();
+                    let exp = if patches.contains(Patch::FastExp) {
+                        ExpKind::Fast
+                    } else {
+                        ExpKind::Det
+                    };
+                    attention_variant(
+                        threads,
+                        &tasks,
+                        &splits,
+                        &self.shape,
+                        scale,
+                        exp,
+                        &mut sc.att,
+                    );
+                } else {
+                    k::attention(threads, &tasks, &self.shape, scale, &mut sc.att);
+                }
             }
             k::matmul(threads, &sc.att, n, &l.o.matrix(), &mut sc.o);
             add_into(&mut sc.x, &sc.o);

@@ -21,6 +21,13 @@ use crate::pool::{Hash, PageId, PagePool};
 
 type NodeId = usize;
 
+/// Result of [`RadixCache::match_prefix`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Match {
+    pub pages: Vec<PageId>,
+    pub tokens: usize,
+}
+
 #[derive(Debug)]
 struct Node {
     parent: Option<NodeId>,
@@ -55,14 +62,18 @@ impl RadixCache {
         }
     }
 
-    /// Pages caching the longest page-aligned prefix of `tokens`; with `touch`,
-    /// marks the path as used. Does not take references.
-    pub fn match_prefix(&mut self, tokens: &[u32], page_size: usize, touch: bool) -> Vec<PageId> {
+    /// Pages caching the longest prefix of `tokens` found in the tree, and the
+    /// number of tokens they cover; with `touch`, marks the path as used. Does
+    /// not take references. The reference engine only ever caches full pages,
+    /// so `tokens` is then `pages.len() · page_size`; a partial leaf (only the
+    /// `abort-inserts-partial` patch creates them) extends a match by its key.
+    pub fn match_prefix(&mut self, tokens: &[u32], page_size: usize, touch: bool) -> Match {
         if touch {
             self.clock += 1;
         }
         let mut out = Vec::new();
         let mut at: Option<NodeId> = None;
+        let full = tokens.len() / page_size;
         for key in tokens.chunks_exact(page_size) {
             let Some(&id) = self.children(at).get(key) else {
                 break;
@@ -75,7 +86,82 @@ impl RadixCache {
             }
             at = Some(id);
         }
-        out
+        let mut matched = out.len() * page_size;
+        if out.len() == full {
+            let rest = &tokens[matched..];
+            let partial = self
+                .children(at)
+                .iter()
+                .find(|(k, _)| k.len() < page_size && !k.is_empty() && rest.starts_with(k))
+                .map(|(k, &id)| (k.len(), id));
+            if let Some((len, id)) = partial {
+                out.push(self.node(id).page);
+                matched += len;
+                if touch {
+                    if let Some(n) = self.nodes[id].as_mut() {
+                        n.last_use = self.clock;
+                    }
+                }
+            }
+        }
+        Match {
+            pages: out,
+            tokens: matched,
+        }
+    }
+
+    /// Adds a leaf holding a *partial* page (`key` shorter than a page) under
+    /// the full-page path `prefix` — only the `abort-inserts-partial` patch does
+    /// this. Takes a reference on `page`. Returns whether a node was added.
+    pub fn insert_partial(
+        &mut self,
+        prefix: &[u32],
+        key: &[u32],
+        page: PageId,
+        pool: &mut PagePool,
+    ) -> bool {
+        let ps = pool.page_size();
+        if key.is_empty() || key.len() >= ps {
+            return false;
+        }
+        let mut at: Option<NodeId> = None;
+        for k in prefix.chunks_exact(ps) {
+            match self.children(at).get(k) {
+                Some(&id) => at = Some(id),
+                None => return false,
+            }
+        }
+        if self.children(at).contains_key(key) {
+            return false;
+        }
+        self.clock += 1;
+        let node = Node {
+            parent: at,
+            key: key.to_vec(),
+            page,
+            children: BTreeMap::new(),
+            last_use: self.clock,
+        };
+        let id = match self.free_slots.pop() {
+            Some(s) => {
+                self.nodes[s] = Some(node);
+                s
+            }
+            None => {
+                self.nodes.push(Some(node));
+                self.nodes.len() - 1
+            }
+        };
+        match at {
+            None => self.root.insert(key.to_vec(), id),
+            Some(p) => self.nodes[p]
+                .as_mut()
+                .expect("live parent")
+                .children
+                .insert(key.to_vec(), id),
+        };
+        pool.incref(page);
+        true
     }
 
     /// Caches the full pages of `tokens` (`pages[i]` holds positions

@@ -28,8 +28,9 @@ use sha2::{Digest, Sha256};
 use lmrr_kernels::Threads;
 
 use crate::llama::{LogitsWanted, SeqSpan};
+use crate::patches::{Patch, PatchSet};
 use crate::pool::{BlockTable, Hash, PagePool, PagedKv};
-use crate::radix::RadixCache;
+use crate::radix::{Match, RadixCache};
 use crate::sampling::{sample, SamplingParams};
 use crate::{EngineError, FinishReason, Llama};
 
@@ -140,6 +141,8 @@ struct Seq {
     hasher: Sha256,
     cached_tokens: Option<usize>,
     preemptions: usize,
+    /// Pages matched from the prefix cache at the latest admission.
+    shared_pages: Vec<crate::pool::PageId>,
 }
 
 impl Seq {
@@ -164,6 +167,7 @@ pub struct Scheduler<'m> {
     next_order: u64,
     timings: StepTimings,
     top_logprobs: usize,
+    patches: PatchSet,
 }
 
 /// Time spent inside steps, for `lmrr bench` (measurement only: no decision
@@ -211,7 +215,25 @@ impl<'m> Scheduler<'m> {
             next_order: 0,
             timings: StepTimings::default(),
             top_logprobs: 0,
+            patches: PatchSet::none(),
         })
+    }
+
+    /// A scheduler running engine patches (see [`crate::patches`]).
+    pub fn with_patches(
+        model: &'m Llama,
+        cfg: EngineConfig,
+        threads: Threads,
+        patches: PatchSet,
+    ) -> Result<Self, EngineError> {
+        let mut s = Self::new(model, cfg, threads)?;
+        s.patches = patches;
+        Ok(s)
+    }
+
+    /// The active patches.
+    pub fn patches(&self) -> &PatchSet {
+        &self.patches
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -269,6 +291,7 @@ impl<'m> Scheduler<'m> {
                 hasher: Sha256::new(),
                 cached_tokens: None,
                 preemptions: 0,
+                shared_pages: Vec::new(),
             },
         );
         self.next_order += 1;
@@ -436,16 +459,19 @@ impl<'m> Scheduler<'m> {
                 self.radix
                     .match_prefix(&tokens[..tokens.len() - 1], ps, false)
             } else {
-                Vec::new()
+                Match {
+                    pages: Vec::new(),
+                    tokens: 0,
+                }
             };
-            let cached = matched.len() * ps;
+            let cached = matched.tokens;
             let avail = self.kv.pool.free_count()
                 + if self.cfg.prefix_cache {
-                    self.radix.evictable(&self.kv.pool, &matched)
+                    self.radix.evictable(&self.kv.pool, &matched.pages)
                 } else {
                     0
                 };
-            let fit = ((matched.len() + avail) * ps).saturating_sub(cached);
+            let fit = ((matched.pages.len() + avail) * ps).saturating_sub(cached);
             let n = (tokens.len() - cached).min(budget).min(fit);
             if n == 0 {
                 break;
@@ -489,7 +515,7 @@ impl<'m> Scheduler<'m> {
                 if let Some(pos) = self.waiting.iter().position(|&x| x == id) {
                     self.waiting.remove(pos);
                 } else if self.running.contains(&id) {
-                    self.release(id, true);
+                    self.release_as(id, true, true);
                 } else {
                     return Err(infeasible(format!(
                         "interrupt of request {id}, which is neither waiting nor running"
@@ -521,26 +547,39 @@ impl<'m> Scheduler<'m> {
                         "admission of request {id}, which is not waiting"
                     )));
                 };
-                if cached_tokens % ps != 0 || (cached_tokens > 0 && !self.cfg.prefix_cache) {
-                    return Err(infeasible(format!("admission of request {id} with {cached_tokens} cached tokens (page size {ps})")));
+                if cached_tokens > 0 && !self.cfg.prefix_cache {
+                    return Err(infeasible(format!(
+                        "admission of request {id} with {cached_tokens} cached tokens, the prefix cache is off"
+                    )));
                 }
                 let seq = &self.seqs[&id];
                 let probe = &seq.tokens[..seq.tokens.len() - 1];
-                let pages = if cached_tokens > 0 {
+                let m = if cached_tokens > 0 {
                     self.radix.match_prefix(probe, ps, true)
                 } else {
-                    Vec::new()
+                    Match {
+                        pages: Vec::new(),
+                        tokens: 0,
+                    }
                 };
-                if pages.len() * ps < cached_tokens {
+                // A cut inside a page is only possible at the end of a partial match.
+                if m.tokens < cached_tokens
+                    || (cached_tokens % ps != 0 && cached_tokens != m.tokens)
+                {
                     return Err(infeasible(format!(
                         "admission of request {id} expects {cached_tokens} cached tokens, the cache holds {}",
-                        pages.len() * ps
+                        m.tokens
                     )));
                 }
-                let pages: Vec<_> = pages.into_iter().take(cached_tokens / ps).collect();
+                let pages: Vec<_> = m
+                    .pages
+                    .into_iter()
+                    .take(cached_tokens.div_ceil(ps))
+                    .collect();
                 for &p in &pages {
                     self.kv.pool.incref(p);
                 }
+                let shared = pages.clone();
                 self.waiting.remove(pos);
                 self.kv.tables.insert(
                     id,
@@ -551,6 +590,7 @@ impl<'m> Scheduler<'m> {
                 );
                 let seq = self.seqs.get_mut(&id).expect("waiting request exists");
                 seq.cached_tokens.get_or_insert(cached_tokens);
+                seq.shared_pages = shared;
                 let order = seq.order;
                 let at = self
                     .running
@@ -597,18 +637,49 @@ impl<'m> Scheduler<'m> {
     /// Releases a running request's pages; with `cache`, its full computed
     /// pages enter the prefix cache first.
     fn release(&mut self, id: RequestId, cache: bool) {
+        self.release_as(id, cache, false);
+    }
+
+    /// Releases a request; `interrupted` selects the abort path, where the
+    /// cache-corruption patches act.
+    fn release_as(&mut self, id: RequestId, cache: bool, interrupted: bool) {
         self.running.retain(|&r| r != id);
         let Some(t) = self.kv.tables.remove(&id) else {
             return;
         };
+        let ps = self.cfg.page_size;
         if cache && self.cfg.prefix_cache {
-            let full = t.len / self.cfg.page_size;
-            let tokens = &self.seqs[&id].tokens[..full * self.cfg.page_size];
+            let full = t.len / ps;
+            let tokens = &self.seqs[&id].tokens;
             self.radix
-                .insert(tokens, &t.pages[..full], &mut self.kv.pool);
+                .insert(&tokens[..full * ps], &t.pages[..full], &mut self.kv.pool);
+            if interrupted && self.patches.contains(Patch::AbortInsertsPartial) && t.len % ps != 0 {
+                // The bug: the unfinished page goes in too, keyed by every token
+                // it covers — including the last sampled one, never computed.
+                let key = &tokens[full * ps..tokens.len().min((full + 1) * ps)];
+                self.radix.insert_partial(
+                    &tokens[..full * ps],
+                    key,
+                    t.pages[full],
+                    &mut self.kv.pool,
+                );
+            }
         }
         for p in t.pages {
             self.kv.pool.decref(p);
+        }
+        if interrupted && self.patches.contains(Patch::AbortFreesShared) {
+            // The bug: pages shared with the tree are freed as if exclusive.
+            let shared = std::mem::take(
+                &mut self
+                    .seqs
+                    .get_mut(&id)
+                    .expect("released request exists")
+                    .shared_pages,
+            );
+            for p in shared {
+                self.kv.pool.force_free(p);
+            }
         }
     }
 
@@ -659,7 +730,8 @@ impl<'m> Scheduler<'m> {
         let logits = if spans.is_empty() {
             Vec::new()
         } else {
-            self.model.forward(&mut self.kv, &spans, &self.threads)?
+            self.model
+                .forward_patched(&mut self.kv, &spans, &self.threads, &self.patches)?
         };
         let th = std::time::Instant::now();
         self.kv.finish_step();

@@ -22,6 +22,7 @@
 pub mod act;
 pub mod argmax;
 pub mod attention;
+pub mod attention_variants;
 pub mod exp;
 pub mod matmul;
 pub mod norm;

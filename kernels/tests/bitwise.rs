@@ -369,3 +369,42 @@ fn attention_over_one_key_returns_its_value() {
     assert_eq!(bits(&out[..9]), bits(&v));
     assert_eq!(bits(&out[9..]), bits(&v));
 }
+
+#[test]
+fn attention_variant_with_one_split_and_det_exp_is_the_reference() {
+    use lmrr_kernels::attention_variants::{attention_variant, fast_exp, ExpKind};
+    let mut r = Rng(12);
+    let shape = AttnShape {
+        n_heads: 6,
+        n_kv_heads: 2,
+        head_dim: 10,
+    };
+    let len = 90;
+    let k = r.vec(len * shape.kv_dim(), 1.5);
+    let v = r.vec(len * shape.kv_dim(), 1.0);
+    let view = KvView {
+        block_len: len,
+        k: vec![&k],
+        v: vec![&v],
+    };
+    let qs: Vec<Vec<f32>> = (0..3).map(|_| r.vec(shape.q_dim(), 1.0)).collect();
+    let tasks: Vec<AttnTask> = [0usize, 40, 89]
+        .iter()
+        .zip(&qs)
+        .map(|(&pos, q)| AttnTask { q, kv: &view, pos })
+        .collect();
+    let mut want = vec![0.0; 3 * shape.q_dim()];
+    attention_ref(&tasks, &shape, 0.3, &mut want);
+    let th = Threads::new(2).unwrap();
+    let mut got = vec![0.0; want.len()];
+    attention_variant(&th, &tasks, &[1, 1, 1], &shape, 0.3, ExpKind::Det, &mut got);
+    assert_eq!(bits(&got), bits(&want));
+    // Splits and the fast exp change bits (that is what the patches are for) but
+    // stay close.
+    for (splits, exp) in [([3usize, 3, 3], ExpKind::Det), ([1, 1, 1], ExpKind::Fast)] {
+        attention_variant(&th, &tasks, &splits, &shape, 0.3, exp, &mut got);
+        assert_ne!(bits(&got), bits(&want), "{splits:?} {exp:?}");
+        assert!(got.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-2));
+    }
+    assert!((fast_exp(1.0) - std::f32::consts::E).abs() < 2e-3);
+}
