@@ -2,6 +2,7 @@
 //! No engine logic lives here.
 
 mod bench;
+mod replay;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -12,8 +13,8 @@ use clap::{Parser, Subcommand};
 use lmrr_engine::generate::hex;
 use lmrr_engine::synth::SynthDtype;
 use lmrr_engine::{
-    run_session, EngineConfig, GenerateOptions, Model, Preset, SamplingParams, Scheduler, Script,
-    SynthSpec,
+    run_session, EngineConfig, GenerateOptions, Model, Patch, PatchSet, Preset, SamplingParams,
+    Scheduler, Script, SynthSpec,
 };
 use lmrr_kernels::Threads;
 use lmrr_recorder::{HostInfo, Manifest, ModelInfo, Recorder, SessionSource, Summary};
@@ -40,6 +41,10 @@ enum Cmd {
     Run(RunArgs),
     /// Print a bundle's manifest, counts, size and integrity verdict.
     Inspect(InspectArgs),
+    /// Re-execute a bundle bit-exactly; report the first divergence; bisect patches.
+    Replay(replay::ReplayArgs),
+    /// List the engine patch catalog.
+    Patches,
     /// Measure kernels, prefill and decode against the memory bandwidth.
     Bench(bench::BenchArgs),
 }
@@ -70,6 +75,13 @@ struct RunArgs {
     /// Record the session into this `.lmrr` bundle.
     #[arg(long)]
     record: Option<PathBuf>,
+    /// Engine patches to run with (comma-separated; see `lmrr patches`).
+    #[arg(long, default_value = "", value_parser = parse_patches)]
+    patches: PatchSet,
+}
+
+pub(crate) fn parse_patches(s: &str) -> Result<PatchSet, String> {
+    PatchSet::parse(s)
 }
 
 #[derive(clap::Args, Debug)]
@@ -238,7 +250,7 @@ fn run_run(a: &RunArgs) -> Result<()> {
         prefix_cache: !a.no_prefix_cache,
     };
     let threads_n = th.count();
-    let mut sch = Scheduler::new(&model.llama, cfg, th)?;
+    let mut sch = Scheduler::with_patches(&model.llama, cfg, th, a.patches.clone())?;
     let mut recorder = match &a.record {
         None => None,
         Some(path) => {
@@ -253,7 +265,7 @@ fn run_run(a: &RunArgs) -> Result<()> {
                     synthetic: model.synthetic,
                 },
                 engine: cfg,
-                patches: Vec::new(),
+                patches: a.patches.names(),
                 host: HostInfo::current(),
                 source: SessionSource {
                     script_path: a.script.display().to_string(),
@@ -311,6 +323,15 @@ fn run_run(a: &RunArgs) -> Result<()> {
         dt,
         sch.cached_pages()
     );
+    Ok(())
+}
+
+fn run_patches() -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    for p in Patch::ALL {
+        writeln!(out, "{:<22} {:?}", p.name(), p.class())?;
+        writeln!(out, "    {}", p.doc())?;
+    }
     Ok(())
 }
 
@@ -400,6 +421,11 @@ fn main() -> std::process::ExitCode {
         Some(Cmd::GenModel(a)) => run_gen_model(a),
         Some(Cmd::Run(a)) => run_run(a),
         Some(Cmd::Inspect(a)) => run_inspect(a),
+        Some(Cmd::Replay(a)) => match replay::run(a) {
+            Ok(code) => return std::process::ExitCode::from(code),
+            Err(e) => Err(e),
+        },
+        Some(Cmd::Patches) => run_patches(),
         Some(Cmd::Bench(a)) => bench::run(a),
     };
     match res {

@@ -73,7 +73,6 @@ impl RadixCache {
         }
         let mut out = Vec::new();
         let mut at: Option<NodeId> = None;
-        let full = tokens.len() / page_size;
         for key in tokens.chunks_exact(page_size) {
             let Some(&id) = self.children(at).get(key) else {
                 break;
@@ -87,7 +86,7 @@ impl RadixCache {
             at = Some(id);
         }
         let mut matched = out.len() * page_size;
-        if out.len() == full {
+        {
             let rest = &tokens[matched..];
             let partial = self
                 .children(at)
@@ -289,9 +288,15 @@ impl RadixCache {
         self.nodes.iter().flatten().map(|n| n.page).collect()
     }
 
-    /// Merkle hash of the tree: what is cached and its content.
-    pub fn structure_hash(&self, pool: &PagePool) -> Hash {
-        fn rec(t: &RadixCache, children: &BTreeMap<Vec<u32>, NodeId>, pool: &PagePool) -> Hash {
+    /// Merkle hash of the tree: what is cached, and with `content` the page
+    /// content hashes too.
+    pub fn structure_hash(&self, pool: &PagePool, content: bool) -> Hash {
+        fn rec(
+            t: &RadixCache,
+            children: &BTreeMap<Vec<u32>, NodeId>,
+            pool: &PagePool,
+            content: bool,
+        ) -> Hash {
             let mut h = Sha256::new();
             h.update((children.len() as u64).to_le_bytes());
             for (key, &id) in children {
@@ -299,11 +304,13 @@ impl RadixCache {
                 for tok in key {
                     h.update(tok.to_le_bytes());
                 }
-                h.update(pool.page_hash(n.page));
-                h.update(rec(t, &n.children, pool));
+                if content {
+                    h.update(pool.page_hash(n.page));
+                }
+                h.update(rec(t, &n.children, pool, content));
             }
             h.finalize().into()
         }
-        rec(self, &self.root, pool)
+        rec(self, &self.root, pool, content)
     }
 }

@@ -113,9 +113,13 @@ pub struct StepReport {
     pub seqs: Vec<SeqReport>,
     /// Requests that ended this step (interrupted ones included).
     pub finished: Vec<(RequestId, FinishReason)>,
-    /// Merkle hash of the radix tree.
-    pub radix_hash: Hash,
-    /// Hash over the radix hash and every in-use page's id, refcount and content.
+    /// Layout of the cache without its contents: the radix tree's keys and
+    /// shape, and every in-use page's id and refcount. Differs when *what* is
+    /// cached or referenced changes (a behavioural change), not when K/V
+    /// numbers drift.
+    pub cache_layout: Hash,
+    /// Everything: the radix tree with page contents (Merkle), and every in-use
+    /// page's id, refcount and content hash.
     pub cache_state: Hash,
 }
 
@@ -168,6 +172,9 @@ pub struct Scheduler<'m> {
     timings: StepTimings,
     top_logprobs: usize,
     patches: PatchSet,
+    keep_rows: bool,
+    last_rows: Vec<(RequestId, Vec<f32>)>,
+    force_tokens: BTreeMap<RequestId, u32>,
 }
 
 /// Time spent inside steps, for `lmrr bench` (measurement only: no decision
@@ -216,6 +223,9 @@ impl<'m> Scheduler<'m> {
             timings: StepTimings::default(),
             top_logprobs: 0,
             patches: PatchSet::none(),
+            keep_rows: false,
+            last_rows: Vec::new(),
+            force_tokens: BTreeMap::new(),
         })
     }
 
@@ -336,6 +346,12 @@ impl<'m> Scheduler<'m> {
         }
     }
 
+    /// Whether a request has ended or ends at the next step boundary (an
+    /// interrupt is pending).
+    pub fn has_ended(&self, id: RequestId) -> bool {
+        self.done.contains_key(&id) || self.pending_interrupts.contains(&id)
+    }
+
     /// The result of a finished request.
     pub fn output(&self, id: RequestId) -> Option<&RequestOutput> {
         self.done.get(&id)
@@ -349,6 +365,30 @@ impl<'m> Scheduler<'m> {
     /// Reports the `k` most likely tokens of every sampled row (0 = off).
     pub fn set_top_logprobs(&mut self, k: usize) {
         self.top_logprobs = k;
+    }
+
+    /// Keeps the logits rows sampled in the latest step ([`Self::last_rows`]).
+    pub fn set_keep_rows(&mut self, keep: bool) {
+        self.keep_rows = keep;
+    }
+
+    /// `(request, logits row)` sampled in the latest step, with `set_keep_rows`.
+    pub fn last_rows(&self) -> &[(RequestId, Vec<f32>)] {
+        &self.last_rows
+    }
+
+    /// Replays one step: executes `decisions`, samples as usual (reported in
+    /// `sampled`), but continues each request in `tokens` with the given token
+    /// instead of its own draw (teacher forcing on a recorded path).
+    pub fn step_replay(
+        &mut self,
+        decisions: Vec<Decision>,
+        tokens: BTreeMap<RequestId, u32>,
+    ) -> Result<StepReport, EngineError> {
+        self.force_tokens = tokens;
+        let r = self.step_forced(decisions);
+        self.force_tokens.clear();
+        r
     }
 
     /// Accumulated step timings.
@@ -736,6 +776,7 @@ impl<'m> Scheduler<'m> {
         let th = std::time::Instant::now();
         self.kv.finish_step();
         let mut hash_time = th.elapsed();
+        self.last_rows.clear();
         let mut seqs = Vec::with_capacity(sched.len());
         for (&(id, start, len), row) in sched.iter().zip(logits) {
             let mut rep = SeqReport {
@@ -755,16 +796,20 @@ impl<'m> Scheduler<'m> {
                 let tok = sample(&row, &seq.req.sampling, pos as u64);
                 let th = std::time::Instant::now();
                 let bytes = row_bytes(&row);
+                let next = self.force_tokens.get(&id).copied().unwrap_or(tok);
                 seq.hasher.update(&bytes);
-                seq.hasher.update(tok.to_le_bytes());
+                seq.hasher.update(next.to_le_bytes());
                 let row_digest: Hash = Sha256::digest(&bytes).into();
                 hash_time += th.elapsed();
-                seq.tokens.push(tok);
+                seq.tokens.push(next);
                 rep.sampled = Some(tok);
                 rep.logits_digest = Some(row_digest);
                 rep.top_logprobs = top_logprobs(&row, self.top_logprobs);
+                if self.keep_rows {
+                    self.last_rows.push((id, row.clone()));
+                }
                 let n_gen = seq.tokens.len() - seq.req.prompt.len();
-                rep.finish = if seq.req.stop_at_eos && cfg.is_eos(tok) {
+                rep.finish = if seq.req.stop_at_eos && cfg.is_eos(next) {
                     Some(FinishReason::Eos)
                 } else if n_gen >= seq.req.max_tokens {
                     Some(FinishReason::Length)
@@ -782,13 +827,16 @@ impl<'m> Scheduler<'m> {
             seqs.push(rep);
         }
         let th = std::time::Instant::now();
-        let radix_hash = self.radix.structure_hash(&self.kv.pool);
         let mut h = Sha256::new();
-        h.update(radix_hash);
+        h.update(self.radix.structure_hash(&self.kv.pool, true));
+        let mut lh = Sha256::new();
+        lh.update(self.radix.structure_hash(&self.kv.pool, false));
         for (p, refs, content) in self.kv.pool.in_use() {
             h.update(p.to_le_bytes());
             h.update(refs.to_le_bytes());
             h.update(content);
+            lh.update(p.to_le_bytes());
+            lh.update(refs.to_le_bytes());
         }
         hash_time += th.elapsed();
         self.timings.hashing += hash_time;
@@ -797,7 +845,7 @@ impl<'m> Scheduler<'m> {
             decisions,
             seqs,
             finished,
-            radix_hash,
+            cache_layout: lh.finalize().into(),
             cache_state: h.finalize().into(),
         };
         self.step += 1;

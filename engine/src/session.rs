@@ -426,63 +426,70 @@ pub fn run_session(
     let mut interrupted: BTreeSet<RequestId> = BTreeSet::new();
     loop {
         let step = sch.steps();
-        for (i, r) in script.requests.iter().enumerate() {
-            let id = i as RequestId;
-            if submitted.contains_key(&id) || r.at_step > step {
-                continue;
-            }
-            if !r.deps.iter().all(|d| sch.output(idx[d.as_str()]).is_some()) {
-                continue;
-            }
-            let mut prompt = Vec::new();
-            for part in parts(&r.prompt) {
-                match part {
-                    Part::Text(t) => prompt.extend(model.tokenizer.encode(&t)?),
-                    Part::Output(src) => {
-                        let out = &sch
-                            .output(idx[src.as_str()])
-                            .expect("dependency ended")
-                            .tokens;
-                        let end = if out.last().is_some_and(|&t| eos(t)) {
-                            out.len() - 1
-                        } else {
-                            out.len()
-                        };
-                        prompt.extend(&out[..end]);
-                    }
+        // Interrupts first, so that a request waiting on an interrupted one
+        // arrives at the same boundary; then arrivals; then interrupts again
+        // for requests that just arrived with `interrupt_after_tokens = 0`.
+        for pass in 0..2 {
+            for (i, r) in script.requests.iter().enumerate() {
+                let id = i as RequestId;
+                let Some(k) = r.interrupt_after_tokens else {
+                    continue;
+                };
+                if interrupted.contains(&id) || sch.output(id).is_some() {
+                    continue;
+                }
+                if sch.generated(id).is_some_and(|g| g.len() >= k) {
+                    observe(SessionEvent::Interrupt {
+                        step,
+                        name: &r.name,
+                        id,
+                    });
+                    sch.interrupt(id)?;
+                    interrupted.insert(id);
                 }
             }
-            let req = Request {
-                id,
-                prompt: prompt.clone(),
-                sampling: r.sampling,
-                max_tokens: r.max_tokens,
-                stop_at_eos: r.stop_at_eos,
-            };
-            observe(SessionEvent::Arrival {
-                step,
-                name: &r.name,
-                request: &req,
-            });
-            sch.submit(req)?;
-            submitted.insert(id, (step, prompt));
-        }
-        for (i, r) in script.requests.iter().enumerate() {
-            let id = i as RequestId;
-            let Some(k) = r.interrupt_after_tokens else {
-                continue;
-            };
-            if interrupted.contains(&id) || sch.output(id).is_some() {
-                continue;
+            if pass == 1 {
+                break;
             }
-            if sch.generated(id).is_some_and(|g| g.len() >= k) {
-                observe(SessionEvent::Interrupt {
+            for (i, r) in script.requests.iter().enumerate() {
+                let id = i as RequestId;
+                if submitted.contains_key(&id) || r.at_step > step {
+                    continue;
+                }
+                if !r.deps.iter().all(|d| sch.has_ended(idx[d.as_str()])) {
+                    continue;
+                }
+                let mut prompt = Vec::new();
+                for part in parts(&r.prompt) {
+                    match part {
+                        Part::Text(t) => prompt.extend(model.tokenizer.encode(&t)?),
+                        Part::Output(src) => {
+                            let out = sch
+                                .generated(idx[src.as_str()])
+                                .expect("dependency submitted");
+                            let end = if out.last().is_some_and(|&t| eos(t)) {
+                                out.len() - 1
+                            } else {
+                                out.len()
+                            };
+                            prompt.extend(&out[..end]);
+                        }
+                    }
+                }
+                let req = Request {
+                    id,
+                    prompt: prompt.clone(),
+                    sampling: r.sampling,
+                    max_tokens: r.max_tokens,
+                    stop_at_eos: r.stop_at_eos,
+                };
+                observe(SessionEvent::Arrival {
                     step,
                     name: &r.name,
-                    id,
+                    request: &req,
                 });
-                sch.interrupt(id)?;
-                interrupted.insert(id);
+                sch.submit(req)?;
+                submitted.insert(id, (step, prompt));
             }
         }
         if submitted.len() == script.requests.len() && sch.is_idle() {

@@ -1,5 +1,22 @@
-//! Replay: re-executes a bundle under recorded decisions, compares every signal,
-//! and bisects patch sets. Not yet built: it needs the recorder (see
-//! docs/ARCHITECTURE.md). Committed example bundles will live beside this crate.
+//! Replay: re-executes a bundle under its recorded inputs, scheduling decisions
+//! and interrupts, compares every signal (cache-state hash, logits digest,
+//! sampled token) and reports the first divergence the way rr and Hermit users
+//! find actionable: where, which signal, expected vs actual with context, drift
+//! statistics, surrounding events and a one-line repro.
+//!
+//! - [`driver`]: lockstep re-execution (the patch set under test, and — when it
+//!   differs from the recording's — the recorded set alongside, for expected
+//!   logits rows and drift statistics).
+//! - [`report`]: the divergence report, human text (`Display`) and JSON (serde).
+//! - [`bisect`]: binary search for one culprit patch, ddmin for combinations.
+//! - [`oracle`]: the recompute oracle (cache-off, batch-of-one recomputation).
 
-pub use lmrr_recorder as recorder;
+pub mod bisect;
+pub mod driver;
+pub mod oracle;
+pub mod report;
+
+pub use bisect::{bisect, BisectOutcome, Probe};
+pub use driver::{replay, Criterion, ReplayError, ReplayOptions};
+pub use oracle::oracle;
+pub use report::{Divergence, DriftRow, Outcome, Signal, TokenInfo};

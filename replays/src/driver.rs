@@ -1,0 +1,514 @@
+//! Lockstep re-execution of a bundle.
+//!
+//! Inputs come from the bundle: arrivals (full requests), and for every step the
+//! recorded decisions (interrupts included) and sampled tokens. The engine under
+//! test executes each step's decisions, samples on its own (compared with the
+//! recording) and then continues on the recorded token, so every step sees the
+//! recorded inputs and one divergence does not cascade into noise. When the
+//! patch set under test differs from the recording's, a second engine with the
+//! recording's patches runs alongside to supply the expected logits rows for
+//! drift statistics. Signals are compared in this order per step: decision
+//! feasibility, cache-state hash, then per sampled row the logits digest and
+//! the token.
+
+use std::collections::BTreeMap;
+
+use lmrr_engine::scheduler::{Decision, RequestId, StepReport};
+use lmrr_engine::{EngineError, Model, ModelIdentity, PatchSet, Scheduler};
+use lmrr_kernels::Threads;
+use lmrr_recorder::{Bundle, Event, Integrity};
+
+use crate::report::{Divergence, DriftRow, Outcome, Signal, TokenInfo};
+
+/// What counts as a divergence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Criterion {
+    /// Any bit: cache contents, logits, tokens, decisions (the contract).
+    Bits,
+    /// Behaviour only: decisions, what is cached or referenced, sampled
+    /// tokens. Numerical drift that changes no token is not counted.
+    Behaviour,
+}
+
+/// How to replay.
+#[derive(Debug, Clone)]
+pub struct ReplayOptions {
+    pub patches: PatchSet,
+    pub criterion: Criterion,
+    pub threads: Threads,
+    /// Steps of drift statistics gathered after the first divergence.
+    pub drift_steps: usize,
+    /// Stop at the first divergence (bisect probes).
+    pub stop_at_first: bool,
+    /// The command line that reproduces this replay, for the report.
+    pub repro: String,
+}
+
+impl ReplayOptions {
+    pub fn new(patches: PatchSet, threads: Threads) -> Self {
+        Self {
+            patches,
+            criterion: Criterion::Bits,
+            threads,
+            drift_steps: 8,
+            stop_at_first: false,
+            repro: String::new(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error(
+        "model mismatch: the bundle was recorded on\n  {expected}\nbut the model given is\n  {found}\n\
+         (full hashes: weights {expected_weights} vs {found_weights})"
+    )]
+    ModelMismatch {
+        expected: ModelIdentity,
+        found: ModelIdentity,
+        expected_weights: String,
+        found_weights: String,
+    },
+    #[error(
+        "the bundle was recorded under arithmetic contract v{found}; this lmrr implements v{supported}. \
+         Its hashes cannot match: re-record it with `lmrr rerecord`"
+    )]
+    Contract { found: u32, supported: u32 },
+    #[error("the bundle names a patch this lmrr does not know: {0}")]
+    UnknownPatch(String),
+    #[error("the bundle's own patch set cannot re-execute step {step}: {source}")]
+    Baseline {
+        step: u64,
+        #[source]
+        source: EngineError,
+    },
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+/// Requests seen in a bundle: names, prompts, recorded outputs.
+pub(crate) struct Catalog {
+    pub names: BTreeMap<RequestId, String>,
+    pub prompts: BTreeMap<RequestId, Vec<u32>>,
+    pub outputs: BTreeMap<RequestId, Vec<u32>>,
+    pub order: Vec<RequestId>,
+}
+
+impl Catalog {
+    pub fn of(b: &Bundle) -> Self {
+        let mut c = Catalog {
+            names: BTreeMap::new(),
+            prompts: BTreeMap::new(),
+            outputs: BTreeMap::new(),
+            order: Vec::new(),
+        };
+        for e in &b.events {
+            match e {
+                Event::Arrival { name, request, .. } => {
+                    c.names.insert(request.id, name.clone());
+                    c.prompts.insert(request.id, request.prompt.clone());
+                    c.order.push(request.id);
+                }
+                Event::Step(r) => {
+                    for s in &r.seqs {
+                        if let Some(t) = s.sampled {
+                            c.outputs.entry(s.id).or_default().push(t);
+                        }
+                    }
+                }
+                Event::Interrupt { .. } => {}
+            }
+        }
+        c
+    }
+
+    pub fn name(&self, id: RequestId) -> String {
+        self.names
+            .get(&id)
+            .cloned()
+            .unwrap_or_else(|| format!("#{id}"))
+    }
+
+    /// 1-based turn: one more than the number of earlier requests whose prompt
+    /// and recorded output this request's prompt continues.
+    pub fn turn(&self, id: RequestId) -> usize {
+        let Some(p) = self.prompts.get(&id) else {
+            return 1;
+        };
+        let before = self.order.iter().take_while(|&&e| e != id);
+        1 + before
+            .filter(|&&e| {
+                let mut h = self.prompts[&e].clone();
+                h.extend(self.outputs.get(&e).map(|v| v.as_slice()).unwrap_or(&[]));
+                p.len() > h.len() && p.starts_with(&h)
+            })
+            .count()
+    }
+}
+
+pub(crate) fn check_bundle(bundle: &Bundle, model: &Model) -> Result<PatchSet, ReplayError> {
+    let m = &bundle.manifest;
+    if m.contract_version != lmrr_kernels::CONTRACT_VERSION {
+        return Err(ReplayError::Contract {
+            found: m.contract_version,
+            supported: lmrr_kernels::CONTRACT_VERSION,
+        });
+    }
+    let found = model.identity();
+    if found != m.model.identity {
+        return Err(ReplayError::ModelMismatch {
+            expected_weights: m.model.identity.weights_sha256.clone(),
+            found_weights: found.weights_sha256.clone(),
+            expected: m.model.identity.clone(),
+            found,
+        });
+    }
+    PatchSet::parse(&m.patches.join(",")).map_err(ReplayError::UnknownPatch)
+}
+
+pub(crate) fn token_info(model: &Model, token: u32, top: &[(u32, f32)]) -> TokenInfo {
+    let text = |t: u32| {
+        model
+            .tokenizer
+            .decode(&[t])
+            .unwrap_or_else(|_| format!("<{t}>"))
+    };
+    TokenInfo {
+        token,
+        text: text(token),
+        top: top.iter().map(|&(t, lp)| (t, text(t), lp)).collect(),
+    }
+}
+
+fn short(h: &[u8; 32]) -> String {
+    lmrr_engine::generate::hex(&h[..6])
+}
+
+/// Drift between two logits rows: (max |Δ|, KL(P_expected ‖ P_actual), argmax equal).
+pub fn drift(expected: &[f32], actual: &[f32]) -> (f32, f64, bool) {
+    let max = expected
+        .iter()
+        .zip(actual)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    let lsm = |r: &[f32]| {
+        let m = r.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let lse = m + r.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
+        r.iter().map(move |&v| v as f64 - lse).collect::<Vec<f64>>()
+    };
+    let (p, q) = (lsm(expected), lsm(actual));
+    let kl = p
+        .iter()
+        .zip(&q)
+        .map(|(&lp, &lq)| lp.exp() * (lp - lq))
+        .sum::<f64>()
+        .max(0.0);
+    let arg = |r: &[f32]| lmrr_kernels::argmax(r);
+    (max, kl, arg(expected) == arg(actual))
+}
+
+/// The request a step's cache change is attributed to: the first admission,
+/// else the first interrupt, else the first scheduled span.
+fn attribute(decisions: &[Decision]) -> Option<(RequestId, Option<usize>)> {
+    let admit = decisions.iter().find_map(|d| match d {
+        Decision::Admit { id, cached_tokens } => Some((*id, Some(*cached_tokens))),
+        _ => None,
+    });
+    admit
+        .or_else(|| {
+            decisions.iter().find_map(|d| {
+                if let Decision::Interrupt { id } = d {
+                    Some((*id, None))
+                } else {
+                    None
+                }
+            })
+        })
+        .or_else(|| {
+            decisions.iter().find_map(|d| {
+                if let Decision::Schedule { id, start, .. } = d {
+                    Some((*id, Some(*start)))
+                } else {
+                    None
+                }
+            })
+        })
+}
+
+/// One-line descriptions of the bundle's events for steps `lo..=hi`.
+pub(crate) fn window(
+    bundle: &Bundle,
+    cat: &Catalog,
+    model: &Model,
+    lo: u64,
+    hi: u64,
+) -> Vec<String> {
+    let text = |t: u32| model.tokenizer.decode(&[t]).unwrap_or_default();
+    let mut out = Vec::new();
+    for e in &bundle.events {
+        match e {
+            Event::Arrival {
+                step,
+                name,
+                request,
+            } if (lo..=hi).contains(step) => out.push(format!(
+                "before step {step}: `{name}` arrives ({} prompt tokens)",
+                request.prompt.len()
+            )),
+            Event::Interrupt { step, name, .. } if (lo..=hi).contains(step) => {
+                out.push(format!("before step {step}: `{name}` is interrupted"))
+            }
+            Event::Step(r) if (lo..=hi).contains(&r.step) => {
+                let mut parts = Vec::new();
+                for d in &r.decisions {
+                    parts.push(match d {
+                        Decision::Interrupt { id } => format!("abort {}", cat.name(*id)),
+                        Decision::Preempt { id } => format!("preempt {}", cat.name(*id)),
+                        Decision::Admit { id, cached_tokens } => {
+                            format!("admit {} ({cached_tokens} cached)", cat.name(*id))
+                        }
+                        Decision::Schedule { id, start, len } => match r
+                            .seqs
+                            .iter()
+                            .find(|s| s.id == *id)
+                            .and_then(|s| s.sampled)
+                        {
+                            Some(t) => {
+                                format!("{} @{} → {t} {:?}", cat.name(*id), start + len, text(t))
+                            }
+                            None => format!("{} prefill {start}..{}", cat.name(*id), start + len),
+                        },
+                    });
+                }
+                out.push(format!(
+                    "step {}: {}",
+                    r.step,
+                    if parts.is_empty() {
+                        "idle".into()
+                    } else {
+                        parts.join(" · ")
+                    }
+                ));
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Re-executes `bundle` on `model` under `opts.patches`.
+pub fn replay(
+    bundle: &Bundle,
+    model: &Model,
+    opts: &ReplayOptions,
+) -> Result<Outcome, ReplayError> {
+    let recorded = check_bundle(bundle, model)?;
+    let m = &bundle.manifest;
+    let cat = Catalog::of(bundle);
+    let mut b = Scheduler::with_patches(
+        &model.llama,
+        m.engine,
+        opts.threads.clone(),
+        opts.patches.clone(),
+    )?;
+    b.set_top_logprobs(m.top_logprobs as usize);
+    b.set_keep_rows(true);
+    let mut a = if opts.patches != recorded {
+        let mut a =
+            Scheduler::with_patches(&model.llama, m.engine, opts.threads.clone(), recorded)?;
+        a.set_keep_rows(true);
+        Some(a)
+    } else {
+        None
+    };
+    let mut first: Option<Divergence> = None;
+    let mut drift_rows: Vec<DriftRow> = Vec::new();
+    let (mut steps, mut tokens) = (0u64, 0u64);
+    for e in &bundle.events {
+        let rec: &StepReport = match e {
+            Event::Arrival { request, .. } => {
+                b.submit(request.clone())?;
+                if let Some(a) = a.as_mut() {
+                    a.submit(request.clone())?;
+                }
+                continue;
+            }
+            Event::Interrupt { .. } => continue,
+            Event::Step(r) => r,
+        };
+        let forced: BTreeMap<RequestId, u32> = rec
+            .seqs
+            .iter()
+            .filter_map(|s| s.sampled.map(|t| (s.id, t)))
+            .collect();
+        if let Some(a) = a.as_mut() {
+            a.step_replay(rec.decisions.clone(), forced.clone())
+                .map_err(|source| ReplayError::Baseline {
+                    step: rec.step,
+                    source,
+                })?;
+        }
+        let got = match b.step_replay(rec.decisions.clone(), forced.clone()) {
+            Ok(g) => g,
+            Err(err) => {
+                if first.is_none() {
+                    let who = attribute(&rec.decisions);
+                    first = Some(Divergence {
+                        step: rec.step,
+                        signal: Signal::Decision,
+                        detail: err.to_string(),
+                        request: who.map(|(id, _)| cat.name(id)),
+                        request_id: who.map(|(id, _)| id),
+                        turn: who.map(|(id, _)| cat.turn(id)),
+                        position: who.and_then(|(_, p)| p),
+                        expected: None,
+                        actual: None,
+                        drift: Vec::new(),
+                        window: Vec::new(),
+                        repro: opts.repro.clone(),
+                    });
+                }
+                break;
+            }
+        };
+        steps += 1;
+        tokens += forced.len() as u64;
+        if first.is_none() {
+            first = compare(rec, &got, &cat, model, opts);
+        }
+        if let Some(d) = &first {
+            if let Some(a) = &a {
+                let exp: BTreeMap<RequestId, &Vec<f32>> =
+                    a.last_rows().iter().map(|(id, r)| (*id, r)).collect();
+                let pairs: Vec<(f32, f64, bool)> = b
+                    .last_rows()
+                    .iter()
+                    .filter_map(|(id, r)| exp.get(id).map(|e| drift(e, r)))
+                    .collect();
+                if !pairs.is_empty() {
+                    drift_rows.push(DriftRow {
+                        step: rec.step,
+                        rows: pairs.len(),
+                        max_abs_dlogit: pairs.iter().map(|p| p.0).fold(0.0, f32::max),
+                        mean_kl: pairs.iter().map(|p| p.1).sum::<f64>() / pairs.len() as f64,
+                        top1_agreement: pairs.iter().filter(|p| p.2).count() as f64
+                            / pairs.len() as f64,
+                    });
+                }
+            }
+            if opts.stop_at_first || rec.step >= d.step + opts.drift_steps as u64 {
+                break;
+            }
+        }
+    }
+    Ok(match first {
+        None => Outcome::BitExact {
+            steps,
+            tokens,
+            truncated: matches!(bundle.integrity, Integrity::Truncated { .. }),
+        },
+        Some(mut d) => {
+            d.drift = drift_rows;
+            d.window = window(bundle, &cat, model, d.step.saturating_sub(3), d.step + 2);
+            Outcome::Diverged(Box::new(d))
+        }
+    })
+}
+
+/// Compares one step; returns the first divergent signal.
+fn compare(
+    rec: &StepReport,
+    got: &StepReport,
+    cat: &Catalog,
+    model: &Model,
+    opts: &ReplayOptions,
+) -> Option<Divergence> {
+    let base = |signal, detail: String, who: Option<(RequestId, Option<usize>)>| Divergence {
+        step: rec.step,
+        signal,
+        detail,
+        request: who.map(|(id, _)| cat.name(id)),
+        request_id: who.map(|(id, _)| id),
+        turn: who.map(|(id, _)| cat.turn(id)),
+        position: who.and_then(|(_, p)| p),
+        expected: None,
+        actual: None,
+        drift: Vec::new(),
+        window: Vec::new(),
+        repro: opts.repro.clone(),
+    };
+    let behaviour = opts.criterion == Criterion::Behaviour;
+    let layout_differs = got.cache_layout != rec.cache_layout;
+    let logits_differ = rec.seqs.iter().any(|s| {
+        s.sampled.is_some()
+            && got
+                .seqs
+                .iter()
+                .find(|g| g.id == s.id)
+                .is_some_and(|g| g.logits_digest != s.logits_digest)
+    });
+    // The cache comes first when what is cached changed, or when only the cache
+    // changed; K/V contents drifting with the logits is reported as logits.
+    if layout_differs || (!behaviour && got.cache_state != rec.cache_state && !logits_differ) {
+        let what = if layout_differs {
+            "what is cached or referenced differs (radix tree, pages or refcounts)"
+        } else {
+            "same pages and tree, different K/V contents"
+        };
+        return Some(base(
+            Signal::CacheState,
+            format!(
+                "cache_state expected {}…, got {}…: {what}",
+                short(&rec.cache_state),
+                short(&got.cache_state)
+            ),
+            attribute(&rec.decisions),
+        ));
+    }
+    for s in &rec.seqs {
+        let Some(exp_tok) = s.sampled else { continue };
+        let Some(g) = got.seqs.iter().find(|g| g.id == s.id) else {
+            return Some(base(
+                Signal::Decision,
+                format!("request {} produced no row", cat.name(s.id)),
+                Some((s.id, None)),
+            ));
+        };
+        let act_tok = g.sampled.unwrap_or(u32::MAX);
+        let pos = s.start + s.len;
+        let signal = if g.logits_digest != s.logits_digest && (!behaviour || act_tok != exp_tok) {
+            if behaviour {
+                Signal::Token
+            } else {
+                Signal::Logits
+            }
+        } else if act_tok != exp_tok {
+            Signal::Token
+        } else {
+            continue;
+        };
+        let mut d = base(
+            signal,
+            match signal {
+                Signal::Logits if act_tok == exp_tok => {
+                    let also = if got.cache_state != rec.cache_state {
+                        " (K/V page contents differ too)"
+                    } else {
+                        ""
+                    };
+                    format!("logits bits differ; the sampled token is the same{also}")
+                }
+                Signal::Logits => "logits bits differ and the sampled token changed".into(),
+                Signal::Token if g.logits_digest != s.logits_digest => {
+                    "the sampled token changed (logits differ)".into()
+                }
+                _ => "same logits digest, different token (sampler changed)".into(),
+            },
+            Some((s.id, Some(pos))),
+        );
+        d.expected = Some(token_info(model, exp_tok, &s.top_logprobs));
+        d.actual = Some(token_info(model, act_tok, &g.top_logprobs));
+        return Some(d);
+    }
+    None
+}

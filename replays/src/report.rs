@@ -1,0 +1,171 @@
+//! Replay outcomes and divergence reports.
+
+use serde::Serialize;
+
+/// Which signal diverged first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Signal {
+    /// A recorded scheduling decision could not be executed (the engine state
+    /// no longer allows it).
+    Decision,
+    /// The cache-state hash (radix tree, pages, refcounts) differs.
+    CacheState,
+    /// A logits row's digest differs.
+    Logits,
+    /// A sampled token differs.
+    Token,
+}
+
+impl std::fmt::Display for Signal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Decision => "scheduling decision",
+            Self::CacheState => "cache-state hash",
+            Self::Logits => "logits digest",
+            Self::Token => "sampled token",
+        })
+    }
+}
+
+/// A token with its text and the top log-probabilities of its row.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TokenInfo {
+    pub token: u32,
+    pub text: String,
+    /// `(token, text, logprob)`, most likely first.
+    pub top: Vec<(u32, String, f32)>,
+}
+
+/// Drift between expected and actual logits rows in one step.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DriftRow {
+    pub step: u64,
+    pub rows: usize,
+    pub max_abs_dlogit: f32,
+    pub mean_kl: f64,
+    /// Fraction of rows whose argmax agrees.
+    pub top1_agreement: f64,
+}
+
+/// The first divergence.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Divergence {
+    pub step: u64,
+    pub signal: Signal,
+    pub detail: String,
+    pub request: Option<String>,
+    pub request_id: Option<u64>,
+    /// 1-based turn of the request in its conversation.
+    pub turn: Option<usize>,
+    pub position: Option<usize>,
+    pub expected: Option<TokenInfo>,
+    pub actual: Option<TokenInfo>,
+    pub drift: Vec<DriftRow>,
+    pub window: Vec<String>,
+    pub repro: String,
+}
+
+/// Result of a replay or an oracle run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "verdict", rename_all = "kebab-case")]
+pub enum Outcome {
+    BitExact {
+        steps: u64,
+        tokens: u64,
+        truncated: bool,
+    },
+    Diverged(Box<Divergence>),
+}
+
+impl Outcome {
+    pub fn is_bit_exact(&self) -> bool {
+        matches!(self, Self::BitExact { .. })
+    }
+    pub fn divergence(&self) -> Option<&Divergence> {
+        match self {
+            Self::Diverged(d) => Some(d),
+            Self::BitExact { .. } => None,
+        }
+    }
+}
+
+fn token_line(t: &TokenInfo) -> String {
+    let top: Vec<String> = t
+        .top
+        .iter()
+        .map(|(id, s, lp)| format!("{id} {s:?} {lp:.3}"))
+        .collect();
+    format!(
+        "{} {:?}   top-5: {}",
+        t.token,
+        t.text,
+        if top.is_empty() {
+            "(not recorded)".into()
+        } else {
+            top.join(" · ")
+        }
+    )
+}
+
+impl std::fmt::Display for Outcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::BitExact {
+                steps,
+                tokens,
+                truncated,
+            } => {
+                write!(f, "bit-exact: {steps} steps, {tokens} tokens")?;
+                if *truncated {
+                    write!(
+                        f,
+                        " (bundle truncated: checked up to its last complete frame)"
+                    )?;
+                }
+                Ok(())
+            }
+            Self::Diverged(d) => {
+                writeln!(f, "DIVERGED at step {}: first signal: {}", d.step, d.signal)?;
+                if let Some(r) = &d.request {
+                    write!(f, "  request   {r}")?;
+                    if let Some(t) = d.turn {
+                        write!(f, " (turn {t})")?;
+                    }
+                    if let Some(p) = d.position {
+                        write!(f, ", position {p}")?;
+                    }
+                    writeln!(f)?;
+                }
+                writeln!(f, "  detail    {}", d.detail)?;
+                if let Some(e) = &d.expected {
+                    writeln!(f, "  expected  {}", token_line(e))?;
+                }
+                if let Some(a) = &d.actual {
+                    writeln!(f, "  actual    {}", token_line(a))?;
+                }
+                if !d.drift.is_empty() {
+                    writeln!(f, "  drift     step   rows  max|Δlogit|        KL   top-1")?;
+                    for r in &d.drift {
+                        writeln!(
+                            f,
+                            "            {:>4} {:>6} {:>12.3e} {:>9.2e} {:>6.0}%",
+                            r.step,
+                            r.rows,
+                            r.max_abs_dlogit,
+                            r.mean_kl,
+                            100.0 * r.top1_agreement
+                        )?;
+                    }
+                }
+                if !d.window.is_empty() {
+                    writeln!(f, "  events")?;
+                    for w in &d.window {
+                        writeln!(f, "    {w}")?;
+                    }
+                }
+                write!(f, "  repro     {}", d.repro)
+            }
+        }
+    }
+}

@@ -1,0 +1,207 @@
+//! `lmrr replay`: bit-exact re-execution, divergence reports, bisect and the
+//! recompute oracle. Exit codes: replay and oracle 0 = bit-exact, 1 =
+//! diverged; bisect (in the spirit of `git bisect run`) 0 = culprit found,
+//! 1 = no divergence to explain; 2 = error, always.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+
+use lmrr_engine::{Model, Patch, PatchSet};
+use lmrr_replays::{bisect, oracle, replay, Criterion, Outcome, Probe, ReplayOptions};
+
+#[derive(clap::Args, Debug)]
+pub struct ReplayArgs {
+    /// The bundle.
+    bundle: PathBuf,
+    /// Model directory (default: regenerate the bundle's synthetic model).
+    #[arg(long)]
+    model: Option<String>,
+    /// Patch set to replay under (default: the recording's own).
+    #[arg(long, value_parser = crate::parse_patches)]
+    patches: Option<PatchSet>,
+    /// Find the minimal set of `--patches` that makes the replay diverge.
+    #[arg(long)]
+    bisect: bool,
+    /// With --bisect: a patch set known to replay clean (applied to every probe).
+    #[arg(long, value_parser = crate::parse_patches, requires = "bisect")]
+    good: Option<PatchSet>,
+    /// With --bisect: a patch set known to diverge (its patches beyond --good are the candidates).
+    #[arg(long, value_parser = crate::parse_patches, requires = "bisect")]
+    bad: Option<PatchSet>,
+    /// `recompute`: check every sampled token against a cache-off, batch-of-one recomputation.
+    #[arg(long, value_parser = ["recompute"])]
+    oracle: Option<String>,
+    /// With --bisect: count numerical drift (logits or K/V bits) as divergence.
+    /// By default a probe diverges only if a decision, what is cached, or a
+    /// sampled token changes.
+    #[arg(long, requires = "bisect")]
+    numerical: bool,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Worker threads (default: all cores). Never changes a bit.
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+fn load_model(a: &ReplayArgs, b: &lmrr_recorder::Bundle) -> Result<Model> {
+    match (&a.model, &b.manifest.model.synthetic) {
+        (Some(m), _) => crate::load_model(Some(m)),
+        (None, Some(spec)) => {
+            Model::synthetic(*spec).with_context(|| format!("regenerating {}", spec.name()))
+        }
+        (None, None) => bail!(
+            "the bundle was recorded on `{}`, not a synthetic model: pass --model DIR",
+            b.manifest.model.origin
+        ),
+    }
+}
+
+fn repro(a: &ReplayArgs, patches: &PatchSet) -> String {
+    let mut s = format!("lmrr replay {}", a.bundle.display());
+    if let Some(m) = &a.model {
+        s += &format!(" --model {m}");
+    }
+    s += &format!(
+        " --patches {}",
+        if patches.is_empty() {
+            "none".into()
+        } else {
+            patches.to_string()
+        }
+    );
+    s
+}
+
+pub fn run(a: &ReplayArgs) -> Result<u8> {
+    let b = lmrr_recorder::open(&a.bundle)
+        .with_context(|| format!("reading bundle {}", a.bundle.display()))?;
+    if let lmrr_recorder::Integrity::Truncated { .. } = &b.integrity {
+        eprintln!("warning: {}: {}", a.bundle.display(), b.integrity);
+    }
+    let model = load_model(a, &b)?;
+    let th = crate::threads(a.threads)?;
+    let recorded = PatchSet::parse(&b.manifest.patches.join(",")).map_err(anyhow::Error::msg)?;
+    let mut out = std::io::stdout().lock();
+
+    if a.oracle.is_some() {
+        let mut opts = ReplayOptions::new(recorded.clone(), th);
+        opts.repro = format!("lmrr replay {} --oracle recompute", a.bundle.display());
+        let o = oracle(&b, &model, &opts)?;
+        print_outcome(&mut out, &o, a.json, "oracle recompute")?;
+        return Ok(u8::from(!o.is_bit_exact()));
+    }
+
+    if a.bisect {
+        let (base, candidates): (PatchSet, Vec<Patch>) = match (&a.good, &a.bad, &a.patches) {
+            (g, Some(bad), _) => {
+                let g = g.clone().unwrap_or_default();
+                let c = bad.iter().filter(|p| !g.contains(*p)).collect();
+                (g, c)
+            }
+            (Some(g), None, Some(p)) => (g.clone(), p.iter().filter(|x| !g.contains(*x)).collect()),
+            (g, None, p) => (
+                g.clone().unwrap_or_default(),
+                p.clone().unwrap_or_else(PatchSet::all).iter().collect(),
+            ),
+        };
+        let bar = if std::io::stderr().is_terminal() && !a.json {
+            let pb = indicatif::ProgressBar::new_spinner();
+            pb.set_message("bisecting");
+            Some(pb)
+        } else {
+            None
+        };
+        let mut run_probe = |set: &PatchSet| -> Result<Probe> {
+            if let Some(pb) = &bar {
+                pb.set_message(format!("replaying under {set}"));
+                pb.tick();
+            }
+            let mut opts = ReplayOptions::new(set.clone(), th.clone());
+            opts.stop_at_first = true;
+            opts.criterion = if a.numerical {
+                Criterion::Bits
+            } else {
+                Criterion::Behaviour
+            };
+            let o = replay(&b, &model, &opts)?;
+            let d = o.divergence();
+            Ok(Probe {
+                set: set.to_string(),
+                diverged: d.is_some(),
+                step: d.map(|d| d.step),
+                signal: d.map(|d| d.signal),
+            })
+        };
+        let res = bisect(&base, &candidates, &mut run_probe)?;
+        if let Some(pb) = bar {
+            pb.finish_and_clear();
+        }
+        if a.json {
+            writeln!(out, "{}", serde_json::to_string_pretty(&res)?)?;
+        } else {
+            writeln!(
+                out,
+                "bisect over {} candidate patch(es) on top of `{}`:",
+                candidates.len(),
+                res.base
+            )?;
+            for (i, p) in res.probes.iter().enumerate() {
+                match (p.step, p.signal) {
+                    (Some(s), Some(sig)) => writeln!(
+                        out,
+                        "  probe {}: {:<45} DIVERGES at step {s} ({sig})",
+                        i + 1,
+                        p.set
+                    )?,
+                    _ => writeln!(out, "  probe {}: {:<45} bit-exact", i + 1, p.set)?,
+                }
+            }
+            match &res.culprits {
+                Some(c) => {
+                    let all: PatchSet = base
+                        .iter()
+                        .chain(c.iter().filter_map(|n| n.parse::<Patch>().ok()))
+                        .collect();
+                    writeln!(
+                        out,
+                        "culprit ({}, {} replays): {}",
+                        res.method,
+                        res.probes.len(),
+                        c.join(",")
+                    )?;
+                    writeln!(out, "repro: {}", repro(a, &all))?;
+                }
+                None => writeln!(
+                    out,
+                    "no culprit: the replay does not diverge even with every candidate applied"
+                )?,
+            }
+        }
+        return Ok(if res.culprits.is_some() { 0 } else { 1 });
+    }
+
+    let patches = a.patches.clone().unwrap_or(recorded);
+    let mut opts = ReplayOptions::new(patches.clone(), th);
+    opts.repro = repro(a, &patches);
+    let o = replay(&b, &model, &opts)?;
+    print_outcome(
+        &mut out,
+        &o,
+        a.json,
+        &format!("replay under patches `{patches}`"),
+    )?;
+    Ok(u8::from(!o.is_bit_exact()))
+}
+
+fn print_outcome(out: &mut impl Write, o: &Outcome, json: bool, what: &str) -> Result<()> {
+    if json {
+        writeln!(out, "{}", serde_json::to_string_pretty(o)?)?;
+    } else {
+        writeln!(out, "{what}")?;
+        writeln!(out, "{o}")?;
+    }
+    Ok(())
+}
