@@ -2,6 +2,7 @@
 //! No engine logic lives here.
 
 mod bench;
+mod demo;
 mod replay;
 
 use std::io::Write;
@@ -22,8 +23,8 @@ use lmrr_recorder::{HostInfo, Manifest, ModelInfo, Recorder, SessionSource, Summ
 /// rr for LLM inference: a deterministic engine whose logits are a pure function
 /// of the tokens, bit for bit.
 ///
-/// With no command, generates text from the embedded default model (a seeded
-/// synthetic llama, no download) and prints its digest.
+/// With no command, runs the incident demo on the embedded default model (a
+/// seeded synthetic llama, no download): record, replay, bisect, oracle.
 #[derive(Parser, Debug)]
 #[command(name = "lmrr", version, about, long_about)]
 struct Cli {
@@ -336,7 +337,7 @@ fn run_patches() -> Result<()> {
 }
 
 /// Top-k logprobs recorded per sampled token.
-const TOP_LOGPROBS: usize = 5;
+pub(crate) const TOP_LOGPROBS: usize = 5;
 
 fn run_inspect(a: &InspectArgs) -> Result<()> {
     let b = lmrr_recorder::open(&a.bundle)
@@ -416,7 +417,7 @@ fn run_gen_model(a: &GenModelArgs) -> Result<()> {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let res = match &cli.cmd {
-        None => run_generate(&GenerateArgs::default()),
+        None => demo::run(),
         Some(Cmd::Generate(a)) => run_generate(a),
         Some(Cmd::GenModel(a)) => run_gen_model(a),
         Some(Cmd::Run(a)) => run_run(a),

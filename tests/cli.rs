@@ -31,11 +31,20 @@ fn digest(o: &Output) -> String {
 const LONG_PROMPT: &str = "In the beginning the engine was deterministic, and every logit was a pure function of the tokens before it; chunked or whole, batched or alone, one thread or three.";
 
 #[test]
-fn bare_lmrr_runs_the_embedded_default() {
+fn bare_lmrr_runs_the_incident_demo() {
     let o = lmrr(&[], &[]);
-    digest(&o);
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(stderr.contains("synthetic:tiny:seed0"), "{stderr}");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8(o.stdout).unwrap();
+    for want in [
+        "synthetic:tiny:seed0",
+        "bit-exact: 180 steps, 180 tokens",
+        "DIVERGED at step 60: first signal: cache-state hash",
+        "turn2 (turn 2)",
+        "culprit (binary, 2 replays): abort-inserts-partial",
+        "recompute oracle",
+    ] {
+        assert!(out.contains(want), "missing {want:?} in\n{out}");
+    }
 }
 
 #[test]
@@ -293,4 +302,110 @@ fn a_recorder_killed_with_sigkill_leaves_a_readable_truncated_bundle() {
     let out = String::from_utf8(o.stdout).unwrap();
     assert!(out.contains("TRUNCATED"), "{out}");
     assert!(!out.contains(" 0 steps"), "{out}");
+}
+
+#[test]
+fn replay_exit_codes_reports_bisect_and_oracle() {
+    let d = tempfile::tempdir().unwrap();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/incident.toml");
+    let (good, bad) = (d.path().join("good.lmrr"), d.path().join("bad.lmrr"));
+    for (path, patches) in [(&good, "none"), (&bad, "abort-inserts-partial")] {
+        let o = lmrr(
+            &[
+                "run",
+                "--script",
+                script,
+                "--record",
+                path.to_str().unwrap(),
+                "--patches",
+                patches,
+            ],
+            &[],
+        );
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let g = good.to_str().unwrap();
+    let o = lmrr(&["replay", g], &[]);
+    assert_eq!(o.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("bit-exact: 180 steps, 180 tokens"));
+
+    let o = lmrr(&["replay", g, "--patches", "abort-inserts-partial"], &[]);
+    assert_eq!(o.status.code(), Some(1));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("cache-state hash")
+            && out.contains(&format!(
+                "repro     lmrr replay {g} --patches abort-inserts-partial"
+            )),
+        "{out}"
+    );
+
+    let o = lmrr(&["replay", g, "--patches", "fast-exp", "--json"], &[]);
+    assert_eq!(o.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["verdict"], "diverged");
+    assert_eq!(v["signal"], "logits");
+    assert!(v["drift"][0]["max_abs_dlogit"].as_f64().unwrap() > 0.0);
+
+    let o = lmrr(&["replay", g, "--bisect"], &[]);
+    assert_eq!(o.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&o.stdout)
+        .contains("culprit (binary, 2 replays): abort-inserts-partial"));
+    let o = lmrr(
+        &[
+            "replay",
+            g,
+            "--bisect",
+            "--patches",
+            "fast-exp,splitk-decode",
+        ],
+        &[],
+    );
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "no behavioural culprit among numerical patches"
+    );
+    let o = lmrr(
+        &[
+            "replay",
+            g,
+            "--bisect",
+            "--numerical",
+            "--patches",
+            "fast-exp,splitk-decode",
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("culprit (binary, 2 replays): fast-exp"));
+
+    let b = bad.to_str().unwrap();
+    let o = lmrr(&["replay", b, "--oracle", "recompute"], &[]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("turn2 (turn 2)"));
+    let o = lmrr(&["replay", g, "--oracle", "recompute"], &[]);
+    assert_eq!(o.status.code(), Some(0));
+
+    // Another model: refused with both hashes, exit 2.
+    let o = lmrr(&["replay", g, "--model", "synthetic:tiny:7"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("model mismatch"));
+    let o = lmrr(&["replay", g, "--patches", "no-such-patch"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+}
+
+#[test]
+fn patches_lists_the_catalog() {
+    let o = lmrr(&["patches"], &[]);
+    assert!(o.status.success());
+    let out = String::from_utf8(o.stdout).unwrap();
+    for p in [
+        "splitk-decode",
+        "fast-exp",
+        "abort-inserts-partial",
+        "abort-frees-shared",
+    ] {
+        assert!(out.contains(p), "{out}");
+    }
 }

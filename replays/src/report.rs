@@ -144,7 +144,13 @@ impl std::fmt::Display for Outcome {
                 if let Some(a) = &d.actual {
                     writeln!(f, "  actual    {}", token_line(a))?;
                 }
-                if !d.drift.is_empty() {
+                if !d.drift.is_empty() && d.drift.iter().all(|r| r.max_abs_dlogit == 0.0) {
+                    writeln!(
+                        f,
+                        "  drift     none: logits bit-identical over the {} steps compared",
+                        d.drift.len()
+                    )?;
+                } else if !d.drift.is_empty() {
                     writeln!(f, "  drift     step   rows  max|Δlogit|        KL   top-1")?;
                     for r in &d.drift {
                         writeln!(

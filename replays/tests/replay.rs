@@ -1,6 +1,8 @@
 //! Replay, divergence reports, the patch catalog, bisect and the oracle.
 
-use lmrr_engine::{run_session, EngineConfig, Model, Patch, PatchSet, Scheduler, Script, SynthSpec};
+use lmrr_engine::{
+    run_session, EngineConfig, Model, Patch, PatchSet, Scheduler, Script, SynthSpec,
+};
 use lmrr_kernels::Threads;
 use lmrr_recorder::{read, Bundle, HostInfo, Manifest, ModelInfo, Recorder, SessionSource};
 use lmrr_replays::{bisect, oracle, replay, Criterion, Outcome, Probe, ReplayOptions, Signal};
@@ -10,7 +12,11 @@ fn model() -> Model {
 }
 
 fn incident_src() -> String {
-    std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/incident.toml")).unwrap()
+    std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/incident.toml"
+    ))
+    .unwrap()
 }
 
 fn record(m: &Model, src: &str, cfg: EngineConfig, patches: PatchSet) -> Bundle {
@@ -20,15 +26,23 @@ fn record(m: &Model, src: &str, cfg: EngineConfig, patches: PatchSet) -> Bundle 
         contract_version: lmrr_kernels::CONTRACT_VERSION,
         tool_version: "test".into(),
         git_revision: "test".into(),
-        model: ModelInfo { origin: m.origin.clone(), identity: m.identity(), synthetic: m.synthetic },
+        model: ModelInfo {
+            origin: m.origin.clone(),
+            identity: m.identity(),
+            synthetic: m.synthetic,
+        },
         engine: cfg,
         patches: patches.names(),
         host: HostInfo::current(),
-        source: SessionSource { script_path: "s.toml".into(), script: src.into() },
+        source: SessionSource {
+            script_path: "s.toml".into(),
+            script: src.into(),
+        },
         top_logprobs: 5,
         threads: 2,
     };
-    let mut sch = Scheduler::with_patches(&m.llama, cfg, Threads::new(2).unwrap(), patches).unwrap();
+    let mut sch =
+        Scheduler::with_patches(&m.llama, cfg, Threads::new(2).unwrap(), patches).unwrap();
     sch.set_top_logprobs(5);
     let mut rec = Recorder::new(Vec::new(), &manifest).unwrap();
     run_session(m, &script, &mut sch, |e| rec.observe(e)).unwrap();
@@ -42,9 +56,18 @@ fn run(b: &Bundle, m: &Model, patches: PatchSet) -> Outcome {
 #[test]
 fn the_incident_replays_bit_exactly_and_diverges_at_turn_2_under_abort_inserts_partial() {
     let m = model();
-    let b = record(&m, &incident_src(), EngineConfig::default(), PatchSet::none());
+    let b = record(
+        &m,
+        &incident_src(),
+        EngineConfig::default(),
+        PatchSet::none(),
+    );
     match run(&b, &m, PatchSet::none()) {
-        Outcome::BitExact { steps, tokens, truncated } => {
+        Outcome::BitExact {
+            steps,
+            tokens,
+            truncated,
+        } => {
             assert_eq!((tokens, truncated), (180, false));
             assert!(steps >= 180);
         }
@@ -56,14 +79,22 @@ fn the_incident_replays_bit_exactly_and_diverges_at_turn_2_under_abort_inserts_p
     assert_eq!((d.request.as_deref(), d.turn), (Some("turn2"), Some(2)));
     assert!(d.repro.is_empty() || d.repro.contains("replay"));
     let text = o.to_string();
-    assert!(text.contains("DIVERGED at step") && text.contains("turn2 (turn 2)"), "{text}");
+    assert!(
+        text.contains("DIVERGED at step") && text.contains("turn2 (turn 2)"),
+        "{text}"
+    );
     assert!(text.contains("`turn1` is interrupted"), "{text}");
 }
 
 #[test]
 fn bisect_over_the_catalog_names_abort_inserts_partial_alone_within_the_probe_bound() {
     let m = model();
-    let b = record(&m, &incident_src(), EngineConfig::default(), PatchSet::none());
+    let b = record(
+        &m,
+        &incident_src(),
+        EngineConfig::default(),
+        PatchSet::none(),
+    );
     let th = Threads::new(2).unwrap();
     let mut probe = |set: &PatchSet| -> Result<Probe, lmrr_replays::ReplayError> {
         let mut o = ReplayOptions::new(set.clone(), th.clone());
@@ -71,27 +102,57 @@ fn bisect_over_the_catalog_names_abort_inserts_partial_alone_within_the_probe_bo
         o.criterion = Criterion::Behaviour;
         let r = replay(&b, &m, &o)?;
         let d = r.divergence();
-        Ok(Probe { set: set.to_string(), diverged: d.is_some(), step: d.map(|d| d.step), signal: d.map(|d| d.signal) })
+        Ok(Probe {
+            set: set.to_string(),
+            diverged: d.is_some(),
+            step: d.map(|d| d.step),
+            signal: d.map(|d| d.signal),
+        })
     };
     let res = bisect(&PatchSet::none(), &Patch::ALL, &mut probe).unwrap();
-    assert_eq!(res.culprits, Some(vec!["abort-inserts-partial".to_string()]));
+    assert_eq!(
+        res.culprits,
+        Some(vec!["abort-inserts-partial".to_string()])
+    );
     assert_eq!(res.method, "binary");
-    assert!(res.probes.len() <= 3, "{} probes for 4 patches", res.probes.len()); // ⌈log2 4⌉ + 1
+    assert!(
+        res.probes.len() <= 3,
+        "{} probes for 4 patches",
+        res.probes.len()
+    ); // ⌈log2 4⌉ + 1
 }
 
 #[test]
 fn the_oracle_flags_a_bundle_recorded_with_the_patch_and_passes_a_clean_one() {
     let m = model();
     let opts = ReplayOptions::new(PatchSet::none(), Threads::new(2).unwrap());
-    let clean = record(&m, &incident_src(), EngineConfig::default(), PatchSet::none());
+    let clean = record(
+        &m,
+        &incident_src(),
+        EngineConfig::default(),
+        PatchSet::none(),
+    );
     assert!(oracle(&clean, &m, &opts).unwrap().is_bit_exact());
-    let bad = record(&m, &incident_src(), EngineConfig::default(), PatchSet::parse("abort-inserts-partial").unwrap());
+    let bad = record(
+        &m,
+        &incident_src(),
+        EngineConfig::default(),
+        PatchSet::parse("abort-inserts-partial").unwrap(),
+    );
     let o = oracle(&bad, &m, &opts).unwrap();
-    let d = o.divergence().expect("the oracle must flag the corrupted cache");
-    assert_eq!((d.request.as_deref(), d.signal), (Some("turn2"), Signal::Logits));
+    let d = o
+        .divergence()
+        .expect("the oracle must flag the corrupted cache");
+    assert_eq!(
+        (d.request.as_deref(), d.signal),
+        (Some("turn2"), Signal::Logits)
+    );
     // And a plain replay of the patched bundle without the patch diverges at turn 2.
     let r = run(&bad, &m, PatchSet::none());
-    assert_eq!(r.divergence().map(|d| d.request.as_deref()), Some(Some("turn2")));
+    assert_eq!(
+        r.divergence().map(|d| d.request.as_deref()),
+        Some(Some("turn2"))
+    );
 }
 
 /// One scenario per catalog patch in which it really changes something.
@@ -130,22 +191,37 @@ messages = [{ role = "user", content = "tell me about caches and what they hold"
 max_tokens = 10
 ignore_eos = true
 "#;
-    let cfg = EngineConfig { page_size: 4, ..Default::default() };
+    let cfg = EngineConfig {
+        page_size: 4,
+        ..Default::default()
+    };
     let cases: [(Patch, &str, Signal); 4] = [
         (Patch::SplitkDecode, concurrent, Signal::Logits),
         (Patch::FastExp, concurrent, Signal::Logits),
-        (Patch::AbortInsertsPartial, &incident_src(), Signal::CacheState),
+        (
+            Patch::AbortInsertsPartial,
+            &incident_src(),
+            Signal::CacheState,
+        ),
         (Patch::AbortFreesShared, shared_abort, Signal::CacheState),
     ]
     .map(|(p, s, sig)| (p, Box::leak(s.to_string().into_boxed_str()) as &str, sig));
     for (patch, src, signal) in cases {
         let b = record(&m, src, cfg, PatchSet::none());
-        assert!(run(&b, &m, PatchSet::none()).is_bit_exact(), "{patch}: reference replay");
+        assert!(
+            run(&b, &m, PatchSet::none()).is_bit_exact(),
+            "{patch}: reference replay"
+        );
         let o = run(&b, &m, [patch].into_iter().collect());
-        let d = o.divergence().unwrap_or_else(|| panic!("{patch} never fired"));
+        let d = o
+            .divergence()
+            .unwrap_or_else(|| panic!("{patch} never fired"));
         assert_eq!(d.signal, signal, "{patch}: {o}");
         if signal == Signal::Logits {
-            assert!(!d.drift.is_empty() && d.drift[0].max_abs_dlogit > 0.0, "{patch}: drift statistics");
+            assert!(
+                !d.drift.is_empty() && d.drift[0].max_abs_dlogit > 0.0,
+                "{patch}: drift statistics"
+            );
         }
     }
     // splitk-decode only breaks batch invariance: a single decoding request is untouched.
@@ -159,18 +235,33 @@ fn bisect_finds_one_culprit_a_pair_and_none_on_synthetic_predicates() {
     let all = Patch::ALL;
     let mk = |pred: &dyn Fn(&PatchSet) -> bool| {
         let mut f = |s: &PatchSet| -> Result<Probe, ()> {
-            Ok(Probe { set: s.to_string(), diverged: pred(s), step: None, signal: None })
+            Ok(Probe {
+                set: s.to_string(),
+                diverged: pred(s),
+                step: None,
+                signal: None,
+            })
         };
         bisect(&PatchSet::none(), &all, &mut f).unwrap()
     };
     for c in all {
         let r = mk(&|s: &PatchSet| s.contains(c));
         assert_eq!(r.culprits, Some(vec![c.name().to_string()]), "culprit {c}");
-        assert!(r.probes.len() <= 3, "culprit {c}: {} probes", r.probes.len());
+        assert!(
+            r.probes.len() <= 3,
+            "culprit {c}: {} probes",
+            r.probes.len()
+        );
     }
     // A pair that only diverges together (split across the halves).
     let r = mk(&|s: &PatchSet| s.contains(Patch::FastExp) && s.contains(Patch::AbortFreesShared));
-    assert_eq!(r.culprits, Some(vec!["fast-exp".to_string(), "abort-frees-shared".to_string()]));
+    assert_eq!(
+        r.culprits,
+        Some(vec![
+            "fast-exp".to_string(),
+            "abort-frees-shared".to_string()
+        ])
+    );
     assert_eq!(r.method, "ddmin");
     // No culprit.
     let r = mk(&|_| false);
@@ -180,10 +271,24 @@ fn bisect_finds_one_culprit_a_pair_and_none_on_synthetic_predicates() {
 #[test]
 fn a_different_model_is_refused_naming_both_hashes() {
     let m = model();
-    let b = record(&m, &incident_src(), EngineConfig::default(), PatchSet::none());
+    let b = record(
+        &m,
+        &incident_src(),
+        EngineConfig::default(),
+        PatchSet::none(),
+    );
     let other = Model::synthetic(SynthSpec::new(lmrr_engine::Preset::Tiny, 1)).unwrap();
-    let e = replay(&b, &other, &ReplayOptions::new(PatchSet::none(), Threads::single())).unwrap_err().to_string();
-    assert!(e.contains(&m.identity().weights_sha256) && e.contains(&other.identity().weights_sha256), "{e}");
+    let e = replay(
+        &b,
+        &other,
+        &ReplayOptions::new(PatchSet::none(), Threads::single()),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains(&m.identity().weights_sha256) && e.contains(&other.identity().weights_sha256),
+        "{e}"
+    );
 }
 
 #[test]
@@ -196,11 +301,18 @@ fn a_truncated_bundle_replays_up_to_its_last_complete_frame() {
         contract_version: lmrr_kernels::CONTRACT_VERSION,
         tool_version: "t".into(),
         git_revision: "t".into(),
-        model: ModelInfo { origin: m.origin.clone(), identity: m.identity(), synthetic: m.synthetic },
+        model: ModelInfo {
+            origin: m.origin.clone(),
+            identity: m.identity(),
+            synthetic: m.synthetic,
+        },
         engine: cfg,
         patches: vec![],
         host: HostInfo::current(),
-        source: SessionSource { script_path: "s".into(), script: String::new() },
+        source: SessionSource {
+            script_path: "s".into(),
+            script: String::new(),
+        },
         top_logprobs: 5,
         threads: 1,
     };
@@ -211,7 +323,9 @@ fn a_truncated_bundle_replays_up_to_its_last_complete_frame() {
     let bytes = rec.finish().unwrap();
     let cut = read(&bytes[..bytes.len() * 2 / 3]).unwrap();
     match run(&cut, &m, PatchSet::none()) {
-        Outcome::BitExact { truncated, steps, .. } => assert!(truncated && steps > 0 && steps < 180),
+        Outcome::BitExact {
+            truncated, steps, ..
+        } => assert!(truncated && steps > 0 && steps < 180),
         o => panic!("{o}"),
     }
 }

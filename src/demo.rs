@@ -1,0 +1,150 @@
+//! `lmrr` with no command: the incident, end to end, on the embedded default
+//! model — record the session, replay it bit-exactly, replay it under the
+//! cache-corruption patch, bisect the whole catalog, and run the recompute
+//! oracle on a bundle recorded with the patch. No download, no arguments.
+
+use std::io::Write;
+
+use anyhow::{ensure, Result};
+
+use lmrr_engine::{
+    run_session, EngineConfig, Model, Patch, PatchSet, Scheduler, Script, SynthSpec,
+};
+use lmrr_recorder::{HostInfo, Manifest, ModelInfo, Recorder, SessionSource};
+use lmrr_replays::{bisect, oracle, replay, Criterion, Probe, ReplayOptions};
+
+const INCIDENT: &str = include_str!("../examples/incident.toml");
+
+fn record(
+    model: &Model,
+    script: &Script,
+    patches: &PatchSet,
+    th: &lmrr_kernels::Threads,
+) -> Result<lmrr_recorder::Bundle> {
+    let cfg = EngineConfig::default();
+    let manifest = Manifest {
+        format_version: lmrr_recorder::FORMAT_VERSION,
+        contract_version: lmrr_kernels::CONTRACT_VERSION,
+        tool_version: env!("CARGO_PKG_VERSION").into(),
+        git_revision: env!("LMRR_GIT_REV").into(),
+        model: ModelInfo {
+            origin: model.origin.clone(),
+            identity: model.identity(),
+            synthetic: model.synthetic,
+        },
+        engine: cfg,
+        patches: patches.names(),
+        host: HostInfo::current(),
+        source: SessionSource {
+            script_path: "examples/incident.toml".into(),
+            script: script.source.clone(),
+        },
+        top_logprobs: crate::TOP_LOGPROBS as u32,
+        threads: th.count() as u32,
+    };
+    let mut sch = Scheduler::with_patches(&model.llama, cfg, th.clone(), patches.clone())?;
+    sch.set_top_logprobs(crate::TOP_LOGPROBS);
+    let mut rec = Recorder::new(Vec::new(), &manifest)?;
+    run_session(model, script, &mut sch, |e| rec.observe(e))?;
+    Ok(lmrr_recorder::read(&rec.finish()?)?)
+}
+
+pub fn run() -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    let th = crate::threads(None)?;
+    let model = Model::synthetic(SynthSpec::embedded_default())?;
+    let script = Script::parse(INCIDENT, "examples/incident.toml")?;
+    writeln!(
+        out,
+        "lmrr incident demo on {} (no download)\n",
+        model.origin
+    )?;
+
+    writeln!(out, "1. record: turn 1 interrupted after 60 tokens, turn 2 \"to a file\" with the partial answer")?;
+    let clean = record(&model, &script, &PatchSet::none(), &th)?;
+    let s = lmrr_recorder::Summary::of(&clean);
+    writeln!(
+        out,
+        "   {} requests, {} turns, {} interrupt, {} steps, {} bytes ({:.2} bytes/token of token data)\n",
+        s.requests, s.turns, s.interrupts, s.steps, s.bytes, s.token_data_bytes_per_token
+    )?;
+
+    writeln!(out, "2. replay, reference engine")?;
+    let o = replay(
+        &clean,
+        &model,
+        &ReplayOptions::new(PatchSet::none(), th.clone()),
+    )?;
+    writeln!(out, "   {o}\n")?;
+    ensure!(o.is_bit_exact(), "the reference replay diverged");
+
+    writeln!(out, "3. replay under abort-inserts-partial")?;
+    let patch = PatchSet::parse("abort-inserts-partial").map_err(anyhow::Error::msg)?;
+    let mut opts = ReplayOptions::new(patch.clone(), th.clone());
+    opts.repro = "lmrr replay incident.lmrr --patches abort-inserts-partial".into();
+    opts.drift_steps = 2;
+    let o = replay(&clean, &model, &opts)?;
+    for line in o.to_string().lines() {
+        writeln!(out, "   {line}")?;
+    }
+    writeln!(out)?;
+    ensure!(
+        !o.is_bit_exact(),
+        "the patch did not make the replay diverge"
+    );
+
+    writeln!(
+        out,
+        "4. bisect over the whole catalog ({})",
+        PatchSet::all()
+    )?;
+    let mut probe = |set: &PatchSet| -> Result<Probe> {
+        let mut o = ReplayOptions::new(set.clone(), th.clone());
+        o.stop_at_first = true;
+        o.criterion = Criterion::Behaviour;
+        let r = replay(&clean, &model, &o)?;
+        let d = r.divergence();
+        Ok(Probe {
+            set: set.to_string(),
+            diverged: d.is_some(),
+            step: d.map(|d| d.step),
+            signal: d.map(|d| d.signal),
+        })
+    };
+    let res = bisect(&PatchSet::none(), &Patch::ALL, &mut probe)?;
+    for p in &res.probes {
+        match (p.step, p.signal) {
+            (Some(step), Some(sig)) => writeln!(
+                out,
+                "   probe {:<40} DIVERGES at step {step} ({sig})",
+                p.set
+            )?,
+            _ => writeln!(out, "   probe {:<40} bit-exact", p.set)?,
+        }
+    }
+    let culprit = res.culprits.clone().unwrap_or_default().join(",");
+    writeln!(
+        out,
+        "   culprit ({}, {} replays): {culprit}\n",
+        res.method,
+        res.probes.len()
+    )?;
+
+    writeln!(
+        out,
+        "5. recompute oracle on a bundle recorded WITH the patch (no golden run)"
+    )?;
+    let bad = record(&model, &script, &patch, &th)?;
+    let mut opts = ReplayOptions::new(PatchSet::none(), th.clone());
+    opts.repro = "lmrr replay incident-patched.lmrr --oracle recompute".into();
+    let o = oracle(&bad, &model, &opts)?;
+    for line in o.to_string().lines().take(6) {
+        writeln!(out, "   {line}")?;
+    }
+    ensure!(!o.is_bit_exact(), "the oracle missed the corrupted cache");
+    writeln!(
+        out,
+        "\nreproduce step by step: see README.md, \"The incident, step by step\""
+    )?;
+    Ok(())
+}
