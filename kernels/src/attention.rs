@@ -169,12 +169,11 @@ pub fn attention(
     let op = SendPtr(out.as_mut_ptr());
     let avx = crate::use_avx2();
     threads.for_ranges(items, threads.grain(items, 1), |range| {
-        let op = op;
         for item in range {
             let (ti, h) = (item / nh, item % nh);
             // SAFETY: item `(ti, h)` owns `out[item·hd .. (item+1)·hd]`
             // exclusively, and `out` outlives `for_ranges`.
-            let o = unsafe { std::slice::from_raw_parts_mut(op.0.add(item * hd), hd) };
+            let o = unsafe { std::slice::from_raw_parts_mut(op.get().add(item * hd), hd) };
             #[cfg(target_arch = "x86_64")]
             if avx {
                 // SAFETY: AVX2+FMA detected; shapes checked by `check`.

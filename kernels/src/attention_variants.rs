@@ -152,7 +152,6 @@ pub fn attention_variant(
     let items = tasks.len() * nh;
     let op = SendPtr(out.as_mut_ptr());
     threads.for_ranges(items, threads.grain(items, 1), |range| {
-        let op = op;
         for item in range {
             let (ti, h) = (item / nh, item % nh);
             let task = &tasks[ti];
@@ -174,7 +173,7 @@ pub fn attention_variant(
             }
             let st = states.pop().expect("at least one split");
             // SAFETY: item `(ti, h)` owns `out[item·hd .. (item+1)·hd]` exclusively.
-            let o = unsafe { std::slice::from_raw_parts_mut(op.0.add(item * hd), hd) };
+            let o = unsafe { std::slice::from_raw_parts_mut(op.get().add(item * hd), hd) };
             for d in 0..hd {
                 o[d] = st.acc[d] / st.l;
             }

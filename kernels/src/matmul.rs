@@ -79,7 +79,6 @@ pub fn matmul(threads: &Threads, x: &[f32], n: usize, w: &Matrix, y: &mut [f32])
     let grain = threads.grain(rows, 16);
     let avx = crate::use_avx2();
     threads.for_ranges(rows, grain, |range| {
-        let yp = yp;
         #[cfg(target_arch = "x86_64")]
         if avx {
             // SAFETY: AVX2+FMA detected; `range` lies within `0..rows`; every

@@ -102,6 +102,16 @@ impl Threads {
 /// regions of one output buffer.
 #[derive(Clone, Copy)]
 pub(crate) struct SendPtr<T>(pub *mut T);
+
+impl<T> SendPtr<T> {
+    /// The pointer. Closures call this (capturing the whole `SendPtr`, which is
+    /// `Sync`) instead of reading the field (which would capture the bare,
+    /// non-`Send` pointer).
+    #[inline]
+    pub(crate) fn get(&self) -> *mut T {
+        self.0
+    }
+}
 // SAFETY: users only write through the pointer at indices no other worker
 // touches, and the owning slice outlives the parallel region (`for_ranges` joins
 // before returning).

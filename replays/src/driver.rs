@@ -64,8 +64,8 @@ pub enum ReplayError {
          (full hashes: weights {expected_weights} vs {found_weights})"
     )]
     ModelMismatch {
-        expected: ModelIdentity,
-        found: ModelIdentity,
+        expected: Box<ModelIdentity>,
+        found: Box<ModelIdentity>,
         expected_weights: String,
         found_weights: String,
     },
@@ -159,8 +159,8 @@ pub(crate) fn check_bundle(bundle: &Bundle, model: &Model) -> Result<PatchSet, R
         return Err(ReplayError::ModelMismatch {
             expected_weights: m.model.identity.weights_sha256.clone(),
             found_weights: found.weights_sha256.clone(),
-            expected: m.model.identity.clone(),
-            found,
+            expected: Box::new(m.model.identity.clone()),
+            found: Box::new(found),
         });
     }
     PatchSet::parse(&m.patches.join(",")).map_err(ReplayError::UnknownPatch)
