@@ -252,6 +252,8 @@ fn run_run(a: &RunArgs) -> Result<()> {
     };
     let threads_n = th.count();
     let mut sch = Scheduler::with_patches(&model.llama, cfg, th, a.patches.clone())?;
+    // Validate against the model and pool before creating any file.
+    script.check_fits(&model, &sch)?;
     let mut recorder = match &a.record {
         None => None,
         Some(path) => {

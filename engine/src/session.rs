@@ -351,6 +351,16 @@ impl Script {
                     Part::Output(id) => by_name[id.as_str()].max_tokens,
                 };
             }
+            if len > model.llama.context() {
+                return Err(EngineError::InvalidOption {
+                    name: "request",
+                    value: r.name.clone(),
+                    why: format!(
+                        "its prompt can reach {len} tokens, the model's context is {}",
+                        model.llama.context()
+                    ),
+                });
+            }
             let need = sch.pages_needed(len, r.max_tokens);
             if need > sch.config().pool_pages {
                 return Err(EngineError::NeverFits {

@@ -10,13 +10,16 @@
 //! - [`report`]: the divergence report, human text (`Display`) and JSON (serde).
 //! - [`bisect`]: binary search for one culprit patch, ddmin for combinations.
 //! - [`oracle`]: the recompute oracle (cache-off, batch-of-one recomputation).
+//! - [`check`]: the API for users' regression tests over committed bundles.
 
 pub mod bisect;
+pub mod check;
 pub mod driver;
 pub mod oracle;
 pub mod report;
 
 pub use bisect::{bisect, BisectOutcome, Probe};
+pub use check::{Check, CheckError, Report};
 pub use driver::{replay, Criterion, ReplayError, ReplayOptions};
 pub use oracle::oracle;
 pub use report::{Divergence, DriftRow, Outcome, Signal, TokenInfo};
