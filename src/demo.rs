@@ -10,7 +10,7 @@ use anyhow::{ensure, Result};
 use lmrr_engine::{
     run_session, EngineConfig, Model, Patch, PatchSet, Scheduler, Script, SynthSpec,
 };
-use lmrr_recorder::{HostInfo, Manifest, ModelInfo, Recorder, SessionSource};
+use lmrr_recorder::Recorder;
 use lmrr_replays::{bisect, oracle, replay, Criterion, Probe, ReplayOptions};
 
 const INCIDENT: &str = include_str!("../examples/incident.toml");
@@ -22,26 +22,14 @@ fn record(
     th: &lmrr_kernels::Threads,
 ) -> Result<lmrr_recorder::Bundle> {
     let cfg = EngineConfig::default();
-    let manifest = Manifest {
-        format_version: lmrr_recorder::FORMAT_VERSION,
-        contract_version: lmrr_kernels::CONTRACT_VERSION,
-        tool_version: env!("CARGO_PKG_VERSION").into(),
-        git_revision: env!("LMRR_GIT_REV").into(),
-        model: ModelInfo {
-            origin: model.origin.clone(),
-            identity: model.identity(),
-            synthetic: model.synthetic,
-        },
-        engine: cfg,
-        patches: patches.names(),
-        host: HostInfo::current(),
-        source: SessionSource {
-            script_path: "examples/incident.toml".into(),
-            script: script.source.clone(),
-        },
-        top_logprobs: crate::TOP_LOGPROBS as u32,
-        threads: th.count() as u32,
-    };
+    let manifest = crate::session_manifest(
+        model,
+        cfg,
+        patches,
+        "examples/incident.toml",
+        &script.source,
+        th.count(),
+    );
     let mut sch = Scheduler::with_patches(&model.llama, cfg, th.clone(), patches.clone())?;
     sch.set_top_logprobs(crate::TOP_LOGPROBS);
     let mut rec = Recorder::new(Vec::new(), &manifest)?;

@@ -18,7 +18,7 @@ use lmrr_engine::{
     Scheduler, Script, SynthSpec,
 };
 use lmrr_kernels::Threads;
-use lmrr_recorder::{HostInfo, Manifest, ModelInfo, Recorder, SessionSource, Summary};
+use lmrr_recorder::{Manifest, Recorder, Summary};
 
 /// rr for LLM inference: a deterministic engine whose logits are a pure function
 /// of the tokens, bit for bit.
@@ -257,26 +257,14 @@ fn run_run(a: &RunArgs) -> Result<()> {
     let mut recorder = match &a.record {
         None => None,
         Some(path) => {
-            let manifest = Manifest {
-                format_version: lmrr_recorder::FORMAT_VERSION,
-                contract_version: lmrr_kernels::CONTRACT_VERSION,
-                tool_version: env!("CARGO_PKG_VERSION").into(),
-                git_revision: env!("LMRR_GIT_REV").into(),
-                model: ModelInfo {
-                    origin: model.origin.clone(),
-                    identity: model.identity(),
-                    synthetic: model.synthetic,
-                },
-                engine: cfg,
-                patches: a.patches.names(),
-                host: HostInfo::current(),
-                source: SessionSource {
-                    script_path: a.script.display().to_string(),
-                    script: script.source.clone(),
-                },
-                top_logprobs: TOP_LOGPROBS as u32,
-                threads: threads_n as u32,
-            };
+            let manifest = session_manifest(
+                &model,
+                cfg,
+                &a.patches,
+                &a.script.display().to_string(),
+                &script.source,
+                threads_n,
+            );
             sch.set_top_logprobs(TOP_LOGPROBS);
             let f = std::fs::File::create(path)
                 .with_context(|| format!("creating {}", path.display()))?;
@@ -340,6 +328,28 @@ fn run_patches() -> Result<()> {
 
 /// Top-k logprobs recorded per sampled token.
 pub(crate) const TOP_LOGPROBS: usize = 5;
+
+/// The manifest of a recording made by this binary.
+pub(crate) fn session_manifest(
+    model: &Model,
+    cfg: EngineConfig,
+    patches: &PatchSet,
+    script_path: &str,
+    script: &str,
+    threads: usize,
+) -> Manifest {
+    Manifest::for_session(
+        model,
+        cfg,
+        patches,
+        script_path,
+        script,
+        TOP_LOGPROBS as u32,
+        threads as u32,
+        env!("CARGO_PKG_VERSION"),
+        env!("LMRR_GIT_REV"),
+    )
+}
 
 fn run_inspect(a: &InspectArgs) -> Result<()> {
     let b = lmrr_recorder::open(&a.bundle)

@@ -50,6 +50,7 @@ pub struct Model {
     /// The generator, for synthetic models.
     pub synthetic: Option<SynthSpec>,
     files: ModelFiles,
+    identity: std::sync::OnceLock<ModelIdentity>,
 }
 
 /// What a model is, by content: SHA-256 (hex) of each of its three files.
@@ -99,6 +100,7 @@ impl Model {
             origin: files.origin.clone(),
             synthetic: None,
             files,
+            identity: std::sync::OnceLock::new(),
         })
     }
 
@@ -109,14 +111,21 @@ impl Model {
         Ok(m)
     }
 
-    /// SHA-256 of the model's files (reads all weights once).
+    /// Size of the weights file.
+    pub fn weight_file_bytes(&self) -> usize {
+        self.files.weight_bytes().len()
+    }
+
+    /// SHA-256 of the model's files (reads all weights once, then cached).
     pub fn identity(&self) -> ModelIdentity {
         use sha2::{Digest, Sha256};
         let hex = |b: &[u8]| generate::hex(&Sha256::digest(b));
-        ModelIdentity {
-            config_sha256: hex(&self.files.config),
-            weights_sha256: hex(self.files.weight_bytes()),
-            tokenizer_sha256: hex(&self.files.tokenizer),
-        }
+        self.identity
+            .get_or_init(|| ModelIdentity {
+                config_sha256: hex(&self.files.config),
+                weights_sha256: hex(self.files.weight_bytes()),
+                tokenizer_sha256: hex(&self.files.tokenizer),
+            })
+            .clone()
     }
 }

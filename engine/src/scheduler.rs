@@ -904,31 +904,29 @@ fn row_bytes(row: &[f32]) -> Vec<u8> {
     row.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect()
 }
 
-/// The `k` largest logits (ties to the lowest id) as `(token, log-probability)`,
-/// log-softmax in f64. For reports only.
+/// The `k` largest logits (ties to the lowest id) as `(token, log-probability)`.
+/// For reports only, but still deterministic: the log-sum-exp uses the
+/// canonical `det_exp` and sum, and one f64 `ln`.
 pub fn top_logprobs(row: &[f32], k: usize) -> Vec<(u32, f32)> {
-    if k == 0 || row.is_empty() {
-        return Vec::new();
-    }
-    let m = row
-        .iter()
-        .copied()
-        .filter(|v| !v.is_nan())
-        .fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = m + row
-        .iter()
-        .filter(|v| !v.is_nan())
-        .map(|&v| (v as f64 - m).exp())
-        .sum::<f64>()
-        .ln();
     let mut idx: Vec<u32> = (0..row.len() as u32)
         .filter(|&i| !row[i as usize].is_nan())
         .collect();
-    let order = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
     let k = k.min(idx.len());
     if k == 0 {
         return Vec::new();
     }
+    let m = idx
+        .iter()
+        .map(|&i| row[i as usize])
+        .fold(f32::NEG_INFINITY, f32::max);
+    let shifted: Vec<f32> = row
+        .iter()
+        .map(|&v| if v.is_nan() { f32::NEG_INFINITY } else { v - m })
+        .collect();
+    let mut e = vec![0.0f32; row.len()];
+    lmrr_kernels::exp_slice(&shifted, &mut e);
+    let lse = m as f64 + (lmrr_kernels::sum(&e) as f64).ln();
+    let order = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
     if k < idx.len() {
         idx.select_nth_unstable_by(k - 1, order);
         idx.truncate(k);

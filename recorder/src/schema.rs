@@ -30,6 +30,44 @@ pub struct Manifest {
     pub threads: u32,
 }
 
+impl Manifest {
+    /// A manifest for recording a session of `script_path` (text `script`) on
+    /// `model` with the given engine settings; versions and host are current.
+    #[allow(clippy::too_many_arguments)]
+    pub fn for_session(
+        model: &lmrr_engine::Model,
+        engine: EngineConfig,
+        patches: &lmrr_engine::PatchSet,
+        script_path: &str,
+        script: &str,
+        top_logprobs: u32,
+        threads: u32,
+        tool_version: &str,
+        git_revision: &str,
+    ) -> Self {
+        Self {
+            format_version: FORMAT_VERSION,
+            contract_version: lmrr_kernels::CONTRACT_VERSION,
+            tool_version: tool_version.into(),
+            git_revision: git_revision.into(),
+            model: ModelInfo {
+                origin: model.origin.clone(),
+                identity: model.identity(),
+                synthetic: model.synthetic,
+            },
+            engine,
+            patches: patches.names(),
+            host: HostInfo::current(),
+            source: SessionSource {
+                script_path: script_path.into(),
+                script: script.into(),
+            },
+            top_logprobs,
+            threads,
+        }
+    }
+}
+
 /// Which model produced the recording.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelInfo {
