@@ -4,6 +4,7 @@
 mod bench;
 mod demo;
 mod replay;
+mod rerecord;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -44,6 +45,8 @@ enum Cmd {
     Inspect(InspectArgs),
     /// Re-execute a bundle bit-exactly; report the first divergence; bisect patches.
     Replay(replay::ReplayArgs),
+    /// Re-run a bundle's session on the current engine; write fresh hashes; show what changed.
+    Rerecord(rerecord::RerecordArgs),
     /// List the engine patch catalog.
     Patches,
     /// Measure kernels, prefill and decode against the memory bandwidth.
@@ -439,6 +442,7 @@ fn main() -> std::process::ExitCode {
             Err(e) => Err(e),
         },
         Some(Cmd::Patches) => run_patches(),
+        Some(Cmd::Rerecord(a)) => rerecord::run(a),
         Some(Cmd::Bench(a)) => bench::run(a),
     };
     match res {

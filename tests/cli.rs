@@ -409,3 +409,90 @@ fn patches_lists_the_catalog() {
         assert!(out.contains(p), "{out}");
     }
 }
+
+/// Rewrites a bundle with `edit` applied to its manifest.
+fn rewrite_manifest(
+    src: &std::path::Path,
+    dst: &std::path::Path,
+    edit: impl FnOnce(&mut lmrr_recorder::Manifest),
+) {
+    let b = lmrr_recorder::open(src).unwrap();
+    let mut m = b.manifest.clone();
+    edit(&mut m);
+    let mut w = lmrr_recorder::BundleWriter::new(Vec::new(), &m, 8).unwrap();
+    for e in b.events {
+        w.push(e).unwrap();
+    }
+    std::fs::write(dst, w.finish().unwrap()).unwrap();
+}
+
+#[test]
+fn another_contract_version_is_refused_and_rerecord_refreshes_it() {
+    let d = tempfile::tempdir().unwrap();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/incident.toml");
+    let (cur, old, new) = (
+        d.path().join("cur.lmrr"),
+        d.path().join("old.lmrr"),
+        d.path().join("new.lmrr"),
+    );
+    assert!(lmrr(
+        &["run", "--script", script, "--record", cur.to_str().unwrap()],
+        &[]
+    )
+    .status
+    .success());
+    rewrite_manifest(&cur, &old, |m| m.contract_version = 0);
+    let o = lmrr(&["replay", old.to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.contains("contract v0") && e.contains("implements v1") && e.contains("lmrr rerecord"),
+        "{e}"
+    );
+
+    let o = lmrr(
+        &[
+            "rerecord",
+            old.to_str().unwrap(),
+            "--out",
+            new.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("contract v0 → v1") && out.contains("0 request(s) changed"),
+        "{out}"
+    );
+    assert_eq!(
+        lmrr(&["replay", new.to_str().unwrap()], &[]).status.code(),
+        Some(0)
+    );
+
+    // A change in what the session does is shown per request.
+    let changed = d.path().join("changed.lmrr");
+    rewrite_manifest(&cur, &changed, |m| {
+        m.source.script = m
+            .source
+            .script
+            .replace("max_tokens = 120", "max_tokens = 50")
+    });
+    let o = lmrr(
+        &[
+            "rerecord",
+            changed.to_str().unwrap(),
+            "--out",
+            changed.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("turn2: CHANGED from output token 50: 120 → 50 tokens")
+            && out.contains("turn1: 60 tokens, unchanged"),
+        "{out}"
+    );
+    assert!(!d.path().join("changed.lmrr.partial").exists());
+}
