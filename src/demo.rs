@@ -11,7 +11,7 @@ use lmrr_engine::{
     run_session, EngineConfig, Model, Patch, PatchSet, Scheduler, Script, SynthSpec,
 };
 use lmrr_recorder::Recorder;
-use lmrr_replays::{bisect, oracle, replay, Criterion, Probe, ReplayOptions};
+use lmrr_replays::{bisect, oracle, probe, replay, Criterion, Probe, ReplayOptions};
 
 const INCIDENT: &str = include_str!("../examples/incident.toml");
 
@@ -87,17 +87,7 @@ pub fn run() -> Result<()> {
         PatchSet::all()
     )?;
     let mut probe = |set: &PatchSet| -> Result<Probe> {
-        let mut o = ReplayOptions::new(set.clone(), th.clone());
-        o.stop_at_first = true;
-        o.criterion = Criterion::Behaviour;
-        let r = replay(&clean, &model, &o)?;
-        let d = r.divergence();
-        Ok(Probe {
-            set: set.to_string(),
-            diverged: d.is_some(),
-            step: d.map(|d| d.step),
-            signal: d.map(|d| d.signal),
-        })
+        Ok(probe(&clean, &model, set, &th, Criterion::Behaviour)?)
     };
     let res = bisect(&PatchSet::none(), &Patch::ALL, &mut probe)?;
     for p in &res.probes {

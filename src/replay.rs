@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 
 use lmrr_engine::{Model, Patch, PatchSet};
-use lmrr_replays::{bisect, oracle, replay, Criterion, Outcome, Probe, ReplayOptions};
+use lmrr_replays::{bisect, oracle, probe, replay, Criterion, Outcome, Probe, ReplayOptions};
 
 #[derive(clap::Args, Debug)]
 pub struct ReplayArgs {
@@ -119,21 +119,12 @@ pub fn run(a: &ReplayArgs) -> Result<u8> {
                 pb.set_message(format!("replaying under {set}"));
                 pb.tick();
             }
-            let mut opts = ReplayOptions::new(set.clone(), th.clone());
-            opts.stop_at_first = true;
-            opts.criterion = if a.numerical {
+            let criterion = if a.numerical {
                 Criterion::Bits
             } else {
                 Criterion::Behaviour
             };
-            let o = replay(&b, &model, &opts)?;
-            let d = o.divergence();
-            Ok(Probe {
-                set: set.to_string(),
-                diverged: d.is_some(),
-                step: d.map(|d| d.step),
-                signal: d.map(|d| d.signal),
-            })
+            Ok(probe(&b, &model, set, &th, criterion)?)
         };
         let res = bisect(&base, &candidates, &mut run_probe)?;
         if let Some(pb) = bar {

@@ -141,24 +141,7 @@ impl RadixCache {
             children: BTreeMap::new(),
             last_use: self.clock,
         };
-        let id = match self.free_slots.pop() {
-            Some(s) => {
-                self.nodes[s] = Some(node);
-                s
-            }
-            None => {
-                self.nodes.push(Some(node));
-                self.nodes.len() - 1
-            }
-        };
-        match at {
-            None => self.root.insert(key.to_vec(), id),
-            Some(p) => self.nodes[p]
-                .as_mut()
-                .expect("live parent")
-                .children
-                .insert(key.to_vec(), id),
-        };
+        self.add_node(at, node);
         pool.incref(page);
         true
     }
@@ -183,24 +166,7 @@ impl RadixCache {
                         children: BTreeMap::new(),
                         last_use: 0,
                     };
-                    let id = match self.free_slots.pop() {
-                        Some(s) => {
-                            self.nodes[s] = Some(node);
-                            s
-                        }
-                        None => {
-                            self.nodes.push(Some(node));
-                            self.nodes.len() - 1
-                        }
-                    };
-                    match at {
-                        None => self.root.insert(key.to_vec(), id),
-                        Some(p) => self.nodes[p]
-                            .as_mut()
-                            .expect("live parent")
-                            .children
-                            .insert(key.to_vec(), id),
-                    };
+                    let id = self.add_node(at, node);
                     pool.incref(page);
                     added += 1;
                     id
@@ -232,6 +198,30 @@ impl RadixCache {
             freed += 1;
         }
         freed
+    }
+
+    /// Stores `node` (whose `parent` is `at`) and links it under its key.
+    fn add_node(&mut self, at: Option<NodeId>, node: Node) -> NodeId {
+        let key = node.key.clone();
+        let id = match self.free_slots.pop() {
+            Some(s) => {
+                self.nodes[s] = Some(node);
+                s
+            }
+            None => {
+                self.nodes.push(Some(node));
+                self.nodes.len() - 1
+            }
+        };
+        match at {
+            None => self.root.insert(key, id),
+            Some(p) => self.nodes[p]
+                .as_mut()
+                .expect("live parent")
+                .children
+                .insert(key, id),
+        };
+        id
     }
 
     fn remove_leaf(&mut self, id: NodeId, pool: &mut PagePool) {

@@ -9,6 +9,7 @@ use serde::Serialize;
 
 use lmrr_engine::{Patch, PatchSet};
 
+use crate::driver::{replay, Criterion, ReplayError, ReplayOptions};
 use crate::report::Signal;
 
 /// One replay made by the search.
@@ -140,4 +141,26 @@ pub fn bisect<E>(
     }
     let c = s.ddmin(candidates.to_vec())?;
     Ok(finish(s, Some(c), "ddmin"))
+}
+
+/// One bisect probe: replays `bundle` under `set`, stopping at the first
+/// divergence by `criterion`.
+pub fn probe(
+    bundle: &lmrr_recorder::Bundle,
+    model: &lmrr_engine::Model,
+    set: &PatchSet,
+    threads: &lmrr_kernels::Threads,
+    criterion: Criterion,
+) -> Result<Probe, ReplayError> {
+    let mut o = ReplayOptions::new(set.clone(), threads.clone());
+    o.stop_at_first = true;
+    o.criterion = criterion;
+    let r = replay(bundle, model, &o)?;
+    let d = r.divergence();
+    Ok(Probe {
+        set: set.to_string(),
+        diverged: d.is_some(),
+        step: d.map(|d| d.step),
+        signal: d.map(|d| d.signal),
+    })
 }

@@ -18,7 +18,7 @@ pub mod driver;
 pub mod oracle;
 pub mod report;
 
-pub use bisect::{bisect, BisectOutcome, Probe};
+pub use bisect::{bisect, probe, BisectOutcome, Probe};
 pub use check::{Check, CheckError, Report};
 pub use driver::{replay, Criterion, ReplayError, ReplayOptions};
 pub use oracle::oracle;

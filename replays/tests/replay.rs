@@ -96,19 +96,7 @@ fn bisect_over_the_catalog_names_abort_inserts_partial_alone_within_the_probe_bo
         PatchSet::none(),
     );
     let th = Threads::new(2).unwrap();
-    let mut probe = |set: &PatchSet| -> Result<Probe, lmrr_replays::ReplayError> {
-        let mut o = ReplayOptions::new(set.clone(), th.clone());
-        o.stop_at_first = true;
-        o.criterion = Criterion::Behaviour;
-        let r = replay(&b, &m, &o)?;
-        let d = r.divergence();
-        Ok(Probe {
-            set: set.to_string(),
-            diverged: d.is_some(),
-            step: d.map(|d| d.step),
-            signal: d.map(|d| d.signal),
-        })
-    };
+    let mut probe = |set: &PatchSet| lmrr_replays::probe(&b, &m, set, &th, Criterion::Behaviour);
     let res = bisect(&PatchSet::none(), &Patch::ALL, &mut probe).unwrap();
     assert_eq!(
         res.culprits,
