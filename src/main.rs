@@ -49,6 +49,8 @@ enum Cmd {
     Rerecord(rerecord::RerecordArgs),
     /// List the engine patch catalog.
     Patches,
+    /// Convert a llama GGUF file (e.g. SmolLM2) into an HF model directory.
+    ImportGguf(ImportArgs),
     /// Measure kernels, prefill and decode against the memory bandwidth.
     Bench(bench::BenchArgs),
 }
@@ -86,6 +88,18 @@ struct RunArgs {
 
 pub(crate) fn parse_patches(s: &str) -> Result<PatchSet, String> {
     PatchSet::parse(s)
+}
+
+#[derive(clap::Args, Debug)]
+struct ImportArgs {
+    /// The GGUF file.
+    file: PathBuf,
+    /// Output directory (created).
+    #[arg(long)]
+    out: PathBuf,
+    /// Weight storage: f32 (exact dequantized values) or bf16 (rounded).
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
+    dtype: String,
 }
 
 #[derive(clap::Args, Debug)]
@@ -320,6 +334,32 @@ fn run_run(a: &RunArgs) -> Result<()> {
     Ok(())
 }
 
+fn run_import(a: &ImportArgs) -> Result<()> {
+    use lmrr_engine::gguf::{import, ImportDtype};
+    let dtype = if a.dtype == "bf16" {
+        ImportDtype::Bf16
+    } else {
+        ImportDtype::F32
+    };
+    let r = import(&a.file, &a.out, dtype)
+        .with_context(|| format!("importing {}", a.file.display()))?;
+    println!(
+        "wrote {}: {} tensors, {:.1}M parameters ({}), vocabulary {} with {} merges{}",
+        a.out.display(),
+        r.tensors,
+        r.params as f64 / 1e6,
+        a.dtype,
+        r.vocab,
+        r.merges,
+        if r.chat_template {
+            ", chat template"
+        } else {
+            ""
+        }
+    );
+    Ok(())
+}
+
 fn run_patches() -> Result<()> {
     let mut out = std::io::stdout().lock();
     for p in Patch::ALL {
@@ -442,6 +482,7 @@ fn main() -> std::process::ExitCode {
             Err(e) => Err(e),
         },
         Some(Cmd::Patches) => run_patches(),
+        Some(Cmd::ImportGguf(a)) => run_import(a),
         Some(Cmd::Rerecord(a)) => rerecord::run(a),
         Some(Cmd::Bench(a)) => bench::run(a),
     };

@@ -81,6 +81,12 @@ pub enum EngineError {
         value: String,
         why: String,
     },
+    #[error("{path}: byte {offset}: {msg}")]
+    Gguf {
+        path: String,
+        offset: u64,
+        msg: String,
+    },
     #[error(transparent)]
     Threads(#[from] lmrr_kernels::threads::ThreadsError),
 }

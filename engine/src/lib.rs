@@ -14,6 +14,7 @@ pub mod chat;
 pub mod config;
 pub mod error;
 pub mod generate;
+pub mod gguf;
 pub mod kv;
 pub mod llama;
 pub mod patches;

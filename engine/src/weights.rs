@@ -146,7 +146,8 @@ impl std::fmt::Debug for Tensor {
     }
 }
 
-fn f16_to_f32(h: u16) -> f32 {
+/// Exact f16 → f32.
+pub fn f16_to_f32(h: u16) -> f32 {
     let sign = ((h >> 15) as u32) << 31;
     let exp = ((h >> 10) & 0x1f) as u32;
     let man = (h & 0x3ff) as u32;
