@@ -115,6 +115,7 @@ impl TensorInfo {
 }
 
 /// A parsed GGUF file (metadata and tensor table; data stays in `bytes`).
+#[derive(Debug)]
 pub struct Gguf {
     pub version: u32,
     pub meta: BTreeMap<String, Value>,

@@ -1,0 +1,109 @@
+//! SmolLM2-135M-Instruct, imported from its GGUF (`scripts/get-smollm2.sh`).
+//! Runs when the model is present (`LMRR_SMOLLM2=DIR`, or the default cache
+//! directory); otherwise each test prints why it is skipped and passes.
+
+use std::path::PathBuf;
+
+use lmrr_engine::{generate, GenerateOptions, Model};
+use lmrr_kernels::Threads;
+
+fn model_dir() -> Option<PathBuf> {
+    let dir = std::env::var_os("LMRR_SMOLLM2")
+        .map(PathBuf::from)
+        .or_else(|| {
+            let cache = std::env::var_os("LMRR_CACHE")
+                .map(PathBuf::from)
+                .or_else(|| {
+                    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/lmrr"))
+                })?;
+            Some(cache.join("smollm2-135m-instruct"))
+        })?;
+    if dir.join("model.safetensors").is_file() {
+        Some(dir)
+    } else {
+        eprintln!(
+            "SKIPPED: no SmolLM2 at {} (run scripts/get-smollm2.sh, or set LMRR_SMOLLM2)",
+            dir.display()
+        );
+        None
+    }
+}
+
+const QUESTION: &str =
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
+
+#[test]
+fn smollm2_answers_the_capital_of_france() {
+    let Some(dir) = model_dir() else { return };
+    let m = Model::load_dir(&dir).unwrap();
+    let c = m.llama.config();
+    assert_eq!(
+        (
+            c.hidden_size,
+            c.num_hidden_layers,
+            c.vocab_size,
+            c.rope_theta
+        ),
+        (576, 30, 49152, 100_000.0)
+    );
+    let p = m.tokenizer.encode(QUESTION).unwrap();
+    assert_eq!(
+        (p[0], m.tokenizer.token_id("<|im_end|>")),
+        (1, Some(2)),
+        "special tokens"
+    );
+    let g = generate(
+        &m.llama,
+        &p,
+        &GenerateOptions {
+            max_tokens: 16,
+            ..Default::default()
+        },
+        &Threads::new(2).unwrap(),
+    )
+    .unwrap();
+    let text = m.tokenizer.decode(&g.tokens).unwrap();
+    assert_eq!(text, "The capital of France is Paris.<|im_end|>");
+}
+
+#[test]
+fn smollm2_is_bit_exact_across_threads_and_chunking() {
+    let Some(dir) = model_dir() else { return };
+    let m = Model::load_dir(&dir).unwrap();
+    let p = m
+        .tokenizer
+        .encode("The quick brown fox jumps over the lazy dog. 12345 is a number, ünïcödé too.")
+        .unwrap();
+    let run = |t: usize, chunk: Option<usize>| {
+        let opts = GenerateOptions {
+            max_tokens: 6,
+            prefill_chunk: chunk,
+            stop_at_eos: false,
+            ..Default::default()
+        };
+        generate(&m.llama, &p, &opts, &Threads::new(t).unwrap())
+            .unwrap()
+            .digest
+    };
+    let base = run(1, None);
+    assert_eq!(run(2, Some(5)), base);
+    assert_eq!(run(3, Some(1)), base);
+}
+
+#[test]
+fn smollm2_tokenizer_round_trips_varied_text() {
+    let Some(dir) = model_dir() else { return };
+    let m = Model::load_dir(&dir).unwrap();
+    for s in [
+        "Hello, world!",
+        "  leading spaces and\ttabs\n\nnewlines",
+        "fn main() { println!(\"{}\", 1 + 2); }",
+        "数字 1234567890 and émojis 🚀",
+        "<|im_start|>system\nYou are helpful<|im_end|>",
+    ] {
+        let ids = m.tokenizer.encode(s).unwrap();
+        assert_eq!(m.tokenizer.decode(&ids).unwrap(), s, "{ids:?}");
+    }
+    // Digits are split one by one (the `smollm` pre-tokenizer).
+    assert_eq!(m.tokenizer.encode("2024").unwrap().len(), 4);
+}
