@@ -50,6 +50,8 @@ pub struct Model {
     pub origin: String,
     /// The generator, for synthetic models.
     pub synthetic: Option<SynthSpec>,
+    /// The model's own chat template (`tokenizer_config.json`), if any.
+    pub chat_template: Option<chat::ChatTemplate>,
     files: ModelFiles,
     identity: std::sync::OnceLock<ModelIdentity>,
 }
@@ -95,11 +97,16 @@ impl Model {
                 ),
             });
         }
+        let chat_template = match &files.tokenizer_config {
+            Some((bytes, path)) => chat::ChatTemplate::from_tokenizer_config(bytes, path)?,
+            None => None,
+        };
         Ok(Self {
             llama,
             tokenizer,
             origin: files.origin.clone(),
             synthetic: None,
+            chat_template,
             files,
             identity: std::sync::OnceLock::new(),
         })
@@ -110,6 +117,18 @@ impl Model {
         let mut m = Self::from_files(spec.build())?;
         m.synthetic = Some(spec);
         Ok(m)
+    }
+
+    /// Renders chat messages with the model's template (built-in ChatML when
+    /// it has none) into prompt parts.
+    pub fn render_chat(&self, messages: &[chat::Message]) -> Result<Vec<chat::Part>, EngineError> {
+        match &self.chat_template {
+            Some(t) => t.render(messages).map_err(|msg| EngineError::Config {
+                path: self.origin.clone().into(),
+                msg: format!("rendering the chat template: {msg}"),
+            }),
+            None => Ok(chat::render_chatml(messages)),
+        }
     }
 
     /// Size of the weights file.

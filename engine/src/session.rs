@@ -36,7 +36,7 @@ use std::path::Path;
 use serde::Deserialize;
 use toml::Spanned;
 
-use crate::chat::{render_chatml, Content, Message, Part};
+use crate::chat::{Content, Message, Part};
 use crate::scheduler::{Request, RequestId, RequestOutput, Scheduler, StepReport};
 use crate::{EngineError, Model, SamplingParams};
 
@@ -345,7 +345,7 @@ impl Script {
             self.requests.iter().map(|r| (r.name.as_str(), r)).collect();
         for r in &self.requests {
             let mut len = 0;
-            for part in parts(&r.prompt) {
+            for part in parts(model, &r.prompt)? {
                 len += match part {
                     Part::Text(t) => model.tokenizer.encode(&t)?.len(),
                     Part::Output(id) => by_name[id.as_str()].max_tokens,
@@ -376,10 +376,10 @@ impl Script {
     }
 }
 
-fn parts(p: &PromptSpec) -> Vec<Part> {
+fn parts(model: &Model, p: &PromptSpec) -> Result<Vec<Part>, EngineError> {
     match p {
-        PromptSpec::Raw(t) => vec![Part::Text(t.clone())],
-        PromptSpec::Chat(ms) => render_chatml(ms),
+        PromptSpec::Raw(t) => Ok(vec![Part::Text(t.clone())]),
+        PromptSpec::Chat(ms) => model.render_chat(ms),
     }
 }
 
@@ -470,7 +470,7 @@ pub fn run_session(
                     continue;
                 }
                 let mut prompt = Vec::new();
-                for part in parts(&r.prompt) {
+                for part in parts(model, &r.prompt)? {
                     match part {
                         Part::Text(t) => prompt.extend(model.tokenizer.encode(&t)?),
                         Part::Output(src) => {

@@ -39,6 +39,8 @@ pub struct ModelFiles {
     pub weights_path: PathBuf,
     /// Human description of the origin (directory or generator).
     pub origin: String,
+    /// `tokenizer_config.json`, when the directory has one (chat template).
+    pub tokenizer_config: Option<(Vec<u8>, PathBuf)>,
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, EngineError> {
@@ -82,7 +84,14 @@ impl ModelFiles {
             path: weights_path.clone(),
             source,
         })?;
+        let tc_path = dir.join("tokenizer_config.json");
+        let tokenizer_config = if tc_path.is_file() {
+            Some((read(&tc_path)?, tc_path))
+        } else {
+            None
+        };
         Ok(Self {
+            tokenizer_config,
             config: read(&config_path)?,
             config_path,
             tokenizer: read(&tokenizer_path)?,
@@ -104,6 +113,7 @@ impl ModelFiles {
             weights: Arc::new(Backing::Owned(weights)),
             weights_path: base.join("model.safetensors"),
             origin: name.to_string(),
+            tokenizer_config: None,
         }
     }
 
