@@ -51,6 +51,8 @@ enum Cmd {
     Patches,
     /// Convert a llama GGUF file (e.g. SmolLM2) into an HF model directory.
     ImportGguf(ImportArgs),
+    /// Teacher-forced logits of a text at every position, written for comparison tools.
+    Score(ScoreArgs),
     /// Measure kernels, prefill and decode against the memory bandwidth.
     Bench(bench::BenchArgs),
 }
@@ -100,6 +102,23 @@ struct ImportArgs {
     /// Weight storage: f32 (exact dequantized values) or bf16 (rounded).
     #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
     dtype: String,
+}
+
+#[derive(clap::Args, Debug)]
+struct ScoreArgs {
+    /// Model: an HF directory, or `synthetic:PRESET[:SEED]`.
+    #[arg(long)]
+    model: Option<String>,
+    /// File holding the text to score.
+    #[arg(long)]
+    text_file: PathBuf,
+    /// Output: u32 token count, the token ids (u32), then one f32 row of
+    /// `vocab` logits per position, all little-endian.
+    #[arg(long)]
+    out: PathBuf,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -334,6 +353,25 @@ fn run_run(a: &RunArgs) -> Result<()> {
     Ok(())
 }
 
+fn run_score(a: &ScoreArgs) -> Result<()> {
+    use lmrr_engine::{KvCache, LogitsWanted, SeqKvStore, SeqSpan};
+    let model = load_model(a.model.as_deref())?;
+    let text = std::fs::read_to_string(&a.text_file).with_context(|| format!("reading {}", a.text_file.display()))?;
+    let ids = model.tokenizer.encode(&text)?;
+    let th = threads(a.threads)?;
+    let cfg = model.llama.config();
+    let mut kv = SeqKvStore::new(cfg.num_hidden_layers, model.llama.attn_shape().kv_dim());
+    let span = SeqSpan { seq: 0, start: kv.len(0), tokens: &ids, logits: LogitsWanted::All };
+    let rows = model.llama.forward(&mut kv, &[span], &th)?.remove(0);
+    let mut out = Vec::with_capacity(4 + ids.len() * 4 + rows.len() * 4);
+    out.extend((ids.len() as u32).to_le_bytes());
+    out.extend(ids.iter().flat_map(|t| t.to_le_bytes()));
+    out.extend(rows.iter().flat_map(|v| v.to_le_bytes()));
+    std::fs::write(&a.out, out).with_context(|| format!("writing {}", a.out.display()))?;
+    println!("{} tokens × {} logits → {}", ids.len(), cfg.vocab_size, a.out.display());
+    Ok(())
+}
+
 fn run_import(a: &ImportArgs) -> Result<()> {
     use lmrr_engine::gguf::{import, ImportDtype};
     let dtype = if a.dtype == "bf16" {
@@ -483,6 +521,7 @@ fn main() -> std::process::ExitCode {
         },
         Some(Cmd::Patches) => run_patches(),
         Some(Cmd::ImportGguf(a)) => run_import(a),
+        Some(Cmd::Score(a)) => run_score(a),
         Some(Cmd::Rerecord(a)) => rerecord::run(a),
         Some(Cmd::Bench(a)) => bench::run(a),
     };
