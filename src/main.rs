@@ -356,19 +356,30 @@ fn run_run(a: &RunArgs) -> Result<()> {
 fn run_score(a: &ScoreArgs) -> Result<()> {
     use lmrr_engine::{KvCache, LogitsWanted, SeqKvStore, SeqSpan};
     let model = load_model(a.model.as_deref())?;
-    let text = std::fs::read_to_string(&a.text_file).with_context(|| format!("reading {}", a.text_file.display()))?;
+    let text = std::fs::read_to_string(&a.text_file)
+        .with_context(|| format!("reading {}", a.text_file.display()))?;
     let ids = model.tokenizer.encode(&text)?;
     let th = threads(a.threads)?;
     let cfg = model.llama.config();
     let mut kv = SeqKvStore::new(cfg.num_hidden_layers, model.llama.attn_shape().kv_dim());
-    let span = SeqSpan { seq: 0, start: kv.len(0), tokens: &ids, logits: LogitsWanted::All };
+    let span = SeqSpan {
+        seq: 0,
+        start: kv.len(0),
+        tokens: &ids,
+        logits: LogitsWanted::All,
+    };
     let rows = model.llama.forward(&mut kv, &[span], &th)?.remove(0);
     let mut out = Vec::with_capacity(4 + ids.len() * 4 + rows.len() * 4);
     out.extend((ids.len() as u32).to_le_bytes());
     out.extend(ids.iter().flat_map(|t| t.to_le_bytes()));
     out.extend(rows.iter().flat_map(|v| v.to_le_bytes()));
     std::fs::write(&a.out, out).with_context(|| format!("writing {}", a.out.display()))?;
-    println!("{} tokens × {} logits → {}", ids.len(), cfg.vocab_size, a.out.display());
+    println!(
+        "{} tokens × {} logits → {}",
+        ids.len(),
+        cfg.vocab_size,
+        a.out.display()
+    );
     Ok(())
 }
 

@@ -33,11 +33,12 @@ pub struct ReplayArgs {
     /// `recompute`: check every sampled token against a cache-off, batch-of-one recomputation.
     #[arg(long, value_parser = ["recompute"])]
     oracle: Option<String>,
-    /// With --bisect: count numerical drift (logits or K/V bits) as divergence.
-    /// By default a probe diverges only if a decision, what is cached, or a
-    /// sampled token changes.
-    #[arg(long, requires = "bisect")]
-    numerical: bool,
+    /// With --bisect, what makes a probe diverge: `behaviour` (default: a
+    /// decision, what is cached or referenced, or a sampled token changes),
+    /// `tokens` (only what the user sees: sampled tokens), or `bits` (any bit,
+    /// numerical drift of logits and K/V included).
+    #[arg(long, default_value = "behaviour", value_parser = ["behaviour", "tokens", "bits"], requires = "bisect")]
+    criterion: String,
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
@@ -119,10 +120,10 @@ pub fn run(a: &ReplayArgs) -> Result<u8> {
                 pb.set_message(format!("replaying under {set}"));
                 pb.tick();
             }
-            let criterion = if a.numerical {
-                Criterion::Bits
-            } else {
-                Criterion::Behaviour
+            let criterion = match a.criterion.as_str() {
+                "bits" => Criterion::Bits,
+                "tokens" => Criterion::Tokens,
+                _ => Criterion::Behaviour,
             };
             Ok(probe(&b, &model, set, &th, criterion)?)
         };

@@ -28,6 +28,9 @@ pub enum Criterion {
     /// Behaviour only: decisions, what is cached or referenced, sampled
     /// tokens. Numerical drift that changes no token is not counted.
     Behaviour,
+    /// What the user sees: sampled tokens (and decisions that can no longer
+    /// be executed). Cache changes that alter no token are not counted.
+    Tokens,
 }
 
 /// How to replay.
@@ -437,8 +440,9 @@ fn compare(
         window: Vec::new(),
         repro: opts.repro.clone(),
     };
-    let behaviour = opts.criterion == Criterion::Behaviour;
-    let layout_differs = got.cache_layout != rec.cache_layout;
+    let behaviour = opts.criterion != Criterion::Bits;
+    let layout_differs =
+        opts.criterion != Criterion::Tokens && got.cache_layout != rec.cache_layout;
     let logits_differ = rec.seqs.iter().any(|s| {
         s.sampled.is_some()
             && got
