@@ -53,6 +53,8 @@ enum Cmd {
     ImportGguf(ImportArgs),
     /// Teacher-forced logits of a text at every position, written for comparison tools.
     Score(ScoreArgs),
+    /// Token ids of each string of a JSON array, printed as a JSON array of arrays.
+    Tokenize(TokenizeArgs),
     /// Measure kernels, prefill and decode against the memory bandwidth.
     Bench(bench::BenchArgs),
 }
@@ -102,6 +104,16 @@ struct ImportArgs {
     /// Weight storage: f32 (exact dequantized values) or bf16 (rounded).
     #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
     dtype: String,
+}
+
+#[derive(clap::Args, Debug)]
+struct TokenizeArgs {
+    /// Model: an HF directory, or `synthetic:PRESET[:SEED]`.
+    #[arg(long)]
+    model: Option<String>,
+    /// A JSON file holding an array of strings.
+    #[arg(long)]
+    strings_file: PathBuf,
 }
 
 #[derive(clap::Args, Debug)]
@@ -353,6 +365,24 @@ fn run_run(a: &RunArgs) -> Result<()> {
     Ok(())
 }
 
+fn run_tokenize(a: &TokenizeArgs) -> Result<()> {
+    let model = load_model(a.model.as_deref())?;
+    let raw = std::fs::read(&a.strings_file)
+        .with_context(|| format!("reading {}", a.strings_file.display()))?;
+    let strings: Vec<String> = serde_json::from_slice(&raw).with_context(|| {
+        format!(
+            "{}: expected a JSON array of strings",
+            a.strings_file.display()
+        )
+    })?;
+    let ids = strings
+        .iter()
+        .map(|s| model.tokenizer.encode(s))
+        .collect::<Result<Vec<_>, _>>()?;
+    println!("{}", serde_json::to_string(&ids)?);
+    Ok(())
+}
+
 fn run_score(a: &ScoreArgs) -> Result<()> {
     use lmrr_engine::{KvCache, LogitsWanted, SeqKvStore, SeqSpan};
     let model = load_model(a.model.as_deref())?;
@@ -533,6 +563,7 @@ fn main() -> std::process::ExitCode {
         Some(Cmd::Patches) => run_patches(),
         Some(Cmd::ImportGguf(a)) => run_import(a),
         Some(Cmd::Score(a)) => run_score(a),
+        Some(Cmd::Tokenize(a)) => run_tokenize(a),
         Some(Cmd::Rerecord(a)) => rerecord::run(a),
         Some(Cmd::Bench(a)) => bench::run(a),
     };
