@@ -4,13 +4,10 @@
 //! failure names what and where; truncation keeps what was complete.
 
 use lmrr_engine::session::SessionEvent;
-use lmrr_engine::{run_session, EngineConfig, Model, Scheduler, Script, SynthSpec};
+use lmrr_engine::{run_session, EngineConfig, Model, PatchSet, Scheduler, Script, SynthSpec};
 use lmrr_kernels::Threads;
 use lmrr_recorder::format::{FRAME_HEADER_LEN, HEADER_LEN, MAX_FRAME_COMPRESSED, MAX_FRAME_RAW};
-use lmrr_recorder::{
-    read, BundleError, Event, HostInfo, Integrity, Manifest, ModelInfo, Recorder, SessionSource,
-    Summary,
-};
+use lmrr_recorder::{read, BundleError, Event, Integrity, Manifest, Recorder, Summary};
 
 const SCRIPT: &str = r#"
 [[request]]
@@ -34,26 +31,17 @@ fn record() -> (Vec<u8>, Vec<Event>) {
         page_size: 4,
         ..Default::default()
     };
-    let manifest = Manifest {
-        format_version: lmrr_recorder::FORMAT_VERSION,
-        contract_version: lmrr_kernels::CONTRACT_VERSION,
-        tool_version: "test".into(),
-        git_revision: "test".into(),
-        model: ModelInfo {
-            origin: m.origin.clone(),
-            identity: m.identity(),
-            synthetic: m.synthetic,
-        },
-        engine: cfg,
-        patches: vec![],
-        host: HostInfo::current(),
-        source: SessionSource {
-            script_path: "t.toml".into(),
-            script: SCRIPT.into(),
-        },
-        top_logprobs: 5,
-        threads: 1,
-    };
+    let manifest = Manifest::for_session(
+        &m,
+        cfg,
+        &PatchSet::none(),
+        "t.toml",
+        SCRIPT,
+        5,
+        1,
+        "test",
+        "test",
+    );
     let mut sch = Scheduler::new(&m.llama, cfg, Threads::single()).unwrap();
     sch.set_top_logprobs(5);
     let mut rec = Recorder::new(Vec::new(), &manifest).unwrap();

@@ -356,20 +356,14 @@ pub fn replay(
             Err(err) => {
                 if first.is_none() {
                     let who = attribute(&rec.decisions);
-                    first = Some(Divergence {
-                        step: rec.step,
-                        signal: Signal::Decision,
-                        detail: err.to_string(),
-                        request: who.map(|(id, _)| cat.name(id)),
-                        request_id: who.map(|(id, _)| id),
-                        turn: who.map(|(id, _)| cat.turn(id)),
-                        position: who.and_then(|(_, p)| p),
-                        expected: None,
-                        actual: None,
-                        drift: Vec::new(),
-                        window: Vec::new(),
-                        repro: opts.repro.clone(),
-                    });
+                    first = Some(divergence(
+                        rec.step,
+                        Signal::Decision,
+                        err.to_string(),
+                        who,
+                        &cat,
+                        opts,
+                    ));
                 }
                 break;
             }
@@ -418,16 +412,18 @@ pub fn replay(
     })
 }
 
-/// Compares one step; returns the first divergent signal.
-fn compare(
-    rec: &StepReport,
-    got: &StepReport,
+/// A divergence at `step` attributed to `who` (request, position), without
+/// token details, drift or window (filled in by the caller).
+fn divergence(
+    step: u64,
+    signal: Signal,
+    detail: String,
+    who: Option<(RequestId, Option<usize>)>,
     cat: &Catalog,
-    model: &Model,
     opts: &ReplayOptions,
-) -> Option<Divergence> {
-    let base = |signal, detail: String, who: Option<(RequestId, Option<usize>)>| Divergence {
-        step: rec.step,
+) -> Divergence {
+    Divergence {
+        step,
         signal,
         detail,
         request: who.map(|(id, _)| cat.name(id)),
@@ -439,7 +435,18 @@ fn compare(
         drift: Vec::new(),
         window: Vec::new(),
         repro: opts.repro.clone(),
-    };
+    }
+}
+
+/// Compares one step; returns the first divergent signal.
+fn compare(
+    rec: &StepReport,
+    got: &StepReport,
+    cat: &Catalog,
+    model: &Model,
+    opts: &ReplayOptions,
+) -> Option<Divergence> {
+    let base = |signal, detail: String, who| divergence(rec.step, signal, detail, who, cat, opts);
     let behaviour = opts.criterion != Criterion::Bits;
     let layout_differs =
         opts.criterion != Criterion::Tokens && got.cache_layout != rec.cache_layout;

@@ -4,7 +4,7 @@ use lmrr_engine::{
     run_session, EngineConfig, Model, Patch, PatchSet, Scheduler, Script, SynthSpec,
 };
 use lmrr_kernels::Threads;
-use lmrr_recorder::{read, Bundle, HostInfo, Manifest, ModelInfo, Recorder, SessionSource};
+use lmrr_recorder::{read, Bundle, Manifest, Recorder};
 use lmrr_replays::{bisect, oracle, replay, Criterion, Outcome, Probe, ReplayOptions, Signal};
 
 fn model() -> Model {
@@ -21,26 +21,7 @@ fn incident_src() -> String {
 
 fn record(m: &Model, src: &str, cfg: EngineConfig, patches: PatchSet) -> Bundle {
     let script = Script::parse(src, "s.toml").unwrap();
-    let manifest = Manifest {
-        format_version: lmrr_recorder::FORMAT_VERSION,
-        contract_version: lmrr_kernels::CONTRACT_VERSION,
-        tool_version: "test".into(),
-        git_revision: "test".into(),
-        model: ModelInfo {
-            origin: m.origin.clone(),
-            identity: m.identity(),
-            synthetic: m.synthetic,
-        },
-        engine: cfg,
-        patches: patches.names(),
-        host: HostInfo::current(),
-        source: SessionSource {
-            script_path: "s.toml".into(),
-            script: src.into(),
-        },
-        top_logprobs: 5,
-        threads: 2,
-    };
+    let manifest = Manifest::for_session(m, cfg, &patches, "s.toml", src, 5, 2, "test", "test");
     let mut sch =
         Scheduler::with_patches(&m.llama, cfg, Threads::new(2).unwrap(), patches).unwrap();
     sch.set_top_logprobs(5);
@@ -284,26 +265,7 @@ fn a_truncated_bundle_replays_up_to_its_last_complete_frame() {
     let m = model();
     let script = Script::parse(&incident_src(), "s.toml").unwrap();
     let cfg = EngineConfig::default();
-    let manifest = Manifest {
-        format_version: lmrr_recorder::FORMAT_VERSION,
-        contract_version: lmrr_kernels::CONTRACT_VERSION,
-        tool_version: "t".into(),
-        git_revision: "t".into(),
-        model: ModelInfo {
-            origin: m.origin.clone(),
-            identity: m.identity(),
-            synthetic: m.synthetic,
-        },
-        engine: cfg,
-        patches: vec![],
-        host: HostInfo::current(),
-        source: SessionSource {
-            script_path: "s".into(),
-            script: String::new(),
-        },
-        top_logprobs: 5,
-        threads: 1,
-    };
+    let manifest = Manifest::for_session(&m, cfg, &PatchSet::none(), "s", "", 5, 1, "t", "t");
     let mut sch = Scheduler::new(&m.llama, cfg, Threads::single()).unwrap();
     sch.set_top_logprobs(5);
     let mut rec = Recorder::new(Vec::new(), &manifest).unwrap();
