@@ -101,8 +101,10 @@ struct ImportArgs {
     /// Output directory (created).
     #[arg(long)]
     out: PathBuf,
-    /// Weight storage: f32 (exact dequantized values) or bf16 (rounded).
-    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
+    /// Weight storage: f32 (exact dequantized values), bf16 (rounded), or keep
+    /// (quantized blocks as in the GGUF, dequantized on the fly to the same f32
+    /// values as `f32`, bit for bit).
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16", "keep"])]
     dtype: String,
 }
 
@@ -415,11 +417,8 @@ fn run_score(a: &ScoreArgs) -> Result<()> {
 
 fn run_import(a: &ImportArgs) -> Result<()> {
     use lmrr_engine::gguf::{import, ImportDtype};
-    let dtype = if a.dtype == "bf16" {
-        ImportDtype::Bf16
-    } else {
-        ImportDtype::F32
-    };
+    let dtype = ImportDtype::parse(&a.dtype)
+        .with_context(|| format!("unknown --dtype `{}` (f32, bf16, keep)", a.dtype))?;
     let r = import(&a.file, &a.out, dtype)
         .with_context(|| format!("importing {}", a.file.display()))?;
     println!(

@@ -15,6 +15,8 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use lmrr_kernels::{QuantKind, QBLOCK};
+
 use crate::EngineError;
 
 /// Largest number of tensors or metadata entries accepted (SmolLM2 has 272 and 33).
@@ -84,6 +86,16 @@ impl GgmlType {
             _ => return None,
         })
     }
+    /// The block format the kernels can use in place, for quantized types.
+    pub fn quant(self) -> Option<QuantKind> {
+        match self {
+            Self::Q4_0 => Some(QuantKind::Q4_0),
+            Self::Q4_1 => Some(QuantKind::Q4_1),
+            Self::Q8_0 => Some(QuantKind::Q8_0),
+            Self::F32 | Self::F16 | Self::Bf16 => None,
+        }
+    }
+
     /// (elements per block, bytes per block)
     fn block(self) -> (usize, usize) {
         match self {
@@ -262,8 +274,9 @@ impl Gguf {
                 .try_fold(1u64, |a, &d| a.checked_mul(d))
                 .filter(|&n| n > 0 && n < (1 << 40));
             let (be, bb) = ty.block();
+            // Blocks run along the contiguous dimension and never cross rows.
             let len = n
-                .filter(|&n| n % be as u64 == 0)
+                .filter(|_| dims[0] % be as u64 == 0)
                 .map(|n| (n / be as u64) as usize * bb)
                 .ok_or_else(|| {
                     c.err(format!(
@@ -313,39 +326,27 @@ pub fn dequantize(t: &TensorInfo, bytes: &[u8]) -> Vec<f32> {
         GgmlType::Bf16 => {
             out.extend((0..d.len() / 2).map(|i| f32::from_bits((h(2 * i) as u32) << 16)))
         }
-        GgmlType::Q8_0 => {
-            for b in d.chunks_exact(34) {
-                let s = f16(u16::from_le_bytes([b[0], b[1]]));
-                out.extend(b[2..34].iter().map(|&q| s * (q as i8) as f32));
-            }
-        }
-        GgmlType::Q4_0 => {
-            for b in d.chunks_exact(18) {
-                let s = f16(u16::from_le_bytes([b[0], b[1]]));
-                let q = &b[2..18];
-                out.extend(q.iter().map(|&x| s * ((x & 0xf) as i32 - 8) as f32));
-                out.extend(q.iter().map(|&x| s * ((x >> 4) as i32 - 8) as f32));
-            }
-        }
-        GgmlType::Q4_1 => {
-            for b in d.chunks_exact(20) {
-                let s = f16(u16::from_le_bytes([b[0], b[1]]));
-                let m = f16(u16::from_le_bytes([b[2], b[3]]));
-                let q = &b[4..20];
-                out.extend(q.iter().map(|&x| s * (x & 0xf) as f32 + m));
-                out.extend(q.iter().map(|&x| s * (x >> 4) as f32 + m));
-            }
+        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 => {
+            // One definition of the block formats: the kernels' reference.
+            let kind = t.ty.quant().expect("quantized type");
+            out.resize(d.len() / kind.block_bytes() * QBLOCK, 0.0);
+            lmrr_kernels::dequant_ref(kind, d, &mut out);
         }
     }
     out
 }
 
 /// Undoes llama.cpp's row permutation of `attn_q`/`attn_k` (`rows` = heads ·
-/// head_dim rows of `cols` each): GGUF row `h·hd + 2i + j` holds HF row
-/// `h·hd + j·hd/2 + i`.
-pub fn unpermute_rope_rows(w: &[f32], heads: usize, rows: usize, cols: usize) -> Vec<f32> {
+/// head_dim rows of `cols` elements each — f32 values, or the bytes of a
+/// quantized row): GGUF row `h·hd + 2i + j` holds HF row `h·hd + j·hd/2 + i`.
+pub fn unpermute_rope_rows<T: Copy + Default>(
+    w: &[T],
+    heads: usize,
+    rows: usize,
+    cols: usize,
+) -> Vec<T> {
     let hd = rows / heads;
-    let mut out = vec![0.0f32; w.len()];
+    let mut out = vec![T::default(); w.len()];
     for h in 0..heads {
         for i in 0..hd / 2 {
             for j in 0..2 {
@@ -365,6 +366,29 @@ pub enum ImportDtype {
     F32,
     /// Dequantized values rounded to bf16 (half the size; not exact).
     Bf16,
+    /// Quantized tensors (`Q4_0`/`Q4_1`/`Q8_0`) keep their GGUF blocks, stored
+    /// as `U8` tensors of shape `(rows, row bytes)` with the format in the
+    /// safetensors metadata (`lmrr.quant.<name>`); the kernels dequantize them
+    /// on the fly to the same f32 values as [`ImportDtype::F32`]. Other tensors
+    /// are stored as exact f32.
+    Keep,
+}
+
+impl ImportDtype {
+    /// Parses `f32`, `bf16` or `keep`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "f32" => Some(Self::F32),
+            "bf16" => Some(Self::Bf16),
+            "keep" => Some(Self::Keep),
+            _ => None,
+        }
+    }
+}
+
+/// Safetensors metadata key naming the block format of a `U8` tensor.
+pub fn quant_meta_key(tensor: &str) -> String {
+    format!("lmrr.quant.{tensor}")
 }
 
 fn meta_u(g: &Gguf, key: &str, path: &Path) -> Result<usize, EngineError> {
@@ -470,6 +494,7 @@ pub fn import(path: &Path, out: &Path, dtype: ImportDtype) -> Result<ImportRepor
         torch_dtype: Some(match dtype {
             ImportDtype::F32 => "float32".into(),
             ImportDtype::Bf16 => "bfloat16".into(),
+            ImportDtype::Keep => "gguf".into(),
         }),
     };
     // GGUF name → (HF name, rope heads to un-permute).
@@ -538,7 +563,9 @@ pub fn import(path: &Path, out: &Path, dtype: ImportDtype) -> Result<ImportRepor
             ),
         ]);
     }
-    let mut data: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(plan.len());
+    let mut data: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> =
+        Vec::with_capacity(plan.len());
+    let mut quant_meta = std::collections::HashMap::new();
     let mut params = 0;
     for (src, dst, rope) in plan {
         let t = by_name
@@ -548,33 +575,45 @@ pub fn import(path: &Path, out: &Path, dtype: ImportDtype) -> Result<ImportRepor
         if shape.len() == 2 && shape[0] == 1 {
             shape.remove(0);
         }
+        params += t.elements();
+        if let (ImportDtype::Keep, Some(kind), [rows, cols]) = (dtype, t.ty.quant(), &shape[..]) {
+            let (rows, rb) = (*rows, kind.row_bytes(*cols));
+            let mut b = map[t.start..t.start + t.len].to_vec();
+            if let Some(h) = rope {
+                b = unpermute_rope_rows(&b, h, rows, rb);
+            }
+            quant_meta.insert(quant_meta_key(&dst), kind.name().to_string());
+            data.push((dst, safetensors::Dtype::U8, vec![rows, rb], b));
+            continue;
+        }
         let mut v = dequantize(t, &map);
         if let (Some(h), [rows, cols]) = (rope, shape.as_slice()) {
             v = unpermute_rope_rows(&v, h, *rows, *cols);
         }
-        params += v.len();
-        let bytes: Vec<u8> = match dtype {
-            ImportDtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            ImportDtype::Bf16 => v
-                .iter()
-                .flat_map(|&x| crate::synth::f32_to_bf16(x).to_le_bytes())
-                .collect(),
+        let (st_dtype, bytes): (_, Vec<u8>) = match dtype {
+            ImportDtype::F32 | ImportDtype::Keep => (
+                safetensors::Dtype::F32,
+                v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            ),
+            ImportDtype::Bf16 => (
+                safetensors::Dtype::BF16,
+                v.iter()
+                    .flat_map(|&x| crate::synth::f32_to_bf16(x).to_le_bytes())
+                    .collect(),
+            ),
         };
-        data.push((dst, shape, bytes));
+        data.push((dst, st_dtype, shape, bytes));
     }
-    let st_dtype = match dtype {
-        ImportDtype::F32 => safetensors::Dtype::F32,
-        ImportDtype::Bf16 => safetensors::Dtype::BF16,
-    };
     let views: Vec<(String, safetensors::tensor::TensorView)> = data
         .iter()
-        .map(|(n, s, b)| {
-            safetensors::tensor::TensorView::new(st_dtype, s.clone(), b)
+        .map(|(n, dt, s, b)| {
+            safetensors::tensor::TensorView::new(*dt, s.clone(), b)
                 .map(|v| (n.clone(), v))
                 .map_err(|e| bad(format!("tensor `{n}`: {e}")))
         })
         .collect::<Result<_, _>>()?;
-    let st = safetensors::tensor::serialize(views, None).map_err(|e| bad(e.to_string()))?;
+    let meta = (!quant_meta.is_empty()).then_some(quant_meta);
+    let st = safetensors::tensor::serialize(views, meta).map_err(|e| bad(e.to_string()))?;
     // Tokenizer.
     let merges: Vec<String> = match g.get("tokenizer.ggml.merges") {
         Some(Value::Array(v)) => v

@@ -4,13 +4,17 @@
 //! memory-mapped (or generated in memory by [`crate::synth`]), the two JSON files
 //! read whole. [`Tensor`] is a typed view into that storage: f32 and bf16 are
 //! used in place when aligned (bf16 widens to f32 exactly inside the kernels);
-//! f16 is widened to f32 once at load. Every tensor is checked for name, dtype
-//! and shape against what the model expects, with errors naming all three.
+//! f16 is widened to f32 once at load; GGUF block-quantized matrices (stored by
+//! `import-gguf --dtype keep` as `U8` tensors of shape `(rows, row bytes)`, the
+//! format named in the safetensors metadata key `lmrr.quant.<name>`) are used
+//! in place and dequantized inside the kernels. Every tensor is checked for
+//! name, dtype and shape against what the model expects, with errors naming
+//! all three.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use lmrr_kernels::{Matrix, Weights};
+use lmrr_kernels::{Matrix, QuantKind, Weights, QBLOCK};
 
 use crate::EngineError;
 
@@ -140,6 +144,8 @@ enum Data {
 pub enum DType {
     F32,
     Bf16,
+    /// GGUF blocks, `kind.row_bytes(cols)` bytes per row.
+    Quant(QuantKind),
 }
 
 /// A loaded tensor (row-major).
@@ -156,24 +162,8 @@ impl std::fmt::Debug for Tensor {
     }
 }
 
-/// Exact f16 → f32.
-pub fn f16_to_f32(h: u16) -> f32 {
-    let sign = ((h >> 15) as u32) << 31;
-    let exp = ((h >> 10) & 0x1f) as u32;
-    let man = (h & 0x3ff) as u32;
-    let bits = match (exp, man) {
-        (0, 0) => sign,
-        (0, m) => {
-            // Subnormal: normalise.
-            let shift = m.leading_zeros() - 21;
-            let m = (m << shift) & 0x3ff;
-            sign | ((127 - 15 + 1 - shift) << 23) | (m << 13)
-        }
-        (0x1f, m) => sign | 0x7f80_0000 | (m << 13),
-        (e, m) => sign | ((e + 127 - 15) << 23) | (m << 13),
-    };
-    f32::from_bits(bits)
-}
+/// Exact f16 → f32 (the kernels' definition, shared with the GGUF importer).
+pub use lmrr_kernels::f16_to_f32;
 
 impl Tensor {
     fn typed<T>(&self) -> &[T] {
@@ -200,6 +190,7 @@ impl Tensor {
         match self.dtype {
             DType::F32 => Weights::F32(self.typed::<f32>()),
             DType::Bf16 => Weights::Bf16(self.typed::<u16>()),
+            DType::Quant(kind) => Weights::Quant(kind, self.typed::<u8>()),
         }
     }
 
@@ -212,15 +203,7 @@ impl Tensor {
 
     /// Row `r` of a matrix, widened to f32 (embedding lookup).
     pub fn row_into(&self, r: usize, out: &mut [f32]) {
-        let c = out.len();
-        match self.weights() {
-            Weights::F32(s) => out.copy_from_slice(&s[r * c..(r + 1) * c]),
-            Weights::Bf16(s) => {
-                for (o, &b) in out.iter_mut().zip(&s[r * c..(r + 1) * c]) {
-                    *o = lmrr_kernels::matmul::bf16_to_f32(b);
-                }
-            }
-        }
+        self.matrix().row_into(r, out, true);
     }
 
     /// All elements widened to f32.
@@ -231,15 +214,21 @@ impl Tensor {
                 .iter()
                 .map(|&b| lmrr_kernels::matmul::bf16_to_f32(b))
                 .collect(),
+            Weights::Quant(kind, s) => {
+                let mut out = vec![0.0; s.len() / kind.block_bytes() * QBLOCK];
+                lmrr_kernels::dequant(kind, s, &mut out);
+                out
+            }
         }
     }
 
     /// Bytes the kernels stream to read this tensor once.
     pub fn nbytes(&self) -> usize {
         let n: usize = self.shape.iter().product();
-        n * match self.dtype {
-            DType::F32 => 4,
-            DType::Bf16 => 2,
+        match self.dtype {
+            DType::F32 => n * 4,
+            DType::Bf16 => n * 2,
+            DType::Quant(kind) => n / QBLOCK * kind.block_bytes(),
         }
     }
 }
@@ -248,6 +237,8 @@ impl Tensor {
 pub struct TensorFile<'a> {
     files: &'a ModelFiles,
     st: safetensors::SafeTensors<'a>,
+    /// The header's free-form metadata (block formats of quantized tensors).
+    meta: std::collections::HashMap<String, String>,
 }
 
 impl<'a> TensorFile<'a> {
@@ -258,7 +249,11 @@ impl<'a> TensorFile<'a> {
                 msg: e.to_string(),
             }
         })?;
-        Ok(Self { files, st })
+        let meta = safetensors::SafeTensors::read_metadata(files.weight_bytes())
+            .ok()
+            .and_then(|(_, m)| m.metadata().clone())
+            .unwrap_or_default();
+        Ok(Self { files, st, meta })
     }
 
     /// Loads tensor `name`, which must have exactly `shape`.
@@ -271,6 +266,9 @@ impl<'a> TensorFile<'a> {
                 path: path.clone(),
                 name: name.into(),
             })?;
+        if view.dtype() == safetensors::Dtype::U8 {
+            return self.get_quant(name, shape, view);
+        }
         if view.shape() != shape {
             return Err(EngineError::TensorShape {
                 path: path.clone(),
@@ -332,6 +330,63 @@ impl<'a> TensorFile<'a> {
         debug_assert_eq!(t.weights_len(), len);
         Ok(t)
     }
+
+    /// A `U8` tensor holding GGUF blocks of a `(rows, cols)` matrix; its format
+    /// comes from the metadata key `lmrr.quant.<name>`.
+    fn get_quant(
+        &self,
+        name: &str,
+        shape: &[usize],
+        view: safetensors::tensor::TensorView<'a>,
+    ) -> Result<Tensor, EngineError> {
+        let path = &self.files.weights_path;
+        let key = crate::gguf::quant_meta_key(name);
+        let kind = self
+            .meta
+            .get(&key)
+            .and_then(|k| QuantKind::parse(k))
+            .ok_or_else(|| EngineError::TensorDtype {
+                path: path.clone(),
+                name: name.into(),
+                dtype: format!(
+                    "U8 without a block format (metadata `{key}` = {:?}; expected Q4_0, Q4_1 or Q8_0)",
+                    self.meta.get(&key)
+                ),
+            })?;
+        let expected = match shape {
+            [rows, cols] if cols % QBLOCK == 0 => vec![*rows, kind.row_bytes(*cols)],
+            _ => {
+                return Err(EngineError::TensorDtype {
+                    path: path.clone(),
+                    name: name.into(),
+                    dtype: format!(
+                        "{} for a tensor of shape {shape:?} (needs a matrix with columns a multiple of {QBLOCK})",
+                        kind.name()
+                    ),
+                })
+            }
+        };
+        if view.shape() != expected {
+            return Err(EngineError::TensorShape {
+                path: path.clone(),
+                name: name.into(),
+                expected,
+                found: view.shape().to_vec(),
+            });
+        }
+        let bytes = view.data();
+        let off = bytes.as_ptr() as usize - self.files.weight_bytes().as_ptr() as usize;
+        Ok(Tensor {
+            name: name.into(),
+            shape: shape.to_vec(),
+            dtype: DType::Quant(kind),
+            data: Data::Mapped {
+                backing: self.files.weights.clone(),
+                off,
+                len: bytes.len(),
+            },
+        })
+    }
 }
 
 impl Tensor {
@@ -339,6 +394,7 @@ impl Tensor {
         match self.weights() {
             Weights::F32(s) => s.len(),
             Weights::Bf16(s) => s.len(),
+            Weights::Quant(kind, s) => s.len() / kind.block_bytes() * QBLOCK,
         }
     }
 }

@@ -162,3 +162,230 @@ fn malformed_files_are_errors_with_offsets() {
         let _ = parse(&full[..cut]);
     }
 }
+
+/// Metadata value bytes.
+fn meta_u32(v: u32) -> (u32, Vec<u8>) {
+    (4, v.to_le_bytes().to_vec())
+}
+fn meta_str(v: &str) -> (u32, Vec<u8>) {
+    (
+        8,
+        [
+            (v.len() as u64).to_le_bytes().to_vec(),
+            v.as_bytes().to_vec(),
+        ]
+        .concat(),
+    )
+}
+fn meta_strs(v: &[String]) -> (u32, Vec<u8>) {
+    let mut b = 8u32.to_le_bytes().to_vec();
+    b.extend((v.len() as u64).to_le_bytes());
+    for s in v {
+        b.extend((s.len() as u64).to_le_bytes());
+        b.extend(s.as_bytes());
+    }
+    (9, b)
+}
+
+/// Random blocks of `kind` (ggml type id `ty`) with realistic f16 scales.
+fn blocks(seed: &mut u64, ty: u32, elements: usize) -> Vec<u8> {
+    let mut next = || {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (*seed >> 33) as u32
+    };
+    let (bb, hdr) = match ty {
+        2 => (18, 1),
+        3 => (20, 2),
+        8 => (34, 1),
+        _ => unreachable!(),
+    };
+    let mut out = Vec::new();
+    for _ in 0..elements / 32 {
+        // f16 scales in [2^-8, 2^-5): exponent 7..9, random mantissa and sign.
+        for _ in 0..hdr {
+            let h = ((next() & 1) << 15) | ((7 + next() % 3) << 10) | (next() & 0x3ff);
+            out.extend((h as u16).to_le_bytes());
+        }
+        out.extend((0..bb - 2 * hdr).map(|_| next() as u8));
+    }
+    out
+}
+
+/// A 2-layer llama GGUF whose matrices use all three block types (and F32
+/// norms), with a byte-level vocabulary.
+fn tiny_quantized_llama() -> Vec<u8> {
+    let (d, ff, heads, kv_heads, vocab) = (64u64, 128u64, 4u32, 2u32, 96usize);
+    let kv = d / heads as u64 * kv_heads as u64;
+    let mut seed = 7u64;
+    let tokens: Vec<String> = (0..vocab).map(|i| format!("t{i}")).collect();
+    let meta = [
+        ("general.architecture", meta_str("llama")),
+        ("llama.embedding_length", meta_u32(d as u32)),
+        ("llama.feed_forward_length", meta_u32(ff as u32)),
+        ("llama.attention.head_count", meta_u32(heads)),
+        ("llama.attention.head_count_kv", meta_u32(kv_heads)),
+        ("llama.block_count", meta_u32(2)),
+        ("llama.context_length", meta_u32(256)),
+        ("tokenizer.ggml.tokens", meta_strs(&tokens)),
+    ];
+    let meta: Vec<(&str, u32, Vec<u8>)> = meta.into_iter().map(|(k, (t, v))| (k, t, v)).collect();
+    let norm = |n: u64| -> Vec<u8> {
+        (0..n)
+            .flat_map(|i| (1.0 + i as f32 / 64.0).to_le_bytes())
+            .collect()
+    };
+    let mut t: Vec<(String, Vec<u64>, u32, Vec<u8>)> = vec![
+        (
+            "token_embd.weight".into(),
+            vec![d, vocab as u64],
+            8,
+            blocks(&mut seed, 8, d as usize * vocab),
+        ),
+        ("output_norm.weight".into(), vec![d], 0, norm(d)),
+    ];
+    for l in 0..2 {
+        let b = |n: &str| format!("blk.{l}.{n}.weight");
+        t.extend([
+            (b("attn_norm"), vec![d], 0, norm(d)),
+            (
+                b("attn_q"),
+                vec![d, d],
+                3,
+                blocks(&mut seed, 3, (d * d) as usize),
+            ),
+            (
+                b("attn_k"),
+                vec![d, kv],
+                2,
+                blocks(&mut seed, 2, (d * kv) as usize),
+            ),
+            (
+                b("attn_v"),
+                vec![d, kv],
+                8,
+                blocks(&mut seed, 8, (d * kv) as usize),
+            ),
+            (
+                b("attn_output"),
+                vec![d, d],
+                3,
+                blocks(&mut seed, 3, (d * d) as usize),
+            ),
+            (b("ffn_norm"), vec![d], 0, norm(d)),
+            (
+                b("ffn_gate"),
+                vec![d, ff],
+                2,
+                blocks(&mut seed, 2, (d * ff) as usize),
+            ),
+            (
+                b("ffn_up"),
+                vec![d, ff],
+                3,
+                blocks(&mut seed, 3, (d * ff) as usize),
+            ),
+            (
+                b("ffn_down"),
+                vec![ff, d],
+                8,
+                blocks(&mut seed, 8, (d * ff) as usize),
+            ),
+        ]);
+    }
+    let t: Vec<(&str, Vec<u64>, u32, Vec<u8>)> = t
+        .iter()
+        .map(|(n, dims, ty, data)| (n.as_str(), dims.clone(), *ty, data.clone()))
+        .collect();
+    gguf(&meta, &t)
+}
+
+/// Prefill 40 tokens in chunks of 13, then 6 decode steps, every row's logits.
+fn run_logits(dir: &std::path::Path, threads: usize) -> Vec<u32> {
+    use lmrr_engine::{Llama, LogitsWanted, ModelFiles, SeqKvStore, SeqSpan};
+    let files = ModelFiles::open_dir(dir).unwrap();
+    let m = Llama::load(&files).unwrap();
+    let th = lmrr_kernels::Threads::new(threads).unwrap();
+    let cfg = m.config();
+    let mut kv = SeqKvStore::new(cfg.num_hidden_layers, m.attn_shape().kv_dim());
+    let prompt: Vec<u32> = (0..46).map(|i| (i * 37 % 96) as u32).collect();
+    let mut out = Vec::new();
+    let mut pos = 0;
+    for piece in prompt[..40].chunks(13).chain(prompt[40..].chunks(1)) {
+        let span = SeqSpan {
+            seq: 0,
+            start: pos,
+            tokens: piece,
+            logits: LogitsWanted::All,
+        };
+        let rows = m.forward(&mut kv, &[span], &th).unwrap();
+        out.extend(rows[0].iter().map(|x| x.to_bits()));
+        pos += piece.len();
+    }
+    out
+}
+
+#[test]
+fn keep_import_is_bit_identical_to_the_dequantized_copy() {
+    use lmrr_engine::gguf::{import, ImportDtype};
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("tiny.gguf");
+    std::fs::write(&src, tiny_quantized_llama()).unwrap();
+    let (f32_dir, keep_dir, bf16_dir) = (
+        tmp.path().join("f32"),
+        tmp.path().join("keep"),
+        tmp.path().join("bf16"),
+    );
+    import(&src, &f32_dir, ImportDtype::F32).unwrap();
+    import(&src, &keep_dir, ImportDtype::Keep).unwrap();
+    import(&src, &bf16_dir, ImportDtype::Bf16).unwrap();
+    // Quantized storage really is smaller: 5/32 of f32 for Q4_1 rows, etc.
+    let size = |d: &std::path::Path| {
+        std::fs::metadata(d.join("model.safetensors"))
+            .unwrap()
+            .len()
+    };
+    assert!(
+        size(&keep_dir) * 3 < size(&f32_dir),
+        "{} vs {}",
+        size(&keep_dir),
+        size(&f32_dir)
+    );
+    let want = run_logits(&f32_dir, 1);
+    assert!(want.iter().all(|&b| f32::from_bits(b).is_finite()));
+    for threads in [1, 2, 3] {
+        assert!(
+            run_logits(&keep_dir, threads) == want,
+            "keep vs f32, {threads} threads"
+        );
+    }
+    // Control: rounding the same weights to bf16 does change the bits.
+    assert!(run_logits(&bf16_dir, 1) != want);
+}
+
+#[test]
+fn keep_import_with_a_missing_block_format_is_a_clear_error() {
+    use lmrr_engine::gguf::{import, ImportDtype};
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("tiny.gguf");
+    std::fs::write(&src, tiny_quantized_llama()).unwrap();
+    let dir = tmp.path().join("keep");
+    import(&src, &dir, ImportDtype::Keep).unwrap();
+    // Strip the metadata naming the block formats: U8 tensors become unreadable.
+    let st = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(st[..8].try_into().unwrap()) as usize;
+    let header = std::str::from_utf8(&st[8..8 + n]).unwrap();
+    let stripped = header.replace("lmrr.quant.", "lmrr.qXXnt.");
+    let mut out = st[..8].to_vec();
+    out.extend(stripped.as_bytes());
+    out.extend(&st[8 + n..]);
+    std::fs::write(dir.join("model.safetensors"), out).unwrap();
+    let files = lmrr_engine::ModelFiles::open_dir(&dir).unwrap();
+    let err = lmrr_engine::Llama::load(&files)
+        .err()
+        .expect("load must fail")
+        .to_string();
+    assert!(err.contains("U8 without a block format"), "{err}");
+    assert!(err.contains("lmrr.quant.model."), "{err}");
+}

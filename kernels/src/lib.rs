@@ -30,6 +30,7 @@ pub mod attention_variants;
 pub mod exp;
 pub mod matmul;
 pub mod norm;
+pub mod quant;
 pub mod reduce;
 pub mod rope;
 pub mod softmax;
@@ -43,6 +44,7 @@ pub use attention::{attention, attention_ref, AttnShape, AttnTask, KvView};
 pub use exp::{det_exp, exp_slice, exp_slice_ref};
 pub use matmul::{matmul, matmul_ref, Matrix, Weights};
 pub use norm::{rms_norm, rms_norm_ref};
+pub use quant::{dequant, dequant_ref, f16_to_f32, QuantKind, QBLOCK};
 pub use reduce::{dot, dot_ref, lane_tree, sum, sum_ref};
 pub use rope::{rope, rope_ref, RopeTable};
 pub use softmax::{softmax, softmax_ref};
@@ -61,7 +63,7 @@ pub const ATTN_TILE: usize = 32;
 /// Which implementation the fast entry points run on this machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
-    /// AVX2 + FMA (x86_64), detected at run time.
+    /// AVX2 + FMA + F16C (x86_64), detected at run time.
     Avx2Fma,
     /// The scalar code path (bitwise the same results, slower).
     Scalar,
@@ -82,7 +84,10 @@ pub fn isa() -> Isa {
 
 #[cfg(target_arch = "x86_64")]
 fn detect() -> Isa {
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+    if is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+    {
         Isa::Avx2Fma
     } else {
         Isa::Scalar

@@ -1,21 +1,29 @@
 //! Matmul `y[t][o] = dot(x[t], W[o])` with `W` row-major `(rows, cols)` as HF
-//! `Linear` weights are stored, f32 or bf16 (widened exactly in registers, so a
-//! memory-mapped bf16 checkpoint is used in place). Each output is one canonical
-//! dot (see [`crate::dot_ref`]).
+//! `Linear` weights are stored: f32, bf16 (widened exactly in registers, so a
+//! memory-mapped bf16 checkpoint is used in place) or GGUF blocks
+//! (`Q4_0`/`Q4_1`/`Q8_0`, dequantized exactly, see [`crate::quant`]). Each
+//! output is one canonical dot (see [`crate::dot_ref`]) over the exact f32
+//! weights, so every storage of the same values gives the same bits.
 //!
 //! Fast path: 8 outputs per micro-kernel call — 8 rows × 1 token (decode), 4 × 2
 //! or 2 × 4 (prefill) — sharing loads, joined by [`crate::x86`]'s `hsum8x`.
+//! Quantized rows are dequantized in registers for decode (`dot8q`), and into
+//! a small per-task f32 buffer of 8 rows for several tokens, which then runs
+//! the f32 micro-kernels.
 //! Threads split the rows; a row's outputs are computed by the same instruction
 //! sequence whichever block or thread it falls in, so neither the batch nor the
 //! thread count changes a bit.
 
+use crate::quant::{QuantKind, QBLOCK};
 use crate::threads::{SendPtr, Threads};
 
-/// Storage of a weight matrix. bf16 is kept as raw `u16` bits.
+/// Storage of a weight matrix. bf16 is kept as raw `u16` bits; quantized rows
+/// as their GGUF blocks, `kind.row_bytes(cols)` bytes per row.
 #[derive(Debug, Clone, Copy)]
 pub enum Weights<'a> {
     F32(&'a [f32]),
     Bf16(&'a [u16]),
+    Quant(QuantKind, &'a [u8]),
 }
 
 /// A row-major `(rows, cols)` weight matrix.
@@ -27,21 +35,55 @@ pub struct Matrix<'a> {
 }
 
 impl<'a> Matrix<'a> {
-    /// Wraps storage; `None` if its length is not `rows * cols`.
+    /// Wraps storage; `None` if its length does not hold `rows × cols` weights
+    /// (for quantized storage, `cols` must also be a multiple of 32).
     pub fn new(w: Weights<'a>, rows: usize, cols: usize) -> Option<Self> {
-        let len = match w {
-            Weights::F32(s) => s.len(),
-            Weights::Bf16(s) => s.len(),
+        let ok = match w {
+            Weights::F32(s) => rows.checked_mul(cols) == Some(s.len()),
+            Weights::Bf16(s) => rows.checked_mul(cols) == Some(s.len()),
+            Weights::Quant(kind, s) => {
+                cols % QBLOCK == 0 && rows.checked_mul(kind.row_bytes(cols)) == Some(s.len())
+            }
         };
-        (rows.checked_mul(cols) == Some(len)).then_some(Self { w, rows, cols })
+        ok.then_some(Self { w, rows, cols })
     }
 
-    /// Row `r` widened to f32.
+    /// Row `r` widened to f32 (reference conversions).
     pub fn row_f32(&self, r: usize) -> Vec<f32> {
-        let span = r * self.cols..(r + 1) * self.cols;
+        let mut out = vec![0.0; self.cols];
+        self.row_into(r, &mut out, false);
+        out
+    }
+
+    /// Row `r` widened to f32 into `out` (`cols` long); `fast` picks the SIMD
+    /// dequantization, which gives the same bits.
+    pub fn row_into(&self, r: usize, out: &mut [f32], fast: bool) {
+        let c = self.cols;
         match self.w {
-            Weights::F32(s) => s[span].to_vec(),
-            Weights::Bf16(s) => s[span].iter().map(|&b| bf16_to_f32(b)).collect(),
+            Weights::F32(s) => out.copy_from_slice(&s[r * c..(r + 1) * c]),
+            Weights::Bf16(s) => {
+                for (o, &b) in out.iter_mut().zip(&s[r * c..(r + 1) * c]) {
+                    *o = bf16_to_f32(b);
+                }
+            }
+            Weights::Quant(kind, s) => {
+                let rb = kind.row_bytes(c);
+                let bytes = &s[r * rb..(r + 1) * rb];
+                if fast {
+                    crate::quant::dequant(kind, bytes, out)
+                } else {
+                    crate::quant::dequant_ref(kind, bytes, out)
+                }
+            }
+        }
+    }
+
+    /// Bytes of storage streamed to read the matrix once.
+    pub fn storage_bytes(&self) -> usize {
+        match self.w {
+            Weights::F32(s) => s.len() * 4,
+            Weights::Bf16(s) => s.len() * 2,
+            Weights::Quant(_, s) => s.len(),
         }
     }
 }
@@ -87,6 +129,9 @@ pub fn matmul(threads: &Threads, x: &[f32], n: usize, w: &Matrix, y: &mut [f32])
                 match w.w {
                     Weights::F32(s) => avx2::rows(x, n, s, w.cols, rows, range, yp),
                     Weights::Bf16(s) => avx2::rows(x, n, s, w.cols, rows, range, yp),
+                    Weights::Quant(kind, s) => {
+                        avx2::rows_quant(x, n, kind, s, w.cols, rows, range, yp)
+                    }
                 }
             }
             return;
@@ -99,8 +144,9 @@ pub fn matmul(threads: &Threads, x: &[f32], n: usize, w: &Matrix, y: &mut [f32])
 /// Portable fast path: streams each row once for all tokens.
 fn scalar_rows(x: &[f32], n: usize, w: &Matrix, range: std::ops::Range<usize>, yp: SendPtr<f32>) {
     let k = w.cols;
+    let mut row = vec![0.0; k];
     for o in range {
-        let row = w.row_f32(o);
+        w.row_into(o, &mut row, true);
         for t in 0..n {
             let total = crate::dot_ref(&x[t * k..(t + 1) * k], &row);
             // SAFETY: `t * rows + o` is inside `y` and owned by this worker.
@@ -112,7 +158,8 @@ fn scalar_rows(x: &[f32], n: usize, w: &Matrix, range: std::ops::Range<usize>, y
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::SendPtr;
-    use crate::x86::{dot8, Lanes};
+    use crate::quant::QuantKind;
+    use crate::x86::{dequant_row, dot8, dot8q, Lanes};
     use std::arch::x86_64::*;
 
     /// Tokens per L2-resident block of activations.
@@ -129,15 +176,87 @@ mod avx2 {
         range: std::ops::Range<usize>,
         y: SendPtr<f32>,
     ) {
-        let xp = x.as_ptr();
         let wp = w.as_ptr();
         let mut t0 = 0;
         while t0 < n {
             let t1 = (t0 + TOKEN_BLOCK).min(n);
-            match t1 - t0 {
-                1 => block::<W, 8, 1>(xp, wp, k, rows, t0, t1, range.clone(), y),
-                2 | 3 => block::<W, 4, 2>(xp, wp, k, rows, t0, t1, range.clone(), y),
-                _ => block::<W, 2, 4>(xp, wp, k, rows, t0, t1, range.clone(), y),
+            tokens(x, k, rows, t0, t1, range.clone(), |o| wp.add(o * k), y);
+            t0 = t1;
+        }
+    }
+
+    /// All tokens `t0..t1` against rows `range`, whose weights start at `row(o)`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tokens<W: Lanes>(
+        x: &[f32],
+        k: usize,
+        rows: usize,
+        t0: usize,
+        t1: usize,
+        range: std::ops::Range<usize>,
+        row: impl Fn(usize) -> *const W,
+        y: SendPtr<f32>,
+    ) {
+        let xp = x.as_ptr();
+        match t1 - t0 {
+            1 => block::<W, 8, 1>(xp, &row, k, rows, t0, t1, range, y),
+            2 | 3 => block::<W, 4, 2>(xp, &row, k, rows, t0, t1, range, y),
+            _ => block::<W, 2, 4>(xp, &row, k, rows, t0, t1, range, y),
+        }
+    }
+
+    /// [`rows`] over quantized rows of `kind.row_bytes(k)` bytes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn rows_quant(
+        x: &[f32],
+        n: usize,
+        kind: QuantKind,
+        w: &[u8],
+        k: usize,
+        rows: usize,
+        range: std::ops::Range<usize>,
+        y: SendPtr<f32>,
+    ) {
+        let rb = kind.row_bytes(k);
+        let wp = w.as_ptr();
+        if n == 1 {
+            // Decode: dequantize in registers, 8 rows per call.
+            let mut o = range.start;
+            while o < range.end {
+                let mut ws = [wp; 8];
+                for (r, p) in ws.iter_mut().enumerate() {
+                    *p = wp.add((o + r).min(range.end - 1) * rb);
+                }
+                let v = dot8q(kind, x.as_ptr(), &ws, k);
+                let mut out = [0.0f32; 8];
+                _mm256_storeu_ps(out.as_mut_ptr(), v);
+                for (r, &val) in out.iter().enumerate().take(range.end - o) {
+                    *y.get().add(o + r) = val;
+                }
+                o += 8;
+            }
+            return;
+        }
+        // Several tokens: dequantize GROUP rows once per token block, then run
+        // the f32 micro-kernels on the buffer.
+        const GROUP: usize = 8;
+        let mut buf = vec![0.0f32; GROUP * k];
+        let mut t0 = 0;
+        while t0 < n {
+            let t1 = (t0 + TOKEN_BLOCK).min(n);
+            let mut g0 = range.start;
+            while g0 < range.end {
+                let g1 = (g0 + GROUP).min(range.end);
+                for o in g0..g1 {
+                    let dst = &mut buf[(o - g0) * k..(o - g0 + 1) * k];
+                    dequant_row(kind, wp.add(o * rb), dst);
+                }
+                let bp = buf.as_ptr();
+                tokens(x, k, rows, t0, t1, g0..g1, |o| bp.add((o - g0) * k), y);
+                g0 = g1;
             }
             t0 = t1;
         }
@@ -150,7 +269,7 @@ mod avx2 {
     #[allow(clippy::too_many_arguments)]
     unsafe fn block<W: Lanes, const R: usize, const T: usize>(
         xp: *const f32,
-        wp: *const W,
+        row: &impl Fn(usize) -> *const W,
         k: usize,
         rows: usize,
         t0: usize,
@@ -160,9 +279,9 @@ mod avx2 {
     ) {
         let mut o = range.start;
         while o < range.end {
-            let mut ws = [wp; R];
+            let mut ws = [row(o); R];
             for (r, p) in ws.iter_mut().enumerate() {
-                *p = wp.add((o + r).min(range.end - 1) * k);
+                *p = row((o + r).min(range.end - 1));
             }
             let mut t = t0;
             while t < t1 {

@@ -4,10 +4,12 @@
 //! of a `__m256` accumulator is lane `i % 8` of the canonical chunk, and
 //! [`hsum1`]/[`hsum8x`] join lanes with the tree of [`crate::lane_tree`].
 //! All functions are `unsafe` because they require AVX2 and FMA, which the
-//! callers check at run time through [`crate::use_avx2`].
+//! callers check at run time through [`crate::use_avx2`] (the quantized-block
+//! helpers also use F16C, part of the same detection).
 
 use std::arch::x86_64::*;
 
+use crate::quant::{QuantKind, QBLOCK};
 use crate::CHUNK;
 
 /// Element types a weight row can be stored in; all widen to f32 exactly.
@@ -285,4 +287,116 @@ pub(crate) unsafe fn zip8(
         );
         store_partial(out.as_mut_ptr().add(i), v, n - i);
     }
+}
+
+/// One quantized block as 4 × 8 f32 lanes (weights 0–7, 8–15, 16–23, 24–31),
+/// each equal bit for bit to [`crate::quant::dequant_block_ref`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn qblock(kind: QuantKind, p: *const u8) -> [__m256; 4] {
+    // Both f16 header words at once (the second is `m` for Q4_1, quants else).
+    let hdr = _mm_cvtph_ps(_mm_cvtsi32_si128((p as *const i32).read_unaligned()));
+    let d = _mm256_broadcastss_ps(hdr);
+    match kind {
+        QuantKind::Q8_0 => [
+            _mm256_mul_ps(d, i8x8(_mm_loadl_epi64(p.add(2) as *const __m128i))),
+            _mm256_mul_ps(d, i8x8(_mm_loadl_epi64(p.add(10) as *const __m128i))),
+            _mm256_mul_ps(d, i8x8(_mm_loadl_epi64(p.add(18) as *const __m128i))),
+            _mm256_mul_ps(d, i8x8(_mm_loadl_epi64(p.add(26) as *const __m128i))),
+        ],
+        QuantKind::Q4_0 => {
+            let qs = _mm_loadu_si128(p.add(2) as *const __m128i);
+            let mask = _mm_set1_epi8(0x0f);
+            let eight = _mm_set1_epi8(8);
+            let lo = _mm_sub_epi8(_mm_and_si128(qs, mask), eight);
+            let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), eight);
+            [
+                _mm256_mul_ps(d, i8x8(lo)),
+                _mm256_mul_ps(d, i8x8(_mm_srli_si128(lo, 8))),
+                _mm256_mul_ps(d, i8x8(hi)),
+                _mm256_mul_ps(d, i8x8(_mm_srli_si128(hi, 8))),
+            ]
+        }
+        QuantKind::Q4_1 => {
+            let m = _mm256_broadcastss_ps(_mm_movehdup_ps(hdr));
+            let qs = _mm_loadu_si128(p.add(4) as *const __m128i);
+            let mask = _mm_set1_epi8(0x0f);
+            let lo = _mm_and_si128(qs, mask);
+            let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
+            // d·q is exact, so the fused multiply-add rounds once, like `d * q + m`.
+            [
+                _mm256_fmadd_ps(d, u8x8(lo), m),
+                _mm256_fmadd_ps(d, u8x8(_mm_srli_si128(lo, 8)), m),
+                _mm256_fmadd_ps(d, u8x8(hi), m),
+                _mm256_fmadd_ps(d, u8x8(_mm_srli_si128(hi, 8)), m),
+            ]
+        }
+    }
+}
+
+/// The low 8 bytes of `v`, signed, as 8 f32s.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn i8x8(v: __m128i) -> __m256 {
+    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))
+}
+
+/// The low 8 bytes of `v`, unsigned, as 8 f32s.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn u8x8(v: __m128i) -> __m256 {
+    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))
+}
+
+/// Dequantizes `out.len() / 32` blocks starting at `p`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dequant_row(kind: QuantKind, p: *const u8, out: &mut [f32]) {
+    let bb = kind.block_bytes();
+    for (b, o) in out.chunks_exact_mut(QBLOCK).enumerate() {
+        let v = qblock(kind, p.add(b * bb));
+        for (j, x) in v.iter().enumerate() {
+            _mm256_storeu_ps(o.as_mut_ptr().add(8 * j), *x);
+        }
+    }
+}
+
+/// 8 canonical dot products of one activation row `x` with 8 quantized rows
+/// of `k` weights (`k` a multiple of 32): output `r` is `dot(x, W[r])`.
+/// Weights are dequantized in registers; each lane's FMA chain is the one of
+/// [`dot8`] over the dequantized copy.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot8q(
+    kind: QuantKind,
+    x: *const f32,
+    ws: &[*const u8; 8],
+    k: usize,
+) -> __m256 {
+    let bb = kind.block_bytes();
+    let mut tot = _mm256_setzero_ps();
+    let mut c0 = 0;
+    while c0 < k {
+        let cend = (c0 + CHUNK).min(k);
+        let mut acc = [_mm256_setzero_ps(); 8];
+        let mut i = c0;
+        while i < cend {
+            let xv = [
+                _mm256_loadu_ps(x.add(i)),
+                _mm256_loadu_ps(x.add(i + 8)),
+                _mm256_loadu_ps(x.add(i + 16)),
+                _mm256_loadu_ps(x.add(i + 24)),
+            ];
+            let blk = i / QBLOCK * bb;
+            for r in 0..8 {
+                let w = qblock(kind, ws[r].add(blk));
+                for j in 0..4 {
+                    acc[r] = _mm256_fmadd_ps(xv[j], w[j], acc[r]);
+                }
+            }
+            i += QBLOCK;
+        }
+        tot = _mm256_add_ps(tot, hsum8x(&acc));
+        c0 = cend;
+    }
+    tot
 }

@@ -1,0 +1,179 @@
+//! Quantized weights: hand-computed dequantized values, SIMD dequantization ≡
+//! reference on every kind of scale (normal, subnormal, zero, inf, NaN), and a
+//! matmul over quantized storage ≡ the canonical matmul over the dequantized f32
+//! copy, bit for bit, for decode and prefill shapes at 1, 2 and 3 threads.
+
+#![allow(clippy::needless_range_loop)]
+
+use lmrr_kernels::*;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn f(&mut self, scale: f32) -> f32 {
+        ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+    }
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+}
+
+const KINDS: [QuantKind; 3] = [QuantKind::Q4_0, QuantKind::Q4_1, QuantKind::Q8_0];
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// f16 bits of a value exactly representable in f16 (test inputs only).
+fn h(x: f32) -> [u8; 2] {
+    let b = x.to_bits();
+    let sign = ((b >> 16) & 0x8000) as u16;
+    let exp = ((b >> 23) & 0xff) as i32 - 127 + 15;
+    assert!(
+        (1..31).contains(&exp) && b & 0x1fff == 0,
+        "{x} is not a normal f16"
+    );
+    (sign | ((exp as u16) << 10) | ((b >> 13) & 0x3ff) as u16).to_le_bytes()
+}
+
+/// Random blocks whose f16 scales are realistic (|d| ~ 1e-3…1e-1), so the
+/// matmul outputs are ordinary numbers.
+fn realistic(r: &mut Rng, kind: QuantKind, blocks: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(blocks * kind.block_bytes());
+    for _ in 0..blocks {
+        let mut b = r.bytes(kind.block_bytes());
+        let d = f16_bits_near(r.f(0.05));
+        b[0..2].copy_from_slice(&d);
+        if kind == QuantKind::Q4_1 {
+            b[2..4].copy_from_slice(&f16_bits_near(r.f(0.2)));
+        }
+        out.extend(b);
+    }
+    out
+}
+
+/// f16 bits of a normal f16 close to `x` (truncating its mantissa).
+fn f16_bits_near(x: f32) -> [u8; 2] {
+    let x = if x.abs() < 1e-4 { 1e-4 } else { x };
+    h(f32::from_bits(x.to_bits() & !0x1fff))
+}
+
+#[test]
+fn dequantized_values_match_hand_computation() {
+    // Q8_0: d = 0.5, quants 0..31 as signed bytes alternating sign.
+    let mut b = h(0.5).to_vec();
+    b.extend((0..32).map(|j: i32| (if j % 2 == 0 { j } else { -j }) as i8 as u8));
+    let mut out = [0.0f32; 32];
+    dequant_ref(QuantKind::Q8_0, &b, &mut out);
+    for j in 0..32 {
+        let q = if j % 2 == 0 { j as f32 } else { -(j as f32) };
+        assert_eq!(out[j], 0.5 * q, "Q8_0 weight {j}");
+    }
+    // Q4_0: d = -2, byte j = (hi << 4) | lo with lo = j, hi = 15 - j.
+    let mut b = h(-2.0).to_vec();
+    b.extend((0..16u8).map(|j| ((15 - j) << 4) | j));
+    dequant_ref(QuantKind::Q4_0, &b, &mut out);
+    for j in 0..16 {
+        assert_eq!(out[j], -2.0 * (j as f32 - 8.0), "Q4_0 low {j}");
+        assert_eq!(out[j + 16], -2.0 * (7.0 - j as f32), "Q4_0 high {j}");
+    }
+    // Q4_1: d = 0.25, m = -1.5: weights -1.5 + 0.25·q.
+    let mut b = h(0.25).to_vec();
+    b.extend(h(-1.5));
+    b.extend((0..16u8).map(|j| (j << 4) | (15 - j)));
+    dequant_ref(QuantKind::Q4_1, &b, &mut out);
+    for j in 0..16 {
+        assert_eq!(out[j], -1.5 + 0.25 * (15 - j) as f32, "Q4_1 low {j}");
+        assert_eq!(out[j + 16], -1.5 + 0.25 * j as f32, "Q4_1 high {j}");
+    }
+    // Q4_1 rounds once: d·q + m with d·q = 15·(1 + 2⁻¹⁰) exact, m = 2¹¹.
+    let mut b = h(1.0 + 2f32.powi(-10)).to_vec();
+    b.extend(h(2048.0));
+    b.extend([0x0f; 16]);
+    dequant_ref(QuantKind::Q4_1, &b, &mut out);
+    let exact = 2048.0f64 + 15.0 * (1.0 + 2f64.powi(-10));
+    assert_eq!(out[0], exact as f32, "Q4_1 single rounding");
+}
+
+#[test]
+fn fast_dequant_matches_reference_for_every_kind_of_scale() {
+    let mut r = Rng(11);
+    // Scales: random bits (covers subnormal, inf, NaN, negative zero) and the
+    // edge cases named explicitly.
+    let special: [u16; 8] = [
+        0x0000, 0x8000, 0x0001, 0x03ff, 0x7bff, 0x7c00, 0xfc00, 0x7e01,
+    ];
+    for kind in KINDS {
+        let bb = kind.block_bytes();
+        let blocks = 600;
+        let mut bytes = r.bytes(blocks * bb);
+        for (i, s) in special.iter().enumerate() {
+            bytes[i * bb..i * bb + 2].copy_from_slice(&s.to_le_bytes());
+            if kind == QuantKind::Q4_1 {
+                let m = special[(i + 3) % special.len()];
+                bytes[i * bb + 2..i * bb + 4].copy_from_slice(&m.to_le_bytes());
+            }
+        }
+        let mut want = vec![0.0f32; blocks * QBLOCK];
+        let mut got = vec![0.0f32; blocks * QBLOCK];
+        dequant_ref(kind, &bytes, &mut want);
+        dequant(kind, &bytes, &mut got);
+        assert_eq!(bits(&got), bits(&want), "{kind:?}");
+    }
+}
+
+#[test]
+fn quantized_matmul_equals_matmul_over_the_dequantized_copy() {
+    let mut r = Rng(12);
+    let pools: Vec<Threads> = (1..=3).map(|n| Threads::new(n).unwrap()).collect();
+    for kind in KINDS {
+        for &(rows, cols) in &[(1usize, 32usize), (7, 96), (13, 64), (37, 576), (9, 160)] {
+            let q = realistic(&mut r, kind, rows * cols / QBLOCK);
+            let mut deq = vec![0.0f32; rows * cols];
+            dequant_ref(kind, &q, &mut deq);
+            let mq = Matrix::new(Weights::Quant(kind, &q), rows, cols).unwrap();
+            let mf = Matrix::new(Weights::F32(&deq), rows, cols).unwrap();
+            for &n in &[1usize, 2, 3, 5, 9, 65, 70] {
+                let x: Vec<f32> = (0..n * cols).map(|_| r.f(2.0)).collect();
+                let mut want = vec![0.0; n * rows];
+                matmul_ref(&x, n, &mf, &mut want);
+                let mut via_ref = vec![0.0; n * rows];
+                matmul_ref(&x, n, &mq, &mut via_ref);
+                assert_eq!(
+                    bits(&via_ref),
+                    bits(&want),
+                    "{kind:?} ref {rows}x{cols} n={n}"
+                );
+                for th in &pools {
+                    let mut got = vec![f32::NAN; n * rows];
+                    matmul(th, &x, n, &mq, &mut got);
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{kind:?} rows={rows} cols={cols} n={n} threads={}",
+                        th.count()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn quantized_matrix_shapes_are_checked() {
+    let q = vec![0u8; 2 * QuantKind::Q4_1.row_bytes(64)];
+    assert!(Matrix::new(Weights::Quant(QuantKind::Q4_1, &q), 2, 64).is_some());
+    assert!(Matrix::new(Weights::Quant(QuantKind::Q4_1, &q), 3, 64).is_none());
+    assert!(Matrix::new(Weights::Quant(QuantKind::Q4_1, &q), 1, 128).is_some());
+    // Columns must be whole blocks.
+    let q = vec![0u8; 40];
+    assert!(Matrix::new(Weights::Quant(QuantKind::Q4_1, &q), 1, 48).is_none());
+    assert_eq!(QuantKind::parse("q8_0"), Some(QuantKind::Q8_0));
+    assert_eq!(QuantKind::parse("Q5_K"), None);
+}
