@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::Result;
 
 use lmrr_engine::{KvCache, LogitsWanted, SeqKvStore, SeqSpan};
-use lmrr_kernels::{matmul, Matrix, Threads, Weights};
+use lmrr_kernels::{matmul, Matrix, QuantKind, Threads, Weights};
 
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
@@ -106,6 +106,43 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         let s = time(r + 4, || matmul(&th, &x, n, &mm, &mut y));
         gflops.push((label, flops / s / 1e9));
     }
+    // Decode-shaped matvec (one token) per storage, weights in cache: the
+    // kernel's compute rate without the memory system.
+    let blocks = |kind: QuantKind| -> Vec<u8> {
+        let bb = kind.block_bytes();
+        let mut q: Vec<u8> = (0..rows * kind.row_bytes(cols))
+            .map(|i| (i * 7919 % 251) as u8)
+            .collect();
+        for b in q.chunks_exact_mut(bb) {
+            b[..2].copy_from_slice(&0x2000u16.to_le_bytes()); // d = 2^-7
+            if kind == QuantKind::Q4_1 {
+                b[2..4].copy_from_slice(&0xa000u16.to_le_bytes()); // m = -2^-7
+            }
+        }
+        q
+    };
+    let (q41, q80) = (blocks(QuantKind::Q4_1), blocks(QuantKind::Q8_0));
+    let mut matvec = Vec::new();
+    let mut y1 = vec![0.0; rows];
+    for (label, w) in [
+        ("f32", Weights::F32(&wf)),
+        ("bf16", Weights::Bf16(&wb)),
+        ("Q4_1", Weights::Quant(QuantKind::Q4_1, &q41)),
+        ("Q8_0", Weights::Quant(QuantKind::Q8_0, &q80)),
+    ] {
+        let mm = Matrix::new(w, rows, cols).expect("shape");
+        let reps = 20;
+        let s = time(r + 4, || {
+            for _ in 0..reps {
+                matmul(&th, &x[..cols], 1, &mm, &mut y1)
+            }
+        }) / reps as f64;
+        matvec.push((
+            label,
+            (rows * cols) as f64 / s / 1e9,
+            mm.storage_bytes() as f64 / s / 1e9,
+        ));
+    }
 
     let new_kv = || SeqKvStore::new(cfg.num_hidden_layers, m.attn_shape().kv_dim());
     let prompt = |s: u64| -> Vec<u32> {
@@ -183,6 +220,11 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     );
     for (label, g) in &gflops {
         println!("| matmul {label} ({n}×{cols} · {cols}×{rows}) | {g:.1} GFLOP/s |");
+    }
+    for (label, wns, gbs) in &matvec {
+        println!(
+            "| matvec {label} (1×{cols} · {cols}×{rows}, weights in cache) | {wns:.2} weights/ns ({gbs:.1} GB/s of storage) |"
+        );
     }
     for (batch, pre, dec, step) in &rows_out {
         println!(

@@ -276,9 +276,13 @@ impl Llama {
         for (li, l) in self.layers.iter().enumerate() {
             // Attention block.
             k::rms_norm(&sc.x, &l.attn_norm, cfg.rms_norm_eps, &mut sc.h);
-            k::matmul(threads, &sc.h, n, &l.q.matrix(), &mut sc.q);
-            k::matmul(threads, &sc.h, n, &l.k.matrix(), &mut sc.k);
-            k::matmul(threads, &sc.h, n, &l.v.matrix(), &mut sc.v);
+            let (wq, wk, wv) = (l.q.matrix(), l.k.matrix(), l.v.matrix());
+            k::matmul_many(
+                threads,
+                &sc.h,
+                n,
+                &mut [(&wq, &mut sc.q), (&wk, &mut sc.k), (&wv, &mut sc.v)],
+            );
             for (i, &(si, pos)) in tok.iter().enumerate() {
                 k::rope(&self.rope, &mut sc.q[i * qd..(i + 1) * qd], pos);
                 k::rope(&self.rope, &mut sc.k[i * kvd..(i + 1) * kvd], pos);
@@ -320,8 +324,8 @@ impl Llama {
             add_into(&mut sc.x, &sc.o);
             // MLP block.
             k::rms_norm(&sc.x, &l.mlp_norm, cfg.rms_norm_eps, &mut sc.h);
-            k::matmul(threads, &sc.h, n, &l.gate.matrix(), &mut sc.g);
-            k::matmul(threads, &sc.h, n, &l.up.matrix(), &mut sc.u);
+            let (wg, wu) = (l.gate.matrix(), l.up.matrix());
+            k::matmul_many(threads, &sc.h, n, &mut [(&wg, &mut sc.g), (&wu, &mut sc.u)]);
             k::swiglu(&sc.g, &sc.u, &mut sc.a);
             k::matmul(threads, &sc.a, n, &l.down.matrix(), &mut sc.o);
             add_into(&mut sc.x, &sc.o);

@@ -42,7 +42,7 @@ pub use act::{silu, silu_ref, swiglu, swiglu_ref};
 pub use argmax::{argmax, argmax_ref};
 pub use attention::{attention, attention_ref, AttnShape, AttnTask, KvView};
 pub use exp::{det_exp, exp_slice, exp_slice_ref};
-pub use matmul::{matmul, matmul_ref, Matrix, Weights};
+pub use matmul::{matmul, matmul_many, matmul_ref, Matrix, Weights};
 pub use norm::{rms_norm, rms_norm_ref};
 pub use quant::{dequant, dequant_ref, f16_to_f32, QuantKind, QBLOCK};
 pub use reduce::{dot, dot_ref, lane_tree, sum, sum_ref};

@@ -112,33 +112,63 @@ pub fn matmul_ref(x: &[f32], n: usize, w: &Matrix, y: &mut [f32]) {
 
 /// Fast matmul, bitwise equal to [`matmul_ref`] for any thread count.
 pub fn matmul(threads: &Threads, x: &[f32], n: usize, w: &Matrix, y: &mut [f32]) {
-    check(x, n, w, y);
-    if n == 0 || w.rows == 0 {
+    matmul_many(threads, x, n, &mut [(w, y)]);
+}
+
+/// Several matmuls of the same activations `x` (`(n, cols)`, one `cols` for
+/// all matrices) in one parallel region: `jobs[j].1 = x · jobs[j].0ᵀ`. Each
+/// output is the canonical dot of [`matmul`], so fusing changes no bit; it only
+/// saves the synchronisation of one region per matrix (q/k/v, gate/up).
+pub fn matmul_many(threads: &Threads, x: &[f32], n: usize, jobs: &mut [(&Matrix, &mut [f32])]) {
+    for (w, y) in jobs.iter() {
+        check(x, n, w, y);
+    }
+    if n == 0 {
         return;
     }
-    let rows = w.rows;
-    let yp = SendPtr(y.as_mut_ptr());
-    let grain = threads.grain(rows, 16);
-    let avx = crate::use_avx2();
-    threads.for_ranges(rows, grain, |range| {
-        #[cfg(target_arch = "x86_64")]
-        if avx {
-            // SAFETY: AVX2+FMA detected; `range` lies within `0..rows`; every
-            // worker writes only `y[t * rows + o]` for `o` in its own range.
-            unsafe {
-                match w.w {
-                    Weights::F32(s) => avx2::rows(x, n, s, w.cols, rows, range, yp),
-                    Weights::Bf16(s) => avx2::rows(x, n, s, w.cols, rows, range, yp),
-                    Weights::Quant(kind, s) => {
-                        avx2::rows_quant(x, n, kind, s, w.cols, rows, range, yp)
-                    }
-                }
+    // Concatenated row space: matrix j owns rows starts[j]..starts[j + 1].
+    let mut starts = vec![0usize];
+    for (w, _) in jobs.iter() {
+        starts.push(starts[starts.len() - 1] + w.rows);
+    }
+    let total = starts[jobs.len()];
+    if total == 0 {
+        return;
+    }
+    let outs: Vec<(&Matrix, SendPtr<f32>)> = jobs
+        .iter_mut()
+        .map(|(w, y)| (*w, SendPtr(y.as_mut_ptr())))
+        .collect();
+    let grain = threads.grain(total, 16);
+    threads.for_ranges(total, grain, |range| {
+        for (j, &(w, yp)) in outs.iter().enumerate() {
+            let lo = range.start.max(starts[j]);
+            let hi = range.end.min(starts[j + 1]);
+            if lo < hi {
+                rows_of(x, n, w, lo - starts[j]..hi - starts[j], yp);
             }
-            return;
         }
-        let _ = avx;
-        scalar_rows(x, n, w, range, yp);
     });
+}
+
+/// Outputs `o ∈ range` of one matrix for all `n` tokens, written to
+/// `y[t * rows + o]`; the caller guarantees no other worker writes them.
+fn rows_of(x: &[f32], n: usize, w: &Matrix, range: std::ops::Range<usize>, yp: SendPtr<f32>) {
+    let rows = w.rows;
+    #[cfg(target_arch = "x86_64")]
+    if crate::use_avx2() {
+        // SAFETY: AVX2+FMA+F16C detected; `range` lies within `0..rows`; the
+        // caller owns `y[t * rows + o]` for `o` in `range`.
+        unsafe {
+            match w.w {
+                Weights::F32(s) => avx2::rows(x, n, s, w.cols, rows, range, yp),
+                Weights::Bf16(s) => avx2::rows(x, n, s, w.cols, rows, range, yp),
+                Weights::Quant(kind, s) => avx2::rows_quant(x, n, kind, s, w.cols, rows, range, yp),
+            }
+        }
+        return;
+    }
+    scalar_rows(x, n, w, range, yp);
 }
 
 /// Portable fast path: streams each row once for all tokens.
@@ -159,7 +189,7 @@ fn scalar_rows(x: &[f32], n: usize, w: &Matrix, range: std::ops::Range<usize>, y
 mod avx2 {
     use super::SendPtr;
     use crate::quant::QuantKind;
-    use crate::x86::{dequant_row, dot8, dot8q, Lanes};
+    use crate::x86::{dequant_row, dot8, dot8q, Lanes, Q4_0, Q4_1, Q8_0};
     use std::arch::x86_64::*;
 
     /// Tokens per L2-resident block of activations.
@@ -223,20 +253,10 @@ mod avx2 {
         let rb = kind.row_bytes(k);
         let wp = w.as_ptr();
         if n == 1 {
-            // Decode: dequantize in registers, 8 rows per call.
-            let mut o = range.start;
-            while o < range.end {
-                let mut ws = [wp; 8];
-                for (r, p) in ws.iter_mut().enumerate() {
-                    *p = wp.add((o + r).min(range.end - 1) * rb);
-                }
-                let v = dot8q(kind, x.as_ptr(), &ws, k);
-                let mut out = [0.0f32; 8];
-                _mm256_storeu_ps(out.as_mut_ptr(), v);
-                for (r, &val) in out.iter().enumerate().take(range.end - o) {
-                    *y.get().add(o + r) = val;
-                }
-                o += 8;
+            match kind {
+                QuantKind::Q4_0 => decode_quant::<Q4_0>(x, wp, rb, k, range, y),
+                QuantKind::Q4_1 => decode_quant::<Q4_1>(x, wp, rb, k, range, y),
+                QuantKind::Q8_0 => decode_quant::<Q8_0>(x, wp, rb, k, range, y),
             }
             return;
         }
@@ -259,6 +279,32 @@ mod avx2 {
                 g0 = g1;
             }
             t0 = t1;
+        }
+    }
+
+    /// Decode (one token): dequantize in registers, 8 rows per call.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn decode_quant<const K: u8>(
+        x: &[f32],
+        wp: *const u8,
+        rb: usize,
+        k: usize,
+        range: std::ops::Range<usize>,
+        y: SendPtr<f32>,
+    ) {
+        let mut o = range.start;
+        while o < range.end {
+            let mut ws = [wp; 8];
+            for (r, p) in ws.iter_mut().enumerate() {
+                *p = wp.add((o + r).min(range.end - 1) * rb);
+            }
+            let v = dot8q::<K>(x.as_ptr(), &ws, k, 8 * rb);
+            let mut out = [0.0f32; 8];
+            _mm256_storeu_ps(out.as_mut_ptr(), v);
+            for (r, &val) in out.iter().enumerate().take(range.end - o) {
+                *y.get().add(o + r) = val;
+            }
+            o += 8;
         }
     }
 

@@ -293,11 +293,11 @@ pub(crate) unsafe fn zip8(
 /// each equal bit for bit to [`crate::quant::dequant_block_ref`].
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn qblock(kind: QuantKind, p: *const u8) -> [__m256; 4] {
+pub(crate) unsafe fn qblock<const K: u8>(p: *const u8) -> [__m256; 4] {
     // Both f16 header words at once (the second is `m` for Q4_1, quants else).
     let hdr = _mm_cvtph_ps(_mm_cvtsi32_si128((p as *const i32).read_unaligned()));
     let d = _mm256_broadcastss_ps(hdr);
-    match kind {
+    match kind_of::<K>() {
         QuantKind::Q8_0 => [
             _mm256_mul_ps(d, i8x8(_mm_loadl_epi64(p.add(2) as *const __m128i))),
             _mm256_mul_ps(d, i8x8(_mm_loadl_epi64(p.add(10) as *const __m128i))),
@@ -334,6 +334,20 @@ pub(crate) unsafe fn qblock(kind: QuantKind, p: *const u8) -> [__m256; 4] {
     }
 }
 
+/// Block formats as const-generic tags, so each kernel is compiled per format.
+pub(crate) const Q4_0: u8 = 0;
+pub(crate) const Q4_1: u8 = 1;
+pub(crate) const Q8_0: u8 = 2;
+
+#[inline(always)]
+const fn kind_of<const K: u8>() -> QuantKind {
+    match K {
+        Q4_0 => QuantKind::Q4_0,
+        Q4_1 => QuantKind::Q4_1,
+        _ => QuantKind::Q8_0,
+    }
+}
+
 /// The low 8 bytes of `v`, signed, as 8 f32s.
 #[inline]
 #[target_feature(enable = "avx2")]
@@ -351,9 +365,18 @@ unsafe fn u8x8(v: __m128i) -> __m256 {
 /// Dequantizes `out.len() / 32` blocks starting at `p`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dequant_row(kind: QuantKind, p: *const u8, out: &mut [f32]) {
-    let bb = kind.block_bytes();
+    match kind {
+        QuantKind::Q4_0 => dequant_row_k::<Q4_0>(p, out),
+        QuantKind::Q4_1 => dequant_row_k::<Q4_1>(p, out),
+        QuantKind::Q8_0 => dequant_row_k::<Q8_0>(p, out),
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dequant_row_k<const K: u8>(p: *const u8, out: &mut [f32]) {
+    let bb = kind_of::<K>().block_bytes();
     for (b, o) in out.chunks_exact_mut(QBLOCK).enumerate() {
-        let v = qblock(kind, p.add(b * bb));
+        let v = qblock::<K>(p.add(b * bb));
         for (j, x) in v.iter().enumerate() {
             _mm256_storeu_ps(o.as_mut_ptr().add(8 * j), *x);
         }
@@ -361,18 +384,18 @@ pub(crate) unsafe fn dequant_row(kind: QuantKind, p: *const u8, out: &mut [f32])
 }
 
 /// 8 canonical dot products of one activation row `x` with 8 quantized rows
-/// of `k` weights (`k` a multiple of 32): output `r` is `dot(x, W[r])`.
-/// Weights are dequantized in registers; each lane's FMA chain is the one of
-/// [`dot8`] over the dequantized copy.
+/// of `k` weights (`k` a multiple of 32) in format `K`: output `r` is
+/// `dot(x, W[r])`. Weights are dequantized in registers; each lane's FMA chain
+/// is the one of [`dot8`] over the dequantized copy.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot8q(
-    kind: QuantKind,
+pub(crate) unsafe fn dot8q<const K: u8>(
     x: *const f32,
     ws: &[*const u8; 8],
     k: usize,
+    ahead: usize,
 ) -> __m256 {
-    let bb = kind.block_bytes();
+    let bb = kind_of::<K>().block_bytes();
     let mut tot = _mm256_setzero_ps();
     let mut c0 = 0;
     while c0 < k {
@@ -380,17 +403,15 @@ pub(crate) unsafe fn dot8q(
         let mut acc = [_mm256_setzero_ps(); 8];
         let mut i = c0;
         while i < cend {
-            let xv = [
-                _mm256_loadu_ps(x.add(i)),
-                _mm256_loadu_ps(x.add(i + 8)),
-                _mm256_loadu_ps(x.add(i + 16)),
-                _mm256_loadu_ps(x.add(i + 24)),
-            ];
             let blk = i / QBLOCK * bb;
             for r in 0..8 {
-                let w = qblock(kind, ws[r].add(blk));
+                // The same block of the row 8 further on (the caller's next
+                // group): a hint only, never dereferenced.
+                _mm_prefetch::<_MM_HINT_T0>(ws[r].wrapping_add(blk + ahead) as *const i8);
+                let w = qblock::<K>(ws[r].add(blk));
                 for j in 0..4 {
-                    acc[r] = _mm256_fmadd_ps(xv[j], w[j], acc[r]);
+                    let xv = _mm256_loadu_ps(x.add(i + 8 * j));
+                    acc[r] = _mm256_fmadd_ps(xv, w[j], acc[r]);
                 }
             }
             i += QBLOCK;

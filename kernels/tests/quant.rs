@@ -177,3 +177,44 @@ fn quantized_matrix_shapes_are_checked() {
     assert_eq!(QuantKind::parse("q8_0"), Some(QuantKind::Q8_0));
     assert_eq!(QuantKind::parse("Q5_K"), None);
 }
+
+#[test]
+fn fused_matmuls_equal_separate_ones() {
+    // matmul_many over a mix of storages (as q/k/v or gate/up share x) gives
+    // each matrix exactly what matmul_ref gives it alone.
+    let mut r = Rng(13);
+    let cols = 96;
+    let wf: Vec<f32> = (0..11 * cols).map(|_| r.f(0.5)).collect();
+    let q41 = realistic(&mut r, QuantKind::Q4_1, 29 * cols / QBLOCK);
+    let q80 = realistic(&mut r, QuantKind::Q8_0, 5 * cols / QBLOCK);
+    let mats = [
+        Matrix::new(Weights::Quant(QuantKind::Q4_1, &q41), 29, cols).unwrap(),
+        Matrix::new(Weights::F32(&wf), 11, cols).unwrap(),
+        Matrix::new(Weights::Quant(QuantKind::Q8_0, &q80), 5, cols).unwrap(),
+    ];
+    for n in [1usize, 4, 33] {
+        let x: Vec<f32> = (0..n * cols).map(|_| r.f(1.0)).collect();
+        for threads in 1..=3 {
+            let th = Threads::new(threads).unwrap();
+            let mut ys: Vec<Vec<f32>> = mats.iter().map(|m| vec![f32::NAN; n * m.rows]).collect();
+            {
+                let mut jobs: Vec<(&Matrix, &mut [f32])> = mats
+                    .iter()
+                    .zip(ys.iter_mut())
+                    .map(|(m, y)| (m, y.as_mut_slice()))
+                    .collect();
+                matmul_many(&th, &x, n, &mut jobs);
+            }
+            for (m, y) in mats.iter().zip(&ys) {
+                let mut want = vec![0.0; n * m.rows];
+                matmul_ref(&x, n, m, &mut want);
+                assert_eq!(
+                    bits(y),
+                    bits(&want),
+                    "rows={} n={n} threads={threads}",
+                    m.rows
+                );
+            }
+        }
+    }
+}
