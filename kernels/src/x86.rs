@@ -305,33 +305,45 @@ pub(crate) unsafe fn qblock<const K: u8>(p: *const u8) -> [__m256; 4] {
             _mm256_mul_ps(d, i8x8(_mm_loadl_epi64(p.add(26) as *const __m128i))),
         ],
         QuantKind::Q4_0 => {
-            let qs = _mm_loadu_si128(p.add(2) as *const __m128i);
-            let mask = _mm_set1_epi8(0x0f);
-            let eight = _mm_set1_epi8(8);
-            let lo = _mm_sub_epi8(_mm_and_si128(qs, mask), eight);
-            let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), eight);
+            // Bytes widened straight from memory, then the nibbles masked
+            // and shifted in 32-bit lanes (cheaper than byte shuffles).
+            let (lo, hi) = nibbles(p.add(2));
+            let eight = _mm256_set1_epi32(8);
             [
-                _mm256_mul_ps(d, i8x8(lo)),
-                _mm256_mul_ps(d, i8x8(_mm_srli_si128(lo, 8))),
-                _mm256_mul_ps(d, i8x8(hi)),
-                _mm256_mul_ps(d, i8x8(_mm_srli_si128(hi, 8))),
+                _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(lo[0], eight))),
+                _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(lo[1], eight))),
+                _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(hi[0], eight))),
+                _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(hi[1], eight))),
             ]
         }
         QuantKind::Q4_1 => {
             let m = _mm256_broadcastss_ps(_mm_movehdup_ps(hdr));
-            let qs = _mm_loadu_si128(p.add(4) as *const __m128i);
-            let mask = _mm_set1_epi8(0x0f);
-            let lo = _mm_and_si128(qs, mask);
-            let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
+            let (lo, hi) = nibbles(p.add(4));
             // d·q is exact, so the fused multiply-add rounds once, like `d * q + m`.
             [
-                _mm256_fmadd_ps(d, u8x8(lo), m),
-                _mm256_fmadd_ps(d, u8x8(_mm_srli_si128(lo, 8)), m),
-                _mm256_fmadd_ps(d, u8x8(hi), m),
-                _mm256_fmadd_ps(d, u8x8(_mm_srli_si128(hi, 8)), m),
+                _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lo[0]), m),
+                _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lo[1]), m),
+                _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(hi[0]), m),
+                _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(hi[1]), m),
             ]
         }
     }
+}
+
+/// The 32 nibbles of the 16 bytes at `q` as 32-bit lanes: low nibbles of
+/// bytes 0–7 and 8–15 (quants 0–15), then high nibbles (quants 16–31).
+/// Bytes are widened straight from memory and the nibbles masked and shifted
+/// in 32-bit lanes, which costs fewer shuffles than splitting bytes first.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn nibbles(q: *const u8) -> ([__m256i; 2], [__m256i; 2]) {
+    let a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(q as *const __m128i));
+    let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(q.add(8) as *const __m128i));
+    let mask = _mm256_set1_epi32(0x0f);
+    (
+        [_mm256_and_si256(a, mask), _mm256_and_si256(b, mask)],
+        [_mm256_srli_epi32(a, 4), _mm256_srli_epi32(b, 4)],
+    )
 }
 
 /// Block formats as const-generic tags, so each kernel is compiled per format.
@@ -353,13 +365,6 @@ const fn kind_of<const K: u8>() -> QuantKind {
 #[target_feature(enable = "avx2")]
 unsafe fn i8x8(v: __m128i) -> __m256 {
     _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))
-}
-
-/// The low 8 bytes of `v`, unsigned, as 8 f32s.
-#[inline]
-#[target_feature(enable = "avx2")]
-unsafe fn u8x8(v: __m128i) -> __m256 {
-    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))
 }
 
 /// Dequantizes `out.len() / 32` blocks starting at `p`.
@@ -387,6 +392,12 @@ unsafe fn dequant_row_k<const K: u8>(p: *const u8, out: &mut [f32]) {
 /// of `k` weights (`k` a multiple of 32) in format `K`: output `r` is
 /// `dot(x, W[r])`. Weights are dequantized in registers; each lane's FMA chain
 /// is the one of [`dot8`] over the dequantized copy.
+///
+/// Rows are walked one at a time (a chunk's accumulator, four weight vectors
+/// and `x` from L1 fit in registers; chunks are independent chains, so
+/// out-of-order execution overlaps them), and the per-chunk accumulators of
+/// the 8 rows are parked in a small buffer and joined by [`hsum8x`] in chunk
+/// order — the same adds as [`dot8`].
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dot8q<const K: u8>(
@@ -395,29 +406,37 @@ pub(crate) unsafe fn dot8q<const K: u8>(
     k: usize,
     ahead: usize,
 ) -> __m256 {
+    /// Chunks per window of parked accumulators (8 × 16 × 32 B = 4 KiB).
+    const WINDOW: usize = 16;
     let bb = kind_of::<K>().block_bytes();
+    let per_chunk = CHUNK / QBLOCK;
+    let mut parked = [[_mm256_setzero_ps(); 8]; WINDOW];
     let mut tot = _mm256_setzero_ps();
-    let mut c0 = 0;
-    while c0 < k {
-        let cend = (c0 + CHUNK).min(k);
-        let mut acc = [_mm256_setzero_ps(); 8];
-        let mut i = c0;
-        while i < cend {
-            let blk = i / QBLOCK * bb;
-            for r in 0..8 {
-                // The same block of the row 8 further on (the caller's next
-                // group): a hint only, never dereferenced.
-                _mm_prefetch::<_MM_HINT_T0>(ws[r].wrapping_add(blk + ahead) as *const i8);
-                let w = qblock::<K>(ws[r].add(blk));
-                for j in 0..4 {
-                    let xv = _mm256_loadu_ps(x.add(i + 8 * j));
-                    acc[r] = _mm256_fmadd_ps(xv, w[j], acc[r]);
+    let chunks = k.div_ceil(CHUNK);
+    let mut w0 = 0;
+    while w0 < chunks {
+        let w1 = (w0 + WINDOW).min(chunks);
+        for r in 0..8 {
+            for c in w0..w1 {
+                let mut acc = _mm256_setzero_ps();
+                let b1 = ((c + 1) * per_chunk).min(k / QBLOCK);
+                for b in c * per_chunk..b1 {
+                    // The same block of the row 8 further on (the caller's
+                    // next group): a hint only, never dereferenced.
+                    _mm_prefetch::<_MM_HINT_T0>(ws[r].wrapping_add(b * bb + ahead) as *const i8);
+                    let w = qblock::<K>(ws[r].add(b * bb));
+                    let xb = x.add(b * QBLOCK);
+                    for j in 0..4 {
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(xb.add(8 * j)), w[j], acc);
+                    }
                 }
+                parked[c - w0][r] = acc;
             }
-            i += QBLOCK;
         }
-        tot = _mm256_add_ps(tot, hsum8x(&acc));
-        c0 = cend;
+        for p in &parked[..w1 - w0] {
+            tot = _mm256_add_ps(tot, hsum8x(p));
+        }
+        w0 = w1;
     }
     tot
 }
