@@ -30,6 +30,10 @@ pub struct BenchArgs {
     /// Size of the buffer read for the bandwidth measurement, MiB.
     #[arg(long, default_value_t = 1024)]
     bandwidth_mib: usize,
+    /// Only bandwidth and batch-1 prefill/decode (for side-by-side runs
+    /// against a peer engine).
+    #[arg(long)]
+    speed_only: bool,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -101,7 +105,12 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let mut y = vec![0.0; n * rows];
     let flops = 2.0 * (n * rows * cols) as f64;
     let mut gflops = Vec::new();
-    for (label, w) in [("f32", Weights::F32(&wf)), ("bf16", Weights::Bf16(&wb))] {
+    let kernel_rows = if a.speed_only {
+        Vec::new()
+    } else {
+        vec![("f32", Weights::F32(&wf)), ("bf16", Weights::Bf16(&wb))]
+    };
+    for (label, w) in kernel_rows {
         let mm = Matrix::new(w, rows, cols).expect("shape");
         let s = time(r + 4, || matmul(&th, &x, n, &mm, &mut y));
         gflops.push((label, flops / s / 1e9));
@@ -124,12 +133,13 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let (q41, q80) = (blocks(QuantKind::Q4_1), blocks(QuantKind::Q8_0));
     let mut matvec = Vec::new();
     let mut y1 = vec![0.0; rows];
-    for (label, w) in [
+    let storages = [
         ("f32", Weights::F32(&wf)),
         ("bf16", Weights::Bf16(&wb)),
         ("Q4_1", Weights::Quant(QuantKind::Q4_1, &q41)),
         ("Q8_0", Weights::Quant(QuantKind::Q8_0, &q80)),
-    ] {
+    ];
+    for (label, w) in storages.into_iter().filter(|_| !a.speed_only) {
         let mm = Matrix::new(w, rows, cols).expect("shape");
         let reps = 20;
         let s = time(r + 4, || {
@@ -152,7 +162,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     };
     let prompts: Vec<Vec<u32>> = (0..8).map(prompt).collect();
     let mut rows_out = Vec::new();
-    for batch in [1usize, 8] {
+    let batches: &[usize] = if a.speed_only { &[1] } else { &[1, 8] };
+    for &batch in batches {
         // Prefill: `batch` prompts in one step.
         let mut kv = new_kv();
         let mut pre = Vec::new();
@@ -199,8 +210,14 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         ));
     }
 
-    let (hash_s, total_s, steps) = serving_hash_share(&model, &th, a.prompt_len, a.decode_steps)?;
-    let rf = recording_overhead(&model, &th, r)?;
+    let extras = if a.speed_only {
+        None
+    } else {
+        Some((
+            serving_hash_share(&model, &th, a.prompt_len, a.decode_steps)?,
+            recording_overhead(&model, &th, r)?,
+        ))
+    };
 
     println!();
     println!("| measurement | value |");
@@ -238,6 +255,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             step / floor
         );
     }
+    let Some(((hash_s, total_s, steps), rf)) = extras else {
+        return Ok(());
+    };
     println!(
         "| serving: 4 requests × {} prompt (half shared) + {} decode, {steps} steps | hashing {:.1} ms of {:.0} ms = {:.2}% of step time |",
         a.prompt_len,

@@ -201,6 +201,10 @@ struct GenerateArgs {
     /// Keep generating after the EOS token.
     #[arg(long)]
     ignore_eos: bool,
+    /// Send the prompt as one user message through the model's chat template
+    /// (its own, from tokenizer_config.json, or ChatML) and print the reply.
+    #[arg(long)]
+    chat: bool,
 }
 
 impl Default for GenerateArgs {
@@ -216,6 +220,7 @@ impl Default for GenerateArgs {
             threads: None,
             prefill_chunk: None,
             ignore_eos: false,
+            chat: false,
         }
     }
 }
@@ -258,7 +263,23 @@ pub(crate) fn threads(n: Option<usize>) -> Result<Threads> {
 fn run_generate(a: &GenerateArgs) -> Result<()> {
     let model = load_model(a.model.as_deref())?;
     let th = threads(a.threads)?;
-    let prompt = model.tokenizer.encode(&a.prompt)?;
+    let shown = if a.chat {
+        use lmrr_engine::chat::{Content, Message, Part};
+        let parts = model.render_chat(&[Message {
+            role: "user".into(),
+            content: Content::Text(a.prompt.clone()),
+        }])?;
+        parts
+            .into_iter()
+            .map(|p| match p {
+                Part::Text(t) => t,
+                Part::Output(_) => String::new(),
+            })
+            .collect()
+    } else {
+        a.prompt.clone()
+    };
+    let prompt = model.tokenizer.encode(&shown)?;
     let opts = GenerateOptions {
         max_tokens: a.max_tokens,
         sampling: SamplingParams {
@@ -276,7 +297,7 @@ fn run_generate(a: &GenerateArgs) -> Result<()> {
     let dt = t0.elapsed().as_secs_f64();
     let text = model.tokenizer.decode(&g.tokens)?;
     let mut out = std::io::stdout().lock();
-    writeln!(out, "{}{}", a.prompt, text)?;
+    writeln!(out, "{shown}{text}")?;
     writeln!(out, "digest: {}", hex(&g.digest))?;
     eprintln!(
         "model {} · prompt {} tokens · generated {} ({:?}) · {:.2}s · {} threads",

@@ -410,31 +410,40 @@ pub(crate) unsafe fn dot8q<const K: u8>(
     const WINDOW: usize = 16;
     let bb = kind_of::<K>().block_bytes();
     let per_chunk = CHUNK / QBLOCK;
-    let mut parked = [[_mm256_setzero_ps(); 8]; WINDOW];
+    // Every slot read below is written first (rows 0..8 × chunks w0..w1), so
+    // the buffer is left uninitialised instead of zeroing 4 KiB per call.
+    let mut parked = std::mem::MaybeUninit::<[[__m256; 8]; WINDOW]>::uninit();
+    let slots = parked.as_mut_ptr() as *mut [__m256; 8];
     let mut tot = _mm256_setzero_ps();
     let chunks = k.div_ceil(CHUNK);
     let mut w0 = 0;
     while w0 < chunks {
         let w1 = (w0 + WINDOW).min(chunks);
-        for r in 0..8 {
+        // Two rows at a time: two independent FMA chains share each `x` load.
+        for r in (0..8).step_by(2) {
             for c in w0..w1 {
-                let mut acc = _mm256_setzero_ps();
+                let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
                 let b1 = ((c + 1) * per_chunk).min(k / QBLOCK);
                 for b in c * per_chunk..b1 {
-                    // The same block of the row 8 further on (the caller's
+                    // The same block of the rows 8 further on (the caller's
                     // next group): a hint only, never dereferenced.
                     _mm_prefetch::<_MM_HINT_T0>(ws[r].wrapping_add(b * bb + ahead) as *const i8);
-                    let w = qblock::<K>(ws[r].add(b * bb));
+                    _mm_prefetch::<_MM_HINT_T0>(ws[r + 1].wrapping_add(b * bb + ahead) as *const i8);
+                    let wa = qblock::<K>(ws[r].add(b * bb));
+                    let wb = qblock::<K>(ws[r + 1].add(b * bb));
                     let xb = x.add(b * QBLOCK);
                     for j in 0..4 {
-                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(xb.add(8 * j)), w[j], acc);
+                        let xv = _mm256_loadu_ps(xb.add(8 * j));
+                        a0 = _mm256_fmadd_ps(xv, wa[j], a0);
+                        a1 = _mm256_fmadd_ps(xv, wb[j], a1);
                     }
                 }
-                parked[c - w0][r] = acc;
+                (*slots.add(c - w0))[r] = a0;
+                (*slots.add(c - w0))[r + 1] = a1;
             }
         }
-        for p in &parked[..w1 - w0] {
-            tot = _mm256_add_ps(tot, hsum8x(p));
+        for c in 0..w1 - w0 {
+            tot = _mm256_add_ps(tot, hsum8x(&*slots.add(c)));
         }
         w0 = w1;
     }
