@@ -107,3 +107,42 @@ fn smollm2_tokenizer_round_trips_varied_text() {
     // Digits are split one by one (the `smollm` pre-tokenizer).
     assert_eq!(m.tokenizer.encode("2024").unwrap().len(), 4);
 }
+
+#[test]
+fn smollm2_keep_import_is_bit_identical_to_the_f32_import() {
+    // The GGUF sits next to the model directory (scripts/get-smollm2.sh).
+    let Some(dir) = model_dir() else { return };
+    let gguf = PathBuf::from(format!("{}.Q4_1.gguf", dir.display()));
+    if !gguf.is_file() {
+        eprintln!("SKIPPED: no GGUF at {} (run scripts/get-smollm2.sh)", gguf.display());
+        return;
+    }
+    use lmrr_engine::gguf::{import, ImportDtype};
+    let tmp = tempfile::tempdir().unwrap();
+    let (keep, f32_dir) = (tmp.path().join("keep"), tmp.path().join("f32"));
+    import(&gguf, &keep, ImportDtype::Keep).unwrap();
+    import(&gguf, &f32_dir, ImportDtype::F32).unwrap();
+    let size = |d: &std::path::Path| std::fs::metadata(d.join("model.safetensors")).unwrap().len();
+    assert!(size(&keep) * 5 < size(&f32_dir), "{} vs {}", size(&keep), size(&f32_dir));
+    let run = |d: &std::path::Path| {
+        let m = Model::load_dir(d).unwrap();
+        let p = m
+            .tokenizer
+            .encode("Zorblax likes teal. def f(x): return x ** 2  # 12345 ünïcödé")
+            .unwrap();
+        let opts = GenerateOptions {
+            max_tokens: 8,
+            prefill_chunk: Some(7),
+            stop_at_eos: false,
+            keep_logits: true,
+            ..Default::default()
+        };
+        let g = generate(&m.llama, &p, &opts, &Threads::new(2).unwrap()).unwrap();
+        let bits: Vec<u32> = g.logits.iter().flatten().map(|x| x.to_bits()).collect();
+        (g.tokens, g.digest, bits)
+    };
+    let (a, b) = (run(&keep), run(&f32_dir));
+    assert_eq!(a.0, b.0, "tokens");
+    assert!(a.2 == b.2 && !a.2.is_empty(), "logits bits differ");
+    assert_eq!(a.1, b.1, "digest");
+}
