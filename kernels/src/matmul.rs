@@ -282,7 +282,9 @@ mod avx2 {
         }
     }
 
-    /// Decode (one token): dequantize in registers, 8 rows per call.
+    /// Decode (one token): dequantize in registers, 8 rows per call. Not
+    /// inlined, so profiles show each format's share of decode time.
+    #[inline(never)]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn decode_quant<const K: u8>(
         x: &[f32],
