@@ -246,53 +246,23 @@ fn tiny_quantized_llama() -> Vec<u8> {
         ("output_norm.weight".into(), vec![d], 0, norm(d)),
     ];
     for l in 0..2 {
-        let b = |n: &str| format!("blk.{l}.{n}.weight");
-        t.extend([
-            (b("attn_norm"), vec![d], 0, norm(d)),
-            (
-                b("attn_q"),
-                vec![d, d],
-                3,
-                blocks(&mut seed, 3, (d * d) as usize),
-            ),
-            (
-                b("attn_k"),
-                vec![d, kv],
-                2,
-                blocks(&mut seed, 2, (d * kv) as usize),
-            ),
-            (
-                b("attn_v"),
-                vec![d, kv],
-                8,
-                blocks(&mut seed, 8, (d * kv) as usize),
-            ),
-            (
-                b("attn_output"),
-                vec![d, d],
-                3,
-                blocks(&mut seed, 3, (d * d) as usize),
-            ),
-            (b("ffn_norm"), vec![d], 0, norm(d)),
-            (
-                b("ffn_gate"),
-                vec![d, ff],
-                2,
-                blocks(&mut seed, 2, (d * ff) as usize),
-            ),
-            (
-                b("ffn_up"),
-                vec![d, ff],
-                3,
-                blocks(&mut seed, 3, (d * ff) as usize),
-            ),
-            (
-                b("ffn_down"),
-                vec![ff, d],
-                8,
-                blocks(&mut seed, 8, (d * ff) as usize),
-            ),
-        ]);
+        // (name, ggml dims, type): every block type appears in every layer.
+        let mats = [
+            ("attn_q", [d, d], 3),
+            ("attn_k", [d, kv], 2),
+            ("attn_v", [d, kv], 8),
+            ("attn_output", [d, d], 3),
+            ("ffn_gate", [d, ff], 2),
+            ("ffn_up", [d, ff], 3),
+            ("ffn_down", [ff, d], 8),
+        ];
+        for n in ["attn_norm", "ffn_norm"] {
+            t.push((format!("blk.{l}.{n}.weight"), vec![d], 0, norm(d)));
+        }
+        for (n, dims, ty) in mats {
+            let data = blocks(&mut seed, ty, (dims[0] * dims[1]) as usize);
+            t.push((format!("blk.{l}.{n}.weight"), dims.to_vec(), ty, data));
+        }
     }
     let t: Vec<(&str, Vec<u64>, u32, Vec<u8>)> = t
         .iter()

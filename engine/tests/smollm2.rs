@@ -114,7 +114,10 @@ fn smollm2_keep_import_is_bit_identical_to_the_f32_import() {
     let Some(dir) = model_dir() else { return };
     let gguf = PathBuf::from(format!("{}.Q4_1.gguf", dir.display()));
     if !gguf.is_file() {
-        eprintln!("SKIPPED: no GGUF at {} (run scripts/get-smollm2.sh)", gguf.display());
+        eprintln!(
+            "SKIPPED: no GGUF at {} (run scripts/get-smollm2.sh)",
+            gguf.display()
+        );
         return;
     }
     use lmrr_engine::gguf::{import, ImportDtype};
@@ -122,8 +125,17 @@ fn smollm2_keep_import_is_bit_identical_to_the_f32_import() {
     let (keep, f32_dir) = (tmp.path().join("keep"), tmp.path().join("f32"));
     import(&gguf, &keep, ImportDtype::Keep).unwrap();
     import(&gguf, &f32_dir, ImportDtype::F32).unwrap();
-    let size = |d: &std::path::Path| std::fs::metadata(d.join("model.safetensors")).unwrap().len();
-    assert!(size(&keep) * 5 < size(&f32_dir), "{} vs {}", size(&keep), size(&f32_dir));
+    let size = |d: &std::path::Path| {
+        std::fs::metadata(d.join("model.safetensors"))
+            .unwrap()
+            .len()
+    };
+    assert!(
+        size(&keep) * 5 < size(&f32_dir),
+        "{} vs {}",
+        size(&keep),
+        size(&f32_dir)
+    );
     let run = |d: &std::path::Path| {
         let m = Model::load_dir(d).unwrap();
         let p = m
