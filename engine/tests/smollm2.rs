@@ -158,3 +158,46 @@ fn smollm2_keep_import_is_bit_identical_to_the_f32_import() {
     assert!(a.2 == b.2 && !a.2.is_empty(), "logits bits differ");
     assert_eq!(a.1, b.1, "digest");
 }
+
+#[test]
+fn smollm2_in_its_own_chat_template_resolves_the_france_near_tie_like_f64() {
+    // With SmolLM2's template (default system prompt included) the first
+    // answer token is a 0.08-wide near-tie between "The" and "L"; the exact
+    // f64 reference ranks "The" first (docs/REFERENCE.md), llama.cpp "L".
+    let Some(dir) = model_dir() else { return };
+    let m = Model::load_dir(&dir).unwrap();
+    use lmrr_engine::chat::{Content, Message, Part};
+    let parts = m
+        .render_chat(&[Message {
+            role: "user".into(),
+            content: Content::Text("What is the capital of France?".into()),
+        }])
+        .unwrap();
+    let text: String = parts
+        .into_iter()
+        .map(|p| match p {
+            Part::Text(t) => t,
+            Part::Output(_) => String::new(),
+        })
+        .collect();
+    assert!(
+        text.contains("named SmolLM"),
+        "default system prompt: {text}"
+    );
+    let p = m.tokenizer.encode(&text).unwrap();
+    let opts = GenerateOptions {
+        max_tokens: 12,
+        keep_logits: true,
+        ..Default::default()
+    };
+    let g = generate(&m.llama, &p, &opts, &Threads::new(2).unwrap()).unwrap();
+    let reply = m.tokenizer.decode(&g.tokens).unwrap();
+    assert_eq!(reply, "The capital of France is Paris.<|im_end|>");
+    let row = &g.logits[0];
+    let (the, l) = (
+        m.tokenizer.token_id("The").unwrap() as usize,
+        m.tokenizer.token_id("L").unwrap() as usize,
+    );
+    let gap = row[the] - row[l];
+    assert!(gap > 0.0 && gap < 0.2, "The − L = {gap}");
+}
