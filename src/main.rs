@@ -133,6 +133,9 @@ struct ScoreArgs {
     /// Worker threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
+    /// Where the kernels run: `cpu`, or `cuda` (builds with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 #[derive(clap::Args, Debug)]
@@ -205,6 +208,10 @@ struct GenerateArgs {
     /// (its own, from tokenizer_config.json, or ChatML) and print the reply.
     #[arg(long)]
     chat: bool,
+    /// Where the kernels run: `cpu`, or `cuda` (builds with `--features
+    /// cuda`). Never changes a bit.
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 impl Default for GenerateArgs {
@@ -221,6 +228,7 @@ impl Default for GenerateArgs {
             prefill_chunk: None,
             ignore_eos: false,
             chat: false,
+            device: "cpu".into(),
         }
     }
 }
@@ -260,8 +268,33 @@ pub(crate) fn threads(n: Option<usize>) -> Result<Threads> {
     Ok(Threads::new(n)?)
 }
 
+/// Moves the model's kernels to `device` (`cpu` or `cuda`).
+fn set_device(model: &mut Model, device: &str) -> Result<()> {
+    match device {
+        "cpu" => Ok(()),
+        #[cfg(feature = "cuda")]
+        "cuda" => {
+            let gpu = lmrr_kernels::cuda::Gpu::open(0).context("opening CUDA device 0")?;
+            eprintln!("device: {}", gpu.name());
+            model
+                .llama
+                .set_device(lmrr_engine::Device::Cuda(std::sync::Arc::new(gpu)));
+            Ok(())
+        }
+        #[cfg(not(feature = "cuda"))]
+        "cuda" => {
+            let _ = model;
+            anyhow::bail!(
+                "this lmrr was built without CUDA support (cargo build --release --features cuda)"
+            )
+        }
+        other => anyhow::bail!("unknown --device `{other}` (cpu, cuda)"),
+    }
+}
+
 fn run_generate(a: &GenerateArgs) -> Result<()> {
-    let model = load_model(a.model.as_deref())?;
+    let mut model = load_model(a.model.as_deref())?;
+    set_device(&mut model, &a.device)?;
     let th = threads(a.threads)?;
     let shown = if a.chat {
         use lmrr_engine::chat::{Content, Message, Part};
@@ -408,7 +441,8 @@ fn run_tokenize(a: &TokenizeArgs) -> Result<()> {
 
 fn run_score(a: &ScoreArgs) -> Result<()> {
     use lmrr_engine::{KvCache, LogitsWanted, SeqKvStore, SeqSpan};
-    let model = load_model(a.model.as_deref())?;
+    let mut model = load_model(a.model.as_deref())?;
+    set_device(&mut model, &a.device)?;
     let text = std::fs::read_to_string(&a.text_file)
         .with_context(|| format!("reading {}", a.text_file.display()))?;
     let ids = model.tokenizer.encode(&text)?;

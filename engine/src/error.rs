@@ -5,6 +5,8 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
+    #[error("device: {0}")]
+    Device(String),
     #[error("reading {path}: {source}")]
     Io {
         path: PathBuf,

@@ -31,7 +31,7 @@ pub use config::LlamaConfig;
 pub use error::EngineError;
 pub use generate::{generate, FinishReason, GenerateOptions, Generation};
 pub use kv::{KvCache, SeqId, SeqKvStore};
-pub use llama::{Llama, LogitsWanted, SeqSpan};
+pub use llama::{Device, Llama, LogitsWanted, SeqSpan};
 pub use patches::{Patch, PatchSet};
 pub use sampling::{sample, SamplingParams};
 pub use scheduler::{

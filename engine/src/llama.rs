@@ -28,6 +28,32 @@ struct Layer {
     down: Tensor,
 }
 
+/// Where the forward pass's kernels run. Every device gives the same bits
+/// (contract invariant I6); the CUDA path copies operands per call (portable
+/// mode, not a fast path) and runs no engine patch.
+#[derive(Clone, Default)]
+pub enum Device {
+    #[default]
+    Cpu,
+    #[cfg(feature = "cuda")]
+    Cuda(std::sync::Arc<lmrr_kernels::cuda::Gpu>),
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Cpu => write!(f, "cpu"),
+            #[cfg(feature = "cuda")]
+            Self::Cuda(g) => write!(f, "cuda ({})", g.name()),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_err(e: lmrr_kernels::cuda::GpuError) -> EngineError {
+    EngineError::Device(e.to_string())
+}
+
 /// A loaded llama-family model.
 pub struct Llama {
     cfg: LlamaConfig,
@@ -38,6 +64,7 @@ pub struct Llama {
     layers: Vec<Layer>,
     rope: RopeTable,
     shape: AttnShape,
+    device: Device,
 }
 
 /// Which logits rows a span wants back.
@@ -118,7 +145,82 @@ impl Llama {
             layers,
             rope,
             shape,
+            device: Device::Cpu,
         })
+    }
+
+    /// Runs the forward pass's kernels on `device` from now on.
+    pub fn set_device(&mut self, device: Device) {
+        self.device = device;
+    }
+
+    /// Where the kernels run.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn matmuls(
+        &self,
+        threads: &Threads,
+        x: &[f32],
+        n: usize,
+        jobs: &mut [(&k::Matrix, &mut [f32])],
+    ) -> Result<(), EngineError> {
+        match &self.device {
+            Device::Cpu => k::matmul_many(threads, x, n, jobs),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(g) => {
+                for (w, y) in jobs.iter_mut() {
+                    g.matmul(x, n, w, y).map_err(gpu_err)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn norm(&self, x: &[f32], w: &[f32], out: &mut [f32]) -> Result<(), EngineError> {
+        let eps = self.cfg.rms_norm_eps;
+        match &self.device {
+            Device::Cpu => k::rms_norm(x, w, eps, out),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(g) => g.rms_norm(x, w, eps, out).map_err(gpu_err)?,
+        }
+        Ok(())
+    }
+
+    fn rope_row(&self, x: &mut [f32], pos: usize) -> Result<(), EngineError> {
+        match &self.device {
+            Device::Cpu => k::rope(&self.rope, x, pos),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(g) => g.rope(&self.rope, x, pos).map_err(gpu_err)?,
+        }
+        Ok(())
+    }
+
+    fn swiglu(&self, g_: &[f32], u: &[f32], out: &mut [f32]) -> Result<(), EngineError> {
+        match &self.device {
+            Device::Cpu => k::swiglu(g_, u, out),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(g) => g.swiglu(g_, u, out).map_err(gpu_err)?,
+        }
+        Ok(())
+    }
+
+    fn attend(
+        &self,
+        threads: &Threads,
+        tasks: &[AttnTask],
+        scale: f32,
+        out: &mut [f32],
+    ) -> Result<(), EngineError> {
+        match &self.device {
+            Device::Cpu => k::attention(threads, tasks, &self.shape, scale, out),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(g) => g
+                .attention(tasks, &self.shape, scale, out)
+                .map_err(gpu_err)?,
+        }
+        Ok(())
     }
 
     pub fn config(&self) -> &LlamaConfig {
@@ -205,6 +307,13 @@ impl Llama {
         let (d, ff, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let (qd, kvd) = (self.shape.q_dim(), self.shape.kv_dim());
         // Validate everything before touching the KV store.
+        let engine_patch =
+            patches.contains(Patch::FastExp) || patches.contains(Patch::SplitkDecode);
+        if engine_patch && !matches!(self.device, Device::Cpu) {
+            return Err(EngineError::Device(
+                "the engine patches fast-exp and splitk-decode run on the CPU only; drop them or use the CPU".into(),
+            ));
+        }
         let mut seen = std::collections::HashSet::new();
         for s in spans {
             if !seen.insert(s.seq) {
@@ -273,19 +382,20 @@ impl Llama {
             .collect();
         let variant =
             (patches.contains(Patch::FastExp) || split_of.iter().any(|&s| s > 1)).then_some(());
+
         for (li, l) in self.layers.iter().enumerate() {
             // Attention block.
-            k::rms_norm(&sc.x, &l.attn_norm, cfg.rms_norm_eps, &mut sc.h);
+            self.norm(&sc.x, &l.attn_norm, &mut sc.h)?;
             let (wq, wk, wv) = (l.q.matrix(), l.k.matrix(), l.v.matrix());
-            k::matmul_many(
+            self.matmuls(
                 threads,
                 &sc.h,
                 n,
                 &mut [(&wq, &mut sc.q), (&wk, &mut sc.k), (&wv, &mut sc.v)],
-            );
+            )?;
             for (i, &(si, pos)) in tok.iter().enumerate() {
-                k::rope(&self.rope, &mut sc.q[i * qd..(i + 1) * qd], pos);
-                k::rope(&self.rope, &mut sc.k[i * kvd..(i + 1) * kvd], pos);
+                self.rope_row(&mut sc.q[i * qd..(i + 1) * qd], pos)?;
+                self.rope_row(&mut sc.k[i * kvd..(i + 1) * kvd], pos)?;
                 let r = i * kvd..(i + 1) * kvd;
                 kv.write(spans[si].seq, li, pos, &sc.k[r.clone()], &sc.v[r]);
             }
@@ -317,17 +427,17 @@ impl Llama {
                         &mut sc.att,
                     );
                 } else {
-                    k::attention(threads, &tasks, &self.shape, scale, &mut sc.att);
+                    self.attend(threads, &tasks, scale, &mut sc.att)?;
                 }
             }
-            k::matmul(threads, &sc.att, n, &l.o.matrix(), &mut sc.o);
+            self.matmuls(threads, &sc.att, n, &mut [(&l.o.matrix(), &mut sc.o)])?;
             add_into(&mut sc.x, &sc.o);
             // MLP block.
-            k::rms_norm(&sc.x, &l.mlp_norm, cfg.rms_norm_eps, &mut sc.h);
+            self.norm(&sc.x, &l.mlp_norm, &mut sc.h)?;
             let (wg, wu) = (l.gate.matrix(), l.up.matrix());
-            k::matmul_many(threads, &sc.h, n, &mut [(&wg, &mut sc.g), (&wu, &mut sc.u)]);
-            k::swiglu(&sc.g, &sc.u, &mut sc.a);
-            k::matmul(threads, &sc.a, n, &l.down.matrix(), &mut sc.o);
+            self.matmuls(threads, &sc.h, n, &mut [(&wg, &mut sc.g), (&wu, &mut sc.u)])?;
+            self.swiglu(&sc.g, &sc.u, &mut sc.a)?;
+            self.matmuls(threads, &sc.a, n, &mut [(&l.down.matrix(), &mut sc.o)])?;
             add_into(&mut sc.x, &sc.o);
         }
         // Logits for the wanted rows only.
@@ -348,10 +458,10 @@ impl Llama {
             hx[j * d..(j + 1) * d].copy_from_slice(&sc.x[i * d..(i + 1) * d]);
         }
         let mut hn = vec![0.0; m * d];
-        k::rms_norm(&hx, &self.norm, cfg.rms_norm_eps, &mut hn);
+        self.norm(&hx, &self.norm, &mut hn)?;
         let mut logits = vec![0.0; m * vocab];
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        k::matmul(threads, &hn, m, &head.matrix(), &mut logits);
+        self.matmuls(threads, &hn, m, &mut [(&head.matrix(), &mut logits)])?;
         // Split back per span.
         let mut out = Vec::with_capacity(spans.len());
         let mut r0 = 0;

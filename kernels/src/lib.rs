@@ -27,6 +27,8 @@ pub mod act;
 pub mod argmax;
 pub mod attention;
 pub mod attention_variants;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod exp;
 pub mod matmul;
 pub mod norm;

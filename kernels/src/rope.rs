@@ -53,7 +53,7 @@ impl RopeTable {
         self.half * 2
     }
 
-    fn row(&self, pos: usize) -> (&[f32], &[f32]) {
+    pub(crate) fn row(&self, pos: usize) -> (&[f32], &[f32]) {
         assert!(
             pos < self.max_pos,
             "rope: position {pos} beyond table ({})",

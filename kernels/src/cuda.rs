@@ -1,0 +1,372 @@
+//! CUDA mirror of the canonical kernels (feature `cuda`): the same ops, by the
+//! same names, compiled from `kernels/cuda/kernels.cu` by NVRTC through
+//! cudarc, with `--fmad=false` so that no multiply-add is contracted and every
+//! FMA is an explicit `fmaf` where the CPU code has one. One GPU thread
+//! computes one output in the scalar reference's order, so each op returns the
+//! CPU fast path's bits exactly (contract invariant I6, checked by
+//! `kernels/examples/gpu_check.rs` on a device).
+//!
+//! The CUDA libraries are loaded at run time: a build needs no CUDA, and
+//! [`Gpu::open`] returns an error (never panics) where no driver or device is
+//! present. This mirror covers matmul over every weight storage, RMSNorm,
+//! SwiGLU, `det_exp`, RoPE and attention. Each call copies its operands to
+//! the device and back (weights too): it is the portable mode's proof of
+//! arithmetic, not a fast path.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+
+use crate::matmul::{Matrix, Weights};
+use crate::quant::QuantKind;
+use crate::{AttnShape, AttnTask, RopeTable};
+
+/// Largest head dimension the attention kernel's per-thread arrays hold.
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// The kernels' source, compiled at [`Gpu::open`].
+pub const SOURCE: &str = include_str!("../cuda/kernels.cu");
+
+/// Why the device path is unavailable or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error("no CUDA driver library (libcuda) on this machine")]
+    NoDriver,
+    #[error("no NVRTC library (libnvrtc) on this machine")]
+    NoNvrtc,
+    #[error("CUDA driver: {0}")]
+    Driver(String),
+    #[error("NVRTC could not compile kernels.cu: {0}")]
+    Compile(String),
+    #[error("{what}: sizes do not match ({detail})")]
+    Shape { what: &'static str, detail: String },
+}
+
+fn drv<E: std::fmt::Debug>(e: E) -> GpuError {
+    GpuError::Driver(format!("{e:?}"))
+}
+
+/// An open device with the kernels loaded.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    matmul: CudaFunction,
+    rms_norm: CudaFunction,
+    exp_slice: CudaFunction,
+    swiglu: CudaFunction,
+    rope: CudaFunction,
+    attention: CudaFunction,
+}
+
+fn grid(n: usize) -> LaunchConfig {
+    let threads = 128u32;
+    LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(threads).max(1), 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn as_i32(what: &'static str, v: usize) -> Result<i32, GpuError> {
+    i32::try_from(v).map_err(|_| GpuError::Shape {
+        what,
+        detail: format!("{v} does not fit the kernel's 32-bit index"),
+    })
+}
+
+impl Gpu {
+    /// Opens device `ordinal` and compiles the kernels.
+    pub fn open(ordinal: usize) -> Result<Self, GpuError> {
+        Self::open_with(ordinal, SOURCE, false)
+    }
+
+    /// [`Gpu::open`] with another source or with multiply-add contraction
+    /// allowed: negative controls for checks (contraction changes bits, so a
+    /// check that cannot see it proves nothing).
+    pub fn open_with(ordinal: usize, source: &str, fmad: bool) -> Result<Self, GpuError> {
+        // SAFETY: these only try to open the shared libraries by name.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(GpuError::NoDriver);
+        }
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(GpuError::NoNvrtc);
+        }
+        let ctx = CudaContext::new(ordinal).map_err(drv)?;
+        let opts = cudarc::nvrtc::CompileOptions {
+            fmad: Some(fmad),
+            prec_div: Some(true),
+            prec_sqrt: Some(true),
+            ftz: Some(false),
+            name: Some("kernels.cu".into()),
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, opts)
+            .map_err(|e| GpuError::Compile(format!("{e:?}")))?;
+        let module = ctx.load_module(ptx).map_err(drv)?;
+        let f = |name: &str| module.load_function(name).map_err(drv);
+        Ok(Self {
+            stream: ctx.default_stream(),
+            matmul: f("matmul")?,
+            rms_norm: f("rms_norm")?,
+            exp_slice: f("exp_slice")?,
+            swiglu: f("swiglu")?,
+            rope: f("rope")?,
+            attention: f("attention")?,
+            ctx,
+        })
+    }
+
+    /// The device's name.
+    pub fn name(&self) -> String {
+        self.ctx
+            .name()
+            .unwrap_or_else(|e| format!("unknown ({e:?})"))
+    }
+
+    /// [`crate::matmul`] on the device (weights uploaded for this call).
+    pub fn matmul(&self, x: &[f32], n: usize, w: &Matrix, y: &mut [f32]) -> Result<(), GpuError> {
+        if x.len() != n * w.cols || y.len() != n * w.rows {
+            return Err(GpuError::Shape {
+                what: "matmul",
+                detail: format!(
+                    "x {} (want {}), y {} (want {})",
+                    x.len(),
+                    n * w.cols,
+                    y.len(),
+                    n * w.rows
+                ),
+            });
+        }
+        if y.is_empty() {
+            return Ok(());
+        }
+        let (kind, bytes): (i32, Vec<u8>) = match w.w {
+            Weights::F32(s) => (0, s.iter().flat_map(|v| v.to_le_bytes()).collect()),
+            Weights::Bf16(s) => (1, s.iter().flat_map(|v| v.to_le_bytes()).collect()),
+            Weights::Quant(q, s) => (
+                match q {
+                    QuantKind::Q4_0 => 2,
+                    QuantKind::Q4_1 => 3,
+                    QuantKind::Q8_0 => 4,
+                },
+                s.to_vec(),
+            ),
+        };
+        let row_bytes = (bytes.len() / w.rows.max(1)) as i64;
+        let s = &self.stream;
+        let dx = s.clone_htod(x).map_err(drv)?;
+        let dw = s.clone_htod(&bytes).map_err(drv)?;
+        let mut dy = s.alloc_zeros::<f32>(y.len()).map_err(drv)?;
+        let (ni, ri, ki) = (
+            as_i32("matmul", n)?,
+            as_i32("matmul", w.rows)?,
+            as_i32("matmul", w.cols)?,
+        );
+        let mut b = s.launch_builder(&self.matmul);
+        b.arg(&kind)
+            .arg(&dx)
+            .arg(&dw)
+            .arg(&mut dy)
+            .arg(&ni)
+            .arg(&ri)
+            .arg(&ki)
+            .arg(&row_bytes);
+        // SAFETY: the argument list matches `matmul` in kernels.cu; every
+        // index the kernel forms is below n·rows, n·k or rows·row_bytes.
+        unsafe { b.launch(grid(n * w.rows)) }.map_err(drv)?;
+        s.memcpy_dtoh(&dy, y).map_err(drv)?;
+        Ok(())
+    }
+
+    /// [`crate::rms_norm`] on the device.
+    pub fn rms_norm(
+        &self,
+        x: &[f32],
+        w: &[f32],
+        eps: f32,
+        out: &mut [f32],
+    ) -> Result<(), GpuError> {
+        if w.is_empty() || x.len() % w.len() != 0 || out.len() != x.len() {
+            return Err(GpuError::Shape {
+                what: "rms_norm",
+                detail: format!("x {}, w {}, out {}", x.len(), w.len(), out.len()),
+            });
+        }
+        if x.is_empty() {
+            return Ok(());
+        }
+        let s = &self.stream;
+        let (dx, dw) = (s.clone_htod(x).map_err(drv)?, s.clone_htod(w).map_err(drv)?);
+        let mut dout = s.alloc_zeros::<f32>(out.len()).map_err(drv)?;
+        let rows = as_i32("rms_norm", x.len() / w.len())?;
+        let d = as_i32("rms_norm", w.len())?;
+        let mut b = s.launch_builder(&self.rms_norm);
+        b.arg(&dx)
+            .arg(&dw)
+            .arg(&mut dout)
+            .arg(&rows)
+            .arg(&d)
+            .arg(&eps);
+        // SAFETY: matches `rms_norm` in kernels.cu; rows·d = x.len().
+        unsafe { b.launch(grid(x.len() / w.len())) }.map_err(drv)?;
+        s.memcpy_dtoh(&dout, out).map_err(drv)
+    }
+
+    /// [`crate::exp_slice`] on the device.
+    pub fn exp_slice(&self, x: &[f32], out: &mut [f32]) -> Result<(), GpuError> {
+        self.map(&self.exp_slice, "exp_slice", &[x], out)
+    }
+
+    /// [`crate::swiglu`] on the device.
+    pub fn swiglu(&self, g: &[f32], u: &[f32], out: &mut [f32]) -> Result<(), GpuError> {
+        self.map(&self.swiglu, "swiglu", &[g, u], out)
+    }
+
+    fn map(
+        &self,
+        f: &CudaFunction,
+        what: &'static str,
+        ins: &[&[f32]],
+        out: &mut [f32],
+    ) -> Result<(), GpuError> {
+        if ins.iter().any(|i| i.len() != out.len()) {
+            return Err(GpuError::Shape {
+                what,
+                detail: format!(
+                    "inputs {:?}, out {}",
+                    ins.iter().map(|i| i.len()).collect::<Vec<_>>(),
+                    out.len()
+                ),
+            });
+        }
+        if out.is_empty() {
+            return Ok(());
+        }
+        let s = &self.stream;
+        let dins = ins
+            .iter()
+            .map(|i| s.clone_htod(*i).map_err(drv))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut dout = s.alloc_zeros::<f32>(out.len()).map_err(drv)?;
+        let n = as_i32(what, out.len())?;
+        let mut b = s.launch_builder(f);
+        for d in &dins {
+            b.arg(d);
+        }
+        b.arg(&mut dout).arg(&n);
+        // SAFETY: matches the element-wise kernels in kernels.cu (inputs,
+        // output, count); every index is below `n`.
+        unsafe { b.launch(grid(out.len())) }.map_err(drv)?;
+        s.memcpy_dtoh(&dout, out).map_err(drv)
+    }
+
+    /// [`crate::rope`] of one row (whole heads) at `pos`, in place.
+    pub fn rope(&self, table: &RopeTable, x: &mut [f32], pos: usize) -> Result<(), GpuError> {
+        let d = table.head_dim();
+        if x.len() % d != 0 {
+            return Err(GpuError::Shape {
+                what: "rope",
+                detail: format!("row of {} values is not whole heads of {d}", x.len()),
+            });
+        }
+        if x.is_empty() {
+            return Ok(());
+        }
+        let (c, sn) = table.row(pos);
+        let s = &self.stream;
+        let mut dx = s.clone_htod(x).map_err(drv)?;
+        let (dc, ds) = (
+            s.clone_htod(c).map_err(drv)?,
+            s.clone_htod(sn).map_err(drv)?,
+        );
+        let (width, di) = (as_i32("rope", x.len())?, as_i32("rope", d)?);
+        let mut b = s.launch_builder(&self.rope);
+        b.arg(&mut dx).arg(&dc).arg(&ds).arg(&width).arg(&di);
+        // SAFETY: matches `rope` in kernels.cu; threads cover width / 2 pairs.
+        unsafe { b.launch(grid(x.len() / 2)) }.map_err(drv)?;
+        s.memcpy_dtoh(&dx, x).map_err(drv)
+    }
+
+    /// [`crate::attention`] on the device: each task's keys and values
+    /// `0..=pos` are gathered from its [`crate::KvView`] into one buffer.
+    pub fn attention(
+        &self,
+        tasks: &[AttnTask],
+        shape: &AttnShape,
+        scale: f32,
+        out: &mut [f32],
+    ) -> Result<(), GpuError> {
+        let (qd, kvd) = (shape.q_dim(), shape.kv_dim());
+        let bad = shape.n_kv_heads == 0
+            || shape.n_heads % shape.n_kv_heads != 0
+            || shape.head_dim > MAX_HEAD_DIM
+            || out.len() != tasks.len() * qd
+            || tasks
+                .iter()
+                .any(|t| t.q.len() != qd || t.pos >= t.kv.capacity());
+        if bad {
+            return Err(GpuError::Shape {
+                what: "attention",
+                detail: format!(
+                    "{} tasks, out {}, heads {}/{} × {} (head_dim ≤ {MAX_HEAD_DIM})",
+                    tasks.len(),
+                    out.len(),
+                    shape.n_heads,
+                    shape.n_kv_heads,
+                    shape.head_dim
+                ),
+            });
+        }
+        if tasks.is_empty() {
+            return Ok(());
+        }
+        let mut q = Vec::with_capacity(tasks.len() * qd);
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        let (mut offs, mut pos) = (
+            Vec::with_capacity(tasks.len()),
+            Vec::with_capacity(tasks.len()),
+        );
+        for t in tasks {
+            q.extend_from_slice(t.q);
+            offs.push((k.len() / kvd) as i64);
+            pos.push(as_i32("attention", t.pos)?);
+            for j in 0..=t.pos {
+                k.extend_from_slice(t.kv.key(j, kvd));
+                v.extend_from_slice(t.kv.value(j, kvd));
+            }
+        }
+        let s = &self.stream;
+        let (dq, dk, dv) = (
+            s.clone_htod(&q).map_err(drv)?,
+            s.clone_htod(&k).map_err(drv)?,
+            s.clone_htod(&v).map_err(drv)?,
+        );
+        let (doff, dpos) = (
+            s.clone_htod(&offs).map_err(drv)?,
+            s.clone_htod(&pos).map_err(drv)?,
+        );
+        let mut dout = s.alloc_zeros::<f32>(out.len()).map_err(drv)?;
+        let n = as_i32("attention", tasks.len())?;
+        let (nh, nkv, hd) = (
+            as_i32("attention", shape.n_heads)?,
+            as_i32("attention", shape.n_kv_heads)?,
+            as_i32("attention", shape.head_dim)?,
+        );
+        let mut b = s.launch_builder(&self.attention);
+        b.arg(&dq)
+            .arg(&dk)
+            .arg(&dv)
+            .arg(&doff)
+            .arg(&dpos)
+            .arg(&mut dout)
+            .arg(&n)
+            .arg(&nh)
+            .arg(&nkv)
+            .arg(&hd)
+            .arg(&scale);
+        // SAFETY: matches `attention` in kernels.cu; task t reads rows
+        // offs[t] ..= offs[t] + pos[t] of k and v, all gathered above.
+        unsafe { b.launch(grid(tasks.len() * shape.n_heads)) }.map_err(drv)?;
+        s.memcpy_dtoh(&dout, out).map_err(drv)
+    }
+}
