@@ -70,6 +70,9 @@ struct RunArgs {
     /// Worker threads (default: all cores). Never changes a bit.
     #[arg(long)]
     threads: Option<usize>,
+    /// Where the kernels run: `cpu`, or `cuda` (builds with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// Positions per KV page.
     #[arg(long, default_value_t = 16)]
     page_size: usize,
@@ -269,7 +272,7 @@ pub(crate) fn threads(n: Option<usize>) -> Result<Threads> {
 }
 
 /// Moves the model's kernels to `device` (`cpu` or `cuda`).
-fn set_device(model: &mut Model, device: &str) -> Result<()> {
+pub(crate) fn set_device(model: &mut Model, device: &str) -> Result<()> {
     match device {
         "cpu" => Ok(()),
         #[cfg(feature = "cuda")]
@@ -346,7 +349,8 @@ fn run_generate(a: &GenerateArgs) -> Result<()> {
 
 fn run_run(a: &RunArgs) -> Result<()> {
     let script = Script::load(&a.script)?;
-    let model = load_model(a.model.as_deref())?;
+    let mut model = load_model(a.model.as_deref())?;
+    set_device(&mut model, &a.device)?;
     let th = threads(a.threads)?;
     let cfg = EngineConfig {
         page_size: a.page_size,
@@ -514,7 +518,7 @@ pub(crate) fn session_manifest(
     script: &str,
     threads: usize,
 ) -> Manifest {
-    Manifest::for_session(
+    let mut m = Manifest::for_session(
         model,
         cfg,
         patches,
@@ -524,7 +528,12 @@ pub(crate) fn session_manifest(
         threads as u32,
         env!("CARGO_PKG_VERSION"),
         env!("LMRR_GIT_REV"),
-    )
+    );
+    // Where the kernels ran (the host's ISA covers only the CPU path).
+    if !matches!(model.llama.device(), lmrr_engine::Device::Cpu) {
+        m.host.isa = format!("{} (kernels on {:?})", m.host.isa, model.llama.device());
+    }
+    m
 }
 
 fn run_inspect(a: &InspectArgs) -> Result<()> {

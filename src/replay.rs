@@ -45,6 +45,10 @@ pub struct ReplayArgs {
     /// Worker threads (default: all cores). Never changes a bit.
     #[arg(long)]
     threads: Option<usize>,
+    /// Where the kernels run: `cpu`, or `cuda` (builds with `--features
+    /// cuda`). A bundle recorded on one device replays on the other.
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 fn load_model(a: &ReplayArgs, b: &lmrr_recorder::Bundle) -> Result<Model> {
@@ -82,7 +86,8 @@ pub fn run(a: &ReplayArgs) -> Result<u8> {
     if let lmrr_recorder::Integrity::Truncated { .. } = &b.integrity {
         eprintln!("warning: {}: {}", a.bundle.display(), b.integrity);
     }
-    let model = load_model(a, &b)?;
+    let mut model = load_model(a, &b)?;
+    crate::set_device(&mut model, &a.device)?;
     let th = crate::threads(a.threads)?;
     let recorded = PatchSet::parse(&b.manifest.patches.join(",")).map_err(anyhow::Error::msg)?;
     let mut out = std::io::stdout().lock();
