@@ -232,7 +232,7 @@ enum Init {
 impl Init {
     fn draw(self, rng: &mut SplitMix) -> f32 {
         // Sum of four 24-bit uniforms, centred: integer in [-2^25, 2^25].
-        let s: i64 = (0..4).map(|_| (rng.next() >> 40) as i64).sum::<i64>() - (2 << 24);
+        let s: i64 = (0..4).map(|_| (rng.next_u64() >> 40) as i64).sum::<i64>() - (2 << 24);
         // Irwin–Hall(4) of U[0,1) has variance 4/12; scale to unit variance.
         let unit = s as f64 / (1u64 << 24) as f64 * 3f64.sqrt();
         match self {
@@ -242,17 +242,7 @@ impl Init {
     }
 }
 
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-}
+use lmrr_kernels::SplitMix64 as SplitMix;
 
 fn fnv1a64(bytes: &[u8]) -> u64 {
     let mut h = 0xcbf2_9ce4_8422_2325u64;

@@ -10,42 +10,27 @@
 use lmrr_kernels::cuda::{Gpu, SOURCE};
 use lmrr_kernels::*;
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn f(&mut self, scale: f32) -> f32 {
-        ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-    }
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.f(scale)).collect()
-    }
-}
+type Rng = SplitMix64;
 
 /// Blocks with realistic f16 scales (and a few special ones).
 fn blocks(r: &mut Rng, kind: QuantKind, n: usize) -> Vec<u8> {
     let bb = kind.block_bytes();
-    let mut out: Vec<u8> = (0..n * bb).map(|_| r.next() as u8).collect();
+    let mut out: Vec<u8> = (0..n * bb).map(|_| r.next_u64() as u8).collect();
     for (i, b) in out.chunks_exact_mut(bb).enumerate() {
         let h: u16 = match i % 97 {
             5 => 0x0001,  // subnormal scale
             11 => 0x8000, // -0
             _ => {
-                ((r.next() as u16 & 1) << 15)
-                    | ((7 + (r.next() % 3) as u16) << 10)
-                    | (r.next() as u16 & 0x3ff)
+                ((r.next_u64() as u16 & 1) << 15)
+                    | ((7 + (r.next_u64() % 3) as u16) << 10)
+                    | (r.next_u64() as u16 & 0x3ff)
             }
         };
         b[..2].copy_from_slice(&h.to_le_bytes());
         if kind == QuantKind::Q4_1 {
-            let m: u16 = ((r.next() as u16 & 1) << 15)
-                | ((9 + (r.next() % 3) as u16) << 10)
-                | (r.next() as u16 & 0x3ff);
+            let m: u16 = ((r.next_u64() as u16 & 1) << 15)
+                | ((9 + (r.next_u64() % 3) as u16) << 10)
+                | (r.next_u64() as u16 & 0x3ff);
             b[2..4].copy_from_slice(&m.to_le_bytes());
         }
     }
@@ -64,11 +49,11 @@ fn diff(a: &[f32], b: &[f32]) -> usize {
 /// matmuls, RMSNorm, SwiGLU and RoPE.
 fn control(gpu: &Gpu) -> usize {
     let th = Threads::new(2).expect("threads");
-    let mut r = Rng(7);
+    let mut r = SplitMix64(7);
     let (rows, cols, n) = (64, 576, 2);
-    let x = r.vec(n * cols, 2.0);
+    let x = r.uniform_vec(n * cols, 2.0);
     let q41 = blocks(&mut r, QuantKind::Q4_1, rows * cols / 32);
-    let wf = r.vec(rows * cols, 0.5);
+    let wf = r.uniform_vec(rows * cols, 0.5);
     let mut total = 0;
     for w in [Weights::F32(&wf), Weights::Quant(QuantKind::Q4_1, &q41)] {
         let m = Matrix::new(w, rows, cols).expect("shape");
@@ -77,7 +62,7 @@ fn control(gpu: &Gpu) -> usize {
         gpu.matmul(&x, n, &m, &mut dev).expect("gpu matmul");
         total += diff(&cpu, &dev);
     }
-    let w = r.vec(cols, 1.5);
+    let w = r.uniform_vec(cols, 1.5);
     let (mut cpu, mut dev) = (vec![0.0; x.len()], vec![0.0; x.len()]);
     rms_norm(&x, &w, 1e-5, &mut cpu);
     gpu.rms_norm(&x, &w, 1e-5, &mut dev).expect("gpu rms_norm");
@@ -130,7 +115,7 @@ fn main() {
     };
     println!("device: {}", gpu.name());
     let th = Threads::new(2).expect("threads");
-    let mut r = Rng(2026);
+    let mut r = SplitMix64(2026);
     let mut cases = 0usize;
     let mut bad = 0usize;
     let mut report = |name: String, d: usize, of: usize| {
@@ -152,8 +137,8 @@ fn main() {
         (64, 2048, 9),
     ];
     for &(rows, cols, n) in &shapes {
-        let x = r.vec(n * cols, 2.0);
-        let wf = r.vec(rows * cols, 0.5);
+        let x = r.uniform_vec(n * cols, 2.0);
+        let wf = r.uniform_vec(rows * cols, 0.5);
         let wb: Vec<u16> = wf.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
         let q40 = blocks(&mut r, QuantKind::Q4_0, rows * cols / 32);
         let q41 = blocks(&mut r, QuantKind::Q4_1, rows * cols / 32);
@@ -179,7 +164,7 @@ fn main() {
         }
     }
     // Empty batches (a prefill chunk that wants no logits) are no-ops.
-    let wf = r.vec(8 * 64, 1.0);
+    let wf = r.uniform_vec(8 * 64, 1.0);
     let m = Matrix::new(Weights::F32(&wf), 8, 64).expect("shape");
     let empty_ok = gpu.matmul(&[], 0, &m, &mut []).is_ok()
         && gpu.rms_norm(&[], &wf[..64], 1e-5, &mut []).is_ok()
@@ -191,8 +176,8 @@ fn main() {
     );
     // RMSNorm.
     for &(rows, d) in &[(1usize, 576usize), (5, 100), (3, 1536), (2, 7)] {
-        let x = r.vec(rows * d, 3.0);
-        let w = r.vec(d, 1.5);
+        let x = r.uniform_vec(rows * d, 3.0);
+        let w = r.uniform_vec(d, 1.5);
         let mut cpu = vec![0.0; x.len()];
         rms_norm(&x, &w, 1e-5, &mut cpu);
         let mut dev = vec![0.0; x.len()];
@@ -216,7 +201,7 @@ fn main() {
         f32::MAX,
         f32::MIN,
     ]);
-    x.extend((0..100_000).map(|_| f32::from_bits(r.next() as u32)));
+    x.extend((0..100_000).map(|_| f32::from_bits(r.next_u64() as u32)));
     let mut cpu = vec![0.0; x.len()];
     exp_slice(&x, &mut cpu);
     let mut dev = vec![0.0; x.len()];
@@ -227,8 +212,8 @@ fn main() {
         cpu.len(),
     );
     // SwiGLU.
-    let g = r.vec(100_003, 12.0);
-    let u = r.vec(100_003, 4.0);
+    let g = r.uniform_vec(100_003, 12.0);
+    let u = r.uniform_vec(100_003, 4.0);
     let mut cpu = vec![0.0; g.len()];
     swiglu(&g, &u, &mut cpu);
     let mut dev = vec![0.0; g.len()];
@@ -237,7 +222,7 @@ fn main() {
     // RoPE at several positions (SmolLM2: head_dim 64, theta 1e5).
     let table = RopeTable::new(64, 100_000.0, 8192);
     for pos in [0usize, 1, 17, 511, 8191] {
-        let x0 = r.vec(9 * 64, 2.0);
+        let x0 = r.uniform_vec(9 * 64, 2.0);
         let mut cpu = x0.clone();
         rope(&table, &mut cpu, pos);
         let mut dev = x0.clone();
@@ -259,10 +244,10 @@ fn main() {
         let cap = positions.iter().max().unwrap() + 1;
         let blocks = cap.div_ceil(16);
         let kb: Vec<Vec<f32>> = (0..blocks)
-            .map(|_| r.vec(16 * shape.kv_dim(), 3.0))
+            .map(|_| r.uniform_vec(16 * shape.kv_dim(), 3.0))
             .collect();
         let vb: Vec<Vec<f32>> = (0..blocks)
-            .map(|_| r.vec(16 * shape.kv_dim(), 1.0))
+            .map(|_| r.uniform_vec(16 * shape.kv_dim(), 1.0))
             .collect();
         let view = KvView {
             block_len: 16,
@@ -271,7 +256,7 @@ fn main() {
         };
         let qs: Vec<Vec<f32>> = positions
             .iter()
-            .map(|_| r.vec(shape.q_dim(), 2.0))
+            .map(|_| r.uniform_vec(shape.q_dim(), 2.0))
             .collect();
         let tasks: Vec<AttnTask> = positions
             .iter()

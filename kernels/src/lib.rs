@@ -36,6 +36,7 @@ pub mod quant;
 pub mod reduce;
 pub mod rope;
 pub mod softmax;
+pub mod splitmix;
 pub mod threads;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -50,6 +51,7 @@ pub use quant::{dequant, dequant_ref, f16_to_f32, QuantKind, QBLOCK};
 pub use reduce::{dot, dot_ref, lane_tree, sum, sum_ref};
 pub use rope::{rope, rope_ref, RopeTable};
 pub use softmax::{softmax, softmax_ref};
+pub use splitmix::SplitMix64;
 pub use threads::Threads;
 
 /// Version of the arithmetic contract. Any change to an op's order of operations

@@ -5,24 +5,6 @@
 
 use lmrr_kernels::*;
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-scale, scale).
-    fn f(&mut self, scale: f32) -> f32 {
-        ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-    }
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.f(scale)).collect()
-    }
-}
-
 const SIZES: &[usize] = &[
     0, 1, 3, 7, 8, 9, 15, 63, 64, 65, 71, 127, 129, 200, 577, 1000,
 ];
@@ -48,11 +30,11 @@ fn simd_is_active_on_this_machine_or_says_why() {
 
 #[test]
 fn dot_and_sum_match_reference() {
-    let mut r = Rng(1);
+    let mut r = SplitMix64(1);
     for &n in SIZES {
         for scale in [1.0f32, 1e-3, 1e4] {
-            let a = r.vec(n, scale);
-            let b = r.vec(n, 1.0);
+            let a = r.uniform_vec(n, scale);
+            let b = r.uniform_vec(n, 1.0);
             assert_eq!(
                 dot(&a, &b).to_bits(),
                 dot_ref(&a, &b).to_bits(),
@@ -66,10 +48,10 @@ fn dot_and_sum_match_reference() {
 #[test]
 fn dot_ref_follows_the_documented_order() {
     // Restate the order independently: 8 lanes per 64-chunk, tree, chunks in order.
-    let mut r = Rng(2);
+    let mut r = SplitMix64(2);
     for &n in &[1usize, 9, 64, 65, 130, 300] {
-        let a = r.vec(n, 100.0);
-        let b = r.vec(n, 100.0);
+        let a = r.uniform_vec(n, 100.0);
+        let b = r.uniform_vec(n, 100.0);
         let mut total = 0.0f32;
         let mut c = 0;
         while c < n {
@@ -104,11 +86,11 @@ fn bf16_round(x: f32) -> u16 {
 
 #[test]
 fn matmul_matches_reference_for_f32_and_bf16_and_threads() {
-    let mut r = Rng(3);
+    let mut r = SplitMix64(3);
     for &(rows, cols) in &[(1usize, 5usize), (7, 63), (13, 65), (33, 130), (40, 9)] {
         for &n in &[1usize, 2, 3, 4, 5, 9, 70] {
-            let x = r.vec(n * cols, 2.0);
-            let wf = r.vec(rows * cols, 0.5);
+            let x = r.uniform_vec(n * cols, 2.0);
+            let wf = r.uniform_vec(rows * cols, 0.5);
             let wb: Vec<u16> = wf.iter().map(|&v| bf16_round(v)).collect();
             for w in [Weights::F32(&wf), Weights::Bf16(&wb)] {
                 let m = Matrix::new(w, rows, cols).unwrap();
@@ -132,11 +114,11 @@ fn matmul_matches_reference_for_f32_and_bf16_and_threads() {
 #[test]
 fn matmul_of_one_token_equals_its_row_in_a_batch() {
     // Batch invariance at the kernel level: token t's outputs do not depend on n.
-    let mut r = Rng(4);
+    let mut r = SplitMix64(4);
     let (rows, cols) = (29, 100);
-    let w = r.vec(rows * cols, 0.5);
+    let w = r.uniform_vec(rows * cols, 0.5);
     let m = Matrix::new(Weights::F32(&w), rows, cols).unwrap();
-    let x = r.vec(11 * cols, 1.0);
+    let x = r.uniform_vec(11 * cols, 1.0);
     let th = Threads::new(2).unwrap();
     let mut all = vec![0.0; 11 * rows];
     matmul(&th, &x, 11, &m, &mut all);
@@ -153,8 +135,8 @@ fn matmul_of_one_token_equals_its_row_in_a_batch() {
 
 #[test]
 fn exp_matches_reference_and_is_accurate() {
-    let mut r = Rng(5);
-    let mut x = r.vec(10_001, 90.0);
+    let mut r = SplitMix64(5);
+    let mut x = r.uniform_vec(10_001, 90.0);
     x.extend([
         0.0,
         -0.0,
@@ -192,10 +174,10 @@ const EXP_DOMAIN: (f32, f32) = (lmrr_kernels::exp::EXP_LO, lmrr_kernels::exp::EX
 
 #[test]
 fn silu_swiglu_match_reference() {
-    let mut r = Rng(6);
+    let mut r = SplitMix64(6);
     for &n in SIZES {
-        let g = r.vec(n, 20.0);
-        let u = r.vec(n, 3.0);
+        let g = r.uniform_vec(n, 20.0);
+        let u = r.uniform_vec(n, 3.0);
         let (mut a, mut b) = (vec![0.0; n], vec![0.0; n]);
         silu_ref(&g, &mut a);
         silu(&g, &mut b);
@@ -208,11 +190,11 @@ fn silu_swiglu_match_reference() {
 
 #[test]
 fn rms_norm_matches_reference() {
-    let mut r = Rng(7);
+    let mut r = SplitMix64(7);
     for &d in &[1usize, 7, 65, 129, 576] {
         for rows in [1usize, 3] {
-            let x = r.vec(rows * d, 4.0);
-            let w = r.vec(d, 1.5);
+            let x = r.uniform_vec(rows * d, 4.0);
+            let w = r.uniform_vec(d, 1.5);
             let (mut a, mut b) = (vec![0.0; rows * d], vec![0.0; rows * d]);
             rms_norm_ref(&x, &w, 1e-5, &mut a);
             rms_norm(&x, &w, 1e-5, &mut b);
@@ -223,11 +205,11 @@ fn rms_norm_matches_reference() {
 
 #[test]
 fn rope_matches_reference() {
-    let mut r = Rng(8);
+    let mut r = SplitMix64(8);
     for &hd in &[2usize, 6, 10, 18, 64, 66] {
         let table = RopeTable::new(hd, 10_000.0, 300);
         for pos in [0usize, 1, 17, 299] {
-            let x = r.vec(3 * hd, 2.0);
+            let x = r.uniform_vec(3 * hd, 2.0);
             let (mut a, mut b) = (x.clone(), x.clone());
             rope_ref(&table, &mut a, pos);
             rope(&table, &mut b, pos);
@@ -247,9 +229,9 @@ fn rope_at_position_zero_is_identity() {
 
 #[test]
 fn softmax_matches_reference_and_sums_to_one() {
-    let mut r = Rng(9);
+    let mut r = SplitMix64(9);
     for &n in &[1usize, 7, 65, 1000, 4099] {
-        let x = r.vec(n, 30.0);
+        let x = r.uniform_vec(n, 30.0);
         let (mut a, mut b) = (vec![0.0; n], vec![0.0; n]);
         softmax_ref(&x, &mut a);
         softmax(&x, &mut b);
@@ -261,9 +243,9 @@ fn softmax_matches_reference_and_sums_to_one() {
 
 #[test]
 fn argmax_ties_go_to_lowest_index_and_nan_never_wins() {
-    let mut r = Rng(10);
+    let mut r = SplitMix64(10);
     for &n in SIZES {
-        let x = r.vec(n, 1.0);
+        let x = r.uniform_vec(n, 1.0);
         assert_eq!(argmax(&x), argmax_ref(&x), "n={n}");
     }
     let mut x = vec![0.5f32; 21];
@@ -291,7 +273,7 @@ fn blocks(data: &[f32], kv_dim: usize, block_len: usize) -> Vec<Vec<f32>> {
 
 #[test]
 fn attention_matches_reference_across_layouts_and_threads() {
-    let mut r = Rng(11);
+    let mut r = SplitMix64(11);
     for &(nh, nkv, hd) in &[(6usize, 2usize, 10usize), (4, 4, 64), (9, 3, 66), (2, 1, 7)] {
         let shape = AttnShape {
             n_heads: nh,
@@ -299,12 +281,12 @@ fn attention_matches_reference_across_layouts_and_threads() {
             head_dim: hd,
         };
         let len = 100;
-        let k = r.vec(len * shape.kv_dim(), 1.5);
-        let v = r.vec(len * shape.kv_dim(), 1.0);
+        let k = r.uniform_vec(len * shape.kv_dim(), 1.5);
+        let v = r.uniform_vec(len * shape.kv_dim(), 1.0);
         let positions = [0usize, 1, 31, 32, 33, 64, 99];
         let qs: Vec<Vec<f32>> = positions
             .iter()
-            .map(|_| r.vec(shape.q_dim(), 1.0))
+            .map(|_| r.uniform_vec(shape.q_dim(), 1.0))
             .collect();
         let scale = 1.0 / (hd as f32).sqrt();
         let mut want: Option<Vec<u32>> = None;
@@ -373,21 +355,21 @@ fn attention_over_one_key_returns_its_value() {
 #[test]
 fn attention_variant_with_one_split_and_det_exp_is_the_reference() {
     use lmrr_kernels::attention_variants::{attention_variant, fast_exp, ExpKind};
-    let mut r = Rng(12);
+    let mut r = SplitMix64(12);
     let shape = AttnShape {
         n_heads: 6,
         n_kv_heads: 2,
         head_dim: 10,
     };
     let len = 90;
-    let k = r.vec(len * shape.kv_dim(), 1.5);
-    let v = r.vec(len * shape.kv_dim(), 1.0);
+    let k = r.uniform_vec(len * shape.kv_dim(), 1.5);
+    let v = r.uniform_vec(len * shape.kv_dim(), 1.0);
     let view = KvView {
         block_len: len,
         k: vec![&k],
         v: vec![&v],
     };
-    let qs: Vec<Vec<f32>> = (0..3).map(|_| r.vec(shape.q_dim(), 1.0)).collect();
+    let qs: Vec<Vec<f32>> = (0..3).map(|_| r.uniform_vec(shape.q_dim(), 1.0)).collect();
     let tasks: Vec<AttnTask> = [0usize, 40, 89]
         .iter()
         .zip(&qs)

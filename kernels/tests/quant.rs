@@ -7,21 +7,11 @@
 
 use lmrr_kernels::*;
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn f(&mut self, scale: f32) -> f32 {
-        ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
+type Rng = SplitMix64;
+
+/// `n` random bytes.
+fn bytes(r: &mut Rng, n: usize) -> Vec<u8> {
+    (0..n).map(|_| r.next_u64() as u8).collect()
 }
 
 const KINDS: [QuantKind; 3] = [QuantKind::Q4_0, QuantKind::Q4_1, QuantKind::Q8_0];
@@ -47,11 +37,11 @@ fn h(x: f32) -> [u8; 2] {
 fn realistic(r: &mut Rng, kind: QuantKind, blocks: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(blocks * kind.block_bytes());
     for _ in 0..blocks {
-        let mut b = r.bytes(kind.block_bytes());
-        let d = f16_bits_near(r.f(0.05));
+        let mut b = bytes(r, kind.block_bytes());
+        let d = f16_bits_near(r.uniform(0.05));
         b[0..2].copy_from_slice(&d);
         if kind == QuantKind::Q4_1 {
-            b[2..4].copy_from_slice(&f16_bits_near(r.f(0.2)));
+            b[2..4].copy_from_slice(&f16_bits_near(r.uniform(0.2)));
         }
         out.extend(b);
     }
@@ -103,7 +93,7 @@ fn dequantized_values_match_hand_computation() {
 
 #[test]
 fn fast_dequant_matches_reference_for_every_kind_of_scale() {
-    let mut r = Rng(11);
+    let mut r = SplitMix64(11);
     // Scales: random bits (covers subnormal, inf, NaN, negative zero) and the
     // edge cases named explicitly.
     let special: [u16; 8] = [
@@ -112,7 +102,7 @@ fn fast_dequant_matches_reference_for_every_kind_of_scale() {
     for kind in KINDS {
         let bb = kind.block_bytes();
         let blocks = 600;
-        let mut bytes = r.bytes(blocks * bb);
+        let mut bytes = bytes(&mut r, blocks * bb);
         for (i, s) in special.iter().enumerate() {
             bytes[i * bb..i * bb + 2].copy_from_slice(&s.to_le_bytes());
             if kind == QuantKind::Q4_1 {
@@ -130,7 +120,7 @@ fn fast_dequant_matches_reference_for_every_kind_of_scale() {
 
 #[test]
 fn quantized_matmul_equals_matmul_over_the_dequantized_copy() {
-    let mut r = Rng(12);
+    let mut r = SplitMix64(12);
     let pools: Vec<Threads> = (1..=3).map(|n| Threads::new(n).unwrap()).collect();
     for kind in KINDS {
         for &(rows, cols) in &[(1usize, 32usize), (7, 96), (13, 64), (37, 576), (9, 160)] {
@@ -140,7 +130,7 @@ fn quantized_matmul_equals_matmul_over_the_dequantized_copy() {
             let mq = Matrix::new(Weights::Quant(kind, &q), rows, cols).unwrap();
             let mf = Matrix::new(Weights::F32(&deq), rows, cols).unwrap();
             for &n in &[1usize, 2, 3, 5, 9, 65, 70] {
-                let x: Vec<f32> = (0..n * cols).map(|_| r.f(2.0)).collect();
+                let x: Vec<f32> = (0..n * cols).map(|_| r.uniform(2.0)).collect();
                 let mut want = vec![0.0; n * rows];
                 matmul_ref(&x, n, &mf, &mut want);
                 let mut via_ref = vec![0.0; n * rows];
@@ -182,9 +172,9 @@ fn quantized_matrix_shapes_are_checked() {
 fn fused_matmuls_equal_separate_ones() {
     // matmul_many over a mix of storages (as q/k/v or gate/up share x) gives
     // each matrix exactly what matmul_ref gives it alone.
-    let mut r = Rng(13);
+    let mut r = SplitMix64(13);
     let cols = 96;
-    let wf: Vec<f32> = (0..11 * cols).map(|_| r.f(0.5)).collect();
+    let wf: Vec<f32> = (0..11 * cols).map(|_| r.uniform(0.5)).collect();
     let q41 = realistic(&mut r, QuantKind::Q4_1, 29 * cols / QBLOCK);
     let q80 = realistic(&mut r, QuantKind::Q8_0, 5 * cols / QBLOCK);
     let mats = [
@@ -193,7 +183,7 @@ fn fused_matmuls_equal_separate_ones() {
         Matrix::new(Weights::Quant(QuantKind::Q8_0, &q80), 5, cols).unwrap(),
     ];
     for n in [1usize, 4, 33] {
-        let x: Vec<f32> = (0..n * cols).map(|_| r.f(1.0)).collect();
+        let x: Vec<f32> = (0..n * cols).map(|_| r.uniform(1.0)).collect();
         for threads in 1..=3 {
             let th = Threads::new(threads).unwrap();
             let mut ys: Vec<Vec<f32>> = mats.iter().map(|m| vec![f32::NAN; n * m.rows]).collect();
