@@ -162,6 +162,7 @@ impl Gpu {
             as_i32("matmul", w.rows)?,
             as_i32("matmul", w.cols)?,
         );
+        as_i32("matmul", n * w.rows)?; // the launch grid counts outputs in 32 bits
         let mut b = s.launch_builder(&self.matmul);
         b.arg(&kind)
             .arg(&dx)
@@ -347,6 +348,7 @@ impl Gpu {
         );
         let mut dout = s.alloc_zeros::<f32>(out.len()).map_err(drv)?;
         let n = as_i32("attention", tasks.len())?;
+        as_i32("attention", tasks.len() * shape.n_heads)?;
         let (nh, nkv, hd) = (
             as_i32("attention", shape.n_heads)?,
             as_i32("attention", shape.n_kv_heads)?,

@@ -212,8 +212,10 @@ impl Threads {
         let Some(pool) = self.pool.as_ref().filter(|_| tasks > 1) else {
             return inline();
         };
-        let Ok(_busy) = pool.busy.try_lock() else {
-            return inline();
+        let busy = match pool.busy.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return inline(),
         };
         let run = |t: usize| f(range(t));
         let run: &(dyn Fn(usize) + Sync) = &run;
@@ -245,6 +247,7 @@ impl Threads {
         if let Ok(mut slot) = sh.job.lock() {
             *slot = None;
         }
+        drop(busy);
         if job.panicked.load(Ordering::Acquire) {
             panic!("a parallel task panicked (its message was printed above)");
         }
@@ -353,10 +356,23 @@ mod tests {
             })
         }));
         assert!(r.is_err());
+        // The pool is still used in parallel afterwards (not silently inline):
+        // tasks run on more than one thread.
         let sum = AtomicUsize::new(0);
-        th.for_ranges(64, 1, |r| {
-            sum.fetch_add(r.len(), Ordering::Relaxed);
-        });
-        assert_eq!(sum.load(Ordering::Relaxed), 64);
+        let ids = Mutex::new(std::collections::HashSet::new());
+        for _ in 0..200 {
+            th.for_ranges(64, 1, |r| {
+                sum.fetch_add(r.len(), Ordering::Relaxed);
+                if let Ok(mut s) = ids.lock() {
+                    s.insert(std::thread::current().id());
+                }
+                std::hint::black_box((0..2000).sum::<u64>());
+            });
+        }
+        assert_eq!(sum.load(Ordering::Relaxed), 200 * 64);
+        assert!(
+            ids.lock().unwrap().len() > 1,
+            "regions ran on one thread only"
+        );
     }
 }
