@@ -300,18 +300,7 @@ fn run_generate(a: &GenerateArgs) -> Result<()> {
     set_device(&mut model, &a.device)?;
     let th = threads(a.threads)?;
     let shown = if a.chat {
-        use lmrr_engine::chat::{Content, Message, Part};
-        let parts = model.render_chat(&[Message {
-            role: "user".into(),
-            content: Content::Text(a.prompt.clone()),
-        }])?;
-        parts
-            .into_iter()
-            .map(|p| match p {
-                Part::Text(t) => t,
-                Part::Output(_) => String::new(),
-            })
-            .collect()
+        model.chat_prompt(&a.prompt)?
     } else {
         a.prompt.clone()
     };

@@ -131,6 +131,23 @@ impl Model {
         }
     }
 
+    /// The prompt text for one user message in the model's template,
+    /// generation prompt included (what `generate --chat` sends).
+    pub fn chat_prompt(&self, user: &str) -> Result<String, EngineError> {
+        let parts = self.render_chat(&[chat::Message {
+            role: "user".into(),
+            content: chat::Content::Text(user.into()),
+        }])?;
+        // A plain text message yields text parts only.
+        Ok(parts
+            .into_iter()
+            .filter_map(|p| match p {
+                chat::Part::Text(t) => Some(t),
+                chat::Part::Output(_) => None,
+            })
+            .collect())
+    }
+
     /// Size of the weights file.
     pub fn weight_file_bytes(&self) -> usize {
         self.files.weight_bytes().len()

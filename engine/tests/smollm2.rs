@@ -166,20 +166,7 @@ fn smollm2_in_its_own_chat_template_resolves_the_france_near_tie_like_f64() {
     // f64 reference ranks "The" first (docs/REFERENCE.md), llama.cpp "L".
     let Some(dir) = model_dir() else { return };
     let m = Model::load_dir(&dir).unwrap();
-    use lmrr_engine::chat::{Content, Message, Part};
-    let parts = m
-        .render_chat(&[Message {
-            role: "user".into(),
-            content: Content::Text("What is the capital of France?".into()),
-        }])
-        .unwrap();
-    let text: String = parts
-        .into_iter()
-        .map(|p| match p {
-            Part::Text(t) => t,
-            Part::Output(_) => String::new(),
-        })
-        .collect();
+    let text = m.chat_prompt("What is the capital of France?").unwrap();
     assert!(
         text.contains("named SmolLM"),
         "default system prompt: {text}"
