@@ -90,23 +90,11 @@ pub fn run() -> Result<()> {
         Ok(probe(&clean, &model, set, &th, Criterion::Behaviour)?)
     };
     let res = bisect(&PatchSet::none(), &Patch::ALL, &mut probe)?;
-    for p in &res.probes {
-        match (p.step, p.signal) {
-            (Some(step), Some(sig)) => writeln!(
-                out,
-                "   probe {:<40} DIVERGES at step {step} ({sig})",
-                p.set
-            )?,
-            _ => writeln!(out, "   probe {:<40} bit-exact", p.set)?,
-        }
+    for line in res.to_string().lines() {
+        writeln!(out, "   {line}")?;
     }
-    let culprit = res.culprits.clone().unwrap_or_default().join(",");
-    writeln!(
-        out,
-        "   culprit ({}, {} replays): {culprit}\n",
-        res.method,
-        res.probes.len()
-    )?;
+    writeln!(out)?;
+    ensure!(res.found(), "bisect found no confirmed culprit");
 
     writeln!(
         out,

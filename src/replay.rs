@@ -1,7 +1,8 @@
 //! `lmrr replay`: bit-exact re-execution, divergence reports, bisect and the
 //! recompute oracle. Exit codes: replay and oracle 0 = bit-exact, 1 =
-//! diverged; bisect (in the spirit of `git bisect run`) 0 = culprit found,
-//! 1 = no divergence to explain; 2 = error, always.
+//! diverged; bisect (in the spirit of `git bisect run`) 0 = culprit found
+//! and confirmed, 2 = refused (the good set diverges, the bad set is clean,
+//! or the culprit does not confirm: the report says which); 2 = error, always.
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -9,6 +10,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 
 use lmrr_engine::{Model, Patch, PatchSet};
+use lmrr_replays::report::plural;
 use lmrr_replays::{bisect, oracle, probe, replay, Criterion, Outcome, Probe, ReplayOptions};
 
 #[derive(clap::Args, Debug)]
@@ -101,18 +103,16 @@ pub fn run(a: &ReplayArgs) -> Result<u8> {
     }
 
     if a.bisect {
-        let (base, candidates): (PatchSet, Vec<Patch>) = match (&a.good, &a.bad, &a.patches) {
-            (g, Some(bad), _) => {
-                let g = g.clone().unwrap_or_default();
-                let c = bad.iter().filter(|p| !g.contains(*p)).collect();
-                (g, c)
-            }
-            (Some(g), None, Some(p)) => (g.clone(), p.iter().filter(|x| !g.contains(*x)).collect()),
-            (g, None, p) => (
-                g.clone().unwrap_or_default(),
-                p.clone().unwrap_or_else(PatchSet::all).iter().collect(),
-            ),
+        // The good set defaults to the recording's own: a bundle replays clean
+        // under the patches it was recorded with.
+        let good = a.good.clone().unwrap_or_else(|| recorded.clone());
+        let bad = match (&a.bad, &a.patches) {
+            (Some(bad), _) => bad.clone(),
+            (None, Some(p)) => p.clone(),
+            (None, None) => PatchSet::all(),
         };
+        let (base, candidates): (PatchSet, Vec<Patch>) =
+            (good.clone(), bad.iter().filter(|p| !good.contains(*p)).collect());
         let bar = if std::io::stderr().is_terminal() && !a.json {
             let pb = indicatif::ProgressBar::new_spinner();
             pb.set_message("bisecting");
@@ -141,43 +141,24 @@ pub fn run(a: &ReplayArgs) -> Result<u8> {
         } else {
             writeln!(
                 out,
-                "bisect over {} candidate patch(es) on top of `{}`:",
-                candidates.len(),
-                res.base
+                "bisect over {} on top of `{}` ({} criterion):",
+                plural(candidates.len() as u64, "candidate patch"),
+                res.base,
+                a.criterion
             )?;
-            for (i, p) in res.probes.iter().enumerate() {
-                match (p.step, p.signal) {
-                    (Some(s), Some(sig)) => writeln!(
-                        out,
-                        "  probe {}: {:<45} DIVERGES at step {s} ({sig})",
-                        i + 1,
-                        p.set
-                    )?,
-                    _ => writeln!(out, "  probe {}: {:<45} bit-exact", i + 1, p.set)?,
-                }
+            for line in res.to_string().lines() {
+                writeln!(out, "  {line}")?;
             }
-            match &res.culprits {
-                Some(c) => {
-                    let all: PatchSet = base
-                        .iter()
-                        .chain(c.iter().filter_map(|n| n.parse::<Patch>().ok()))
-                        .collect();
-                    writeln!(
-                        out,
-                        "culprit ({}, {} replays): {}",
-                        res.method,
-                        res.probes.len(),
-                        c.join(",")
-                    )?;
-                    writeln!(out, "repro: {}", repro(a, &all))?;
-                }
-                None => writeln!(
-                    out,
-                    "no culprit: the replay does not diverge even with every candidate applied"
-                )?,
+            if res.found() {
+                let c = res.culprits.as_deref().unwrap_or_default();
+                let all: PatchSet = base
+                    .iter()
+                    .chain(c.iter().filter_map(|n| n.parse::<Patch>().ok()))
+                    .collect();
+                writeln!(out, "repro: {}", repro(a, &all))?;
             }
         }
-        return Ok(if res.culprits.is_some() { 0 } else { 1 });
+        return Ok(if res.found() { 0 } else { 2 });
     }
 
     let patches = a.patches.clone().unwrap_or(recorded);

@@ -2,6 +2,12 @@
 //! (at most ⌈log₂ n⌉ + 1 replays), delta debugging (ddmin, Zeller & Hildebrandt)
 //! when only a combination diverges. Every probe is a replay that stops at its
 //! first divergence; results are cached by set.
+//!
+//! Invariant: a culprit is only ever named after four checks, in the spirit of
+//! `git bisect` refusing an inconsistent good/bad pair: the base (good) set
+//! replays clean, the full (bad) set diverges, the culprit set diverges, and
+//! the bad set without the culprit replays clean. When one fails the outcome
+//! says which ([`Verdict`]) and names no culprit as confirmed.
 
 use std::collections::BTreeMap;
 
@@ -10,7 +16,7 @@ use serde::Serialize;
 use lmrr_engine::{Patch, PatchSet};
 
 use crate::driver::{replay, Criterion, ReplayError, ReplayOptions};
-use crate::report::Signal;
+use crate::report::{bits_moved, plural, Signal};
 
 /// One replay made by the search.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -20,18 +26,117 @@ pub struct Probe {
     pub diverged: bool,
     pub step: Option<u64>,
     pub signal: Option<Signal>,
+    /// For a probe that did not diverge by its criterion: the first step
+    /// where some bit moved anyway (`None`: bit-exact).
+    pub bits_from: Option<(u64, Signal)>,
+}
+
+impl std::fmt::Display for Probe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.diverged, self.step, self.signal, self.bits_from) {
+            (true, Some(s), Some(sig), _) => write!(f, "DIVERGES at step {s} ({sig})"),
+            (true, _, _, _) => write!(f, "DIVERGES"),
+            (false, _, _, None) => write!(f, "bit-exact"),
+            (false, _, _, Some((step, sig))) => {
+                write!(f, "same behaviour; {}", bits_moved(sig, step))
+            }
+        }
+    }
+}
+
+/// How a search ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "verdict", rename_all = "kebab-case")]
+pub enum Verdict {
+    /// Culprit found and confirmed by both checks.
+    Culprit,
+    /// The base (good) set already diverges: nothing it is compared against
+    /// is known good.
+    BaseDiverges,
+    /// The full (bad) set replays clean: there is no divergence to explain.
+    BadClean,
+    /// The culprit set found by the search does not diverge on its own
+    /// (the probes were inconsistent).
+    CulpritClean,
+    /// The bad set without the culprit still diverges: another patch (or
+    /// combination) of the bad set diverges too.
+    RestDiverges { rest: String },
 }
 
 /// The search's result.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct BisectOutcome {
     pub probes: Vec<Probe>,
-    /// The minimal set found (on top of the base), or `None` if even the whole
-    /// candidate set replays clean.
+    /// The minimal set found (on top of the base). Confirmed only when the
+    /// verdict is [`Verdict::Culprit`].
     pub culprits: Option<Vec<String>>,
-    /// `binary` or `ddmin`.
+    /// `binary` or `ddmin`; `none` when the search was refused before it began.
     pub method: &'static str,
     pub base: String,
+    /// The full set searched: base and every candidate.
+    pub bad: String,
+    pub verdict: Verdict,
+}
+
+impl BisectOutcome {
+    /// A culprit was found and confirmed.
+    pub fn found(&self) -> bool {
+        self.verdict == Verdict::Culprit
+    }
+
+    /// Replays made (probes are cached: a set is never replayed twice).
+    pub fn replays(&self) -> usize {
+        self.probes.len()
+    }
+}
+
+impl std::fmt::Display for BisectOutcome {
+    /// The probe table, then the culprit or the check that failed.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, p) in self.probes.iter().enumerate() {
+            let role = if p.set == self.base {
+                " (good)"
+            } else if p.set == self.bad {
+                " (bad)"
+            } else {
+                ""
+            };
+            writeln!(
+                f,
+                "probe {}: {:<45} {p}",
+                i + 1,
+                format!("{}{role}", p.set)
+            )?;
+        }
+        let culprit = self.culprits.clone().unwrap_or_default().join(",");
+        let n = plural(self.replays() as u64, "replay");
+        match &self.verdict {
+            Verdict::Culprit => write!(f, "culprit ({}, {n}): {culprit}", self.method),
+            Verdict::BaseDiverges => write!(
+                f,
+                "refused: the good set `{}` already diverges, so no patch can be blamed \
+                 (pass --good with a set that replays clean; a bundle recorded with \
+                 patches replays clean under its own set)",
+                self.base
+            ),
+            Verdict::BadClean => write!(
+                f,
+                "refused: the bad set `{}` replays clean: there is no divergence to explain",
+                self.bad
+            ),
+            Verdict::CulpritClean => write!(
+                f,
+                "refused: the search ended at `{culprit}`, but that set does not diverge \
+                 on top of `{}` (inconsistent probes)",
+                self.base
+            ),
+            Verdict::RestDiverges { rest } => write!(
+                f,
+                "refused: `{culprit}` diverges, but the bad set without it (`{rest}`) \
+                 diverges too: more than one culprit. Bisect again with --bad {rest}"
+            ),
+        }
+    }
 }
 
 struct Searcher<'f, E> {
@@ -94,7 +199,9 @@ impl<E> Searcher<'_, E> {
 }
 
 /// Searches `candidates` (applied on top of `base`) for a minimal diverging
-/// set. `run` replays the bundle under a full patch set.
+/// set, after checking that `base` is clean and base + every candidate
+/// diverges, and confirms the result (see the module header). `run` replays
+/// the bundle under a full patch set.
 pub fn bisect<E>(
     base: &PatchSet,
     candidates: &[Patch],
@@ -106,41 +213,52 @@ pub fn bisect<E>(
         probes: Vec::new(),
         run,
     };
-    let mut cur: Vec<Patch> = candidates.to_vec();
-    let mut verified = false;
-    // Binary search, assuming one culprit: keep the half that diverges, or the
-    // other half unprobed; verify the last survivor if it was never probed.
-    while cur.len() > 1 {
-        let half = cur.len() / 2;
-        let (left, right) = (cur[..half].to_vec(), cur[half..].to_vec());
-        if s.diverges(&left)? {
-            cur = left;
-            verified = true;
-        } else {
-            cur = right;
-            verified = false;
-        }
-    }
-    let single = match cur.first() {
-        Some(_) if verified => true,
-        Some(_) => s.diverges(&cur)?,
-        None => false,
-    };
-    let finish = |s: Searcher<'_, E>, culprits: Option<Vec<Patch>>, method| BisectOutcome {
+    let bad: PatchSet = base.iter().chain(candidates.iter().copied()).collect();
+    let finish = |s: Searcher<'_, E>, culprits: Option<&[Patch]>, method, verdict| BisectOutcome {
         probes: s.probes,
         culprits: culprits.map(|c| c.iter().map(|p| p.name().to_string()).collect()),
         method,
         base: base.to_string(),
+        bad: bad.to_string(),
+        verdict,
     };
-    if single {
-        return Ok(finish(s, Some(cur), "binary"));
+    if s.diverges(&[])? {
+        return Ok(finish(s, None, "none", Verdict::BaseDiverges));
     }
-    // No single culprit on the binary path: is there any divergence at all?
     if candidates.is_empty() || !s.diverges(candidates)? {
-        return Ok(finish(s, None, "binary"));
+        return Ok(finish(s, None, "none", Verdict::BadClean));
     }
-    let c = s.ddmin(candidates.to_vec())?;
-    Ok(finish(s, Some(c), "ddmin"))
+    // Binary search, assuming one culprit: keep the half that diverges, or the
+    // other half unprobed; the survivor is probed below (cached if it was).
+    let mut cur: Vec<Patch> = candidates.to_vec();
+    while cur.len() > 1 {
+        let half = cur.len() / 2;
+        let (left, right) = (cur[..half].to_vec(), cur[half..].to_vec());
+        cur = if s.diverges(&left)? { left } else { right };
+    }
+    let (culprits, method) = if s.diverges(&cur)? {
+        (cur, "binary")
+    } else {
+        // No single culprit on the binary path: a combination.
+        (s.ddmin(candidates.to_vec())?, "ddmin")
+    };
+    // Confirm: the culprit set diverges, and the bad set without it is clean.
+    if !s.diverges(&culprits)? {
+        return Ok(finish(s, Some(&culprits), method, Verdict::CulpritClean));
+    }
+    let rest: Vec<Patch> = candidates
+        .iter()
+        .copied()
+        .filter(|p| !culprits.contains(p))
+        .collect();
+    if s.diverges(&rest)? {
+        let rest = base.iter().chain(rest.iter().copied()).collect::<PatchSet>();
+        let v = Verdict::RestDiverges {
+            rest: rest.to_string(),
+        };
+        return Ok(finish(s, Some(&culprits), method, v));
+    }
+    Ok(finish(s, Some(&culprits), method, Verdict::Culprit))
 }
 
 /// One bisect probe: replays `bundle` under `set`, stopping at the first
@@ -162,5 +280,13 @@ pub fn probe(
         diverged: d.is_some(),
         step: d.map(|d| d.step),
         signal: d.map(|d| d.signal),
+        bits_from: match r {
+            crate::Outcome::SameBehaviour {
+                bits_from,
+                bits_signal,
+                ..
+            } => Some((bits_from, bits_signal)),
+            _ => None,
+        },
     })
 }

@@ -21,7 +21,8 @@ use lmrr_recorder::{Bundle, Event, Integrity};
 use crate::report::{Divergence, DriftRow, Outcome, Signal, TokenInfo};
 
 /// What counts as a divergence.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum Criterion {
     /// Any bit: cache contents, logits, tokens, decisions (the contract).
     Bits,
@@ -325,6 +326,9 @@ pub fn replay(
         None
     };
     let mut first: Option<Divergence> = None;
+    // Under a behaviour or tokens criterion: where the bits first moved, so a
+    // clean verdict never claims bit-exactness it does not have.
+    let mut first_bits: Option<(u64, Signal)> = None;
     let mut drift_rows: Vec<DriftRow> = Vec::new();
     let (mut steps, mut tokens) = (0u64, 0u64);
     for e in &bundle.events {
@@ -371,7 +375,11 @@ pub fn replay(
         steps += 1;
         tokens += forced.len() as u64;
         if first.is_none() {
-            first = compare(rec, &got, &cat, model, opts);
+            first = compare(rec, &got, &cat, model, opts, opts.criterion);
+        }
+        if first_bits.is_none() && opts.criterion != Criterion::Bits {
+            first_bits = compare(rec, &got, &cat, model, opts, Criterion::Bits)
+                .map(|d| (d.step, d.signal));
         }
         if let Some(d) = &first {
             if let Some(a) = &a {
@@ -398,13 +406,22 @@ pub fn replay(
             }
         }
     }
-    Ok(match first {
-        None => Outcome::BitExact {
+    let truncated = matches!(bundle.integrity, Integrity::Truncated { .. });
+    Ok(match (first, first_bits) {
+        (None, None) => Outcome::BitExact {
             steps,
             tokens,
-            truncated: matches!(bundle.integrity, Integrity::Truncated { .. }),
+            truncated,
         },
-        Some(mut d) => {
+        (None, Some((bits_from, bits_signal))) => Outcome::SameBehaviour {
+            steps,
+            tokens,
+            truncated,
+            criterion: opts.criterion,
+            bits_from,
+            bits_signal,
+        },
+        (Some(mut d), _) => {
             d.drift = drift_rows;
             d.window = window(bundle, &cat, model, d.step.saturating_sub(3), d.step + 2);
             Outcome::Diverged(Box::new(d))
@@ -445,11 +462,11 @@ fn compare(
     cat: &Catalog,
     model: &Model,
     opts: &ReplayOptions,
+    criterion: Criterion,
 ) -> Option<Divergence> {
     let base = |signal, detail: String, who| divergence(rec.step, signal, detail, who, cat, opts);
-    let behaviour = opts.criterion != Criterion::Bits;
-    let layout_differs =
-        opts.criterion != Criterion::Tokens && got.cache_layout != rec.cache_layout;
+    let behaviour = criterion != Criterion::Bits;
+    let layout_differs = criterion != Criterion::Tokens && got.cache_layout != rec.cache_layout;
     let logits_differ = rec.seqs.iter().any(|s| {
         s.sampled.is_some()
             && got

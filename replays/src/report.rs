@@ -75,18 +75,66 @@ pub enum Outcome {
         tokens: u64,
         truncated: bool,
     },
+    /// No divergence by a behaviour or tokens criterion, but the bits moved:
+    /// never reported as bit-exact.
+    SameBehaviour {
+        steps: u64,
+        tokens: u64,
+        truncated: bool,
+        criterion: crate::Criterion,
+        /// First step where some bit (logits, K/V contents) differed.
+        bits_from: u64,
+        /// The first signal that differed there.
+        bits_signal: Signal,
+    },
     Diverged(Box<Divergence>),
 }
 
 impl Outcome {
+    /// Every bit as recorded.
     pub fn is_bit_exact(&self) -> bool {
         matches!(self, Self::BitExact { .. })
+    }
+    /// No divergence by the replay's criterion (bit-exact, or the same
+    /// behaviour with different bits).
+    pub fn is_clean(&self) -> bool {
+        !matches!(self, Self::Diverged(_))
     }
     pub fn divergence(&self) -> Option<&Divergence> {
         match self {
             Self::Diverged(d) => Some(d),
-            Self::BitExact { .. } => None,
+            _ => None,
         }
+    }
+}
+
+/// "logits differ from step 3": what moved first when only the bits did.
+pub fn bits_moved(signal: Signal, step: u64) -> String {
+    let what = match signal {
+        Signal::CacheState => "K/V contents differ",
+        Signal::Logits | Signal::Token => "logits differ",
+        Signal::Decision => "decisions differ",
+    };
+    format!("{what} from step {step}")
+}
+
+fn truncated_note(f: &mut std::fmt::Formatter<'_>, truncated: bool) -> std::fmt::Result {
+    if truncated {
+        write!(
+            f,
+            " (bundle truncated: checked up to its last complete frame)"
+        )?;
+    }
+    Ok(())
+}
+
+/// "1 step", "2 steps".
+pub fn plural(n: impl Into<u64>, noun: &str) -> String {
+    let n = n.into();
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
     }
 }
 
@@ -116,14 +164,34 @@ impl std::fmt::Display for Outcome {
                 tokens,
                 truncated,
             } => {
-                write!(f, "bit-exact: {steps} steps, {tokens} tokens")?;
-                if *truncated {
-                    write!(
-                        f,
-                        " (bundle truncated: checked up to its last complete frame)"
-                    )?;
-                }
-                Ok(())
+                write!(
+                    f,
+                    "bit-exact: {}, {}",
+                    plural(*steps, "step"),
+                    plural(*tokens, "token")
+                )?;
+                truncated_note(f, *truncated)
+            }
+            Self::SameBehaviour {
+                steps,
+                tokens,
+                truncated,
+                criterion,
+                bits_from,
+                bits_signal,
+            } => {
+                let same = match criterion {
+                    crate::Criterion::Tokens => "same tokens",
+                    _ => "same behaviour",
+                };
+                write!(
+                    f,
+                    "{same}; {}: {}, {}",
+                    bits_moved(*bits_signal, *bits_from),
+                    plural(*steps, "step"),
+                    plural(*tokens, "token")
+                )?;
+                truncated_note(f, *truncated)
             }
             Self::Diverged(d) => {
                 writeln!(f, "DIVERGED at step {}: first signal: {}", d.step, d.signal)?;

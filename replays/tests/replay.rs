@@ -5,6 +5,7 @@ use lmrr_engine::{
 };
 use lmrr_kernels::Threads;
 use lmrr_recorder::{read, Bundle, Manifest, Recorder};
+use lmrr_replays::bisect::Verdict;
 use lmrr_replays::{bisect, oracle, replay, Criterion, Outcome, Probe, ReplayOptions, Signal};
 
 fn model() -> Model {
@@ -84,11 +85,72 @@ fn bisect_over_the_catalog_names_abort_inserts_partial_alone_within_the_probe_bo
         Some(vec!["abort-inserts-partial".to_string()])
     );
     assert_eq!(res.method, "binary");
+    assert!(res.found(), "{res}");
+    // good + bad + ⌈log2 4⌉ halvings + the rest check.
     assert!(
-        res.probes.len() <= 3,
+        res.probes.len() <= 5,
         "{} probes for 4 patches",
         res.probes.len()
-    ); // ⌈log2 4⌉ + 1
+    );
+}
+
+/// The culprit of a bisect, checked by replays of its own (not the search's).
+fn confirm(b: &Bundle, m: &Model, base: &PatchSet, bad: &PatchSet, culprits: &[String]) {
+    let th = Threads::new(2).unwrap();
+    let p = |set: &PatchSet| lmrr_replays::probe(b, m, set, &th, Criterion::Behaviour).unwrap();
+    let culprit: PatchSet = culprits.iter().map(|c| c.parse::<Patch>().unwrap()).collect();
+    let with: PatchSet = base.iter().chain(culprit.iter()).collect();
+    let without: PatchSet = bad.iter().filter(|x| !culprit.contains(*x)).collect();
+    assert!(!p(base).diverged, "good set {base} diverges");
+    assert!(p(&with).diverged, "culprit set {with} is clean");
+    assert!(!p(&without).diverged, "bad set without the culprit ({without}) diverges");
+}
+
+#[test]
+fn bisect_never_names_a_patch_for_a_bundle_recorded_with_another() {
+    // Bundles recorded with each patch of the catalog. Bisecting from the
+    // empty set must refuse whenever the empty set already diverges (the
+    // reported bug named `splitk-decode` on an `abort-frees-shared` bundle);
+    // bisecting from the recording's own set must name only confirmed culprits.
+    let m = model();
+    let th = Threads::new(2).unwrap();
+    for rec_patch in Patch::ALL {
+        let recorded: PatchSet = [rec_patch].into_iter().collect();
+        let b = record(&m, &incident_src(), EngineConfig::default(), recorded.clone());
+        let mut probe =
+            |set: &PatchSet| lmrr_replays::probe(&b, &m, set, &th, Criterion::Behaviour);
+        let none_diverges = probe(&PatchSet::none()).unwrap().diverged;
+        let res = bisect(&PatchSet::none(), &Patch::ALL, &mut probe).unwrap();
+        if none_diverges {
+            assert_eq!(res.verdict, Verdict::BaseDiverges, "recorded {rec_patch}: {res}");
+            assert!(!res.found());
+            assert!(res.to_string().contains("already diverges"), "{res}");
+        } else if res.found() {
+            let bad = PatchSet::all();
+            confirm(&b, &m, &PatchSet::none(), &bad, res.culprits.as_deref().unwrap());
+        }
+        // From the recording's own set.
+        let rest: Vec<Patch> = Patch::ALL.into_iter().filter(|p| *p != rec_patch).collect();
+        let res = bisect(&recorded, &rest, &mut probe).unwrap();
+        assert_ne!(res.verdict, Verdict::BaseDiverges, "recorded {rec_patch}: {res}");
+        if res.found() {
+            confirm(&b, &m, &recorded, &PatchSet::all(), res.culprits.as_deref().unwrap());
+        }
+    }
+    // The reported case: recorded with abort-frees-shared, bad set
+    // abort-frees-shared + fast-exp from the empty set: refused, not `fast-exp`.
+    let afs = PatchSet::parse("abort-frees-shared").unwrap();
+    let b = record(&m, &incident_src(), EngineConfig::default(), afs.clone());
+    let mut probe = |set: &PatchSet| lmrr_replays::probe(&b, &m, set, &th, Criterion::Behaviour);
+    assert!(!probe(&afs).unwrap().diverged, "its own set replays clean");
+    let res = bisect(
+        &PatchSet::none(),
+        &[Patch::AbortFreesShared, Patch::FastExp],
+        &mut probe,
+    )
+    .unwrap();
+    assert_ne!(res.culprits, Some(vec!["fast-exp".to_string()]), "{res}");
+    assert!(!res.found() || res.culprits == Some(vec!["abort-frees-shared".into()]), "{res}");
 }
 
 #[test]
@@ -209,6 +271,7 @@ fn bisect_finds_one_culprit_a_pair_and_none_on_synthetic_predicates() {
                 diverged: pred(s),
                 step: None,
                 signal: None,
+                bits_from: None,
             })
         };
         bisect(&PatchSet::none(), &all, &mut f).unwrap()
@@ -216,8 +279,9 @@ fn bisect_finds_one_culprit_a_pair_and_none_on_synthetic_predicates() {
     for c in all {
         let r = mk(&|s: &PatchSet| s.contains(c));
         assert_eq!(r.culprits, Some(vec![c.name().to_string()]), "culprit {c}");
+        // good + bad + ⌈log2 4⌉ halvings + the rest check.
         assert!(
-            r.probes.len() <= 3,
+            r.probes.len() <= 5,
             "culprit {c}: {} probes",
             r.probes.len()
         );
@@ -232,9 +296,21 @@ fn bisect_finds_one_culprit_a_pair_and_none_on_synthetic_predicates() {
         ])
     );
     assert_eq!(r.method, "ddmin");
-    // No culprit.
+    // No culprit: the bad set is clean.
     let r = mk(&|_| false);
-    assert_eq!(r.culprits, None);
+    assert_eq!((r.culprits, r.verdict), (None, Verdict::BadClean));
+    // The good set already diverges: refused after one probe.
+    let r = mk(&|_| true);
+    assert_eq!((r.culprits.clone(), r.verdict.clone()), (None, Verdict::BaseDiverges));
+    assert_eq!(r.probes.len(), 1);
+    // Two independent culprits: the first is found, and the check on the rest
+    // refuses to call it the whole story.
+    let r = mk(&|s: &PatchSet| s.contains(Patch::SplitkDecode) || s.contains(Patch::AbortFreesShared));
+    assert!(!r.found(), "{r}");
+    assert!(
+        matches!(&r.verdict, Verdict::RestDiverges { rest } if rest.contains("abort-frees-shared")),
+        "{r}"
+    );
 }
 
 #[test]
