@@ -86,9 +86,9 @@ fn bisect_over_the_catalog_names_abort_inserts_partial_alone_within_the_probe_bo
     );
     assert_eq!(res.method, "binary");
     assert!(res.found(), "{res}");
-    // good + bad + ⌈log2 4⌉ halvings + the rest check.
+    // good + bad + ⌈log2 4⌉ halvings + the culprit + the rest without it.
     assert!(
-        res.probes.len() <= 5,
+        res.probes.len() <= 6,
         "{} probes for 4 patches",
         res.probes.len()
     );
@@ -279,9 +279,9 @@ fn bisect_finds_one_culprit_a_pair_and_none_on_synthetic_predicates() {
     for c in all {
         let r = mk(&|s: &PatchSet| s.contains(c));
         assert_eq!(r.culprits, Some(vec![c.name().to_string()]), "culprit {c}");
-        // good + bad + ⌈log2 4⌉ halvings + the rest check.
+        // good + bad + ⌈log2 4⌉ halvings + the culprit + the rest without it.
         assert!(
-            r.probes.len() <= 5,
+            r.probes.len() <= 6,
             "culprit {c}: {} probes",
             r.probes.len()
         );
