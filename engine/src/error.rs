@@ -59,6 +59,12 @@ pub enum EngineError {
         pos: usize,
         context: usize,
     },
+    #[error("out of memory: {what} would bring the KV pool to {bytes} bytes{}", budget.map(|b| format!(", past the {b} bytes this host had available (90% of MemAvailable)")).unwrap_or_else(|| ", which the allocator refused".into()))]
+    OutOfMemory {
+        what: String,
+        bytes: usize,
+        budget: Option<usize>,
+    },
     #[error("sequence {seq}: needs {need_pages} KV pages, holds {have_pages}")]
     PoolExhausted {
         seq: u64,

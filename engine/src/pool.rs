@@ -9,6 +9,14 @@
 //! layer). Slot digests are computed once, when the slot is written
 //! ([`PagedKv::finish_step`]); a page hash is recomputed only when one of its
 //! slots changed — never by rescanning the pool.
+//!
+//! Storage is sized lazily: a pool of `n_pages` is a promise, not an
+//! allocation. Pages are handed out in the order a LIFO free list
+//! initialised with `n_pages - 1, …, 1, 0` would give them (returned pages
+//! first, then the lowest never-used page), and the K/V storage and
+//! bookkeeping grow to the highest page ever used. A 500,000-page pool
+//! serving a 4-token session holds one page. Growth that the allocator
+//! refuses is an error with the numbers, never an abort.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -27,15 +35,24 @@ pub struct PagePool {
     n_pages: usize,
     layers: usize,
     kv_dim: usize,
-    /// Per layer, `(n_pages, page_size, kv_dim)`.
+    /// Bytes of storage this pool may hold, from the memory the host had
+    /// available when it was made (`usize::MAX` where that is unknown).
+    budget: usize,
+    /// Pages ever handed out: pages `0..used` have storage; pages
+    /// `used..n_pages` are free and untouched.
+    used: usize,
+    /// Per layer, `(used, page_size, kv_dim)`.
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
+    /// `(used,)` refcounts.
     refs: Vec<u32>,
+    /// Returned pages (a stack, popped before any never-used page).
     free: Vec<PageId>,
-    /// Slots written per page (positions `0..filled` hold content).
+    /// `(used,)` slots written per page (positions `0..filled` hold content).
     filled: Vec<u32>,
-    /// `(n_pages, page_size)` slot digests.
+    /// `(used, page_size)` slot digests.
     slot_digest: Vec<Hash>,
+    /// `(used,)` page content hashes.
     page_hash: Vec<Hash>,
 }
 
@@ -53,28 +70,79 @@ impl PagePool {
                 why: "both must be at least 1".into(),
             });
         }
-        let per_layer = n_pages
+        // Page ids are u32; the full pool's K/V must be addressable.
+        let full = n_pages
             .checked_mul(page_size)
             .and_then(|x| x.checked_mul(kv_dim))
-            .filter(|&x| x.checked_mul(layers * 8).is_some_and(|b| b <= (64usize << 30)))
-            .ok_or_else(|| EngineError::InvalidOption {
+            .and_then(|x| x.checked_mul(layers.max(1) * 8))
+            .filter(|&b| b <= MAX_POOL_BYTES && n_pages <= PageId::MAX as usize);
+        if full.is_none() {
+            return Err(EngineError::InvalidOption {
                 name: "pool_pages",
                 value: n_pages.to_string(),
-                why: format!("a pool of {n_pages} pages × {page_size} positions × {layers} layers × {kv_dim} floats × K,V exceeds 64 GiB"),
-            })?;
+                why: format!(
+                    "a pool of {n_pages} pages × {page_size} positions × {layers} layers × \
+                     {kv_dim} floats × K,V exceeds {} GiB",
+                    MAX_POOL_BYTES >> 30
+                ),
+            });
+        }
         Ok(Self {
             page_size,
             n_pages,
             layers,
             kv_dim,
-            k: vec![vec![0.0; per_layer]; layers],
-            v: vec![vec![0.0; per_layer]; layers],
-            refs: vec![0; n_pages],
-            free: (0..n_pages as PageId).rev().collect(),
-            filled: vec![0; n_pages],
-            slot_digest: vec![[0; 32]; n_pages * page_size],
-            page_hash: vec![[0; 32]; n_pages],
+            budget: available_memory().map_or(usize::MAX, |b| b / 10 * 9),
+            used: 0,
+            k: vec![Vec::new(); layers],
+            v: vec![Vec::new(); layers],
+            refs: Vec::new(),
+            free: Vec::new(),
+            filled: Vec::new(),
+            slot_digest: Vec::new(),
+            page_hash: Vec::new(),
         })
+    }
+
+    /// Gives page `used` its storage (zeroed).
+    fn grow(&mut self) -> Result<(), EngineError> {
+        let span = self.page_size * self.kv_dim;
+        let oom = |bytes: usize, have: usize, n: usize| EngineError::OutOfMemory {
+            what: format!("KV page {have} of a {n}-page pool"),
+            bytes,
+            budget: None,
+        };
+        let (have, n) = (self.used, self.n_pages);
+        let page_bytes = span * 4 * 2 * self.layers + self.page_size * 32;
+        let after = self
+            .storage_bytes()
+            .saturating_add(self.used * self.page_size * 32)
+            .saturating_add(page_bytes);
+        if after > self.budget {
+            return Err(EngineError::OutOfMemory {
+                what: format!(
+                    "KV page {have} of a {n}-page pool ({} positions × {} layers × {} floats × K,V per page)",
+                    self.page_size, self.layers, self.kv_dim
+                ),
+                bytes: after,
+                budget: Some(self.budget),
+            });
+        }
+        for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
+            buf.try_reserve(span)
+                .map_err(|_| oom((have + 1) * span * 4, have, n))?;
+            buf.resize(buf.len() + span, 0.0);
+        }
+        self.slot_digest
+            .try_reserve(self.page_size)
+            .map_err(|_| oom((have + 1) * self.page_size * 32, have, n))?;
+        self.slot_digest
+            .resize(self.slot_digest.len() + self.page_size, [0; 32]);
+        self.refs.push(0);
+        self.filled.push(0);
+        self.page_hash.push([0; 32]);
+        self.used += 1;
+        Ok(())
     }
 
     pub fn page_size(&self) -> usize {
@@ -84,10 +152,18 @@ impl PagePool {
         self.n_pages
     }
     pub fn free_count(&self) -> usize {
-        self.free.len()
+        self.free.len() + (self.n_pages - self.used)
+    }
+    /// Pages that have ever been handed out (the storage held).
+    pub fn used_pages(&self) -> usize {
+        self.used
+    }
+    /// Bytes of K/V storage held (grows with the pages ever used).
+    pub fn storage_bytes(&self) -> usize {
+        self.used * self.page_size * self.kv_dim * 4 * 2 * self.layers
     }
     pub fn refcount(&self, p: PageId) -> u32 {
-        self.refs[p as usize]
+        self.refs.get(p as usize).copied().unwrap_or(0)
     }
     pub fn page_hash(&self, p: PageId) -> Hash {
         self.page_hash[p as usize]
@@ -96,13 +172,21 @@ impl PagePool {
         self.filled[p as usize] as usize
     }
 
-    /// Takes a free page (refcount 1, empty), or `None` if the pool is full.
-    pub fn alloc(&mut self) -> Option<PageId> {
-        let p = self.free.pop()?;
+    /// Takes a free page (refcount 1, empty), or `None` if the pool is full;
+    /// an error only if the storage for a never-used page cannot be had.
+    pub fn alloc(&mut self) -> Result<Option<PageId>, EngineError> {
+        let p = match self.free.pop() {
+            Some(p) => p,
+            None if self.used < self.n_pages => {
+                self.grow()?;
+                (self.used - 1) as PageId
+            }
+            None => return Ok(None),
+        };
         self.refs[p as usize] = 1;
         self.filled[p as usize] = 0;
         self.page_hash[p as usize] = empty_page_hash();
-        Some(p)
+        Ok(Some(p))
     }
 
     pub fn incref(&mut self, p: PageId) {
@@ -139,7 +223,7 @@ impl PagePool {
 
     /// Per page id ascending: `(refcount, content hash)` of pages in use.
     pub fn in_use(&self) -> impl Iterator<Item = (PageId, u32, Hash)> + '_ {
-        (0..self.n_pages as PageId)
+        (0..self.used as PageId)
             .filter(|&p| self.refs[p as usize] > 0)
             .map(|p| (p, self.refs[p as usize], self.page_hash[p as usize]))
     }
@@ -148,6 +232,18 @@ impl PagePool {
     pub fn total_refs(&self) -> u64 {
         self.refs.iter().map(|&r| r as u64).sum()
     }
+}
+
+/// Cap on a pool's full K/V size (what it could grow to), whatever the
+/// host: a bundle or a flag asking for more is refused before anything runs.
+pub const MAX_POOL_BYTES: usize = 64 << 30;
+
+/// `MemAvailable` of `/proc/meminfo`, in bytes (Linux; `None` elsewhere).
+fn available_memory() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    kb.checked_mul(1024)
 }
 
 fn empty_page_hash() -> Hash {

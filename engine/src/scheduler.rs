@@ -200,6 +200,16 @@ impl<'m> Scheduler<'m> {
                 why: "must be at least 1".into(),
             });
         }
+        if cfg.page_size > model.context() {
+            return Err(EngineError::InvalidOption {
+                name: "page_size",
+                value: cfg.page_size.to_string(),
+                why: format!(
+                    "a page holds at most the model's context of {} positions",
+                    model.context()
+                ),
+            });
+        }
         let shape = model.attn_shape();
         let pool = PagePool::new(
             cfg.page_size,
@@ -252,7 +262,8 @@ impl<'m> Scheduler<'m> {
 
     /// Pages a request may need at most: prompt plus generation, capped by the context.
     pub fn pages_needed(&self, prompt_len: usize, max_tokens: usize) -> usize {
-        (prompt_len + max_tokens)
+        prompt_len
+            .saturating_add(max_tokens)
             .min(self.model.context())
             .div_ceil(self.cfg.page_size)
     }
@@ -285,7 +296,7 @@ impl<'m> Scheduler<'m> {
         if need > self.cfg.pool_pages {
             return Err(EngineError::NeverFits {
                 id: id.to_string(),
-                tokens: (req.prompt.len() + req.max_tokens).min(self.model.context()),
+                tokens: (req.prompt.len().saturating_add(req.max_tokens)).min(self.model.context()),
                 need_pages: need,
                 pool_pages: self.cfg.pool_pages,
                 page_size: self.cfg.page_size,
@@ -642,20 +653,20 @@ impl<'m> Scheduler<'m> {
             Decision::Schedule { id, start, len } => {
                 let t = self.table(id)?;
                 let total = self.seqs[&id].tokens.len();
-                if start != t.len || len == 0 || start + len > total {
+                let end = start.checked_add(len).filter(|&e| e <= total);
+                let Some(end) = end.filter(|_| start == t.len && len > 0) else {
                     return Err(infeasible(format!(
-                        "schedule of request {id} positions {start}..{} (it holds {} of {total} tokens)",
-                        start + len,
+                        "schedule of request {id} positions {start}..{start}+{len} (it holds {} of {total} tokens)",
                         t.len
                     )));
-                }
-                let need = (start + len).div_ceil(ps).saturating_sub(t.pages.len());
+                };
+                let need = end.div_ceil(ps).saturating_sub(t.pages.len());
                 for _ in 0..need {
-                    let page = match self.kv.pool.alloc() {
+                    let page = match self.kv.pool.alloc()? {
                         Some(p) => p,
                         None => {
                             self.radix.evict(1, &mut self.kv.pool);
-                            self.kv.pool.alloc().ok_or_else(|| {
+                            self.kv.pool.alloc()?.ok_or_else(|| {
                                 infeasible(format!(
                                     "schedule of request {id}: the pool has no free page"
                                 ))
@@ -858,14 +869,18 @@ impl<'m> Scheduler<'m> {
     /// mismatch.
     pub fn check_accounting(&self) -> Result<(), String> {
         let pool = &self.kv.pool;
-        let mut expect = vec![0u32; pool.n_pages()];
-        for t in self.kv.tables.values() {
-            for &p in &t.pages {
-                expect[p as usize] += 1;
+        let mut expect = vec![0u32; pool.used_pages()];
+        let held = self
+            .kv
+            .tables
+            .values()
+            .flat_map(|t| t.pages.iter().copied())
+            .chain(self.radix.pages());
+        for p in held {
+            match expect.get_mut(p as usize) {
+                Some(e) => *e += 1,
+                None => return Err(format!("page {p} is held but was never allocated")),
             }
-        }
-        for p in self.radix.pages() {
-            expect[p as usize] += 1;
         }
         for (p, &e) in expect.iter().enumerate() {
             let r = pool.refcount(p as u32);
@@ -873,7 +888,7 @@ impl<'m> Scheduler<'m> {
                 return Err(format!("page {p}: refcount {r}, held by {e}"));
             }
         }
-        let zero = expect.iter().filter(|&&e| e == 0).count();
+        let zero = expect.iter().filter(|&&e| e == 0).count() + pool.n_pages() - pool.used_pages();
         if pool.free_count() != zero {
             return Err(format!(
                 "free list has {} pages, {zero} have refcount 0",

@@ -87,6 +87,8 @@ pub enum ReplayError {
         source: EngineError,
     },
     #[error(transparent)]
+    Invalid(#[from] crate::validate::Invalid),
+    #[error(transparent)]
     Engine(#[from] EngineError),
 }
 
@@ -167,7 +169,9 @@ pub(crate) fn check_bundle(bundle: &Bundle, model: &Model) -> Result<PatchSet, R
             found: Box::new(found),
         });
     }
-    PatchSet::parse(&m.patches.join(",")).map_err(ReplayError::UnknownPatch)
+    let patches = PatchSet::parse(&m.patches.join(",")).map_err(ReplayError::UnknownPatch)?;
+    crate::validate::validate(bundle, model)?;
+    Ok(patches)
 }
 
 pub(crate) fn token_info(model: &Model, token: u32, top: &[(u32, f32)]) -> TokenInfo {
@@ -278,9 +282,18 @@ pub(crate) fn window(
                             .and_then(|s| s.sampled)
                         {
                             Some(t) => {
-                                format!("{} @{} → {t} {:?}", cat.name(*id), start + len, text(t))
+                                format!(
+                                    "{} @{} → {t} {:?}",
+                                    cat.name(*id),
+                                    start.saturating_add(*len),
+                                    text(t)
+                                )
                             }
-                            None => format!("{} prefill {start}..{}", cat.name(*id), start + len),
+                            None => format!(
+                                "{} prefill {start}..{}",
+                                cat.name(*id),
+                                start.saturating_add(*len)
+                            ),
                         },
                     });
                 }
@@ -503,7 +516,7 @@ fn compare(
             ));
         };
         let act_tok = g.sampled.unwrap_or(u32::MAX);
-        let pos = s.start + s.len;
+        let pos = s.start.saturating_add(s.len);
         let signal = if g.logits_digest != s.logits_digest && (!behaviour || act_tok != exp_tok) {
             if behaviour {
                 Signal::Token

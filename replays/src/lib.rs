@@ -10,6 +10,8 @@
 //! - [`report`]: the divergence report, human text (`Display`) and JSON (serde).
 //! - [`bisect`]: binary search for one culprit patch, ddmin for combinations.
 //! - [`oracle`]: the recompute oracle (cache-off, batch-of-one recomputation).
+//! - [`validate`]: semantic checks of a decoded bundle (ids, spans, tokens,
+//!   steps) before anything executes it.
 //! - [`check`]: the API for users' regression tests over committed bundles.
 
 pub mod bisect;
@@ -17,6 +19,7 @@ pub mod check;
 pub mod driver;
 pub mod oracle;
 pub mod report;
+pub mod validate;
 
 pub use bisect::{bisect, probe, BisectOutcome, Probe};
 pub use check::{Check, CheckError, Report};
