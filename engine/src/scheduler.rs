@@ -426,6 +426,23 @@ impl<'m> Scheduler<'m> {
         for d in &decisions {
             self.apply(d, &mut finished)?;
         }
+        // Recorded decisions come from a file: every scheduled request must
+        // still be running once all of them are applied, and be scheduled once.
+        let mut seen = std::collections::BTreeSet::new();
+        for d in &decisions {
+            if let Decision::Schedule { id, .. } = *d {
+                if !seen.insert(id) {
+                    return Err(infeasible(format!(
+                        "request {id} is scheduled twice in one step"
+                    )));
+                }
+                if !self.running.contains(&id) || !self.kv.tables.contains_key(&id) {
+                    return Err(infeasible(format!(
+                        "schedule of request {id}, which a later decision of the same step ended"
+                    )));
+                }
+            }
+        }
         let r = self.execute(decisions, finished);
         self.timings.total += t0.elapsed();
         r
