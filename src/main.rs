@@ -336,7 +336,9 @@ fn run_generate(a: &GenerateArgs) -> Result<()> {
     Ok(())
 }
 
-fn run_run(a: &RunArgs) -> Result<()> {
+/// `lmrr run`: 0 = the session ran; 1 = it livelocked (a finding: the report
+/// is printed and the bundle holds every step up to it); 2 = error.
+fn run_run(a: &RunArgs) -> Result<u8> {
     let script = Script::load(&a.script)?;
     let mut model = load_model(a.model.as_deref())?;
     set_device(&mut model, &a.device)?;
@@ -373,7 +375,8 @@ fn run_run(a: &RunArgs) -> Result<()> {
         if let Some(r) = recorder.as_mut() {
             r.observe(e)
         }
-    })?;
+    });
+    // Whatever happened, the bundle gets its trailer: nothing recorded is lost.
     if let (Some(r), Some(path)) = (recorder, &a.record) {
         let w = r
             .finish()
@@ -384,6 +387,21 @@ fn run_run(a: &RunArgs) -> Result<()> {
         f.sync_all()
             .with_context(|| format!("syncing {}", path.display()))?;
     }
+    let res = match res {
+        Ok(r) => r,
+        Err(e @ lmrr_engine::EngineError::Livelock { .. }) => {
+            eprintln!("{e}");
+            if let Some(path) = &a.record {
+                eprintln!(
+                    "the bundle {} holds every step up to the livelock: `lmrr replay {}` re-executes it",
+                    path.display(),
+                    path.display()
+                );
+            }
+            return Ok(1);
+        }
+        Err(e) => return Err(e.into()),
+    };
     let dt = t0.elapsed().as_secs_f64();
     let mut out = std::io::stdout().lock();
     for r in &res.requests {
@@ -411,7 +429,7 @@ fn run_run(a: &RunArgs) -> Result<()> {
         dt,
         sch.cached_pages()
     );
-    Ok(())
+    Ok(0)
 }
 
 fn run_tokenize(a: &TokenizeArgs) -> Result<()> {
@@ -606,7 +624,10 @@ fn main() -> std::process::ExitCode {
         None => demo::run(),
         Some(Cmd::Generate(a)) => run_generate(a),
         Some(Cmd::GenModel(a)) => run_gen_model(a),
-        Some(Cmd::Run(a)) => run_run(a),
+        Some(Cmd::Run(a)) => match run_run(a) {
+            Ok(code) => return std::process::ExitCode::from(code),
+            Err(e) => Err(e),
+        },
         Some(Cmd::Inspect(a)) => run_inspect(a),
         Some(Cmd::Replay(a)) => match replay::run(a) {
             Ok(code) => return std::process::ExitCode::from(code),

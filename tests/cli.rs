@@ -40,7 +40,7 @@ fn bare_lmrr_runs_the_incident_demo() {
         "bit-exact: 180 steps, 180 tokens",
         "DIVERGED at step 60: first signal: cache-state hash",
         "turn2 (turn 2)",
-        "culprit (binary, 2 replays): abort-inserts-partial",
+        "culprit (binary, 5 replays): abort-inserts-partial",
         "recompute oracle",
     ] {
         assert!(out.contains(want), "missing {want:?} in\n{out}");
@@ -350,7 +350,7 @@ fn replay_exit_codes_reports_bisect_and_oracle() {
     let o = lmrr(&["replay", g, "--bisect"], &[]);
     assert_eq!(o.status.code(), Some(0));
     assert!(String::from_utf8_lossy(&o.stdout)
-        .contains("culprit (binary, 2 replays): abort-inserts-partial"));
+        .contains("culprit (binary, 5 replays): abort-inserts-partial"));
     let o = lmrr(
         &[
             "replay",
@@ -363,9 +363,15 @@ fn replay_exit_codes_reports_bisect_and_oracle() {
     );
     assert_eq!(
         o.status.code(),
-        Some(1),
-        "no behavioural culprit among numerical patches"
+        Some(2),
+        "no behavioural culprit among numerical patches: the bad set is clean, refused"
     );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("refused: the bad set") && out.contains("same behaviour; logits differ from step"),
+        "{out}"
+    );
+    assert!(!out.contains("bit-exact"), "a probe judged by behaviour is not bit-exact: {out}");
     let o = lmrr(
         &[
             "replay",
@@ -379,7 +385,15 @@ fn replay_exit_codes_reports_bisect_and_oracle() {
         &[],
     );
     assert_eq!(o.status.code(), Some(0));
-    assert!(String::from_utf8_lossy(&o.stdout).contains("culprit (binary, 2 replays): fast-exp"));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("culprit (binary, 4 replays): fast-exp"));
+    // A bundle recorded with the bug: the empty good set already diverges,
+    // so nothing is blamed (the reported bug named `splitk-decode`).
+    let b = bad.to_str().unwrap();
+    let o = lmrr(&["replay", b, "--bisect", "--good", "none"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("refused: the good set `none` already diverges"), "{out}");
+    assert!(!out.contains("culprit ("), "{out}");
 
     let b = bad.to_str().unwrap();
     let o = lmrr(&["replay", b, "--oracle", "recompute"], &[]);
@@ -496,4 +510,39 @@ fn another_contract_version_is_refused_and_rerecord_refreshes_it() {
         "{out}"
     );
     assert!(!d.path().join("changed.lmrr.partial").exists());
+}
+
+#[test]
+fn a_livelocked_run_stops_with_a_report_and_a_complete_bundle() {
+    let d = tempfile::tempdir().unwrap();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/livelock.toml");
+    let b = d.path().join("livelock.lmrr");
+    let args = |patches: &'static str| {
+        vec![
+            "run", "--script", script, "--page-size", "7", "--pool-pages", "17", "--patches", patches,
+        ]
+    };
+    let mut a = args("abort-frees-shared");
+    a.extend(["--record", b.to_str().unwrap()]);
+    let t0 = std::time::Instant::now();
+    let o = lmrr(&a, &[]);
+    assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(t0.elapsed().as_secs() < 60, "took {:?}", t0.elapsed());
+    let err = String::from_utf8_lossy(&o.stderr);
+    for want in [
+        "livelock: no request made progress for 4096 steps",
+        "pool: 0 of 17 pages free",
+        "waiting (2), starved:",
+        "holds every step up to the livelock",
+    ] {
+        assert!(err.contains(want), "missing {want:?} in {err}");
+    }
+    // The bundle is complete (trailer written) and replays bit-exactly.
+    let o = lmrr(&["inspect", b.to_str().unwrap()], &[]);
+    assert!(o.status.success() && !String::from_utf8_lossy(&o.stdout).contains("TRUNCATED"));
+    let o = lmrr(&["replay", b.to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stdout));
+    // Without the patch the same session completes.
+    let o = lmrr(&args("none"), &[]);
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
 }

@@ -59,6 +59,12 @@ pub enum EngineError {
         pos: usize,
         context: usize,
     },
+    #[error("livelock: no request made progress for {stalled} steps (no token sampled, none finished), stopped before step {step}\n{report}")]
+    Livelock {
+        step: u64,
+        stalled: u64,
+        report: String,
+    },
     #[error("out of memory: {what} would bring the KV pool to {bytes} bytes{}", budget.map(|b| format!(", past the {b} bytes this host had available (90% of MemAvailable)")).unwrap_or_else(|| ", which the allocator refused".into()))]
     OutOfMemory {
         what: String,

@@ -175,7 +175,18 @@ pub struct Scheduler<'m> {
     keep_rows: bool,
     last_rows: Vec<(RequestId, Vec<f32>)>,
     force_tokens: BTreeMap<RequestId, u32>,
+    /// Consecutive steps with work pending in which no request sampled a
+    /// token, finished or was interrupted.
+    stalled: u64,
+    /// `stalled` at which [`Scheduler::step`] refuses to go on.
+    stall_limit: u64,
 }
+
+/// Steps without progress before a run is declared livelocked, at least.
+/// The bound used is the larger of this and four times the steps a
+/// context-long prefill takes at the batch budget (see
+/// [`Scheduler::stall_limit`]).
+pub const MIN_STALL_LIMIT: u64 = 4096;
 
 /// Time spent inside steps, for `lmrr bench` (measurement only: no decision
 /// ever reads a clock).
@@ -236,7 +247,62 @@ impl<'m> Scheduler<'m> {
             keep_rows: false,
             last_rows: Vec::new(),
             force_tokens: BTreeMap::new(),
+            stalled: 0,
+            stall_limit: MIN_STALL_LIMIT
+                .max(4 * model.context().div_ceil(cfg.max_batch_tokens) as u64),
         })
+    }
+
+    /// Steps without progress (no token sampled, no request ended) after
+    /// which [`Scheduler::step`] stops with [`EngineError::Livelock`]. A
+    /// healthy engine never comes near it: the oldest running request always
+    /// advances, and a context-long prefill takes `context / max_batch_tokens`
+    /// steps.
+    pub fn stall_limit(&self) -> u64 {
+        self.stall_limit
+    }
+
+    /// Overrides the livelock bound (at least 1).
+    pub fn set_stall_limit(&mut self, steps: u64) {
+        self.stall_limit = steps.max(1);
+    }
+
+    /// What a livelock report shows: the pool, the queue and every pending
+    /// request with what it holds.
+    fn livelock_report(&self) -> String {
+        let pool = &self.kv.pool;
+        let mut s = format!(
+            "pool: {} of {} pages free, {} cached in the prefix tree, {} held by requests (page size {})",
+            pool.free_count(),
+            pool.n_pages(),
+            self.radix.len(),
+            self.pages_held_by_requests(),
+            self.cfg.page_size
+        );
+        let describe = |id: &RequestId| -> String {
+            let Some(seq) = self.seqs.get(id) else {
+                return format!("\n  request {id}: unknown");
+            };
+            let kv = self.kv.tables.get(id);
+            format!(
+                "\n  request {id}: {} of {} tokens in KV over {} pages, {} generated of {}, {} preemptions",
+                kv.map_or(0, |t| t.len),
+                seq.tokens.len(),
+                kv.map_or(0, |t| t.pages.len()),
+                seq.generated().len(),
+                seq.req.max_tokens,
+                seq.preemptions
+            )
+        };
+        s += &format!("\nrunning ({}), starved:", self.running.len());
+        for id in &self.running {
+            s += &describe(id);
+        }
+        s += &format!("\nwaiting ({}), starved:", self.waiting.len());
+        for id in &self.waiting {
+            s += &describe(id);
+        }
+        s
     }
 
     /// A scheduler running engine patches (see [`crate::patches`]).
@@ -409,6 +475,13 @@ impl<'m> Scheduler<'m> {
 
     /// Decides and runs one step.
     pub fn step(&mut self) -> Result<StepReport, EngineError> {
+        if self.stalled >= self.stall_limit {
+            return Err(EngineError::Livelock {
+                step: self.step,
+                stalled: self.stalled,
+                report: self.livelock_report(),
+            });
+        }
         let t0 = std::time::Instant::now();
         let mut decisions = Vec::new();
         let mut finished = Vec::new();
@@ -877,6 +950,17 @@ impl<'m> Scheduler<'m> {
             cache_state: h.finalize().into(),
         };
         self.step += 1;
+        let progress = !report.finished.is_empty()
+            || report.seqs.iter().any(|q| q.sampled.is_some())
+            || report
+                .decisions
+                .iter()
+                .any(|d| matches!(d, Decision::Interrupt { .. }));
+        self.stalled = if progress || self.is_idle() {
+            0
+        } else {
+            self.stalled + 1
+        };
         Ok(report)
     }
 
