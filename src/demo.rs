@@ -11,6 +11,7 @@ use lmrr_engine::{
     run_session, EngineConfig, Model, Patch, PatchSet, Scheduler, Script, SynthSpec,
 };
 use lmrr_recorder::Recorder;
+use lmrr_replays::report::plural;
 use lmrr_replays::{bisect, oracle, probe, replay, Criterion, Probe, ReplayOptions};
 
 const INCIDENT: &str = include_str!("../examples/incident.toml");
@@ -53,8 +54,13 @@ pub fn run() -> Result<()> {
     let s = lmrr_recorder::Summary::of(&clean);
     writeln!(
         out,
-        "   {} requests, {} turns, {} interrupt, {} steps, {} bytes ({:.2} bytes/token of token data)\n",
-        s.requests, s.turns, s.interrupts, s.steps, s.bytes, s.token_data_bytes_per_token
+        "   {}, {}, {}, {}, {} ({:.2} bytes/token of token data)\n",
+        plural(s.requests as u64, "request"),
+        plural(s.turns as u64, "follow-up turn"),
+        plural(s.interrupts as u64, "interrupt"),
+        plural(s.steps as u64, "step"),
+        plural(s.bytes as u64, "byte"),
+        s.token_data_bytes_per_token
     )?;
 
     writeln!(out, "2. replay, reference engine")?;

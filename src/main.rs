@@ -19,6 +19,7 @@ use lmrr_engine::{
     Scheduler, Script, SynthSpec,
 };
 use lmrr_kernels::Threads;
+use lmrr_replays::report::plural;
 use lmrr_recorder::{Manifest, Recorder, Summary};
 
 /// rr for LLM inference: a deterministic engine whose logits are a pure function
@@ -266,8 +267,24 @@ pub(crate) fn load_model(spec: Option<&str>) -> Result<Model> {
     }
 }
 
+/// Most worker threads per available core. The pool's workers spin while
+/// waiting for work, so threads beyond the cores only steal time from each
+/// other; threads never change a bit, so capping is always safe.
+const MAX_THREADS_PER_CORE: usize = 1;
+
 pub(crate) fn threads(n: Option<usize>) -> Result<Threads> {
-    let n = n.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cap = cores * MAX_THREADS_PER_CORE;
+    let n = match n {
+        None => cores,
+        Some(n) if n > cap => {
+            eprintln!(
+                "warning: --threads {n}: using {cap}, the cores available (more would only spin against each other; the bits are the same either way)"
+            );
+            cap
+        }
+        Some(n) => n,
+    };
     Ok(Threads::new(n)?)
 }
 
@@ -325,13 +342,13 @@ fn run_generate(a: &GenerateArgs) -> Result<()> {
     writeln!(out, "{shown}{text}")?;
     writeln!(out, "digest: {}", hex(&g.digest))?;
     eprintln!(
-        "model {} · prompt {} tokens · generated {} ({:?}) · {:.2}s · {} threads",
+        "model {} · prompt {} · generated {} ({:?}) · {:.2}s · {}",
         model.origin,
-        prompt.len(),
+        plural(prompt.len() as u64, "token"),
         g.tokens.len(),
         g.finish,
         dt,
-        th.count()
+        plural(th.count() as u64, "thread")
     );
     Ok(())
 }
@@ -408,10 +425,10 @@ fn run_run(a: &RunArgs) -> Result<u8> {
         let o = &r.output;
         writeln!(
             out,
-            "=== {} · arrived at step {} · prompt {} tokens ({} from cache) · generated {} · {}",
+            "=== {} · arrived at step {} · prompt {} ({} from cache) · generated {} · {}",
             r.name,
             r.arrived_at_step,
-            r.prompt.len(),
+            plural(r.prompt.len() as u64, "token"),
             o.cached_tokens,
             o.tokens.len(),
             o.finish
@@ -422,12 +439,12 @@ fn run_run(a: &RunArgs) -> Result<u8> {
         writeln!(out, "digest: {}", hex(&o.digest))?;
     }
     eprintln!(
-        "model {} · {} requests · {} steps · {:.2}s · {} pages cached at the end",
+        "model {} · {} · {} · {:.2}s · {} cached at the end",
         model.origin,
-        res.requests.len(),
-        res.steps,
+        plural(res.requests.len() as u64, "request"),
+        plural(res.steps, "step"),
         dt,
-        sch.cached_pages()
+        plural(sch.cached_pages() as u64, "page")
     );
     Ok(0)
 }
@@ -543,9 +560,16 @@ pub(crate) fn session_manifest(
     m
 }
 
+/// Opens a bundle; errors name the file once (an I/O error names it itself).
+pub(crate) fn open_bundle(path: &std::path::Path) -> Result<lmrr_recorder::Bundle> {
+    lmrr_recorder::open(path).or_else(|e| match e {
+        e @ lmrr_recorder::BundleError::Io { .. } => Err(anyhow::Error::new(e).context("reading bundle")),
+        e => Err(anyhow::Error::new(e).context(format!("reading bundle {}", path.display()))),
+    })
+}
+
 fn run_inspect(a: &InspectArgs) -> Result<()> {
-    let b = lmrr_recorder::open(&a.bundle)
-        .with_context(|| format!("reading bundle {}", a.bundle.display()))?;
+    let b = crate::open_bundle(&a.bundle)?;
     let s = Summary::of(&b);
     let mut out = std::io::stdout().lock();
     if a.json {
@@ -580,14 +604,22 @@ fn run_inspect(a: &InspectArgs) -> Result<()> {
     )?;
     writeln!(
         out,
-        "host        {} {} · {} · {} · {} threads",
-        m.host.os, m.host.arch, m.host.isa, m.host.cpu, m.threads
+        "host        {} {} · {} · {} · {}",
+        m.host.os,
+        m.host.arch,
+        m.host.isa,
+        m.host.cpu,
+        plural(m.threads, "thread")
     )?;
     writeln!(out, "session     {}", m.source.script_path)?;
     writeln!(
         out,
-        "counts      {} requests · {} turns · {} interrupts · {} preemptions · {} steps",
-        s.requests, s.turns, s.interrupts, s.preemptions, s.steps
+        "counts      {} · {} · {} · {} · {}",
+        plural(s.requests as u64, "request"),
+        plural(s.turns as u64, "follow-up turn"),
+        plural(s.interrupts as u64, "interrupt"),
+        plural(s.preemptions as u64, "preemption"),
+        plural(s.steps as u64, "step")
     )?;
     writeln!(
         out,
@@ -642,6 +674,15 @@ fn main() -> std::process::ExitCode {
     };
     match res {
         Ok(()) => std::process::ExitCode::SUCCESS,
+        // A reader that stopped reading (`lmrr inspect B | head`) is not an error.
+        Err(e)
+            if e.chain().any(|c| {
+                c.downcast_ref::<std::io::Error>()
+                    .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+            }) =>
+        {
+            std::process::ExitCode::SUCCESS
+        }
         Err(e) => {
             eprintln!("error: {e:#}");
             std::process::ExitCode::from(2)

@@ -83,8 +83,7 @@ fn repro(a: &ReplayArgs, patches: &PatchSet) -> String {
 }
 
 pub fn run(a: &ReplayArgs) -> Result<u8> {
-    let b = lmrr_recorder::open(&a.bundle)
-        .with_context(|| format!("reading bundle {}", a.bundle.display()))?;
+    let b = crate::open_bundle(&a.bundle)?;
     if let lmrr_recorder::Integrity::Truncated { .. } = &b.integrity {
         eprintln!("warning: {}: {}", a.bundle.display(), b.integrity);
     }

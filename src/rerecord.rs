@@ -55,8 +55,7 @@ fn outputs(b: &Bundle) -> (BTreeMap<String, Vec<u32>>, usize) {
 }
 
 pub fn run(a: &RerecordArgs) -> Result<()> {
-    let old = lmrr_recorder::open(&a.bundle)
-        .with_context(|| format!("reading bundle {}", a.bundle.display()))?;
+    let old = crate::open_bundle(&a.bundle)?;
     let m = &old.manifest;
     let model = match (&a.model, &m.model.synthetic) {
         (Some(dir), _) => crate::load_model(Some(dir))?,

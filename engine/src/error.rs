@@ -7,7 +7,7 @@ use std::path::PathBuf;
 pub enum EngineError {
     #[error("device: {0}")]
     Device(String),
-    #[error("reading {path}: {source}")]
+    #[error("reading {path}")]
     Io {
         path: PathBuf,
         #[source]

@@ -58,9 +58,14 @@ impl ModelFiles {
     /// Opens `dir/config.json`, `dir/tokenizer.json` and maps `dir/model.safetensors`.
     pub fn open_dir(dir: &Path) -> Result<Self, EngineError> {
         if !dir.is_dir() {
+            let why = if dir.exists() {
+                "not a directory (a model is a directory with config.json, model.safetensors and tokenizer.json)"
+            } else {
+                "no such directory"
+            };
             return Err(EngineError::Io {
                 path: dir.into(),
-                source: std::io::Error::new(std::io::ErrorKind::NotFound, "not a directory"),
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, why),
             });
         }
         let need = |file: &'static str| {

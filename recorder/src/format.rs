@@ -49,13 +49,13 @@ const KIND_TRAILER: u8 = 3;
 /// Errors reading or writing a bundle.
 #[derive(Debug, thiserror::Error)]
 pub enum BundleError {
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Io {
         path: String,
         #[source]
         source: std::io::Error,
     },
-    #[error("writing bundle: {0}")]
+    #[error("writing bundle")]
     Write(#[source] std::io::Error),
     #[error("encoding bundle frame: {0}")]
     Encode(String),

@@ -215,8 +215,8 @@ impl std::fmt::Display for Outcome {
                 if !d.drift.is_empty() && d.drift.iter().all(|r| r.max_abs_dlogit == 0.0) {
                     writeln!(
                         f,
-                        "  drift     none: logits bit-identical over the {} steps compared",
-                        d.drift.len()
+                        "  drift     none: logits bit-identical over the {} compared",
+                        plural(d.drift.len() as u64, "step")
                     )?;
                 } else if !d.drift.is_empty() {
                     writeln!(f, "  drift     step   rows  max|Δlogit|        KL   top-1")?;
