@@ -1,0 +1,152 @@
+//! The CLI's output, locked: the demo, `inspect`, a divergence report,
+//! `--bisect` (a culprit and a refusal), the oracle and an error, each run
+//! through the real binary from the repository root and snapshotted with insta
+//! (`snapshots/cli__*.snap`). README.md's example blocks marked
+//! `<!-- snapshot: NAME -->` must equal those snapshots, so the README cannot
+//! go stale.
+//!
+//! Filters: the only varying parts are bundle byte counts (the manifest holds
+//! the build's git revision) and temporary paths.
+
+use std::path::Path;
+use std::process::Command;
+
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+
+/// `(pattern, replacement)` applied to snapshots and README blocks alike.
+const FILTERS: &[(&str, &str)] = &[(r"\b\d+ bytes \(", "[N] bytes (")];
+
+fn filter(s: &str, tmp: Option<&Path>) -> String {
+    let mut s = s.to_string();
+    if let Some(t) = tmp {
+        s = s.replace(&t.display().to_string(), "[TMP]");
+    }
+    for (pat, rep) in FILTERS {
+        s = regex::Regex::new(pat).unwrap().replace_all(&s, *rep).into_owned();
+    }
+    s
+}
+
+/// Runs `lmrr args` in the repository root with a cleared environment;
+/// returns (exit code, stdout, stderr), filtered.
+fn lmrr(args: &[&str], tmp: Option<&Path>) -> (i32, String, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_lmrr"))
+        .args(args)
+        .current_dir(ROOT)
+        .env_clear()
+        .output()
+        .unwrap();
+    (
+        o.status.code().unwrap_or(-1),
+        filter(&String::from_utf8_lossy(&o.stdout), tmp),
+        filter(&String::from_utf8_lossy(&o.stderr), tmp),
+    )
+}
+
+fn settings() -> insta::Settings {
+    let mut s = insta::Settings::clone_current();
+    s.set_snapshot_path("../snapshots");
+    s.set_prepend_module_to_snapshot(false);
+    s
+}
+
+fn snap(name: &str, body: &str) {
+    settings().bind(|| insta::assert_snapshot!(format!("cli__{name}"), body));
+}
+
+#[test]
+fn cli_output_is_locked() {
+    let d = tempfile::tempdir().unwrap();
+    let tmp = Some(d.path());
+
+    let (code, out, _) = lmrr(&[], None);
+    assert_eq!(code, 0);
+    snap("demo", &out);
+
+    let (code, out, _) = lmrr(&["inspect", "replays/incident.lmrr"], None);
+    assert_eq!(code, 0);
+    snap("inspect", &out);
+
+    let (code, out, _) = lmrr(
+        &[
+            "replay",
+            "replays/incident.lmrr",
+            "--patches",
+            "abort-inserts-partial",
+        ],
+        None,
+    );
+    assert_eq!(code, 1);
+    snap("divergence", &out);
+
+    let (code, out, _) = lmrr(&["replay", "replays/incident.lmrr", "--bisect"], None);
+    assert_eq!(code, 0);
+    snap("bisect", &out);
+
+    let (code, out, _) = lmrr(
+        &[
+            "replay",
+            "replays/multi-user.lmrr",
+            "--bisect",
+            "--patches",
+            "fast-exp,splitk-decode",
+        ],
+        None,
+    );
+    assert_eq!(code, 2, "the bad set is clean by behaviour: refused");
+    snap("bisect_refused", &out);
+
+    let bad = d.path().join("bad.lmrr");
+    let (code, _, err) = lmrr(
+        &[
+            "run",
+            "--script",
+            "examples/incident.toml",
+            "--patches",
+            "abort-inserts-partial",
+            "--record",
+            bad.to_str().unwrap(),
+        ],
+        tmp,
+    );
+    assert_eq!(code, 0, "{err}");
+    let (code, out, _) = lmrr(
+        &["replay", bad.to_str().unwrap(), "--oracle", "recompute"],
+        tmp,
+    );
+    assert_eq!(code, 1);
+    snap("oracle", &out);
+
+    let (code, _, err) = lmrr(&["replay", "no-such.lmrr"], None);
+    assert_eq!(code, 2);
+    snap("error_missing_bundle", &err);
+}
+
+/// The body of `snapshots/cli__NAME.snap` (after insta's header).
+fn snapshot_body(name: &str) -> String {
+    let p = Path::new(ROOT).join(format!("snapshots/cli__{name}.snap"));
+    let s = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    let body = s.splitn(3, "---\n").nth(2).expect("insta header");
+    body.trim_end().to_string()
+}
+
+#[test]
+fn readme_examples_match_the_snapshots() {
+    let readme = std::fs::read_to_string(Path::new(ROOT).join("README.md")).unwrap();
+    let mut checked = 0;
+    let mut rest = readme.as_str();
+    while let Some(at) = rest.find("<!-- snapshot: ") {
+        rest = &rest[at + "<!-- snapshot: ".len()..];
+        let name = &rest[..rest.find(" -->").expect("closed marker")];
+        let start = rest.find("```text\n").expect("a text block after the marker") + 8;
+        let len = rest[start..].find("\n```").expect("closed block");
+        let block = &rest[start..start + len];
+        assert_eq!(
+            filter(block, None).trim_end(),
+            snapshot_body(name),
+            "README.md's `{name}` block differs from snapshots/cli__{name}.snap"
+        );
+        checked += 1;
+    }
+    assert!(checked >= 2, "README.md marks only {checked} example blocks");
+}
