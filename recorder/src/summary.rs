@@ -1,11 +1,60 @@
 //! Counts and sizes of a bundle, for `lmrr inspect`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use serde::Serialize;
 
 use crate::format::Bundle;
 use crate::schema::Event;
+
+/// For each request (in arrival `order`), how many earlier requests' history
+/// (prompt, then recorded output) its prompt strictly extends.
+///
+/// Linear in the tokens: each prompt's prefixes are hashed once (a rolling
+/// hash keyed with the length), looked up among earlier histories, and a hit
+/// is confirmed by comparing tokens against one history of each distinct
+/// content, so a bundle with 100,000 arrivals costs what its tokens cost.
+pub fn continued_histories(
+    order: &[u64],
+    prompts: &BTreeMap<u64, Vec<u32>>,
+    outputs: &BTreeMap<u64, Vec<u32>>,
+) -> BTreeMap<u64, usize> {
+    fn roll(h: u64, t: u32) -> u64 {
+        (h ^ (t as u64 + 1)).wrapping_mul(0x0000_0100_0000_01B3)
+    }
+    // (length, hash) → distinct histories with that key, with their counts.
+    let mut seen: HashMap<(usize, u64), Vec<(Vec<u32>, usize)>> = HashMap::new();
+    let mut out = BTreeMap::new();
+    let empty = Vec::new();
+    for id in order {
+        let p = prompts.get(id).unwrap_or(&empty);
+        let mut n = 0;
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        for (i, &t) in p.iter().enumerate().take(p.len().saturating_sub(1)) {
+            h = roll(h, t);
+            if let Some(group) = seen.get(&(i + 1, h)) {
+                n += group
+                    .iter()
+                    .filter(|(hist, _)| p.starts_with(hist))
+                    .map(|(_, c)| c)
+                    .sum::<usize>();
+            }
+        }
+        out.insert(*id, n);
+        let mut hist = p.clone();
+        hist.extend(outputs.get(id).map(|v| v.as_slice()).unwrap_or(&[]));
+        if hist.is_empty() {
+            continue;
+        }
+        let key = (hist.len(), hist.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &t| roll(h, t)));
+        let group = seen.entry(key).or_default();
+        match group.iter_mut().find(|(g, _)| *g == hist) {
+            Some((_, c)) => *c += 1,
+            None => group.push((hist, 1)),
+        }
+    }
+    out
+}
 
 /// What a bundle holds.
 #[derive(Debug, Clone, Serialize)]
@@ -61,16 +110,10 @@ impl Summary {
             }
         }
         // A turn: a prompt that starts with an earlier request's prompt + output.
-        let mut turns = 0;
-        for (i, id) in order.iter().enumerate() {
-            let p = &prompts[id];
-            let continues = order[..i].iter().any(|e| {
-                let mut hist = prompts[e].clone();
-                hist.extend(outputs.get(e).map(|v| v.as_slice()).unwrap_or(&[]));
-                !hist.is_empty() && p.len() > hist.len() && p.starts_with(&hist)
-            });
-            turns += usize::from(continues);
-        }
+        let turns = continued_histories(&order, &prompts, &outputs)
+            .values()
+            .filter(|&&n| n > 0)
+            .count();
         let prompt_tokens: usize = prompts.values().map(|p| p.len()).sum();
         let generated_tokens: usize = outputs.values().map(|o| o.len()).sum();
         let all: Vec<&Vec<u32>> = prompts.values().chain(outputs.values()).collect();

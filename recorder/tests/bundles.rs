@@ -240,3 +240,30 @@ fn bytes_after_the_trailer_are_corruption() {
     let e = read(&bytes).unwrap_err().to_string();
     assert!(e.contains("after the trailer"), "{e}");
 }
+
+#[test]
+fn continued_histories_counts_strict_extensions_and_scales_linearly() {
+    use lmrr_recorder::summary::continued_histories;
+    use std::collections::BTreeMap;
+    let prompts: BTreeMap<u64, Vec<u32>> = [
+        (0, vec![1, 2]),
+        (1, vec![1, 2, 3, 4, 5]), // extends 0's history [1, 2, 3]
+        (2, vec![1, 2, 3]),       // equals 0's history: not a strict extension
+        (3, vec![1, 2, 3, 9, 9, 9]), // extends 0 and 2 ([1, 2, 3] + no output)
+    ]
+    .into_iter()
+    .collect();
+    let outputs: BTreeMap<u64, Vec<u32>> = [(0, vec![3]), (1, vec![6])].into_iter().collect();
+    let c = continued_histories(&[0, 1, 2, 3], &prompts, &outputs);
+    assert_eq!(c.values().copied().collect::<Vec<_>>(), vec![0, 1, 0, 2]);
+    // 100,000 arrivals of one prompt: quadratic in requests would not finish.
+    let n = 100_000u64;
+    let prompts: BTreeMap<u64, Vec<u32>> = (0..n).map(|i| (i, vec![7, 8, 9])).collect();
+    let order: Vec<u64> = (0..n).collect();
+    let c = continued_histories(&order, &prompts, &BTreeMap::new());
+    assert!(c.values().all(|&k| k == 0));
+    let prompts: BTreeMap<u64, Vec<u32>> =
+        (0..n).map(|i| (i, if i == 0 { vec![7] } else { vec![7, 8] })).collect();
+    let c = continued_histories(&order, &prompts, &BTreeMap::new());
+    assert_eq!(c[&(n - 1)], 1);
+}

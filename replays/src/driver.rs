@@ -98,6 +98,8 @@ pub(crate) struct Catalog {
     pub prompts: BTreeMap<RequestId, Vec<u32>>,
     pub outputs: BTreeMap<RequestId, Vec<u32>>,
     pub order: Vec<RequestId>,
+    /// Per request, how many earlier histories its prompt continues.
+    continued: BTreeMap<RequestId, usize>,
 }
 
 impl Catalog {
@@ -107,6 +109,7 @@ impl Catalog {
             prompts: BTreeMap::new(),
             outputs: BTreeMap::new(),
             order: Vec::new(),
+            continued: BTreeMap::new(),
         };
         for e in &b.events {
             match e {
@@ -125,6 +128,7 @@ impl Catalog {
                 Event::Interrupt { .. } => {}
             }
         }
+        c.continued = lmrr_recorder::summary::continued_histories(&c.order, &c.prompts, &c.outputs);
         c
     }
 
@@ -138,17 +142,7 @@ impl Catalog {
     /// 1-based turn: one more than the number of earlier requests whose prompt
     /// and recorded output this request's prompt continues.
     pub fn turn(&self, id: RequestId) -> usize {
-        let Some(p) = self.prompts.get(&id) else {
-            return 1;
-        };
-        let before = self.order.iter().take_while(|&&e| e != id);
-        1 + before
-            .filter(|&&e| {
-                let mut h = self.prompts[&e].clone();
-                h.extend(self.outputs.get(&e).map(|v| v.as_slice()).unwrap_or(&[]));
-                p.len() > h.len() && p.starts_with(&h)
-            })
-            .count()
+        1 + self.continued.get(&id).copied().unwrap_or(0)
     }
 }
 
