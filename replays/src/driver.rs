@@ -188,6 +188,8 @@ fn short(h: &[u8; 32]) -> String {
 }
 
 /// Drift between two logits rows: (max |Δ|, KL(P_expected ‖ P_actual), argmax equal).
+/// f64 sums in index order with `exp`/`log` from the pure-Rust `libm`, so the
+/// KL printed in reports and snapshots has the same digits on every platform.
 pub fn drift(expected: &[f32], actual: &[f32]) -> (f32, f64, bool) {
     let max = expected
         .iter()
@@ -196,14 +198,14 @@ pub fn drift(expected: &[f32], actual: &[f32]) -> (f32, f64, bool) {
         .fold(0.0f32, f32::max);
     let lsm = |r: &[f32]| {
         let m = r.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-        let lse = m + r.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
+        let lse = m + libm::log(r.iter().map(|&v| libm::exp(v as f64 - m)).sum::<f64>());
         r.iter().map(move |&v| v as f64 - lse).collect::<Vec<f64>>()
     };
     let (p, q) = (lsm(expected), lsm(actual));
     let kl = p
         .iter()
         .zip(&q)
-        .map(|(&lp, &lq)| lp.exp() * (lp - lq))
+        .map(|(&lp, &lq)| libm::exp(lp) * (lp - lq))
         .sum::<f64>()
         .max(0.0);
     let arg = |r: &[f32]| lmrr_kernels::argmax(r);
