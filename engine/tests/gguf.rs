@@ -256,3 +256,42 @@ fn every_import_writes_the_same_bytes_every_time() {
         }
     }
 }
+
+#[test]
+fn imports_with_bit_identical_logits_share_one_content_identity() {
+    use lmrr_engine::gguf::{import, ImportDtype};
+    use lmrr_engine::Model;
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("tiny.gguf");
+    std::fs::write(&src, tiny_quantized_llama()).unwrap();
+    let load = |name: &str, dtype| {
+        let dir = tmp.path().join(name);
+        import(&src, &dir, dtype).unwrap();
+        Model::load_dir(&dir).unwrap().identity()
+    };
+    let keep = load("keep", ImportDtype::Keep);
+    let keep2 = load("keep2", ImportDtype::Keep);
+    let f32 = load("f32", ImportDtype::F32);
+    let bf16 = load("bf16", ImportDtype::Bf16);
+    // Different files (Q8_0/Q4 blocks in U8 tensors vs f32, `torch_dtype`
+    // "gguf" vs "float32"), same logits (the test above): one identity.
+    assert_eq!(keep, keep2);
+    assert_eq!(keep, f32);
+    // Rounded to bf16: other values, other logits, another weights digest;
+    // config and tokenizer are the same.
+    assert_ne!(keep.weights_sha256, bf16.weights_sha256);
+    assert_eq!(
+        (keep.config_sha256, keep.tokenizer_sha256),
+        (bf16.config_sha256, bf16.tokenizer_sha256)
+    );
+    // One weight value changed by one ulp is another model.
+    let dir = tmp.path().join("f32");
+    let mut st = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(st[..8].try_into().unwrap()) as usize;
+    let at = 8 + n; // the first element of the first tensor
+    st[at] ^= 1;
+    std::fs::write(dir.join("model.safetensors"), &st).unwrap();
+    let moved = Model::load_dir(&dir).unwrap().identity();
+    assert_ne!(moved.weights_sha256, f32.weights_sha256);
+    assert_eq!(moved.config_sha256, f32.config_sha256);
+}

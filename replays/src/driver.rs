@@ -64,13 +64,15 @@ impl ReplayOptions {
 pub enum ReplayError {
     #[error(
         "model mismatch: the bundle was recorded on\n  {expected}\nbut the model given is\n  {found}\n\
-         (full hashes: weights {expected_weights} vs {found_weights})"
+         (differs in: {differs}; full weights digests {} vs {})",
+        expected.weights_sha256,
+        found.weights_sha256
     )]
     ModelMismatch {
         expected: Box<ModelIdentity>,
         found: Box<ModelIdentity>,
-        expected_weights: String,
-        found_weights: String,
+        /// Which of config, weights and tokenizer differ.
+        differs: String,
     },
     #[error(
         "the bundle was recorded under arithmetic contract v{found}; this lmrr implements v{supported}. \
@@ -158,12 +160,20 @@ pub(crate) fn check_bundle(bundle: &Bundle, model: &Model) -> Result<PatchSet, R
         });
     }
     let found = model.identity();
-    if found != m.model.identity {
+    let want = m.model.identity;
+    if found != want {
+        let differs: Vec<&str> = [
+            ("config", want.config_sha256 != found.config_sha256),
+            ("weights", want.weights_sha256 != found.weights_sha256),
+            ("tokenizer", want.tokenizer_sha256 != found.tokenizer_sha256),
+        ]
+        .into_iter()
+        .filter_map(|(n, d)| d.then_some(n))
+        .collect();
         return Err(ReplayError::ModelMismatch {
-            expected_weights: m.model.identity.weights_sha256.clone(),
-            found_weights: found.weights_sha256.clone(),
-            expected: Box::new(m.model.identity.clone()),
+            expected: Box::new(want),
             found: Box::new(found),
+            differs: differs.join(", "),
         });
     }
     PatchSet::parse(&m.patches.join(",")).map_err(ReplayError::UnknownPatch)
