@@ -321,7 +321,10 @@ mod tests {
         assert_ne!(config_digest(&a), config_digest(&b));
         let t = config_text(&a);
         assert!(t.contains("rope_theta=f64:40f86a0000000000\n"), "{t}");
-        assert!(t.contains("head_dim=32\n") && t.contains("eos_token_ids=[2]\n"), "{t}");
+        assert!(
+            t.contains("head_dim=32\n") && t.contains("eos_token_ids=[2]\n"),
+            "{t}"
+        );
     }
 
     #[test]
@@ -330,6 +333,9 @@ mod tests {
         let b = tokenizer_digest(b"{\"b\":[1,2],\n \"a\":1}", None);
         assert_eq!(a, b);
         assert_ne!(a, tokenizer_digest(br#"{"a": 1, "b": [2, 1]}"#, None));
-        assert_ne!(a, tokenizer_digest(br#"{"a": 1, "b": [1, 2]}"#, Some(b"{}")));
+        assert_ne!(
+            a,
+            tokenizer_digest(br#"{"a": 1, "b": [1, 2]}"#, Some(b"{}"))
+        );
     }
 }

@@ -251,7 +251,10 @@ fn every_import_writes_the_same_bytes_every_time() {
         );
         for r in &runs[1..] {
             for (name, bytes) in &runs[0] {
-                assert!(r[name] == *bytes, "{dtype:?}: {name} differs between imports");
+                assert!(
+                    r[name] == *bytes,
+                    "{dtype:?}: {name} differs between imports"
+                );
             }
         }
     }

@@ -121,7 +121,10 @@ fn the_one_entry_where_libm_pow_is_not_correctly_rounded_is_pinned() {
     let t = RopeTable::new(hd, 500_000.0, 8192);
     let (cos, sin) = t.tables();
     let k = pos * hd / 2 + i;
-    assert_eq!((cos[k].to_bits(), sin[k].to_bits()), (0x3e1fd9c3, 0x3f7cdc91));
+    assert_eq!(
+        (cos[k].to_bits(), sin[k].to_bits()),
+        (0x3e1fd9c3, 0x3f7cdc91)
+    );
     let mut fixed = cos.to_vec();
     fixed[k] = f32::from_bits(0x3e1fd9c4); // the reference's value
     assert_eq!(digest(&fixed, sin), REFERENCE);
