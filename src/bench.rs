@@ -273,8 +273,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         100.0 * (rf.recorded_s / rf.plain_s - 1.0),
     );
     println!(
-        "| one-time model identity hash (SHA-256 of {:.0} MB of weights; cached per process) | {:.0} ms |",
-        model.weight_file_bytes() as f64 / 1e6,
+        "| one-time model identity (SHA-256 of {:.0} M weights as f32, {} cores; cached per process) | {:.0} ms |",
+        model.llama.named_tensors().iter().map(|t| t.1.iter().product::<usize>()).sum::<usize>() as f64 / 1e6,
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
         rf.identity_s * 1e3
     );
     println!(
@@ -361,7 +362,7 @@ pub fn recording_overhead(
     let cfg = EngineConfig::default();
     let path = std::env::temp_dir().join(format!("lmrr-bench-{}.lmrr", std::process::id()));
     let (mut plain, mut recorded, mut observe) = (Vec::new(), Vec::new(), Vec::new());
-    // The model's identity (SHA-256 of its files) is computed once per process
+    // The model's content identity (one pass over its weights) is computed once per process
     // and cached: time that first computation on its own.
     let ti = Instant::now();
     model.identity();

@@ -563,9 +563,9 @@ pub fn import(path: &Path, out: &Path, dtype: ImportDtype) -> Result<ImportRepor
             ),
         ]);
     }
-    let mut data: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> =
-        Vec::with_capacity(plan.len());
-    let mut quant_meta = std::collections::HashMap::new();
+    let mut data: Vec<crate::weights::TensorBytes> = Vec::with_capacity(plan.len());
+    // Sorted: the file's bytes depend only on the GGUF (see `write_safetensors`).
+    let mut quant_meta = BTreeMap::new();
     let mut params = 0;
     for (src, dst, rope) in plan {
         let t = by_name
@@ -604,16 +604,7 @@ pub fn import(path: &Path, out: &Path, dtype: ImportDtype) -> Result<ImportRepor
         };
         data.push((dst, st_dtype, shape, bytes));
     }
-    let views: Vec<(String, safetensors::tensor::TensorView)> = data
-        .iter()
-        .map(|(n, dt, s, b)| {
-            safetensors::tensor::TensorView::new(*dt, s.clone(), b)
-                .map(|v| (n.clone(), v))
-                .map_err(|e| bad(format!("tensor `{n}`: {e}")))
-        })
-        .collect::<Result<_, _>>()?;
-    let meta = (!quant_meta.is_empty()).then_some(quant_meta);
-    let st = safetensors::tensor::serialize(views, meta).map_err(|e| bad(e.to_string()))?;
+    let st = crate::weights::write_safetensors(&data, &quant_meta).map_err(bad)?;
     // Tokenizer.
     let merges: Vec<String> = match g.get("tokenizer.ggml.merges") {
         Some(Value::Array(v)) => v

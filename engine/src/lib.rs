@@ -15,6 +15,7 @@ pub mod config;
 pub mod error;
 pub mod generate;
 pub mod gguf;
+pub mod identity;
 pub mod kv;
 pub mod llama;
 pub mod patches;
@@ -30,6 +31,7 @@ pub mod weights;
 pub use config::LlamaConfig;
 pub use error::EngineError;
 pub use generate::{generate, FinishReason, GenerateOptions, Generation};
+pub use identity::{ModelIdentity, Sha256Digest};
 pub use kv::{KvCache, SeqId, SeqKvStore};
 pub use llama::{Device, Llama, LogitsWanted, SeqSpan};
 pub use patches::{Patch, PatchSet};
@@ -54,26 +56,6 @@ pub struct Model {
     pub chat_template: Option<chat::ChatTemplate>,
     files: ModelFiles,
     identity: std::sync::OnceLock<ModelIdentity>,
-}
-
-/// What a model is, by content: SHA-256 (hex) of each of its three files.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct ModelIdentity {
-    pub config_sha256: String,
-    pub weights_sha256: String,
-    pub tokenizer_sha256: String,
-}
-
-impl std::fmt::Display for ModelIdentity {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "config {} · weights {} · tokenizer {}",
-            &self.config_sha256[..16],
-            &self.weights_sha256[..16],
-            &self.tokenizer_sha256[..16]
-        )
-    }
 }
 
 impl Model {
@@ -153,16 +135,19 @@ impl Model {
         self.files.weight_bytes().len()
     }
 
-    /// SHA-256 of the model's files (reads all weights once, then cached).
+    /// The model's content identity (see [`identity`]): computed on first use
+    /// with one pass over the weights, then cached.
     pub fn identity(&self) -> ModelIdentity {
-        use sha2::{Digest, Sha256};
-        let hex = |b: &[u8]| generate::hex(&Sha256::digest(b));
-        self.identity
-            .get_or_init(|| ModelIdentity {
-                config_sha256: hex(&self.files.config),
-                weights_sha256: hex(self.files.weight_bytes()),
-                tokenizer_sha256: hex(&self.files.tokenizer),
-            })
-            .clone()
+        *self.identity.get_or_init(|| {
+            let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
+            ModelIdentity {
+                config_sha256: identity::config_digest(self.llama.config()),
+                weights_sha256: identity::weights_digest(&self.llama, workers),
+                tokenizer_sha256: identity::tokenizer_digest(
+                    &self.files.tokenizer,
+                    self.files.tokenizer_config.as_ref().map(|(b, _)| &b[..]),
+                ),
+            }
+        })
     }
 }

@@ -28,6 +28,13 @@ struct Layer {
     down: Tensor,
 }
 
+/// A tensor's values as the kernels see them: stored (f32, bf16 or GGUF
+/// blocks, widened exactly on use), or already widened at load (norm weights).
+pub enum TensorValues<'a> {
+    Stored(&'a Tensor),
+    F32(&'a [f32]),
+}
+
 /// Where the forward pass's kernels run. Every device gives the same bits
 /// (contract invariant I6); the CUDA path copies operands per call (portable
 /// mode, not a fast path) and runs no engine patch.
@@ -147,6 +154,33 @@ impl Llama {
             shape,
             device: Device::Cpu,
         })
+    }
+
+    /// Every tensor the forward pass reads, by its HF name, with its shape and
+    /// its values as the kernels see them (for [`crate::identity`]). A tied
+    /// output head is the embedding, listed once.
+    pub fn named_tensors(&self) -> Vec<(String, Vec<usize>, TensorValues<'_>)> {
+        fn stored(t: &Tensor) -> (String, Vec<usize>, TensorValues<'_>) {
+            (t.name.clone(), t.shape.clone(), TensorValues::Stored(t))
+        }
+        fn vector(name: String, v: &[f32]) -> (String, Vec<usize>, TensorValues<'_>) {
+            (name, vec![v.len()], TensorValues::F32(v))
+        }
+        let mut out = vec![
+            stored(&self.embed),
+            vector("model.norm.weight".into(), &self.norm),
+        ];
+        out.extend(self.lm_head.as_ref().map(stored));
+        for (i, l) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            out.push(vector(format!("{p}.input_layernorm.weight"), &l.attn_norm));
+            out.push(vector(
+                format!("{p}.post_attention_layernorm.weight"),
+                &l.mlp_norm,
+            ));
+            out.extend([&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down].map(stored));
+        }
+        out
     }
 
     /// Runs the forward pass's kernels on `device` from now on.

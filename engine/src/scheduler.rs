@@ -1022,7 +1022,8 @@ fn row_bytes(row: &[f32]) -> Vec<u8> {
 
 /// The `k` largest logits (ties to the lowest id) as `(token, log-probability)`.
 /// For reports only, but still deterministic: the log-sum-exp uses the
-/// canonical `det_exp` and sum, and one f64 `ln`.
+/// canonical `det_exp` and sum, and one f64 `ln` from the pure-Rust `libm`
+/// (the same bits on every platform; recorded logprobs are in bundles).
 pub fn top_logprobs(row: &[f32], k: usize) -> Vec<(u32, f32)> {
     let mut idx: Vec<u32> = (0..row.len() as u32)
         .filter(|&i| !row[i as usize].is_nan())
@@ -1041,7 +1042,7 @@ pub fn top_logprobs(row: &[f32], k: usize) -> Vec<(u32, f32)> {
         .collect();
     let mut e = vec![0.0f32; row.len()];
     lmrr_kernels::exp_slice(&shifted, &mut e);
-    let lse = m as f64 + (lmrr_kernels::sum(&e) as f64).ln();
+    let lse = m as f64 + libm::log(lmrr_kernels::sum(&e) as f64);
     let order = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
     if k < idx.len() {
         idx.select_nth_unstable_by(k - 1, order);

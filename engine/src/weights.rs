@@ -132,6 +132,58 @@ impl ModelFiles {
     }
 }
 
+/// One tensor to write: name, dtype, shape, little-endian element bytes.
+pub type TensorBytes = (String, safetensors::Dtype, Vec<usize>, Vec<u8>);
+
+/// Serialises `tensors` and `metadata` as a `model.safetensors` file, the same
+/// bytes on every run: the header is JSON with keys in sorted order (the
+/// `safetensors` crate takes the metadata as a `HashMap` and writes it in that
+/// map's per-process random order), and the data is laid out by descending
+/// element size, then name, so every F32 tensor starts 4-byte aligned (the
+/// header is padded with spaces to a multiple of 8, as the format requires).
+pub fn write_safetensors(
+    tensors: &[TensorBytes],
+    metadata: &std::collections::BTreeMap<String, String>,
+) -> Result<Vec<u8>, String> {
+    use serde_json::{json, Map, Value};
+    let mut order: Vec<&TensorBytes> = tensors.iter().collect();
+    order.sort_by(|a, b| b.1.bitsize().cmp(&a.1.bitsize()).then(a.0.cmp(&b.0)));
+    let mut header = Map::new();
+    if !metadata.is_empty() {
+        header.insert("__metadata__".into(), json!(metadata));
+    }
+    let mut offset = 0usize;
+    for (name, dtype, shape, bytes) in &order {
+        let elements = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        let expected = elements.and_then(|n| n.checked_mul(dtype.bitsize()).map(|b| b / 8));
+        if expected != Some(bytes.len()) || dtype.bitsize() % 8 != 0 {
+            return Err(format!(
+                "tensor `{name}`: {} bytes for {dtype:?} of shape {shape:?}",
+                bytes.len()
+            ));
+        }
+        if header.contains_key(name.as_str()) {
+            return Err(format!("tensor `{name}` appears twice"));
+        }
+        let dtype = serde_json::to_value(dtype).map_err(|e| e.to_string())?;
+        header.insert(
+            name.clone(),
+            json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + bytes.len()]}),
+        );
+        offset += bytes.len();
+    }
+    // serde_json's map is ordered by key: the header text is canonical.
+    let mut text = serde_json::to_vec(&Value::Object(header)).map_err(|e| e.to_string())?;
+    text.resize(text.len().next_multiple_of(8), b' ');
+    let mut out = Vec::with_capacity(8 + text.len() + offset);
+    out.extend((text.len() as u64).to_le_bytes());
+    out.extend(text);
+    for (_, _, _, bytes) in order {
+        out.extend_from_slice(bytes);
+    }
+    Ok(out)
+}
+
 /// Element storage of a tensor.
 enum Data {
     /// `len` elements of `T` at byte offset `off` of the backing (aligned).

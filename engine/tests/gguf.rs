@@ -4,47 +4,9 @@
 
 use lmrr_engine::gguf::{dequantize, unpermute_rope_rows, GgmlType, Gguf, Value};
 
-/// Builds a GGUF v3 file: metadata `(key, type, raw value bytes)` and tensors
-/// `(name, dims, ggml type id, data)`.
-fn gguf(meta: &[(&str, u32, Vec<u8>)], tensors: &[(&str, Vec<u64>, u32, Vec<u8>)]) -> Vec<u8> {
-    let s = |v: &str| {
-        [
-            (v.len() as u64).to_le_bytes().to_vec(),
-            v.as_bytes().to_vec(),
-        ]
-        .concat()
-    };
-    let mut b = b"GGUF".to_vec();
-    b.extend(3u32.to_le_bytes());
-    b.extend((tensors.len() as u64).to_le_bytes());
-    b.extend((meta.len() as u64).to_le_bytes());
-    for (k, t, v) in meta {
-        b.extend(s(k));
-        b.extend(t.to_le_bytes());
-        b.extend(v);
-    }
-    let mut off = 0u64;
-    for (name, dims, ty, data) in tensors {
-        b.extend(s(name));
-        b.extend((dims.len() as u32).to_le_bytes());
-        for d in dims {
-            b.extend(d.to_le_bytes());
-        }
-        b.extend(ty.to_le_bytes());
-        b.extend(off.to_le_bytes());
-        off += (data.len() as u64).div_ceil(32) * 32;
-    }
-    while b.len() % 32 != 0 {
-        b.push(0);
-    }
-    for (_, _, _, data) in tensors {
-        b.extend(data);
-        while b.len() % 32 != 0 {
-            b.push(0);
-        }
-    }
-    b
-}
+#[path = "fixtures/tiny_gguf.rs"]
+mod tiny_gguf;
+use tiny_gguf::{gguf, tiny_quantized_llama};
 
 fn parse(b: &[u8]) -> Result<Gguf, String> {
     Gguf::parse(b, std::path::Path::new("t.gguf")).map_err(|e| e.to_string())
@@ -163,114 +125,6 @@ fn malformed_files_are_errors_with_offsets() {
     }
 }
 
-/// Metadata value bytes.
-fn meta_u32(v: u32) -> (u32, Vec<u8>) {
-    (4, v.to_le_bytes().to_vec())
-}
-fn meta_str(v: &str) -> (u32, Vec<u8>) {
-    (
-        8,
-        [
-            (v.len() as u64).to_le_bytes().to_vec(),
-            v.as_bytes().to_vec(),
-        ]
-        .concat(),
-    )
-}
-fn meta_strs(v: &[String]) -> (u32, Vec<u8>) {
-    let mut b = 8u32.to_le_bytes().to_vec();
-    b.extend((v.len() as u64).to_le_bytes());
-    for s in v {
-        b.extend((s.len() as u64).to_le_bytes());
-        b.extend(s.as_bytes());
-    }
-    (9, b)
-}
-
-/// Random blocks of `kind` (ggml type id `ty`) with realistic f16 scales.
-fn blocks(seed: &mut u64, ty: u32, elements: usize) -> Vec<u8> {
-    let mut next = || {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (*seed >> 33) as u32
-    };
-    let (bb, hdr) = match ty {
-        2 => (18, 1),
-        3 => (20, 2),
-        8 => (34, 1),
-        _ => unreachable!(),
-    };
-    let mut out = Vec::new();
-    for _ in 0..elements / 32 {
-        // f16 scales in [2^-8, 2^-5): exponent 7..9, random mantissa and sign.
-        for _ in 0..hdr {
-            let h = ((next() & 1) << 15) | ((7 + next() % 3) << 10) | (next() & 0x3ff);
-            out.extend((h as u16).to_le_bytes());
-        }
-        out.extend((0..bb - 2 * hdr).map(|_| next() as u8));
-    }
-    out
-}
-
-/// A 2-layer llama GGUF whose matrices use all three block types (and F32
-/// norms), with a byte-level vocabulary.
-fn tiny_quantized_llama() -> Vec<u8> {
-    let (d, ff, heads, kv_heads, vocab) = (64u64, 128u64, 4u32, 2u32, 96usize);
-    let kv = d / heads as u64 * kv_heads as u64;
-    let mut seed = 7u64;
-    let tokens: Vec<String> = (0..vocab).map(|i| format!("t{i}")).collect();
-    let meta = [
-        ("general.architecture", meta_str("llama")),
-        ("llama.embedding_length", meta_u32(d as u32)),
-        ("llama.feed_forward_length", meta_u32(ff as u32)),
-        ("llama.attention.head_count", meta_u32(heads)),
-        ("llama.attention.head_count_kv", meta_u32(kv_heads)),
-        ("llama.block_count", meta_u32(2)),
-        ("llama.context_length", meta_u32(256)),
-        ("tokenizer.ggml.tokens", meta_strs(&tokens)),
-    ];
-    let meta: Vec<(&str, u32, Vec<u8>)> = meta.into_iter().map(|(k, (t, v))| (k, t, v)).collect();
-    let norm = |n: u64| -> Vec<u8> {
-        (0..n)
-            .flat_map(|i| (1.0 + i as f32 / 64.0).to_le_bytes())
-            .collect()
-    };
-    let mut t: Vec<(String, Vec<u64>, u32, Vec<u8>)> = vec![
-        (
-            "token_embd.weight".into(),
-            vec![d, vocab as u64],
-            8,
-            blocks(&mut seed, 8, d as usize * vocab),
-        ),
-        ("output_norm.weight".into(), vec![d], 0, norm(d)),
-    ];
-    for l in 0..2 {
-        // (name, ggml dims, type): every block type appears in every layer.
-        let mats = [
-            ("attn_q", [d, d], 3),
-            ("attn_k", [d, kv], 2),
-            ("attn_v", [d, kv], 8),
-            ("attn_output", [d, d], 3),
-            ("ffn_gate", [d, ff], 2),
-            ("ffn_up", [d, ff], 3),
-            ("ffn_down", [ff, d], 8),
-        ];
-        for n in ["attn_norm", "ffn_norm"] {
-            t.push((format!("blk.{l}.{n}.weight"), vec![d], 0, norm(d)));
-        }
-        for (n, dims, ty) in mats {
-            let data = blocks(&mut seed, ty, (dims[0] * dims[1]) as usize);
-            t.push((format!("blk.{l}.{n}.weight"), dims.to_vec(), ty, data));
-        }
-    }
-    let t: Vec<(&str, Vec<u64>, u32, Vec<u8>)> = t
-        .iter()
-        .map(|(n, dims, ty, data)| (n.as_str(), dims.clone(), *ty, data.clone()))
-        .collect();
-    gguf(&meta, &t)
-}
-
 /// Prefill 40 tokens in chunks of 13, then 6 decode steps, every row's logits.
 fn run_logits(dir: &std::path::Path, threads: usize) -> Vec<u32> {
     use lmrr_engine::{Llama, LogitsWanted, ModelFiles, SeqKvStore, SeqSpan};
@@ -358,4 +212,89 @@ fn keep_import_with_a_missing_block_format_is_a_clear_error() {
         .to_string();
     assert!(err.contains("U8 without a block format"), "{err}");
     assert!(err.contains("lmrr.quant.model."), "{err}");
+}
+
+/// Every file of `dir`, by name.
+fn files(dir: &std::path::Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                std::fs::read(e.path()).unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn every_import_writes_the_same_bytes_every_time() {
+    use lmrr_engine::gguf::{import, ImportDtype};
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("tiny.gguf");
+    std::fs::write(&src, tiny_quantized_llama()).unwrap();
+    for dtype in [ImportDtype::Keep, ImportDtype::F32, ImportDtype::Bf16] {
+        // Three imports: each `HashMap` of the process has its own random
+        // order, so a map reaching the file would show here.
+        let runs: Vec<_> = (0..3)
+            .map(|i| {
+                let dir = tmp.path().join(format!("{dtype:?}-{i}"));
+                import(&src, &dir, dtype).unwrap();
+                files(&dir)
+            })
+            .collect();
+        assert_eq!(
+            runs[0].keys().collect::<Vec<_>>(),
+            ["config.json", "model.safetensors", "tokenizer.json"],
+            "{dtype:?}"
+        );
+        for r in &runs[1..] {
+            for (name, bytes) in &runs[0] {
+                assert!(
+                    r[name] == *bytes,
+                    "{dtype:?}: {name} differs between imports"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn imports_with_bit_identical_logits_share_one_content_identity() {
+    use lmrr_engine::gguf::{import, ImportDtype};
+    use lmrr_engine::Model;
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("tiny.gguf");
+    std::fs::write(&src, tiny_quantized_llama()).unwrap();
+    let load = |name: &str, dtype| {
+        let dir = tmp.path().join(name);
+        import(&src, &dir, dtype).unwrap();
+        Model::load_dir(&dir).unwrap().identity()
+    };
+    let keep = load("keep", ImportDtype::Keep);
+    let keep2 = load("keep2", ImportDtype::Keep);
+    let f32 = load("f32", ImportDtype::F32);
+    let bf16 = load("bf16", ImportDtype::Bf16);
+    // Different files (Q8_0/Q4 blocks in U8 tensors vs f32, `torch_dtype`
+    // "gguf" vs "float32"), same logits (the test above): one identity.
+    assert_eq!(keep, keep2);
+    assert_eq!(keep, f32);
+    // Rounded to bf16: other values, other logits, another weights digest;
+    // config and tokenizer are the same.
+    assert_ne!(keep.weights_sha256, bf16.weights_sha256);
+    assert_eq!(
+        (keep.config_sha256, keep.tokenizer_sha256),
+        (bf16.config_sha256, bf16.tokenizer_sha256)
+    );
+    // One weight value changed by one ulp is another model.
+    let dir = tmp.path().join("f32");
+    let mut st = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(st[..8].try_into().unwrap()) as usize;
+    let at = 8 + n; // the first element of the first tensor
+    st[at] ^= 1;
+    std::fs::write(dir.join("model.safetensors"), &st).unwrap();
+    let moved = Model::load_dir(&dir).unwrap().identity();
+    assert_ne!(moved.weights_sha256, f32.weights_sha256);
+    assert_eq!(moved.config_sha256, f32.config_sha256);
 }

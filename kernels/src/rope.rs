@@ -5,6 +5,11 @@
 //! The cos/sin table is computed once on the host in f64 and rounded to f32:
 //! `inv_freq[i] = θ^(−2i/d)`, angle `= pos · inv_freq[i]`. Every device reads
 //! the same table, so no device ever evaluates a transcendental for RoPE.
+//! `pow`, `cos` and `sin` come from the pure-Rust `libm` crate (version pinned
+//! in the workspace), never from the platform's C library, whose results
+//! differ between glibc, musl and macOS: the table has the same bits on every
+//! platform. `kernels/tests/rope_table.rs` pins them against an independent,
+//! correctly rounded computation (`rope_table_reference.py`).
 
 /// Host-computed cos/sin table, `(max_pos, head_dim / 2)` each.
 #[derive(Debug, Clone)]
@@ -26,13 +31,13 @@ impl RopeTable {
         let mut cos = Vec::with_capacity(max_pos * half);
         let mut sin = Vec::with_capacity(max_pos * half);
         let inv: Vec<f64> = (0..half)
-            .map(|i| theta.powf(-((2 * i) as f64) / head_dim as f64))
+            .map(|i| libm::pow(theta, -((2 * i) as f64) / head_dim as f64))
             .collect();
         for p in 0..max_pos {
             for &f in &inv {
                 let a = p as f64 * f;
-                cos.push(a.cos() as f32);
-                sin.push(a.sin() as f32);
+                cos.push(libm::cos(a) as f32);
+                sin.push(libm::sin(a) as f32);
             }
         }
         Self {
@@ -51,6 +56,11 @@ impl RopeTable {
     /// Head dimension the table was built for.
     pub fn head_dim(&self) -> usize {
         self.half * 2
+    }
+
+    /// The whole tables, `(cos, sin)`, each `(max_pos, head_dim / 2)` row-major.
+    pub fn tables(&self) -> (&[f32], &[f32]) {
+        (&self.cos, &self.sin)
     }
 
     pub(crate) fn row(&self, pos: usize) -> (&[f32], &[f32]) {

@@ -63,7 +63,18 @@ pub enum BundleError {
     TooLarge { size: u64, limit: u64 },
     #[error("not an lmrr bundle: starts with {found:?}, expected {expected:?}")]
     Foreign { found: String, expected: String },
-    #[error("bundle format version {found}, this lmrr reads version {supported}")]
+    #[error(
+        "bundle format version {found}, this lmrr reads version {supported}{}",
+        if *found < *supported {
+            format!(
+                ": the bundle was written by an older lmrr ({}); replay it with that \
+                 version, or record the session again",
+                crate::schema::format_change(*found)
+            )
+        } else {
+            ": the bundle was written by a newer lmrr".into()
+        }
+    )]
     Version { found: u32, supported: u32 },
     #[error("corrupt bundle: frame {frame} at byte {offset}: {what}")]
     Corrupt {

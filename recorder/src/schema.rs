@@ -8,7 +8,19 @@ use lmrr_engine::scheduler::{Request, RequestId, StepReport};
 use lmrr_engine::{EngineConfig, ModelIdentity, SynthSpec};
 
 /// Version of the bundle format (framing and schema).
-pub const FORMAT_VERSION: u32 = 1;
+///
+/// - 1: first format.
+/// - 2: the model identity is a content identity (digests of the config
+///   fields, tokenizer and f32 weight values; 32-byte digests, not hex text).
+pub const FORMAT_VERSION: u32 = 2;
+
+/// What changed after format `version`, for the message that refuses it.
+pub fn format_change(version: u32) -> &'static str {
+    match version {
+        0 | 1 => "format 2 identifies models by content, format 1 by file hashes",
+        _ => "an earlier format",
+    }
+}
 
 /// Everything about a recording except its events.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

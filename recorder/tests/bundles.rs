@@ -227,9 +227,22 @@ fn foreign_files_and_other_versions_are_named() {
     assert!(matches!(e, BundleError::Foreign { .. }), "{e}");
     assert!(e.to_string().contains("PK"), "{e}");
     let (mut bytes, _) = record();
-    bytes[8..12].copy_from_slice(&7u32.to_le_bytes());
+    let supported = lmrr_recorder::FORMAT_VERSION;
+    bytes[8..12].copy_from_slice(&(supported + 5).to_le_bytes());
     let e = read(&bytes).unwrap_err().to_string();
-    assert!(e.contains("version 7") && e.contains("version 1"), "{e}");
+    assert!(
+        e.contains(&format!("version {}", supported + 5))
+            && e.contains(&format!("reads version {supported}"))
+            && e.contains("newer lmrr"),
+        "{e}"
+    );
+    // A bundle of format 1 (file-hash identities) is refused with the reason.
+    bytes[8..12].copy_from_slice(&1u32.to_le_bytes());
+    let e = read(&bytes).unwrap_err().to_string();
+    assert!(
+        e.contains("format version 1,") && e.contains("older lmrr") && e.contains("by content"),
+        "{e}"
+    );
     assert!(read(b"").is_err());
 }
 

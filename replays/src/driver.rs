@@ -65,13 +65,15 @@ impl ReplayOptions {
 pub enum ReplayError {
     #[error(
         "model mismatch: the bundle was recorded on\n  {expected}\nbut the model given is\n  {found}\n\
-         (full hashes: weights {expected_weights} vs {found_weights})"
+         (differs in: {differs}; full weights digests {} vs {})",
+        expected.weights_sha256,
+        found.weights_sha256
     )]
     ModelMismatch {
         expected: Box<ModelIdentity>,
         found: Box<ModelIdentity>,
-        expected_weights: String,
-        found_weights: String,
+        /// Which of config, weights and tokenizer differ.
+        differs: String,
     },
     #[error(
         "the bundle was recorded under arithmetic contract v{found}; this lmrr implements v{supported}. \
@@ -155,12 +157,20 @@ pub(crate) fn check_bundle(bundle: &Bundle, model: &Model) -> Result<PatchSet, R
         });
     }
     let found = model.identity();
-    if found != m.model.identity {
+    let want = m.model.identity;
+    if found != want {
+        let differs: Vec<&str> = [
+            ("config", want.config_sha256 != found.config_sha256),
+            ("weights", want.weights_sha256 != found.weights_sha256),
+            ("tokenizer", want.tokenizer_sha256 != found.tokenizer_sha256),
+        ]
+        .into_iter()
+        .filter_map(|(n, d)| d.then_some(n))
+        .collect();
         return Err(ReplayError::ModelMismatch {
-            expected_weights: m.model.identity.weights_sha256.clone(),
-            found_weights: found.weights_sha256.clone(),
-            expected: Box::new(m.model.identity.clone()),
+            expected: Box::new(want),
             found: Box::new(found),
+            differs: differs.join(", "),
         });
     }
     let patches = PatchSet::parse(&m.patches.join(",")).map_err(ReplayError::UnknownPatch)?;
@@ -187,6 +197,8 @@ fn short(h: &[u8; 32]) -> String {
 }
 
 /// Drift between two logits rows: (max |Δ|, KL(P_expected ‖ P_actual), argmax equal).
+/// f64 sums in index order with `exp`/`log` from the pure-Rust `libm`, so the
+/// KL printed in reports and snapshots has the same digits on every platform.
 pub fn drift(expected: &[f32], actual: &[f32]) -> (f32, f64, bool) {
     let max = expected
         .iter()
@@ -195,14 +207,14 @@ pub fn drift(expected: &[f32], actual: &[f32]) -> (f32, f64, bool) {
         .fold(0.0f32, f32::max);
     let lsm = |r: &[f32]| {
         let m = r.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-        let lse = m + r.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
+        let lse = m + libm::log(r.iter().map(|&v| libm::exp(v as f64 - m)).sum::<f64>());
         r.iter().map(move |&v| v as f64 - lse).collect::<Vec<f64>>()
     };
     let (p, q) = (lsm(expected), lsm(actual));
     let kl = p
         .iter()
         .zip(&q)
-        .map(|(&lp, &lq)| lp.exp() * (lp - lq))
+        .map(|(&lp, &lq)| libm::exp(lp) * (lp - lq))
         .sum::<f64>()
         .max(0.0);
     let arg = |r: &[f32]| lmrr_kernels::argmax(r);

@@ -331,7 +331,9 @@ fn a_different_model_is_refused_naming_both_hashes() {
     .unwrap_err()
     .to_string();
     assert!(
-        e.contains(&m.identity().weights_sha256) && e.contains(&other.identity().weights_sha256),
+        e.contains(&m.identity().weights_sha256.hex())
+            && e.contains(&other.identity().weights_sha256.hex())
+            && e.contains("differs in: weights;"),
         "{e}"
     );
 }
