@@ -296,6 +296,9 @@ pub(crate) fn set_device(model: &mut Model, device: &str) -> Result<()> {
 }
 
 fn run_generate(a: &GenerateArgs) -> Result<()> {
+    if a.max_tokens == 0 {
+        bail!("--max-tokens 0: a request generates at least 1 token (as in a session script)");
+    }
     let mut model = load_model(a.model.as_deref())?;
     set_device(&mut model, &a.device)?;
     let th = threads(a.threads)?;
