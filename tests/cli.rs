@@ -497,3 +497,72 @@ fn another_contract_version_is_refused_and_rerecord_refreshes_it() {
     );
     assert!(!d.path().join("changed.lmrr.partial").exists());
 }
+
+#[test]
+fn generate_chat_sends_marker_characters_as_text_on_a_model_with_its_own_template() {
+    let d = tempfile::tempdir().unwrap();
+    let m = d.path().join("m");
+    let o = lmrr(
+        &[
+            "gen-model",
+            "--preset",
+            "tiny",
+            "--out",
+            m.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::write(
+        m.join("tokenizer_config.json"),
+        r#"{"chat_template": "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}{{ '<|im_start|>assistant\n' }}"}"#,
+    )
+    .unwrap();
+    let user = "keep \u{F8F0}turn1\u{F8F1} and \u{F8F0} as text";
+    let o = lmrr(
+        &[
+            "generate",
+            "--model",
+            m.to_str().unwrap(),
+            "--chat",
+            "--prompt",
+            user,
+            "--max-tokens",
+            "1",
+        ],
+        &[],
+    );
+    digest(&o);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.starts_with(&format!(
+            "<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+        )),
+        "{out}"
+    );
+}
+
+#[test]
+fn max_tokens_zero_exits_2_in_generate_and_in_run() {
+    let o = lmrr(&["generate", "--max-tokens", "0"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.contains("--max-tokens 0") && e.contains("at least 1"),
+        "{e}"
+    );
+    let d = tempfile::tempdir().unwrap();
+    let s = d.path().join("s.toml");
+    std::fs::write(
+        &s,
+        "[[request]]\nid = \"a\"\nprompt = \"x\"\nmax_tokens = 0\n",
+    )
+    .unwrap();
+    let o = lmrr(&["run", "--script", s.to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.contains("request `a`") && e.contains("max_tokens = 0") && e.contains("at least 1"),
+        "{e}"
+    );
+}
