@@ -19,8 +19,8 @@ use lmrr_engine::{
     Scheduler, Script, SynthSpec,
 };
 use lmrr_kernels::Threads;
-use lmrr_replays::report::plural;
 use lmrr_recorder::{Manifest, Recorder, Summary};
+use lmrr_replays::report::plural;
 
 /// rr for LLM inference: a deterministic engine whose logits are a pure function
 /// of the tokens, bit for bit.
@@ -313,6 +313,9 @@ pub(crate) fn set_device(model: &mut Model, device: &str) -> Result<()> {
 }
 
 fn run_generate(a: &GenerateArgs) -> Result<()> {
+    if a.max_tokens == 0 {
+        bail!("--max-tokens 0: a request generates at least 1 token (as in a session script)");
+    }
     let mut model = load_model(a.model.as_deref())?;
     set_device(&mut model, &a.device)?;
     let th = threads(a.threads)?;
@@ -563,7 +566,9 @@ pub(crate) fn session_manifest(
 /// Opens a bundle; errors name the file once (an I/O error names it itself).
 pub(crate) fn open_bundle(path: &std::path::Path) -> Result<lmrr_recorder::Bundle> {
     lmrr_recorder::open(path).or_else(|e| match e {
-        e @ lmrr_recorder::BundleError::Io { .. } => Err(anyhow::Error::new(e).context("reading bundle")),
+        e @ lmrr_recorder::BundleError::Io { .. } => {
+            Err(anyhow::Error::new(e).context("reading bundle"))
+        }
         e => Err(anyhow::Error::new(e).context(format!("reading bundle {}", path.display()))),
     })
 }

@@ -110,8 +110,10 @@ pub fn run(a: &ReplayArgs) -> Result<u8> {
             (None, Some(p)) => p.clone(),
             (None, None) => PatchSet::all(),
         };
-        let (base, candidates): (PatchSet, Vec<Patch>) =
-            (good.clone(), bad.iter().filter(|p| !good.contains(*p)).collect());
+        let (base, candidates): (PatchSet, Vec<Patch>) = (
+            good.clone(),
+            bad.iter().filter(|p| !good.contains(*p)).collect(),
+        );
         let bar = if std::io::stderr().is_terminal() && !a.json {
             let pb = indicatif::ProgressBar::new_spinner();
             pb.set_message("bisecting");

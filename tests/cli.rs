@@ -368,10 +368,14 @@ fn replay_exit_codes_reports_bisect_and_oracle() {
     );
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(
-        out.contains("refused: the bad set") && out.contains("same behaviour; logits differ from step"),
+        out.contains("refused: the bad set")
+            && out.contains("same behaviour; logits differ from step"),
         "{out}"
     );
-    assert!(!out.contains("bit-exact"), "a probe judged by behaviour is not bit-exact: {out}");
+    assert!(
+        !out.contains("bit-exact"),
+        "a probe judged by behaviour is not bit-exact: {out}"
+    );
     let o = lmrr(
         &[
             "replay",
@@ -392,7 +396,10 @@ fn replay_exit_codes_reports_bisect_and_oracle() {
     let o = lmrr(&["replay", b, "--bisect", "--good", "none"], &[]);
     assert_eq!(o.status.code(), Some(2));
     let out = String::from_utf8_lossy(&o.stdout);
-    assert!(out.contains("refused: the good set `none` already diverges"), "{out}");
+    assert!(
+        out.contains("refused: the good set `none` already diverges"),
+        "{out}"
+    );
     assert!(!out.contains("culprit ("), "{out}");
 
     let b = bad.to_str().unwrap();
@@ -519,14 +526,27 @@ fn a_livelocked_run_stops_with_a_report_and_a_complete_bundle() {
     let b = d.path().join("livelock.lmrr");
     let args = |patches: &'static str| {
         vec![
-            "run", "--script", script, "--page-size", "7", "--pool-pages", "17", "--patches", patches,
+            "run",
+            "--script",
+            script,
+            "--page-size",
+            "7",
+            "--pool-pages",
+            "17",
+            "--patches",
+            patches,
         ]
     };
     let mut a = args("abort-frees-shared");
     a.extend(["--record", b.to_str().unwrap()]);
     let t0 = std::time::Instant::now();
     let o = lmrr(&a, &[]);
-    assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     assert!(t0.elapsed().as_secs() < 60, "took {:?}", t0.elapsed());
     let err = String::from_utf8_lossy(&o.stderr);
     for want in [
@@ -541,8 +561,87 @@ fn a_livelocked_run_stops_with_a_report_and_a_complete_bundle() {
     let o = lmrr(&["inspect", b.to_str().unwrap()], &[]);
     assert!(o.status.success() && !String::from_utf8_lossy(&o.stdout).contains("TRUNCATED"));
     let o = lmrr(&["replay", b.to_str().unwrap()], &[]);
-    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stdout));
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
     // Without the patch the same session completes.
     let o = lmrr(&args("none"), &[]);
-    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+#[test]
+fn generate_chat_sends_marker_characters_as_text_on_a_model_with_its_own_template() {
+    let d = tempfile::tempdir().unwrap();
+    let m = d.path().join("m");
+    let o = lmrr(
+        &[
+            "gen-model",
+            "--preset",
+            "tiny",
+            "--out",
+            m.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::write(
+        m.join("tokenizer_config.json"),
+        r#"{"chat_template": "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}{{ '<|im_start|>assistant\n' }}"}"#,
+    )
+    .unwrap();
+    let user = "keep \u{F8F0}turn1\u{F8F1} and \u{F8F0} as text";
+    let o = lmrr(
+        &[
+            "generate",
+            "--model",
+            m.to_str().unwrap(),
+            "--chat",
+            "--prompt",
+            user,
+            "--max-tokens",
+            "1",
+        ],
+        &[],
+    );
+    digest(&o);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.starts_with(&format!(
+            "<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+        )),
+        "{out}"
+    );
+}
+
+#[test]
+fn max_tokens_zero_exits_2_in_generate_and_in_run() {
+    let o = lmrr(&["generate", "--max-tokens", "0"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.contains("--max-tokens 0") && e.contains("at least 1"),
+        "{e}"
+    );
+    let d = tempfile::tempdir().unwrap();
+    let s = d.path().join("s.toml");
+    std::fs::write(
+        &s,
+        "[[request]]\nid = \"a\"\nprompt = \"x\"\nmax_tokens = 0\n",
+    )
+    .unwrap();
+    let o = lmrr(&["run", "--script", s.to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.contains("request `a`") && e.contains("max_tokens = 0") && e.contains("at least 1"),
+        "{e}"
+    );
 }

@@ -22,7 +22,10 @@ fn filter(s: &str, tmp: Option<&Path>) -> String {
         s = s.replace(&t.display().to_string(), "[TMP]");
     }
     for (pat, rep) in FILTERS {
-        s = regex::Regex::new(pat).unwrap().replace_all(&s, *rep).into_owned();
+        s = regex::Regex::new(pat)
+            .unwrap()
+            .replace_all(&s, *rep)
+            .into_owned();
     }
     s
 }
@@ -138,7 +141,10 @@ fn readme_examples_match_the_snapshots() {
     while let Some(at) = rest.find("<!-- snapshot: ") {
         rest = &rest[at + "<!-- snapshot: ".len()..];
         let name = &rest[..rest.find(" -->").expect("closed marker")];
-        let start = rest.find("```text\n").expect("a text block after the marker") + 8;
+        let start = rest
+            .find("```text\n")
+            .expect("a text block after the marker")
+            + 8;
         let len = rest[start..].find("\n```").expect("closed block");
         let block = &rest[start..start + len];
         assert_eq!(
@@ -148,5 +154,8 @@ fn readme_examples_match_the_snapshots() {
         );
         checked += 1;
     }
-    assert!(checked >= 2, "README.md marks only {checked} example blocks");
+    assert!(
+        checked >= 2,
+        "README.md marks only {checked} example blocks"
+    );
 }

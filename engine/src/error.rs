@@ -47,6 +47,8 @@ pub enum EngineError {
     PromptTooLong { tokens: usize, context: usize },
     #[error("empty prompt: at least one token is needed")]
     EmptyPrompt,
+    #[error("max_tokens = 0: a request generates at least 1 token")]
+    ZeroMaxTokens,
     #[error("token id {token} is outside the vocabulary of {vocab}")]
     TokenOutOfRange { token: u32, vocab: usize },
     #[error(

@@ -82,6 +82,9 @@ pub fn generate(
     threads: &Threads,
 ) -> Result<Generation, EngineError> {
     opts.sampling.validate()?;
+    if opts.max_tokens == 0 {
+        return Err(EngineError::ZeroMaxTokens);
+    }
     if prompt.is_empty() {
         return Err(EngineError::EmptyPrompt);
     }

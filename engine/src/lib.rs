@@ -120,14 +120,23 @@ impl Model {
             role: "user".into(),
             content: chat::Content::Text(user.into()),
         }])?;
-        // A plain text message yields text parts only.
-        Ok(parts
-            .into_iter()
-            .filter_map(|p| match p {
-                chat::Part::Text(t) => Some(t),
-                chat::Part::Output(_) => None,
-            })
-            .collect())
+        // A text message yields text parts only: splicing is structural
+        // (`chat` module), so no text is ever taken for a splice.
+        let mut prompt = String::new();
+        for p in parts {
+            match p {
+                chat::Part::Text(t) => prompt.push_str(&t),
+                chat::Part::Output(id) => {
+                    return Err(EngineError::Config {
+                        path: self.origin.clone().into(),
+                        msg: format!(
+                            "the chat template turned a text message into a splice of `{id}`"
+                        ),
+                    })
+                }
+            }
+        }
+        Ok(prompt)
     }
 
     /// Size of the weights file.

@@ -345,6 +345,9 @@ impl<'m> Scheduler<'m> {
             });
         }
         req.sampling.validate()?;
+        if req.max_tokens == 0 {
+            return Err(EngineError::ZeroMaxTokens);
+        }
         if req.prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }

@@ -23,14 +23,27 @@
 //! ```
 //!
 //! A request has `prompt` (raw text) or `messages` (ChatML), optional
-//! `max_tokens`, `temperature`, `top_k`, `top_p`, `seed`, `ignore_eos`,
-//! `at_step` (arrive at that engine step, default 0), `after` (arrive once that
-//! request ended), and `interrupt_after_tokens`. A `from` message depends on its
-//! source like `after` does. Errors — unknown fields, unknown ids, dependency
-//! cycles, requests that can never fit in the pool — name the line or the id.
-//! Arrivals and interrupts are applied at step boundaries, in script order.
+//! `max_tokens` (at least 1), `temperature`, `top_k`, `top_p`, `seed`,
+//! `ignore_eos`, `at_step` (arrive at that engine step, default 0), `after`
+//! (arrive once that request ended), `interrupt_after_tokens` (abort once that
+//! many tokens are out) and `interrupt_at_step` (abort at the boundary before
+//! that engine step — mid-prefill if the prompt is still being computed in
+//! chunks, as a client disconnect can; a request arriving later is aborted on
+//! arrival). A `from` message depends on its source like `after` does. Errors —
+//! unknown fields, unknown ids, dependency cycles, requests that can never fit
+//! in the pool — name the line or the id.
+//!
+//! Arrivals and interrupts are applied at step boundaries, in script order:
+//! first the interrupts that are due, then the arrivals whose step has come and
+//! whose dependencies have ended (an interrupted request counts as ended at
+//! once), then the interrupts due for requests that just arrived.
+//!
+//! The driver is event-driven so that its cost is linear in the script: each
+//! request keeps a count of its unfinished dependencies, decremented when one
+//! ends; interrupts due are kept in a set filled from the step reports and an
+//! index by step. Nothing scans the whole script per step.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 
 use serde::Deserialize;
@@ -77,6 +90,7 @@ struct RawRequest {
     at_step: Option<u64>,
     after: Option<Spanned<String>>,
     interrupt_after_tokens: Option<usize>,
+    interrupt_at_step: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -107,6 +121,8 @@ pub struct ScriptRequest {
     /// Requests that must end before this one arrives (`after` and `from`).
     pub deps: Vec<String>,
     pub interrupt_after_tokens: Option<usize>,
+    /// Abort at the boundary before this engine step (or on arrival, if later).
+    pub interrupt_at_step: Option<u64>,
 }
 
 /// A validated session script.
@@ -168,6 +184,12 @@ impl Script {
             msg,
         };
         let d = &raw.defaults;
+        if d.max_tokens == Some(0) {
+            return Err(ScriptError::Parse {
+                path: path.into(),
+                msg: format!("[defaults] max_tokens = 0: {MAX_TOKENS_WHY}"),
+            });
+        }
         let mut names = BTreeMap::new();
         for r in &raw.request {
             if names.insert(r.id.get_ref().clone(), r.id.span()).is_some() {
@@ -260,6 +282,22 @@ impl Script {
                     "at_step = {at_step} exceeds the limit of {MAX_AT_STEP}"
                 )));
             }
+            if let Some(n) = r.interrupt_at_step {
+                if n > MAX_AT_STEP {
+                    return Err(req_err(format!(
+                        "interrupt_at_step = {n} exceeds the limit of {MAX_AT_STEP}"
+                    )));
+                }
+                if n < at_step {
+                    return Err(req_err(format!(
+                        "interrupt_at_step = {n} is before its arrival at at_step = {at_step}"
+                    )));
+                }
+            }
+            let max_tokens = r.max_tokens.or(d.max_tokens).unwrap_or(64);
+            if max_tokens == 0 {
+                return Err(req_err(format!("max_tokens = 0: {MAX_TOKENS_WHY}")));
+            }
             if deps.contains(&name) {
                 return Err(ScriptError::Cycle {
                     path: path.into(),
@@ -272,11 +310,12 @@ impl Script {
                 name,
                 prompt,
                 sampling,
-                max_tokens: r.max_tokens.or(d.max_tokens).unwrap_or(64),
+                max_tokens,
                 stop_at_eos: !r.ignore_eos.or(d.ignore_eos).unwrap_or(false),
                 at_step,
                 deps,
                 interrupt_after_tokens: r.interrupt_after_tokens,
+                interrupt_at_step: r.interrupt_at_step,
             });
         }
         let script = Script {
@@ -287,51 +326,73 @@ impl Script {
         Ok(script)
     }
 
-    fn check_cycles(&self, path: &str) -> Result<(), ScriptError> {
-        let idx: BTreeMap<&str, usize> = self
+    /// Each request's dependencies as script positions, in `deps` order.
+    /// An id that names no request is an error (a hand-built [`Script`]).
+    fn dep_indices(&self) -> Result<Vec<Vec<usize>>, EngineError> {
+        let idx: HashMap<&str, usize> = self
             .requests
             .iter()
             .enumerate()
             .map(|(i, r)| (r.name.as_str(), i))
             .collect();
-        // 0 = unvisited, 1 = on stack, 2 = done.
+        self.requests
+            .iter()
+            .map(|r| {
+                r.deps
+                    .iter()
+                    .map(|d| {
+                        idx.get(d.as_str())
+                            .copied()
+                            .ok_or_else(|| unknown_request(&r.name, d))
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Depth-first search for a dependency cycle, with an explicit stack: a
+    /// chain of 100,000 `after`s must not overflow the thread's stack.
+    fn check_cycles(&self, path: &str) -> Result<(), ScriptError> {
+        let deps = self.dep_indices().map_err(|e| ScriptError::Parse {
+            path: path.into(),
+            msg: e.to_string(),
+        })?;
+        // 0 = unvisited, 1 = on the stack, 2 = done.
         let mut state = vec![0u8; self.requests.len()];
-        fn dfs(
-            i: usize,
-            s: &Script,
-            idx: &BTreeMap<&str, usize>,
-            state: &mut [u8],
-            stack: &mut Vec<usize>,
-        ) -> Option<Vec<usize>> {
-            state[i] = 1;
-            stack.push(i);
-            for d in &s.requests[i].deps {
-                let j = idx[d.as_str()];
-                if state[j] == 1 {
-                    let from = stack.iter().position(|&x| x == j).unwrap_or(0);
-                    let mut c = stack[from..].to_vec();
-                    c.push(j);
-                    return Some(c);
-                }
-                if state[j] == 0 {
-                    if let Some(c) = dfs(j, s, idx, state, stack) {
-                        return Some(c);
-                    }
-                }
+        // (request, next dependency to visit)
+        let mut stack: Vec<(usize, usize)> = Vec::new();
+        for root in 0..self.requests.len() {
+            if state[root] != 0 {
+                continue;
             }
-            stack.pop();
-            state[i] = 2;
-            None
-        }
-        for i in 0..self.requests.len() {
-            if state[i] == 0 {
-                if let Some(c) = dfs(i, self, &idx, &mut state, &mut Vec::new()) {
-                    let names: Vec<&str> =
-                        c.iter().map(|&k| self.requests[k].name.as_str()).collect();
-                    return Err(ScriptError::Cycle {
-                        path: path.into(),
-                        cycle: names.join(" → "),
-                    });
+            state[root] = 1;
+            stack.push((root, 0));
+            while let Some((i, next)) = stack.last_mut() {
+                let i = *i;
+                let Some(&j) = deps[i].get(*next) else {
+                    state[i] = 2;
+                    stack.pop();
+                    continue;
+                };
+                *next += 1;
+                match state[j] {
+                    0 => {
+                        state[j] = 1;
+                        stack.push((j, 0));
+                    }
+                    1 => {
+                        let from = stack.iter().position(|&(x, _)| x == j).unwrap_or(0);
+                        let mut names: Vec<&str> = stack[from..]
+                            .iter()
+                            .map(|&(k, _)| self.requests[k].name.as_str())
+                            .collect();
+                        names.push(self.requests[j].name.as_str());
+                        return Err(ScriptError::Cycle {
+                            path: path.into(),
+                            cycle: cycle_text(&names),
+                        });
+                    }
+                    _ => {}
                 }
             }
         }
@@ -341,14 +402,19 @@ impl Script {
     /// Checks, before anything runs, that every request fits the model's context
     /// and the pool in the worst case (spliced outputs at their `max_tokens`).
     pub fn check_fits(&self, model: &Model, sch: &Scheduler) -> Result<(), EngineError> {
-        let by_name: BTreeMap<&str, &ScriptRequest> =
+        let by_name: HashMap<&str, &ScriptRequest> =
             self.requests.iter().map(|r| (r.name.as_str(), r)).collect();
         for r in &self.requests {
             let mut len = 0;
             for part in parts(model, &r.prompt)? {
                 len += match part {
                     Part::Text(t) => model.tokenizer.encode(&t)?.len(),
-                    Part::Output(id) => by_name[id.as_str()].max_tokens,
+                    Part::Output(id) => {
+                        by_name
+                            .get(id.as_str())
+                            .ok_or_else(|| unknown_request(&r.name, &id))?
+                            .max_tokens
+                    }
                 };
             }
             if len > model.llama.context() {
@@ -373,6 +439,38 @@ impl Script {
             }
         }
         Ok(())
+    }
+}
+
+/// A cycle's names joined by arrows; a long one keeps its first and last
+/// four requests and says how many it left out.
+fn cycle_text(names: &[&str]) -> String {
+    const KEEP: usize = 4;
+    if names.len() <= 2 * KEEP + 1 {
+        return names.join(" → ");
+    }
+    let hidden = names.len() - 2 * KEEP;
+    let mut n = hidden.to_string();
+    let mut i = n.len();
+    while i > 3 {
+        i -= 3;
+        n.insert(i, ',');
+    }
+    format!(
+        "{} → … ({n} more) … → {}",
+        names[..KEEP].join(" → "),
+        names[names.len() - KEEP..].join(" → ")
+    )
+}
+
+/// Why a script refuses `max_tokens = 0` (and the scheduler a request with it).
+const MAX_TOKENS_WHY: &str = "a request generates at least 1 token (as in `lmrr generate`)";
+
+fn unknown_request(of: &str, id: &str) -> EngineError {
+    EngineError::InvalidOption {
+        name: "request",
+        value: of.into(),
+        why: format!("depends on or splices `{id}`, which is not in the script"),
     }
 }
 
@@ -416,6 +514,44 @@ pub enum SessionEvent<'a> {
     Step(&'a StepReport),
 }
 
+/// The driver's bookkeeping, all indexed by script position.
+struct Driver {
+    /// Requests waiting on each request.
+    dependents: Vec<Vec<usize>>,
+    /// Dependencies of each request that have not ended yet.
+    unmet: Vec<usize>,
+    /// Ended as dependencies see it: finished, or interrupt requested.
+    ended: Vec<bool>,
+    /// Requests with no unmet dependency, not yet submitted, by `at_step`.
+    eligible: BTreeMap<u64, Vec<usize>>,
+    /// Submitted requests' arrival step and prompt.
+    submitted: Vec<Option<(u64, Vec<u32>)>>,
+    n_submitted: usize,
+    /// Live requests whose interrupt is due, to be requested at the boundary.
+    due: BTreeSet<usize>,
+    /// Live requests with an `interrupt_at_step` still ahead, by that step.
+    timed_interrupts: BTreeMap<u64, Vec<usize>>,
+}
+
+impl Driver {
+    fn end(&mut self, i: usize, script: &Script) {
+        if std::mem::replace(&mut self.ended[i], true) {
+            return;
+        }
+        self.due.remove(&i);
+        for k in 0..self.dependents[i].len() {
+            let d = self.dependents[i][k];
+            self.unmet[d] -= 1;
+            if self.unmet[d] == 0 {
+                self.eligible
+                    .entry(script.requests[d].at_step)
+                    .or_default()
+                    .push(d);
+            }
+        }
+    }
+}
+
 /// Plays `script` on `sch`. Request ids are script positions. `observe` sees
 /// every arrival, interrupt and step report, in order.
 pub fn run_session(
@@ -426,57 +562,77 @@ pub fn run_session(
 ) -> Result<SessionResult, EngineError> {
     script.check_fits(model, sch)?;
     let eos = |t: u32| model.llama.config().is_eos(t);
-    let idx: BTreeMap<&str, RequestId> = script
+    let n = script.requests.len();
+    let deps = script.dep_indices()?;
+    let idx: HashMap<&str, usize> = script
         .requests
         .iter()
         .enumerate()
-        .map(|(i, r)| (r.name.as_str(), i as RequestId))
+        .map(|(i, r)| (r.name.as_str(), i))
         .collect();
-    let mut submitted: BTreeMap<RequestId, (u64, Vec<u32>)> = BTreeMap::new();
-    let mut interrupted: BTreeSet<RequestId> = BTreeSet::new();
+    let mut dv = Driver {
+        dependents: vec![Vec::new(); n],
+        unmet: deps.iter().map(Vec::len).collect(),
+        ended: vec![false; n],
+        eligible: BTreeMap::new(),
+        submitted: vec![None; n],
+        n_submitted: 0,
+        due: BTreeSet::new(),
+        timed_interrupts: BTreeMap::new(),
+    };
+    for (i, ds) in deps.iter().enumerate() {
+        for &j in ds {
+            dv.dependents[j].push(i);
+        }
+        if ds.is_empty() {
+            dv.eligible
+                .entry(script.requests[i].at_step)
+                .or_default()
+                .push(i);
+        }
+    }
     loop {
         let step = sch.steps();
+        let later = dv.timed_interrupts.split_off(&(step + 1));
+        for (_, ids) in std::mem::replace(&mut dv.timed_interrupts, later) {
+            dv.due.extend(ids.into_iter().filter(|&i| !dv.ended[i]));
+        }
         // Interrupts first, so that a request waiting on an interrupted one
         // arrives at the same boundary; then arrivals; then interrupts again
-        // for requests that just arrived with `interrupt_after_tokens = 0`.
+        // for requests that arrived already due (`interrupt_after_tokens = 0`,
+        // or `interrupt_at_step` reached).
         for pass in 0..2 {
-            for (i, r) in script.requests.iter().enumerate() {
+            for i in std::mem::take(&mut dv.due) {
+                let r = &script.requests[i];
                 let id = i as RequestId;
-                let Some(k) = r.interrupt_after_tokens else {
-                    continue;
-                };
-                if interrupted.contains(&id) || sch.output(id).is_some() {
-                    continue;
-                }
-                if sch.generated(id).is_some_and(|g| g.len() >= k) {
-                    observe(SessionEvent::Interrupt {
-                        step,
-                        name: &r.name,
-                        id,
-                    });
-                    sch.interrupt(id)?;
-                    interrupted.insert(id);
-                }
+                observe(SessionEvent::Interrupt {
+                    step,
+                    name: &r.name,
+                    id,
+                });
+                sch.interrupt(id)?;
+                dv.end(i, script);
             }
             if pass == 1 {
                 break;
             }
-            for (i, r) in script.requests.iter().enumerate() {
+            let later = dv.eligible.split_off(&(step + 1));
+            let ready: BTreeSet<usize> = std::mem::replace(&mut dv.eligible, later)
+                .into_values()
+                .flatten()
+                .collect();
+            for i in ready {
+                let r = &script.requests[i];
                 let id = i as RequestId;
-                if submitted.contains_key(&id) || r.at_step > step {
-                    continue;
-                }
-                if !r.deps.iter().all(|d| sch.has_ended(idx[d.as_str()])) {
-                    continue;
-                }
                 let mut prompt = Vec::new();
                 for part in parts(model, &r.prompt)? {
                     match part {
                         Part::Text(t) => prompt.extend(model.tokenizer.encode(&t)?),
                         Part::Output(src) => {
-                            let out = sch
-                                .generated(idx[src.as_str()])
-                                .expect("dependency submitted");
+                            let out = idx
+                                .get(src.as_str())
+                                .and_then(|&j| sch.generated(j as RequestId))
+                                .ok_or_else(|| unknown_request(&r.name, &src))?;
                             let end = if out.last().is_some_and(|&t| eos(t)) {
                                 out.len() - 1
                             } else {
@@ -499,31 +655,79 @@ pub fn run_session(
                     request: &req,
                 });
                 sch.submit(req)?;
-                submitted.insert(id, (step, prompt));
+                dv.submitted[i] = Some((step, prompt));
+                dv.n_submitted += 1;
+                if r.interrupt_after_tokens == Some(0) {
+                    dv.due.insert(i);
+                } else if let Some(at) = r.interrupt_at_step {
+                    if at <= step {
+                        dv.due.insert(i);
+                    } else {
+                        dv.timed_interrupts.entry(at).or_default().push(i);
+                    }
+                }
             }
         }
-        if submitted.len() == script.requests.len() && sch.is_idle() {
+        if dv.n_submitted == n && sch.is_idle() {
             break;
+        }
+        if sch.is_idle() && dv.eligible.is_empty() {
+            // Nothing live, nothing due to arrive: only a hand-built script
+            // with a dependency cycle gets here.
+            let waiting: Vec<&str> = (0..n)
+                .filter(|&i| dv.submitted[i].is_none())
+                .take(8)
+                .map(|i| script.requests[i].name.as_str())
+                .collect();
+            return Err(EngineError::InvalidOption {
+                name: "script",
+                value: format!("{} requests never arrive", n - dv.n_submitted),
+                why: format!(
+                    "their dependencies can never end (first: {})",
+                    waiting.join(", ")
+                ),
+            });
         }
         let report = sch.step()?;
         observe(SessionEvent::Step(&report));
-    }
-    let requests = script
-        .requests
-        .iter()
-        .enumerate()
-        .map(|(i, r)| {
-            let id = i as RequestId;
-            let (arrived_at_step, prompt) = submitted.remove(&id).expect("all submitted");
-            RequestResult {
-                name: r.name.clone(),
-                id,
-                arrived_at_step,
-                prompt,
-                output: sch.output(id).expect("all ended").clone(),
+        for &(id, _) in &report.finished {
+            if let Some(i) = usize::try_from(id).ok().filter(|&i| i < n) {
+                dv.end(i, script);
             }
-        })
-        .collect();
+        }
+        for s in &report.seqs {
+            let Some(i) = usize::try_from(s.id).ok().filter(|&i| i < n) else {
+                continue;
+            };
+            let Some(k) = script.requests[i].interrupt_after_tokens else {
+                continue;
+            };
+            if !dv.ended[i]
+                && s.sampled.is_some()
+                && sch.generated(s.id).is_some_and(|g| g.len() >= k)
+            {
+                dv.due.insert(i);
+            }
+        }
+    }
+    let mut requests = Vec::with_capacity(n);
+    for (i, (r, sub)) in script.requests.iter().zip(dv.submitted).enumerate() {
+        let id = i as RequestId;
+        let (Some((arrived_at_step, prompt)), Some(output)) = (sub, sch.output(id)) else {
+            return Err(EngineError::InvalidOption {
+                name: "request",
+                value: r.name.clone(),
+                why: "the session ended before it did".into(),
+            });
+        };
+        requests.push(RequestResult {
+            name: r.name.clone(),
+            id,
+            arrived_at_step,
+            prompt,
+            output: output.clone(),
+        });
+    }
     Ok(SessionResult {
         requests,
         steps: sch.steps(),

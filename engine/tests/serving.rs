@@ -147,6 +147,11 @@ fn run(s: &Session, th: &Threads) -> (Scheduler<'static>, Vec<StepReport>) {
 }
 
 fn solo(req: &Request, max_tokens: usize) -> (Vec<u32>, [u8; 32]) {
+    if max_tokens == 0 {
+        // Interrupted before its first token; `generate` refuses 0 tokens.
+        use sha2::Digest;
+        return (Vec::new(), sha2::Sha256::digest([]).into());
+    }
     let m = model();
     let opts = GenerateOptions {
         max_tokens,

@@ -46,7 +46,11 @@ pub fn continued_histories(
         if hist.is_empty() {
             continue;
         }
-        let key = (hist.len(), hist.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &t| roll(h, t)));
+        let key = (
+            hist.len(),
+            hist.iter()
+                .fold(0xcbf2_9ce4_8422_2325u64, |h, &t| roll(h, t)),
+        );
         let group = seen.entry(key).or_default();
         match group.iter_mut().find(|(g, _)| *g == hist) {
             Some((_, c)) => *c += 1,

@@ -260,8 +260,8 @@ fn continued_histories_counts_strict_extensions_and_scales_linearly() {
     use std::collections::BTreeMap;
     let prompts: BTreeMap<u64, Vec<u32>> = [
         (0, vec![1, 2]),
-        (1, vec![1, 2, 3, 4, 5]), // extends 0's history [1, 2, 3]
-        (2, vec![1, 2, 3]),       // equals 0's history: not a strict extension
+        (1, vec![1, 2, 3, 4, 5]),    // extends 0's history [1, 2, 3]
+        (2, vec![1, 2, 3]),          // equals 0's history: not a strict extension
         (3, vec![1, 2, 3, 9, 9, 9]), // extends 0 and 2 ([1, 2, 3] + no output)
     ]
     .into_iter()
@@ -275,8 +275,9 @@ fn continued_histories_counts_strict_extensions_and_scales_linearly() {
     let order: Vec<u64> = (0..n).collect();
     let c = continued_histories(&order, &prompts, &BTreeMap::new());
     assert!(c.values().all(|&k| k == 0));
-    let prompts: BTreeMap<u64, Vec<u32>> =
-        (0..n).map(|i| (i, if i == 0 { vec![7] } else { vec![7, 8] })).collect();
+    let prompts: BTreeMap<u64, Vec<u32>> = (0..n)
+        .map(|i| (i, if i == 0 { vec![7] } else { vec![7, 8] }))
+        .collect();
     let c = continued_histories(&order, &prompts, &BTreeMap::new());
     assert_eq!(c[&(n - 1)], 1);
 }

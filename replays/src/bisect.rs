@@ -101,12 +101,7 @@ impl std::fmt::Display for BisectOutcome {
             } else {
                 ""
             };
-            writeln!(
-                f,
-                "probe {}: {:<45} {p}",
-                i + 1,
-                format!("{}{role}", p.set)
-            )?;
+            writeln!(f, "probe {}: {:<45} {p}", i + 1, format!("{}{role}", p.set))?;
         }
         let culprit = self.culprits.clone().unwrap_or_default().join(",");
         let n = plural(self.replays() as u64, "replay");
@@ -252,7 +247,10 @@ pub fn bisect<E>(
         .filter(|p| !culprits.contains(p))
         .collect();
     if s.diverges(&rest)? {
-        let rest = base.iter().chain(rest.iter().copied()).collect::<PatchSet>();
+        let rest = base
+            .iter()
+            .chain(rest.iter().copied())
+            .collect::<PatchSet>();
         let v = Verdict::RestDiverges {
             rest: rest.to_string(),
         };

@@ -281,26 +281,23 @@ pub(crate) fn window(
                         Decision::Admit { id, cached_tokens } => {
                             format!("admit {} ({cached_tokens} cached)", cat.name(*id))
                         }
-                        Decision::Schedule { id, start, len } => match r
-                            .seqs
-                            .iter()
-                            .find(|s| s.id == *id)
-                            .and_then(|s| s.sampled)
-                        {
-                            Some(t) => {
-                                format!(
-                                    "{} @{} → {t} {:?}",
+                        Decision::Schedule { id, start, len } => {
+                            match r.seqs.iter().find(|s| s.id == *id).and_then(|s| s.sampled) {
+                                Some(t) => {
+                                    format!(
+                                        "{} @{} → {t} {:?}",
+                                        cat.name(*id),
+                                        start.saturating_add(*len),
+                                        text(t)
+                                    )
+                                }
+                                None => format!(
+                                    "{} prefill {start}..{}",
                                     cat.name(*id),
-                                    start.saturating_add(*len),
-                                    text(t)
-                                )
+                                    start.saturating_add(*len)
+                                ),
                             }
-                            None => format!(
-                                "{} prefill {start}..{}",
-                                cat.name(*id),
-                                start.saturating_add(*len)
-                            ),
-                        },
+                        }
                     });
                 }
                 out.push(format!(
@@ -397,8 +394,8 @@ pub fn replay(
             first = compare(rec, &got, &cat, model, opts, opts.criterion);
         }
         if first_bits.is_none() && opts.criterion != Criterion::Bits {
-            first_bits = compare(rec, &got, &cat, model, opts, Criterion::Bits)
-                .map(|d| (d.step, d.signal));
+            first_bits =
+                compare(rec, &got, &cat, model, opts, Criterion::Bits).map(|d| (d.step, d.signal));
         }
         if let Some(d) = &first {
             if let Some(a) = &a {

@@ -100,7 +100,10 @@ pub fn validate(bundle: &Bundle, model: &Model) -> Result<(), Invalid> {
             if step < next_step {
                 Err(bad(
                     at(step),
-                    format!("{what} at step {step}, after step {} was recorded", next_step - 1),
+                    format!(
+                        "{what} at step {step}, after step {} was recorded",
+                        next_step - 1
+                    ),
                 ))
             } else {
                 Ok(())

@@ -6,12 +6,12 @@
 
 mod mutator;
 
-use mutator::{exercise, model, mutate, reframe, seed_bundle};
 use lmrr_engine::scheduler::Decision;
 use lmrr_engine::PatchSet;
 use lmrr_kernels::{SplitMix64, Threads};
 use lmrr_recorder::Event;
 use lmrr_replays::{replay, ReplayError, ReplayOptions};
+use mutator::{exercise, model, mutate, reframe, seed_bundle};
 
 fn replay_err(b: &lmrr_recorder::Bundle, m: &lmrr_engine::Model) -> String {
     let opts = ReplayOptions::new(PatchSet::none(), Threads::single());
@@ -108,7 +108,9 @@ fn events_naming_unknown_requests_tokens_or_steps_are_refused() {
         (
             "where step",
             Box::new(|ev| {
-                if let Some(Event::Step(r)) = ev.iter_mut().rev().find(|e| matches!(e, Event::Step(_))) {
+                if let Some(Event::Step(r)) =
+                    ev.iter_mut().rev().find(|e| matches!(e, Event::Step(_)))
+                {
                     r.step = 3;
                 }
             }),

@@ -98,12 +98,18 @@ fn bisect_over_the_catalog_names_abort_inserts_partial_alone_within_the_probe_bo
 fn confirm(b: &Bundle, m: &Model, base: &PatchSet, bad: &PatchSet, culprits: &[String]) {
     let th = Threads::new(2).unwrap();
     let p = |set: &PatchSet| lmrr_replays::probe(b, m, set, &th, Criterion::Behaviour).unwrap();
-    let culprit: PatchSet = culprits.iter().map(|c| c.parse::<Patch>().unwrap()).collect();
+    let culprit: PatchSet = culprits
+        .iter()
+        .map(|c| c.parse::<Patch>().unwrap())
+        .collect();
     let with: PatchSet = base.iter().chain(culprit.iter()).collect();
     let without: PatchSet = bad.iter().filter(|x| !culprit.contains(*x)).collect();
     assert!(!p(base).diverged, "good set {base} diverges");
     assert!(p(&with).diverged, "culprit set {with} is clean");
-    assert!(!p(&without).diverged, "bad set without the culprit ({without}) diverges");
+    assert!(
+        !p(&without).diverged,
+        "bad set without the culprit ({without}) diverges"
+    );
 }
 
 #[test]
@@ -116,25 +122,50 @@ fn bisect_never_names_a_patch_for_a_bundle_recorded_with_another() {
     let th = Threads::new(2).unwrap();
     for rec_patch in Patch::ALL {
         let recorded: PatchSet = [rec_patch].into_iter().collect();
-        let b = record(&m, &incident_src(), EngineConfig::default(), recorded.clone());
+        let b = record(
+            &m,
+            &incident_src(),
+            EngineConfig::default(),
+            recorded.clone(),
+        );
         let mut probe =
             |set: &PatchSet| lmrr_replays::probe(&b, &m, set, &th, Criterion::Behaviour);
         let none_diverges = probe(&PatchSet::none()).unwrap().diverged;
         let res = bisect(&PatchSet::none(), &Patch::ALL, &mut probe).unwrap();
         if none_diverges {
-            assert_eq!(res.verdict, Verdict::BaseDiverges, "recorded {rec_patch}: {res}");
+            assert_eq!(
+                res.verdict,
+                Verdict::BaseDiverges,
+                "recorded {rec_patch}: {res}"
+            );
             assert!(!res.found());
             assert!(res.to_string().contains("already diverges"), "{res}");
         } else if res.found() {
             let bad = PatchSet::all();
-            confirm(&b, &m, &PatchSet::none(), &bad, res.culprits.as_deref().unwrap());
+            confirm(
+                &b,
+                &m,
+                &PatchSet::none(),
+                &bad,
+                res.culprits.as_deref().unwrap(),
+            );
         }
         // From the recording's own set.
         let rest: Vec<Patch> = Patch::ALL.into_iter().filter(|p| *p != rec_patch).collect();
         let res = bisect(&recorded, &rest, &mut probe).unwrap();
-        assert_ne!(res.verdict, Verdict::BaseDiverges, "recorded {rec_patch}: {res}");
+        assert_ne!(
+            res.verdict,
+            Verdict::BaseDiverges,
+            "recorded {rec_patch}: {res}"
+        );
         if res.found() {
-            confirm(&b, &m, &recorded, &PatchSet::all(), res.culprits.as_deref().unwrap());
+            confirm(
+                &b,
+                &m,
+                &recorded,
+                &PatchSet::all(),
+                res.culprits.as_deref().unwrap(),
+            );
         }
     }
     // The reported case: recorded with abort-frees-shared, bad set
@@ -150,7 +181,10 @@ fn bisect_never_names_a_patch_for_a_bundle_recorded_with_another() {
     )
     .unwrap();
     assert_ne!(res.culprits, Some(vec!["fast-exp".to_string()]), "{res}");
-    assert!(!res.found() || res.culprits == Some(vec!["abort-frees-shared".into()]), "{res}");
+    assert!(
+        !res.found() || res.culprits == Some(vec!["abort-frees-shared".into()]),
+        "{res}"
+    );
 }
 
 #[test]
@@ -301,11 +335,15 @@ fn bisect_finds_one_culprit_a_pair_and_none_on_synthetic_predicates() {
     assert_eq!((r.culprits, r.verdict), (None, Verdict::BadClean));
     // The good set already diverges: refused after one probe.
     let r = mk(&|_| true);
-    assert_eq!((r.culprits.clone(), r.verdict.clone()), (None, Verdict::BaseDiverges));
+    assert_eq!(
+        (r.culprits.clone(), r.verdict.clone()),
+        (None, Verdict::BaseDiverges)
+    );
     assert_eq!(r.probes.len(), 1);
     // Two independent culprits: the first is found, and the check on the rest
     // refuses to call it the whole story.
-    let r = mk(&|s: &PatchSet| s.contains(Patch::SplitkDecode) || s.contains(Patch::AbortFreesShared));
+    let r =
+        mk(&|s: &PatchSet| s.contains(Patch::SplitkDecode) || s.contains(Patch::AbortFreesShared));
     assert!(!r.found(), "{r}");
     assert!(
         matches!(&r.verdict, Verdict::RestDiverges { rest } if rest.contains("abort-frees-shared")),

@@ -233,9 +233,7 @@ fn edit_event(e: &mut Event, op: u8, o: &mut Ops<'_>) {
             0 => r.step = o.value(r.step),
             1 => {
                 let Some(k) = o.index(r.decisions.len()) else {
-                    r.decisions.push(Decision::Preempt {
-                        id: o.value(0),
-                    });
+                    r.decisions.push(Decision::Preempt { id: o.value(0) });
                     return;
                 };
                 let d = &mut r.decisions[k];
