@@ -2,8 +2,8 @@
 //! `--bisect` (a culprit and a refusal), the oracle and an error, each run
 //! through the real binary from the repository root and snapshotted with insta
 //! (`snapshots/cli__*.snap`). README.md's example blocks marked
-//! `<!-- snapshot: NAME -->` must equal those snapshots, so the README cannot
-//! go stale.
+//! `<!-- snapshot: NAME -->` must equal those snapshots (a first line
+//! `$ lmrr …` shows the command), so the README cannot go stale.
 //!
 //! Filters: the only varying parts are bundle byte counts (the manifest holds
 //! the build's git revision) and temporary paths.
@@ -146,7 +146,12 @@ fn readme_examples_match_the_snapshots() {
             .expect("a text block after the marker")
             + 8;
         let len = rest[start..].find("\n```").expect("closed block");
+        // A first line `$ lmrr …` shows the command; the rest is its output.
         let block = &rest[start..start + len];
+        let block = match block.strip_prefix("$ ") {
+            Some(b) => b.split_once('\n').map_or("", |(_, out)| out),
+            None => block,
+        };
         assert_eq!(
             filter(block, None).trim_end(),
             snapshot_body(name),

@@ -285,7 +285,7 @@ impl<'m> Scheduler<'m> {
             };
             let kv = self.kv.tables.get(id);
             format!(
-                "\n  request {id}: {} of {} tokens in KV over {} pages, {} generated of {}, {} preemptions",
+                "\n  request {id}: {} of {} tokens in KV over {} pages, {} generated of {}, preempted {}×",
                 kv.map_or(0, |t| t.len),
                 seq.tokens.len(),
                 kv.map_or(0, |t| t.pages.len()),

@@ -128,11 +128,13 @@ fn truncated_note(f: &mut std::fmt::Formatter<'_>, truncated: bool) -> std::fmt:
     Ok(())
 }
 
-/// "1 step", "2 steps".
+/// "1 step", "2 steps", "3 candidate patches".
 pub fn plural(n: impl Into<u64>, noun: &str) -> String {
     let n = n.into();
     if n == 1 {
         format!("1 {noun}")
+    } else if noun.ends_with("ch") || noun.ends_with('s') || noun.ends_with('x') {
+        format!("{n} {noun}es")
     } else {
         format!("{n} {noun}s")
     }
