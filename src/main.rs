@@ -565,11 +565,11 @@ pub(crate) fn session_manifest(
 
 /// Opens a bundle; errors name the file once (an I/O error names it itself).
 pub(crate) fn open_bundle(path: &std::path::Path) -> Result<lmrr_recorder::Bundle> {
-    lmrr_recorder::open(path).or_else(|e| match e {
+    lmrr_recorder::open(path).map_err(|e| match e {
         e @ lmrr_recorder::BundleError::Io { .. } => {
-            Err(anyhow::Error::new(e).context("reading bundle"))
+            anyhow::Error::new(e).context("reading bundle")
         }
-        e => Err(anyhow::Error::new(e).context(format!("reading bundle {}", path.display()))),
+        e => anyhow::Error::new(e).context(format!("reading bundle {}", path.display())),
     })
 }
 

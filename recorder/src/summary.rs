@@ -22,8 +22,9 @@ pub fn continued_histories(
     fn roll(h: u64, t: u32) -> u64 {
         (h ^ (t as u64 + 1)).wrapping_mul(0x0000_0100_0000_01B3)
     }
-    // (length, hash) → distinct histories with that key, with their counts.
-    let mut seen: HashMap<(usize, u64), Vec<(Vec<u32>, usize)>> = HashMap::new();
+    /// Distinct histories sharing one (length, hash) key, with their counts.
+    type Group = Vec<(Vec<u32>, usize)>;
+    let mut seen: HashMap<(usize, u64), Group> = HashMap::new();
     let mut out = BTreeMap::new();
     let empty = Vec::new();
     for id in order {

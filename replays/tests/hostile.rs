@@ -86,7 +86,8 @@ fn events_naming_unknown_requests_tokens_or_steps_are_refused() {
     let m = model();
     let seed = seed_bundle(&m, PatchSet::none());
     let vocab = m.llama.config().vocab_size as u32;
-    let cases: Vec<(&str, Box<dyn Fn(&mut Vec<Event>)>)> = vec![
+    type Edit = Box<dyn Fn(&mut Vec<Event>)>;
+    let cases: Vec<(&str, Edit)> = vec![
         (
             "outside the vocabulary",
             Box::new(move |ev| {
