@@ -196,3 +196,57 @@ fn a_sweep_of_structure_aware_mutations_never_panics() {
         exercise(&m, &bytes, other);
     }
 }
+
+#[test]
+fn a_step_that_schedules_a_request_and_then_ends_it_is_a_decision_divergence() {
+    // Found by the mutation sweep: the scheduler indexed a request that a
+    // later decision of the same step had interrupted, and panicked.
+    let m = model();
+    let seed = seed_bundle(&m, PatchSet::none());
+    let mut ev = seed.events.clone();
+    let (at, id) = ev
+        .iter()
+        .enumerate()
+        .find_map(|(i, e)| match e {
+            Event::Step(r) => r.decisions.iter().find_map(|d| match d {
+                Decision::Schedule { id, .. } => Some((i, *id)),
+                _ => None,
+            }),
+            _ => None,
+        })
+        .expect("a scheduled step");
+    if let Event::Step(r) = &mut ev[at] {
+        r.decisions.push(Decision::Interrupt { id });
+    }
+    let b = reread(seed.manifest.clone(), ev);
+    let o = replay(
+        &b,
+        &m,
+        &ReplayOptions::new(PatchSet::none(), Threads::single()),
+    )
+    .expect("a report, not an error");
+    let d = o.divergence().expect("diverges");
+    assert_eq!(d.signal, lmrr_replays::Signal::Decision, "{o}");
+    assert!(d.detail.contains("later decision of the same step"), "{o}");
+    // Scheduled twice in one step: refused the same way.
+    let mut ev = seed.events.clone();
+    if let Event::Step(r) = &mut ev[at] {
+        let d = r
+            .decisions
+            .iter()
+            .find(|d| matches!(d, Decision::Schedule { .. }))
+            .cloned();
+        r.decisions.extend(d);
+    }
+    let o = replay(
+        &reread(seed.manifest.clone(), ev),
+        &m,
+        &ReplayOptions::new(PatchSet::none(), Threads::single()),
+    )
+    .expect("a report, not an error");
+    assert_eq!(
+        o.divergence().map(|d| d.signal),
+        Some(lmrr_replays::Signal::Decision),
+        "{o}"
+    );
+}
