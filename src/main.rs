@@ -149,6 +149,9 @@ struct InspectArgs {
     /// Print JSON (manifest and summary) instead of text.
     #[arg(long)]
     json: bool,
+    /// Also write the bundle's timeline as one self-contained HTML page.
+    #[arg(long, value_name = "OUT.html")]
+    html: Option<PathBuf>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -576,6 +579,14 @@ pub(crate) fn open_bundle(path: &std::path::Path) -> Result<lmrr_recorder::Bundl
 fn run_inspect(a: &InspectArgs) -> Result<()> {
     let b = crate::open_bundle(&a.bundle)?;
     let s = Summary::of(&b);
+    if let Some(p) = &a.html {
+        let cmd = format!("lmrr inspect {}", a.bundle.display());
+        let data =
+            lmrr_replays::html::ReportData::inspect(&b, &a.bundle.display().to_string(), &cmd);
+        std::fs::write(p, data.to_html()?)
+            .with_context(|| format!("writing the HTML report {}", p.display()))?;
+        eprintln!("report: {}", p.display());
+    }
     let mut out = std::io::stdout().lock();
     if a.json {
         let v = serde_json::json!({ "manifest": b.manifest, "summary": s });

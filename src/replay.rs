@@ -11,7 +11,10 @@ use anyhow::{bail, Context, Result};
 
 use lmrr_engine::{Model, Patch, PatchSet};
 use lmrr_replays::report::plural;
-use lmrr_replays::{bisect, oracle, probe, replay, Criterion, Outcome, Probe, ReplayOptions};
+use lmrr_replays::html::ReportData;
+use lmrr_replays::{
+    bisect, oracle_traced, probe, replay_traced, Criterion, Outcome, Probe, ReplayOptions,
+};
 
 #[derive(clap::Args, Debug)]
 pub struct ReplayArgs {
@@ -44,6 +47,13 @@ pub struct ReplayArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
+    /// Also write the report as one self-contained HTML page (timeline,
+    /// divergence, drift plots, texts, bisect probes or oracle turns).
+    #[arg(long, value_name = "OUT.html")]
+    html: Option<PathBuf>,
+    /// Also write the drift plot alone as SVG.
+    #[arg(long, value_name = "OUT.svg")]
+    svg: Option<PathBuf>,
     /// Worker threads (default: all cores). Never changes a bit.
     #[arg(long)]
     threads: Option<usize>,
@@ -91,13 +101,19 @@ pub fn run(a: &ReplayArgs) -> Result<u8> {
     crate::set_device(&mut model, &a.device)?;
     let th = crate::threads(a.threads)?;
     let recorded = PatchSet::parse(&b.manifest.patches.join(",")).map_err(anyhow::Error::msg)?;
+    let path = a.bundle.display().to_string();
     let mut out = std::io::stdout().lock();
 
     if a.oracle.is_some() {
         let mut opts = ReplayOptions::new(recorded.clone(), th);
         opts.repro = format!("lmrr replay {} --oracle recompute", a.bundle.display());
-        let o = oracle(&b, &model, &opts)?;
+        let (o, turns) = oracle_traced(&b, &model, &opts)?;
         print_outcome(&mut out, &o, a.json, "oracle recompute")?;
+        if a.html.is_some() || a.svg.is_some() {
+            let cmd = format!("lmrr replay {} --oracle recompute", a.bundle.display());
+            let data = ReportData::oracle(&b, &path, &cmd, &model, &o, &turns);
+            write_reports(a, &data)?;
+        }
         return Ok(u8::from(!o.is_bit_exact()));
     }
 
@@ -137,6 +153,33 @@ pub fn run(a: &ReplayArgs) -> Result<u8> {
         if let Some(pb) = bar {
             pb.finish_and_clear();
         }
+        if a.html.is_some() || a.svg.is_some() {
+            // The page shows the culprit's own divergence: one more replay.
+            let culprit = match (&res.culprits, res.found()) {
+                (Some(c), true) => {
+                    let set: PatchSet = base
+                        .iter()
+                        .chain(c.iter().filter_map(|n| n.parse::<Patch>().ok()))
+                        .collect();
+                    let mut opts = ReplayOptions::new(set.clone(), th.clone());
+                    opts.repro = repro(a, &set);
+                    opts.trace_steps = TRACE_STEPS;
+                    let (o, t) = replay_traced(&b, &model, &opts)?;
+                    Some((set.to_string(), o, t))
+                }
+                _ => None,
+            };
+            let cmd = format!("lmrr replay {} --bisect", a.bundle.display());
+            let data = ReportData::bisect(
+                &b,
+                &path,
+                &cmd,
+                &model,
+                &res,
+                culprit.as_ref().map(|(s, o, t)| (s.as_str(), o, t)),
+            );
+            write_reports(a, &data)?;
+        }
         if a.json {
             writeln!(out, "{}", serde_json::to_string_pretty(&res)?)?;
         } else {
@@ -165,14 +208,48 @@ pub fn run(a: &ReplayArgs) -> Result<u8> {
     let patches = a.patches.clone().unwrap_or(recorded);
     let mut opts = ReplayOptions::new(patches.clone(), th);
     opts.repro = repro(a, &patches);
-    let o = replay(&b, &model, &opts)?;
+    if a.html.is_some() || a.svg.is_some() {
+        opts.trace_steps = TRACE_STEPS;
+    }
+    let (o, trace) = replay_traced(&b, &model, &opts)?;
     print_outcome(
         &mut out,
         &o,
         a.json,
         &format!("replay under patches `{patches}`"),
     )?;
+    if a.html.is_some() || a.svg.is_some() {
+        let data = ReportData::replay(
+            &b,
+            &path,
+            &opts.repro,
+            &model,
+            &patches.to_string(),
+            &o,
+            &trace,
+        );
+        write_reports(a, &data)?;
+    }
     Ok(u8::from(!o.is_bit_exact()))
+}
+
+/// With `--html`/`--svg`, the replay goes on this many steps past the first
+/// divergence, so the drift plots show how the drift grew (the text report
+/// keeps its own short window).
+const TRACE_STEPS: u64 = u64::MAX;
+
+fn write_reports(a: &ReplayArgs, data: &ReportData) -> Result<()> {
+    if let Some(p) = &a.html {
+        std::fs::write(p, data.to_html()?)
+            .with_context(|| format!("writing the HTML report {}", p.display()))?;
+        eprintln!("report: {}", p.display());
+    }
+    if let Some(p) = &a.svg {
+        std::fs::write(p, data.drift_svg()?)
+            .with_context(|| format!("writing the drift plot {}", p.display()))?;
+        eprintln!("drift plot: {}", p.display());
+    }
+    Ok(())
 }
 
 fn print_outcome(out: &mut impl Write, o: &Outcome, json: bool, what: &str) -> Result<()> {

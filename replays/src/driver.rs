@@ -42,6 +42,9 @@ pub struct ReplayOptions {
     pub threads: Threads,
     /// Steps of drift statistics gathered after the first divergence.
     pub drift_steps: usize,
+    /// Steps the replay goes on after the first divergence to fill the
+    /// [`Trace`] (for plots); the report's own drift stays `drift_steps` long.
+    pub trace_steps: u64,
     /// Stop at the first divergence (bisect probes).
     pub stop_at_first: bool,
     /// The command line that reproduces this replay, for the report.
@@ -55,6 +58,7 @@ impl ReplayOptions {
             criterion: Criterion::Bits,
             threads,
             drift_steps: 8,
+            trace_steps: 0,
             stop_at_first: false,
             repro: String::new(),
         }
@@ -316,12 +320,57 @@ pub(crate) fn window(
     out
 }
 
+/// Drift of one request's logits row in one step (expected: the recording's
+/// patch set run alongside; actual: the set under test).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct RowDrift {
+    pub step: u64,
+    pub request: RequestId,
+    pub max_abs_dlogit: f32,
+    pub kl: f64,
+    pub top1_agrees: bool,
+}
+
+/// A token the engine under test sampled (it then goes on with the recorded
+/// token, so each is a one-step-ahead prediction on the recorded history).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Sampled {
+    pub step: u64,
+    pub position: usize,
+    pub token: u32,
+}
+
+/// What a replay saw step by step, beyond the report: the raw material of the
+/// HTML report's plots and texts. Drift rows exist only when a second engine
+/// ran alongside (the set under test differs from the recording's).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct Trace {
+    /// Every compared row, in step order, from step 0.
+    pub drift: Vec<RowDrift>,
+    /// Per request, the engine under test's own samples, in step order.
+    pub sampled: BTreeMap<RequestId, Vec<Sampled>>,
+    /// The last step replayed (`None`: none).
+    pub last_step: Option<u64>,
+}
+
 /// Re-executes `bundle` on `model` under `opts.patches`.
 pub fn replay(
     bundle: &Bundle,
     model: &Model,
     opts: &ReplayOptions,
 ) -> Result<Outcome, ReplayError> {
+    replay_traced(bundle, model, opts).map(|(o, _)| o)
+}
+
+/// [`replay`], also returning the step-by-step [`Trace`]; with
+/// `opts.trace_steps` it goes on that many steps past the first divergence.
+/// The [`Outcome`] is the same as [`replay`]'s whatever `trace_steps`.
+pub fn replay_traced(
+    bundle: &Bundle,
+    model: &Model,
+    opts: &ReplayOptions,
+) -> Result<(Outcome, Trace), ReplayError> {
+    let mut trace = Trace::default();
     let recorded = check_bundle(bundle, model)?;
     let m = &bundle.manifest;
     let cat = Catalog::of(bundle);
@@ -350,7 +399,13 @@ pub fn replay(
     for e in &bundle.events {
         let rec: &StepReport = match e {
             Event::Arrival { request, .. } => {
-                b.submit(request.clone())?;
+                match b.submit(request.clone()) {
+                    // Past the first divergence (a trace going on for the
+                    // plots), an engine that can no longer take the request
+                    // ends the trace, not the report.
+                    Err(_) if first.is_some() => break,
+                    r => r?,
+                }
                 if let Some(a) = a.as_mut() {
                     a.submit(request.clone())?;
                 }
@@ -388,6 +443,32 @@ pub fn replay(
                 break;
             }
         };
+        trace.last_step = Some(rec.step);
+        for s in &got.seqs {
+            if let Some(token) = s.sampled {
+                trace.sampled.entry(s.id).or_default().push(Sampled {
+                    step: rec.step,
+                    position: s.start.saturating_add(s.len),
+                    token,
+                });
+            }
+        }
+        if let Some(a) = &a {
+            let exp: BTreeMap<RequestId, &Vec<f32>> =
+                a.last_rows().iter().map(|(id, r)| (*id, r)).collect();
+            for (id, r) in b.last_rows() {
+                if let Some(e) = exp.get(id) {
+                    let (max_abs_dlogit, kl, top1_agrees) = drift(e, r);
+                    trace.drift.push(RowDrift {
+                        step: rec.step,
+                        request: *id,
+                        max_abs_dlogit,
+                        kl,
+                        top1_agrees,
+                    });
+                }
+            }
+        }
         steps += 1;
         tokens += forced.len() as u64;
         if first.is_none() {
@@ -398,7 +479,8 @@ pub fn replay(
                 compare(rec, &got, &cat, model, opts, Criterion::Bits).map(|d| (d.step, d.signal));
         }
         if let Some(d) = &first {
-            if let Some(a) = &a {
+            let in_report = rec.step <= d.step + opts.drift_steps as u64;
+            if let (Some(a), true) = (&a, in_report) {
                 let exp: BTreeMap<RequestId, &Vec<f32>> =
                     a.last_rows().iter().map(|(id, r)| (*id, r)).collect();
                 let pairs: Vec<(f32, f64, bool)> = b
@@ -417,13 +499,14 @@ pub fn replay(
                     });
                 }
             }
-            if opts.stop_at_first || rec.step >= d.step + opts.drift_steps as u64 {
+            let go_on = (opts.drift_steps as u64).max(opts.trace_steps);
+            if opts.stop_at_first || rec.step >= d.step.saturating_add(go_on) {
                 break;
             }
         }
     }
     let truncated = matches!(bundle.integrity, Integrity::Truncated { .. });
-    Ok(match (first, first_bits) {
+    let outcome = match (first, first_bits) {
         (None, None) => Outcome::BitExact {
             steps,
             tokens,
@@ -442,7 +525,8 @@ pub fn replay(
             d.window = window(bundle, &cat, model, d.step.saturating_sub(3), d.step + 2);
             Outcome::Diverged(Box::new(d))
         }
-    })
+    };
+    Ok((outcome, trace))
 }
 
 /// A divergence at `step` attributed to `who` (request, position), without

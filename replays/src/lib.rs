@@ -13,16 +13,19 @@
 //! - [`validate`]: semantic checks of a decoded bundle (ids, spans, tokens,
 //!   steps) before anything executes it.
 //! - [`check`]: the API for users' regression tests over committed bundles.
+//! - [`html`]: the HTML report (timeline, divergence, drift plots, texts,
+//!   bisect probes, oracle turns) and the `--svg` drift plot.
 
 pub mod bisect;
 pub mod check;
 pub mod driver;
+pub mod html;
 pub mod oracle;
 pub mod report;
 pub mod validate;
 
 pub use bisect::{bisect, probe, BisectOutcome, Probe};
 pub use check::{Check, CheckError, Report};
-pub use driver::{replay, Criterion, ReplayError, ReplayOptions};
-pub use oracle::oracle;
+pub use driver::{replay, replay_traced, Criterion, ReplayError, ReplayOptions, Trace};
+pub use oracle::{oracle, oracle_traced, OracleTurn};
 pub use report::{Divergence, DriftRow, Outcome, Signal, TokenInfo};

@@ -24,12 +24,37 @@ struct Sampled {
     top: Vec<(u32, f32)>,
 }
 
+/// What the oracle did with one request (one turn of a conversation).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct OracleTurn {
+    pub request: String,
+    pub request_id: RequestId,
+    /// 1-based turn in its conversation.
+    pub turn: usize,
+    /// Sampled tokens whose logits were recomputed and compared.
+    pub checked: usize,
+    /// The first token whose recorded logits differ: `(step, position)`.
+    pub first_difference: Option<(u64, usize)>,
+}
+
 /// Runs the oracle over every sampled token of `bundle`.
 pub fn oracle(
     bundle: &Bundle,
     model: &Model,
     opts: &ReplayOptions,
 ) -> Result<Outcome, ReplayError> {
+    oracle_traced(bundle, model, opts).map(|(o, _)| o)
+}
+
+/// [`oracle`], also saying per request how many tokens were recomputed and
+/// where its first difference is (each request is checked up to its own
+/// first difference).
+pub fn oracle_traced(
+    bundle: &Bundle,
+    model: &Model,
+    opts: &ReplayOptions,
+) -> Result<(Outcome, Vec<OracleTurn>), ReplayError> {
+    let mut turns = Vec::new();
     let patches = check_bundle(bundle, model)?;
     let cat = Catalog::of(bundle);
     let mut params = BTreeMap::new();
@@ -78,18 +103,27 @@ pub fn oracle(
             .llama
             .forward_patched(&mut kv, &[span], &opts.threads, &patches)?
             .remove(0);
+        let mut turn = OracleTurn {
+            request: cat.name(id),
+            request_id: id,
+            turn: cat.turn(id),
+            checked: 0,
+            first_difference: None,
+        };
         for s in samples {
             tokens += 1;
             let r = s.position - 1;
             if r >= fed.len() {
                 continue;
             }
+            turn.checked += 1;
             let row = &rows[r * vocab..(r + 1) * vocab];
             let bytes: Vec<u8> = row.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect();
             let digest: [u8; 32] = Sha256::digest(&bytes).into();
             if digest == s.digest {
                 continue;
             }
+            turn.first_difference = Some((s.step, s.position));
             if first.as_ref().is_some_and(|(st, _)| *st <= s.step) {
                 break;
             }
@@ -122,8 +156,9 @@ pub fn oracle(
             ));
             break;
         }
+        turns.push(turn);
     }
-    Ok(match first {
+    let outcome = match first {
         None => Outcome::BitExact {
             steps: bundle
                 .events
@@ -137,5 +172,6 @@ pub fn oracle(
             d.window = window(bundle, &cat, model, d.step.saturating_sub(3), d.step + 2);
             Outcome::Diverged(Box::new(d))
         }
-    })
+    };
+    Ok((outcome, turns))
 }
