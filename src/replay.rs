@@ -10,8 +10,8 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 
 use lmrr_engine::{Model, Patch, PatchSet};
-use lmrr_replays::report::plural;
 use lmrr_replays::html::ReportData;
+use lmrr_replays::report::plural;
 use lmrr_replays::{
     bisect, oracle_traced, probe, replay_traced, Criterion, Outcome, Probe, ReplayOptions,
 };

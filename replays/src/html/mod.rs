@@ -275,8 +275,11 @@ impl ReportData {
             let cat = Catalog::of(bundle);
             if let (Some(id), Some(pos), Some(e)) = (d.request_id, d.position, &d.expected) {
                 let recorded = recorded_tokens(bundle, id);
-                let mut expected: Vec<Tok> =
-                    recorded.iter().filter(|t| t.0 <= pos).map(tok(model)).collect();
+                let mut expected: Vec<Tok> = recorded
+                    .iter()
+                    .filter(|t| t.0 <= pos)
+                    .map(tok(model))
+                    .collect();
                 if let Some(last) = expected.last_mut().filter(|t| t.position == pos) {
                     last.token = e.token;
                     last.text = e.text.clone();
@@ -405,7 +408,12 @@ fn texts(
     // Where the tokens all agree: the divergence's position if it is a
     // sampled one, else the start of the output.
     let at = first
-        .or_else(|| expected.iter().any(|t| t.position == fallback).then_some(fallback))
+        .or_else(|| {
+            expected
+                .iter()
+                .any(|t| t.position == fallback)
+                .then_some(fallback)
+        })
         .or_else(|| expected.first().map(|t| t.position + TEXT_CONTEXT))
         .unwrap_or(fallback);
     let shown_at = first.or_else(|| (at == fallback).then_some(fallback));

@@ -166,8 +166,8 @@ pub(super) fn render(r: &ReportData) -> Result<String, HtmlError> {
     // Drift plots.
     if matches!(r.kind, Kind::Replay | Kind::Bisect) && r.outcome.is_some() {
         let p = plot::drift_svg(r.drift.as_ref(), PAGE_WIDTH)?;
-        let panels = serde_json::to_string(&p.panels)
-            .map_err(|e| HtmlError::Json(e.to_string()))?;
+        let panels =
+            serde_json::to_string(&p.panels).map_err(|e| HtmlError::Json(e.to_string()))?;
         let folded = r.drift.as_ref().map_or(0, |d| d.folded);
         let _ = write!(
             h,
@@ -263,52 +263,69 @@ pub(super) fn render(r: &ReportData) -> Result<String, HtmlError> {
 }
 
 fn texts(h: &mut String, t: &Texts, d: Option<&crate::report::Divergence>) {
-    let side = |h: &mut String, label: &str, toks: &[Tok], top: Option<&crate::report::TokenInfo>| {
-        let _ = write!(h, "<div class=\"side\"><h3>{}</h3><p class=\"text\">", esc(label));
-        if t.skipped_before > 0 {
-            let _ = write!(h, "<span class=\"skip\">… {} tokens …</span>", t.skipped_before);
-        }
-        for k in toks {
-            let hl = Some(k.position) == t.highlight;
+    let side =
+        |h: &mut String, label: &str, toks: &[Tok], top: Option<&crate::report::TokenInfo>| {
             let _ = write!(
                 h,
-                "<span class=\"tok{}\" title=\"position {} · token {}\">{}</span>",
-                if hl && t.tokens_differ {
-                    " first-diff"
-                } else if hl {
-                    " at-divergence"
-                } else {
-                    ""
-                },
-                k.position,
-                k.token,
-                shown(&k.text)
+                "<div class=\"side\"><h3>{}</h3><p class=\"text\">",
+                esc(label)
             );
-        }
-        if t.skipped_after > 0 {
-            let _ = write!(h, "<span class=\"skip\">… {} tokens …</span>", t.skipped_after);
-        }
-        h.push_str("</p>");
-        if let Some(top) = top.filter(|x| !x.top.is_empty()) {
-            let _ = write!(
+            if t.skipped_before > 0 {
+                let _ = write!(
+                    h,
+                    "<span class=\"skip\">… {} tokens …</span>",
+                    t.skipped_before
+                );
+            }
+            for k in toks {
+                let hl = Some(k.position) == t.highlight;
+                let _ = write!(
+                    h,
+                    "<span class=\"tok{}\" title=\"position {} · token {}\">{}</span>",
+                    if hl && t.tokens_differ {
+                        " first-diff"
+                    } else if hl {
+                        " at-divergence"
+                    } else {
+                        ""
+                    },
+                    k.position,
+                    k.token,
+                    shown(&k.text)
+                );
+            }
+            if t.skipped_after > 0 {
+                let _ = write!(
+                    h,
+                    "<span class=\"skip\">… {} tokens …</span>",
+                    t.skipped_after
+                );
+            }
+            h.push_str("</p>");
+            if let Some(top) = top.filter(|x| !x.top.is_empty()) {
+                let _ = write!(
                 h,
                 "<table class=\"top\"><caption>top-5 at the divergence (token {} “{}”)</caption>\
                  <thead><tr><th>token</th><th>text</th><th>logprob</th></tr></thead><tbody>",
                 top.token,
                 shown(&top.text)
             );
-            for (id, s, lp) in &top.top {
-                let _ = write!(
-                    h,
-                    "<tr{}><td>{id}</td><td>{}</td><td>{lp:.3}</td></tr>",
-                    if *id == top.token { " class=\"chosen\"" } else { "" },
-                    shown(s)
-                );
+                for (id, s, lp) in &top.top {
+                    let _ = write!(
+                        h,
+                        "<tr{}><td>{id}</td><td>{}</td><td>{lp:.3}</td></tr>",
+                        if *id == top.token {
+                            " class=\"chosen\""
+                        } else {
+                            ""
+                        },
+                        shown(s)
+                    );
+                }
+                h.push_str("</tbody></table>");
             }
-            h.push_str("</tbody></table>");
-        }
-        h.push_str("</div>");
-    };
+            h.push_str("</div>");
+        };
     let _ = write!(
         h,
         "<section id=\"texts\"><h2>Texts of <code>{}</code></h2><p class=\"note\">{}</p><div class=\"sides\">",
@@ -319,12 +336,24 @@ fn texts(h: &mut String, t: &Texts, d: Option<&crate::report::Divergence>) {
             None => "The sampled tokens agree at every position replayed.".into(),
         }
     );
-    side(h, &t.expected_label, &t.expected, d.and_then(|d| d.expected.as_ref()));
-    side(h, &t.actual_label, &t.actual, d.and_then(|d| d.actual.as_ref()));
+    side(
+        h,
+        &t.expected_label,
+        &t.expected,
+        d.and_then(|d| d.expected.as_ref()),
+    );
+    side(
+        h,
+        &t.actual_label,
+        &t.actual,
+        d.and_then(|d| d.actual.as_ref()),
+    );
     h.push_str("</div></section>\n");
 }
 
 /// The patch names of a set as printed (`none` is the empty set).
 fn names(set: &str) -> std::collections::BTreeSet<&str> {
-    set.split(',').filter(|n| !n.is_empty() && *n != "none").collect()
+    set.split(',')
+        .filter(|n| !n.is_empty() && *n != "none")
+        .collect()
 }

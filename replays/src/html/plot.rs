@@ -71,9 +71,7 @@ pub fn drift_svg(d: Option<&Drift>, width: u32) -> Result<PlotSvg, HtmlError> {
             "no drift data: the replay ran no second engine (same patch set as the \
              recording, or the oracle, which compares digests)",
         ),
-        Some(d) if !has_drift(d) => {
-            Some("no drift: every compared logits row is bit-identical")
-        }
+        Some(d) if !has_drift(d) => Some("no drift: every compared logits row is bit-identical"),
         Some(_) => None,
     };
     let mut svg = String::new();
@@ -178,6 +176,7 @@ fn panel(
             c.configure_mesh()
                 .light_line_style(TRANSPARENT)
                 .x_desc("step")
+                .x_label_formatter(&|v| format!("{v:.0}"))
                 .y_label_formatter(&|v| format!("{:.0}%", v * 100.0))
                 .draw()
                 .map_err(err)?;
@@ -220,13 +219,17 @@ fn panel(
             y = (floor, top);
             let mut c = builder
                 .caption(
-                    format!("{}{bucket} · log scale, 0 drawn on the floor", metric.name()),
+                    format!(
+                        "{}{bucket} · log scale, 0 drawn on the floor",
+                        metric.name()
+                    ),
                     ("sans-serif", 14),
                 )
                 .build_cartesian_2d(x.0..x.1, (y.0..y.1).log_scale())
                 .map_err(err)?;
             c.configure_mesh()
                 .light_line_style(TRANSPARENT)
+                .x_label_formatter(&|v| format!("{v:.0}"))
                 .y_label_formatter(&|v| format!("{v:.0e}"))
                 .draw()
                 .map_err(err)?;
@@ -257,7 +260,9 @@ fn panel(
                 ))
                 .map_err(err)?
                 .label(format!("first divergence (step {m})"))
-                .legend(|(lx, ly)| PathElement::new([(lx, ly), (lx + 16, ly)], RED.stroke_width(2)));
+                .legend(|(lx, ly)| {
+                    PathElement::new([(lx, ly), (lx + 16, ly)], RED.stroke_width(2))
+                });
             }
             if legend {
                 c.configure_series_labels()

@@ -43,12 +43,25 @@ pub struct Run {
 #[serde(tag = "kind", rename_all = "kebab-case")]
 pub enum Mark {
     /// Arrives at the boundary before `step`.
-    Arrival { step: u64, prompt_tokens: usize },
+    Arrival {
+        step: u64,
+        prompt_tokens: usize,
+    },
     /// Admitted in `step`, with `cached` prompt tokens served from the prefix cache.
-    Admit { step: u64, cached: usize },
-    Interrupt { step: u64 },
-    Preempt { step: u64 },
-    Finish { step: u64, reason: String },
+    Admit {
+        step: u64,
+        cached: usize,
+    },
+    Interrupt {
+        step: u64,
+    },
+    Preempt {
+        step: u64,
+    },
+    Finish {
+        step: u64,
+        reason: String,
+    },
 }
 
 impl Mark {
@@ -145,10 +158,8 @@ impl Timeline {
                             }
                             Decision::Schedule { id, len, .. } => {
                                 let Some(&i) = index.get(id) else { continue };
-                                let sampled = r
-                                    .seqs
-                                    .iter()
-                                    .any(|s| s.id == *id && s.sampled.is_some());
+                                let sampled =
+                                    r.seqs.iter().any(|s| s.id == *id && s.sampled.is_some());
                                 let kind = if *len == 1 && sampled {
                                     RunKind::Decode
                                 } else {
@@ -355,7 +366,9 @@ pub fn svg(t: &Timeline, truncated_at: Option<u64>) -> String {
     }
     if let Some(d) = &t.divergence {
         let xx = x(d.step);
-        let row = lanes.iter().position(|l| Some(l.request_id) == d.request_id);
+        let row = lanes
+            .iter()
+            .position(|l| Some(l.request_id) == d.request_id);
         s += &format!(
             r#"<g id="divergence-marker" class="divergence"><line x1="{xx:.1}" y1="{}" x2="{xx:.1}" y2="{height}"/><text x="{:.1}" y="{}">first divergence · step {} · {}</text>"#,
             AXIS_H - 6.0,
