@@ -24,6 +24,8 @@ chrome() {
   rm -rf "$prof"
 }
 fail=0
+# A bundle whose writer died: the first two thirds of the incident.
+head -c 15600 replays/incident.lmrr >"$OUT/truncated.lmrr"
 # name | lmrr arguments | must show a divergence marker
 cases=(
   "incident-clean|replay replays/incident.lmrr|no"
@@ -32,6 +34,7 @@ cases=(
   "multi-user-abort-inserts-partial|replay replays/multi-user.lmrr --patches abort-inserts-partial|yes"
   "incident-bisect|replay replays/incident.lmrr --bisect|yes"
   "incident-inspect|inspect replays/incident.lmrr|no"
+  "truncated|replay $OUT/truncated.lmrr --patches abort-inserts-partial|yes"
 )
 for c in "${cases[@]}"; do
   IFS='|' read -r name args marker <<<"$c"
@@ -51,6 +54,9 @@ for c in "${cases[@]}"; do
   if [[ $marker == yes ]]; then
     grep -q 'id="divergence-marker"' <<<"$dom" || problems+=("no divergence marker")
     grep -q 'id="drift-plots"' <<<"$dom" || problems+=("no drift plots")
+  fi
+  if [[ $name == truncated ]]; then
+    grep -q 'id="truncated"' <<<"$dom" || problems+=("no truncation banner")
   fi
   [[ -s "$OUT/$name.png" ]] || problems+=("no screenshot")
   load=$(grep -o 'data-lmrr-load-ms="[0-9]*"' <<<"$dom" | grep -o '[0-9]*' || echo "?")

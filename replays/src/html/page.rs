@@ -47,18 +47,18 @@ pub(super) fn render(r: &ReportData) -> Result<String, HtmlError> {
         Kind::Oracle => "recompute oracle",
         Kind::Bisect => "bisect",
     };
-    let _ = write!(
+    let _ = writeln!(
         h,
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
          <meta name=\"viewport\" content=\"width=device-width\">\
-         <title>lmrr {title}: {}</title><style>{CSS}</style></head><body>\n",
+         <title>lmrr {title}: {}</title><style>{CSS}</style></head><body>",
         esc(&r.bundle.path)
     );
     let b = &r.bundle;
-    let _ = write!(
+    let _ = writeln!(
         h,
         "<header><h1>lmrr {title} · <code>{}</code></h1><p class=\"cmd\"><code>{}</code></p>\
-         <p class=\"facts\">model {} · recorded under <code>{}</code>{} · {} requests · {} steps · {} bytes</p></header>\n",
+         <p class=\"facts\">model {} · recorded under <code>{}</code>{} · {} requests · {} steps · {} bytes</p></header>",
         esc(&b.path),
         esc(&r.command),
         esc(&b.model),
@@ -79,11 +79,11 @@ pub(super) fn render(r: &ReportData) -> Result<String, HtmlError> {
             why,
             last_step,
         } => {
-            let _ = write!(
+            let _ = writeln!(
                 h,
                 "<section id=\"truncated\" class=\"banner\"><strong>Truncated bundle.</strong> \
                  The file ends early: {frames} complete frames, readable up to byte {offset}{} \
-                 ({}). Everything after that was lost; this report covers the readable part.</section>\n",
+                 ({}). Everything after that was lost; this report covers the readable part.</section>",
                 last_step
                     .map(|s| format!(", the last step it holds is {s}"))
                     .unwrap_or_else(|| ", no step".into()),
@@ -98,15 +98,15 @@ pub(super) fn render(r: &ReportData) -> Result<String, HtmlError> {
             Some(o) if o.is_clean() => "same",
             _ => "bad",
         };
-        let _ = write!(
+        let _ = writeln!(
             h,
-            "<section id=\"verdict\" class=\"verdict {class}\"><h2>Verdict</h2><pre>{}</pre></section>\n",
+            "<section id=\"verdict\" class=\"verdict {class}\"><h2>Verdict</h2><pre>{}</pre></section>",
             esc(t)
         );
     }
     // Timeline.
     let tl = &r.timeline;
-    let _ = write!(
+    let _ = writeln!(
         h,
         "<section id=\"timeline-section\"><h2>Session timeline</h2>\
          <p class=\"legend\"><span class=\"k arrival\"></span>arrival \
@@ -117,7 +117,7 @@ pub(super) fn render(r: &ReportData) -> Result<String, HtmlError> {
          <span class=\"k preempt\">▼</span>preemption \
          <span class=\"k finish\"></span>finish \
          <span class=\"k divergence\"></span>first divergence · hover for details</p>\
-         <div class=\"scroll\">{}</div>{}</section>\n",
+         <div class=\"scroll\">{}</div>{}</section>",
         timeline::svg(tl, truncated_at),
         if tl.lanes.len() > super::MAX_LANES {
             format!(
@@ -169,12 +169,12 @@ pub(super) fn render(r: &ReportData) -> Result<String, HtmlError> {
         let panels =
             serde_json::to_string(&p.panels).map_err(|e| HtmlError::Json(e.to_string()))?;
         let folded = r.drift.as_ref().map_or(0, |d| d.folded);
-        let _ = write!(
+        let _ = writeln!(
             h,
             "<section id=\"drift\"><h2>Drift per request</h2>\
              <p class=\"note\">Each row of the engine under test against the same row of the \
              recording's patch set run alongside, both fed the recorded tokens.{}</p>\
-             <div id=\"drift-plots\" class=\"plot\" data-panels=\"{}\">{}<div id=\"hover\" hidden></div></div></section>\n",
+             <div id=\"drift-plots\" class=\"plot\" data-panels=\"{}\">{}<div id=\"hover\" hidden></div></div></section>",
             if folded > 0 {
                 format!(" {folded} more requests are only in \"all rows\".")
             } else {
@@ -220,9 +220,9 @@ pub(super) fn render(r: &ReportData) -> Result<String, HtmlError> {
                 p.signal.map(|s| s.to_string()).unwrap_or_default()
             );
         }
-        let _ = write!(
+        let _ = writeln!(
             h,
-            "</tbody></table><p class=\"culprit {}\">{}</p></section>\n",
+            "</tbody></table><p class=\"culprit {}\">{}</p></section>",
             if bi.found() { "found" } else { "refused" },
             esc(text.lines().last().unwrap_or_default())
         );
@@ -254,10 +254,10 @@ pub(super) fn render(r: &ReportData) -> Result<String, HtmlError> {
         }
         h += "</tbody></table></section>\n";
     }
-    let _ = write!(
+    let _ = writeln!(
         h,
         "<footer>lmrr · data part: <code>#lmrr-data</code> (the numbers this page draws)</footer>\n\
-         <script type=\"application/json\" id=\"lmrr-data\">{json}</script>\n<script>{JS}</script>\n</body></html>\n"
+         <script type=\"application/json\" id=\"lmrr-data\">{json}</script>\n<script>{JS}</script>\n</body></html>"
     );
     Ok(h)
 }
