@@ -1,5 +1,8 @@
 //! Replay, divergence reports, the patch catalog, bisect and the oracle.
 
+mod common;
+
+use common::{model, record};
 use lmrr_engine::{
     run_session, EngineConfig, Model, Patch, PatchSet, Scheduler, Script, SynthSpec,
 };
@@ -8,27 +11,12 @@ use lmrr_recorder::{read, Bundle, Manifest, Recorder};
 use lmrr_replays::bisect::Verdict;
 use lmrr_replays::{bisect, oracle, replay, Criterion, Outcome, Probe, ReplayOptions, Signal};
 
-fn model() -> Model {
-    Model::synthetic(SynthSpec::embedded_default()).unwrap()
-}
-
 fn incident_src() -> String {
     std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../examples/incident.toml"
     ))
     .unwrap()
-}
-
-fn record(m: &Model, src: &str, cfg: EngineConfig, patches: PatchSet) -> Bundle {
-    let script = Script::parse(src, "s.toml").unwrap();
-    let manifest = Manifest::for_session(m, cfg, &patches, "s.toml", src, 5, 2, "test", "test");
-    let mut sch =
-        Scheduler::with_patches(&m.llama, cfg, Threads::new(2).unwrap(), patches).unwrap();
-    sch.set_top_logprobs(5);
-    let mut rec = Recorder::new(Vec::new(), &manifest).unwrap();
-    run_session(m, &script, &mut sch, |e| rec.observe(e)).unwrap();
-    read(&rec.finish().unwrap()).unwrap()
 }
 
 fn run(b: &Bundle, m: &Model, patches: PatchSet) -> Outcome {

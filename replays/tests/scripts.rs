@@ -3,28 +3,21 @@
 //! recorded and replays bit-exactly, and today's script driver still produces
 //! every committed bundle's session event for event.
 
+mod common;
+
+use common::model;
 use lmrr_engine::scheduler::Decision;
-use lmrr_engine::{run_session, EngineConfig, Model, PatchSet, Scheduler, Script, SynthSpec};
+use lmrr_engine::{EngineConfig, Model, PatchSet};
 use lmrr_kernels::Threads;
-use lmrr_recorder::{read, Bundle, Event, Manifest, Recorder};
+use lmrr_recorder::{Bundle, Event};
 use lmrr_replays::{replay, Outcome, ReplayOptions};
 
-fn model() -> Model {
-    Model::synthetic(SynthSpec::embedded_default()).unwrap()
-}
-
 fn record(m: &Model, src: &str, cfg: EngineConfig, patches: PatchSet) -> Bundle {
-    let script = Script::parse(src, "s.toml").unwrap();
-    let manifest = Manifest::for_session(m, cfg, &patches, "s.toml", src, 5, 2, "test", "test");
-    let mut sch =
-        Scheduler::with_patches(&m.llama, cfg, Threads::new(2).unwrap(), patches).unwrap();
-    sch.set_top_logprobs(5);
-    let mut rec = Recorder::new(Vec::new(), &manifest).unwrap();
-    run_session(m, &script, &mut sch, |e| rec.observe(e)).unwrap();
-    sch.check_accounting().unwrap();
-    assert_eq!(sch.pages_held_by_requests(), 0);
-    assert_eq!(sch.free_pages() + sch.cached_pages(), cfg.pool_pages);
-    read(&rec.finish().unwrap()).unwrap()
+    common::record_then(m, src, cfg, patches, |sch| {
+        sch.check_accounting().unwrap();
+        assert_eq!(sch.pages_held_by_requests(), 0);
+        assert_eq!(sch.free_pages() + sch.cached_pages(), cfg.pool_pages);
+    })
 }
 
 /// A client that disconnects while its long prompt is still being prefilled
