@@ -74,16 +74,16 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let t_load = Instant::now();
     let model = crate::load_model(Some(&a.model))?;
     let load_s = t_load.elapsed().as_secs_f64();
-    let m = &model.llama;
-    let cfg = m.config();
+    let m = model.net();
     let r = a.repeats;
+    let (layers, vocab) = (m.kv_layout().layers, m.vocab_size());
     println!(
         "# lmrr bench — model {} ({:.1}M params, {} layers, hidden {}, vocab {}), {} threads, ISA {:?}",
         model.origin,
         m.param_count() as f64 / 1e6,
-        cfg.num_hidden_layers,
-        cfg.hidden_size,
-        cfg.vocab_size,
+        layers,
+        m.hidden_size(),
+        vocab,
         th.count(),
         lmrr_kernels::isa()
     );
@@ -94,7 +94,13 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let floor = wbytes / bw;
 
     // Matmul GFLOP/s on an MLP-shaped matrix, 64 tokens, f32 and bf16.
-    let (rows, cols, n) = (cfg.intermediate_size, cfg.hidden_size, 64);
+    // (A mini-v4 model has no dense MLP: its shared expert's shape stands in.)
+    let ffn = match (model.llama(), model.mini_v4()) {
+        (Some(l), _) => l.config().intermediate_size,
+        (None, Some(v)) => v.config().moe_intermediate_size,
+        (None, None) => 4 * m.hidden_size(),
+    };
+    let (rows, cols, n) = (ffn, m.hidden_size(), 64);
     let x: Vec<f32> = (0..n * cols)
         .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
         .collect();
@@ -154,10 +160,10 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         ));
     }
 
-    let new_kv = || SeqKvStore::new(cfg.num_hidden_layers, m.attn_shape().kv_dim());
+    let new_kv = || SeqKvStore::new(m.kv_layout());
     let prompt = |s: u64| -> Vec<u32> {
         (0..a.prompt_len as u64)
-            .map(|i| ((i * 7919 + s * 104_729) % (cfg.vocab_size as u64 - 3)) as u32 + 3)
+            .map(|i| ((i * 7919 + s * 104_729) % (vocab as u64 - 3)) as u32 + 3)
             .collect()
     };
     let prompts: Vec<Vec<u32>> = (0..8).map(prompt).collect();
@@ -274,7 +280,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     );
     println!(
         "| one-time model identity (SHA-256 of {:.0} M weights as f32, {} cores; cached per process) | {:.0} ms |",
-        model.llama.named_tensors().iter().map(|t| t.1.iter().product::<usize>()).sum::<usize>() as f64 / 1e6,
+        model.net.named_tensors().iter().map(|t| t.1.iter().product::<usize>()).sum::<usize>() as f64 / 1e6,
         std::thread::available_parallelism().map_or(1, |n| n.get()),
         rf.identity_s * 1e3
     );
@@ -306,8 +312,8 @@ pub fn serving_hash_share(
     decode: usize,
 ) -> Result<(f64, f64, u64)> {
     use lmrr_engine::{EngineConfig, Request, SamplingParams, Scheduler};
-    let vocab = model.llama.config().vocab_size as u64;
-    let mut sch = Scheduler::new(&model.llama, EngineConfig::default(), th.clone())?;
+    let vocab = model.net.vocab_size() as u64;
+    let mut sch = Scheduler::new(model.net(), EngineConfig::default(), th.clone())?;
     for i in 0..4u64 {
         let prompt: Vec<u32> = (0..prompt_len as u64)
             .map(|j| {
@@ -368,12 +374,12 @@ pub fn recording_overhead(
     model.identity();
     let identity_s = ti.elapsed().as_secs_f64();
     for _ in 0..repeats.max(1) {
-        let mut sch = Scheduler::new(&model.llama, cfg, th.clone())?;
+        let mut sch = Scheduler::new(model.net(), cfg, th.clone())?;
         let t = Instant::now();
         run_session(model, &script, &mut sch, |_| {})?;
         plain.push(t.elapsed().as_secs_f64());
 
-        let mut sch = Scheduler::new(&model.llama, cfg, th.clone())?;
+        let mut sch = Scheduler::new(model.net(), cfg, th.clone())?;
         let t = Instant::now();
         let manifest = crate::session_manifest(
             model,

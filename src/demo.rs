@@ -31,7 +31,7 @@ fn record(
         &script.source,
         th.count(),
     );
-    let mut sch = Scheduler::with_patches(&model.llama, cfg, th.clone(), patches.clone())?;
+    let mut sch = Scheduler::with_patches(model.net(), cfg, th.clone(), patches.clone())?;
     sch.set_top_logprobs(crate::TOP_LOGPROBS);
     let mut rec = Recorder::new(Vec::new(), &manifest)?;
     run_session(model, script, &mut sch, |e| rec.observe(e))?;
@@ -90,12 +90,13 @@ pub fn run() -> Result<()> {
     writeln!(
         out,
         "4. bisect over the whole catalog ({})",
-        PatchSet::all()
+        PatchSet::all_for(model.net.family())
     )?;
     let mut probe = |set: &PatchSet| -> Result<Probe> {
         Ok(probe(&clean, &model, set, &th, Criterion::Behaviour)?)
     };
-    let res = bisect(&PatchSet::none(), &Patch::ALL, &mut probe)?;
+    let catalog: Vec<Patch> = PatchSet::all_for(model.net.family()).iter().collect();
+    let res = bisect(&PatchSet::none(), &catalog, &mut probe)?;
     for line in res.to_string().lines() {
         writeln!(out, "   {line}")?;
     }

@@ -156,12 +156,14 @@ struct InspectArgs {
 
 #[derive(clap::Args, Debug)]
 struct GenModelArgs {
-    /// Model family (only `llama`).
+    /// Model family: `llama` or `mini-v4`.
     #[arg(long, default_value = "llama")]
     arch: String,
-    /// `tiny` (~1M parameters) or `small` (SmolLM2-135M shape).
+    /// `tiny` (for tests) or `small` (for benchmarks; llama: SmolLM2-135M's
+    /// shape). `mini-v4-tiny` and `mini-v4-small` name a mini-v4 preset
+    /// whatever `--arch`.
     #[arg(long)]
-    preset: Preset,
+    preset: String,
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Weight storage: bf16 or f32.
@@ -300,7 +302,7 @@ pub(crate) fn set_device(model: &mut Model, device: &str) -> Result<()> {
             let gpu = lmrr_kernels::cuda::Gpu::open(0).context("opening CUDA device 0")?;
             eprintln!("device: {}", gpu.name());
             model
-                .llama
+                .net
                 .set_device(lmrr_engine::Device::Cuda(std::sync::Arc::new(gpu)));
             Ok(())
         }
@@ -341,7 +343,7 @@ fn run_generate(a: &GenerateArgs) -> Result<()> {
         keep_logits: false,
     };
     let t0 = std::time::Instant::now();
-    let g = lmrr_engine::generate(&model.llama, &prompt, &opts, &th)?;
+    let g = lmrr_engine::generate(model.net(), &prompt, &opts, &th)?;
     let dt = t0.elapsed().as_secs_f64();
     let text = model.tokenizer.decode(&g.tokens)?;
     let mut out = std::io::stdout().lock();
@@ -373,7 +375,7 @@ fn run_run(a: &RunArgs) -> Result<u8> {
         prefix_cache: !a.no_prefix_cache,
     };
     let threads_n = th.count();
-    let mut sch = Scheduler::with_patches(&model.llama, cfg, th, a.patches.clone())?;
+    let mut sch = Scheduler::with_patches(model.net(), cfg, th, a.patches.clone())?;
     // Validate against the model and pool before creating any file.
     script.check_fits(&model, &sch)?;
     let mut recorder = match &a.record {
@@ -481,15 +483,14 @@ fn run_score(a: &ScoreArgs) -> Result<()> {
         .with_context(|| format!("reading {}", a.text_file.display()))?;
     let ids = model.tokenizer.encode(&text)?;
     let th = threads(a.threads)?;
-    let cfg = model.llama.config();
-    let mut kv = SeqKvStore::new(cfg.num_hidden_layers, model.llama.attn_shape().kv_dim());
+    let mut kv = SeqKvStore::new(model.net.kv_layout());
     let span = SeqSpan {
         seq: 0,
         start: kv.len(0),
         tokens: &ids,
         logits: LogitsWanted::All,
     };
-    let rows = model.llama.forward(&mut kv, &[span], &th)?.remove(0);
+    let rows = model.net.forward(&mut kv, &[span], &th)?.remove(0);
     let mut out = Vec::with_capacity(4 + ids.len() * 4 + rows.len() * 4);
     out.extend((ids.len() as u32).to_le_bytes());
     out.extend(ids.iter().flat_map(|t| t.to_le_bytes()));
@@ -498,7 +499,7 @@ fn run_score(a: &ScoreArgs) -> Result<()> {
     println!(
         "{} tokens × {} logits → {}",
         ids.len(),
-        cfg.vocab_size,
+        model.net.vocab_size(),
         a.out.display()
     );
     Ok(())
@@ -530,7 +531,10 @@ fn run_import(a: &ImportArgs) -> Result<()> {
 fn run_patches() -> Result<()> {
     let mut out = std::io::stdout().lock();
     for p in Patch::ALL {
-        writeln!(out, "{:<22} {:?}", p.name(), p.class())?;
+        let family = p
+            .family()
+            .map_or("every family".to_string(), |f| f.to_string());
+        writeln!(out, "{:<22} {:?}, {family}", p.name(), p.class())?;
         writeln!(out, "    {}", p.doc())?;
     }
     Ok(())
@@ -560,8 +564,8 @@ pub(crate) fn session_manifest(
         env!("LMRR_GIT_REV"),
     );
     // Where the kernels ran (the host's ISA covers only the CPU path).
-    if !matches!(model.llama.device(), lmrr_engine::Device::Cpu) {
-        m.host.isa = format!("{} (kernels on {:?})", m.host.isa, model.llama.device());
+    if !matches!(model.net.device(), lmrr_engine::Device::Cpu) {
+        m.host.isa = format!("{} (kernels on {:?})", m.host.isa, model.net.device());
     }
     m
 }
@@ -652,11 +656,17 @@ fn run_inspect(a: &InspectArgs) -> Result<()> {
 }
 
 fn run_gen_model(a: &GenModelArgs) -> Result<()> {
-    if a.arch != "llama" {
-        bail!("unknown --arch `{}`: only `llama` is implemented", a.arch);
-    }
+    let family = match a.arch.as_str() {
+        "llama" => lmrr_engine::Family::Llama,
+        "mini-v4" => lmrr_engine::Family::MiniV4,
+        other => bail!("unknown --arch `{other}` (llama, mini-v4)"),
+    };
+    let preset = match a.preset.parse::<Preset>() {
+        Ok(p) if p.name().starts_with("mini-v4") => p,
+        _ => Preset::of(family, &a.preset).map_err(anyhow::Error::msg)?,
+    };
     let spec = SynthSpec {
-        preset: a.preset,
+        preset,
         seed: a.seed,
         dtype: a.dtype,
     };

@@ -124,7 +124,8 @@ pub fn run(a: &ReplayArgs) -> Result<u8> {
         let bad = match (&a.bad, &a.patches) {
             (Some(bad), _) => bad.clone(),
             (None, Some(p)) => p.clone(),
-            (None, None) => PatchSet::all(),
+            // The whole catalog that can act on this model's family.
+            (None, None) => PatchSet::all_for(model.net.family()),
         };
         let (base, candidates): (PatchSet, Vec<Patch>) = (
             good.clone(),

@@ -78,7 +78,7 @@ pub fn run(a: &RerecordArgs) -> Result<()> {
     let patches = PatchSet::parse(&m.patches.join(",")).map_err(anyhow::Error::msg)?;
     let th = crate::threads(a.threads)?;
     let n_threads = th.count();
-    let mut sch = Scheduler::with_patches(&model.llama, m.engine, th, patches.clone())?;
+    let mut sch = Scheduler::with_patches(model.net(), m.engine, th, patches.clone())?;
     script.check_fits(&model, &sch)?;
     sch.set_top_logprobs(crate::TOP_LOGPROBS);
     let manifest = crate::session_manifest(

@@ -1,39 +1,37 @@
 //! lmrr's deterministic inference engine.
 //!
-//! Owns model loading (HF directory: `config.json`, `model.safetensors`,
-//! `tokenizer.json`), the llama family forward pass over a batch of
-//! (sequence, token span) entries, the KV store interface, seeded sampling, the
-//! synthetic model generator and the single-request generation driver.
+//! Two halves. `model/` owns what a model is: the [`ModelFamily`] trait and
+//! its families (`llama`, `mini_v4`), loading an HF directory (`config.json`,
+//! `model.safetensors`, `tokenizer.json`), GGUF import, tokenizer, chat
+//! templates, the synthetic generator and content identity. `serve/` owns the
+//! serving core, which knows no family: the paged KV pool, the radix cache,
+//! the scheduler, session scripts and the single-request driver. `serve/`
+//! imports `model/`, never the other way round.
 //!
 //! Invariant (the contract, see docs/ARCHITECTURE.md): the logits at position
 //! `p` of a sequence are a pure function of its tokens `[0..=p]` — independent of
 //! batch-mates, chunking, thread count and run. Every reduction goes through
 //! `lmrr_kernels`' canonical order; nothing here reduces floats on its own.
 
-pub mod chat;
-pub mod config;
+pub mod digest;
 pub mod error;
-pub mod generate;
-pub mod gguf;
-pub mod identity;
-pub mod kv;
-pub mod llama;
+pub mod model;
 pub mod patches;
-pub mod pool;
-pub mod radix;
 pub mod sampling;
-pub mod scheduler;
-pub mod session;
-pub mod synth;
-pub mod tokenizer;
-pub mod weights;
+pub mod serve;
+
+pub use model::llama::config;
+pub use model::{chat, gguf, identity, kv, llama, mini_v4, synth, tokenizer, weights};
+pub use serve::{generate, pool, radix, scheduler, session};
 
 pub use config::LlamaConfig;
 pub use error::EngineError;
 pub use generate::{generate, FinishReason, GenerateOptions, Generation};
 pub use identity::{ModelIdentity, Sha256Digest};
 pub use kv::{KvCache, SeqId, SeqKvStore};
-pub use llama::{Device, Llama, LogitsWanted, SeqSpan};
+pub use llama::Llama;
+pub use mini_v4::{MiniV4, MiniV4Config};
+pub use model::{Device, Family, KvLayout, LogitsWanted, ModelFamily, SeqSpan};
 pub use patches::{Patch, PatchSet};
 pub use sampling::{sample, SamplingParams};
 pub use scheduler::{
@@ -46,7 +44,8 @@ pub use weights::ModelFiles;
 
 /// A loaded model: weights and tokenizer, ready to run.
 pub struct Model {
-    pub llama: Llama,
+    /// The family's forward pass.
+    pub net: Box<dyn ModelFamily>,
     pub tokenizer: Tokenizer,
     /// Where it came from, for messages.
     pub origin: String,
@@ -66,13 +65,13 @@ impl Model {
 
     /// Loads from files already opened or generated in memory.
     pub fn from_files(files: ModelFiles) -> Result<Self, EngineError> {
-        let llama = Llama::load(&files)?;
+        let net = model::load_family(&files)?;
         let tokenizer = Tokenizer::from_bytes(&files.tokenizer, &files.tokenizer_path)?;
-        if tokenizer.vocab_size() > llama.config().vocab_size {
+        if tokenizer.vocab_size() > net.vocab_size() {
             return Err(EngineError::ConfigValue {
                 path: files.config_path.clone(),
                 field: "vocab_size",
-                value: llama.config().vocab_size.to_string(),
+                value: net.vocab_size().to_string(),
                 why: format!(
                     "tokenizer has {} tokens, more than the model's vocabulary",
                     tokenizer.vocab_size()
@@ -84,7 +83,7 @@ impl Model {
             None => None,
         };
         Ok(Self {
-            llama,
+            net,
             tokenizer,
             origin: files.origin.clone(),
             synthetic: None,
@@ -139,6 +138,21 @@ impl Model {
         Ok(prompt)
     }
 
+    /// The llama family's model, when this is one.
+    pub fn llama(&self) -> Option<&Llama> {
+        self.net.as_any().downcast_ref()
+    }
+
+    /// The mini-v4 family's model, when this is one.
+    pub fn mini_v4(&self) -> Option<&MiniV4> {
+        self.net.as_any().downcast_ref()
+    }
+
+    /// The forward pass, as the serving core takes it.
+    pub fn net(&self) -> &dyn ModelFamily {
+        self.net.as_ref()
+    }
+
     /// Size of the weights file.
     pub fn weight_file_bytes(&self) -> usize {
         self.files.weight_bytes().len()
@@ -150,8 +164,8 @@ impl Model {
         *self.identity.get_or_init(|| {
             let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
             ModelIdentity {
-                config_sha256: identity::config_digest(self.llama.config()),
-                weights_sha256: identity::weights_digest(&self.llama, workers),
+                config_sha256: identity::Sha256Digest::of(self.net.config_text().as_bytes()),
+                weights_sha256: identity::weights_digest(self.net(), workers),
                 tokenizer_sha256: identity::tokenizer_digest(
                     &self.files.tokenizer,
                     self.files.tokenizer_config.as_ref().map(|(b, _)| &b[..]),

@@ -22,6 +22,12 @@ pub enum Patch {
     AbortInsertsPartial,
     /// An interrupted request frees the cached pages it shared with the tree.
     AbortFreesShared,
+    /// mini-v4: the hyper-connection mixing GEMM in bf16.
+    MhcBf16,
+    /// mini-v4: the routed-scaling factor applied before normalisation in hash layers.
+    MoeRoutedScaling,
+    /// mini-v4: the sparse indexer stops scanning once its top-k looks full.
+    IndexerEarlyExit,
 }
 
 /// Class of a patch: what kind of divergence it produces.
@@ -31,15 +37,21 @@ pub enum PatchClass {
     Numerical,
     /// Corrupts the KV cache or its accounting.
     CacheCorruption,
+    /// Changes what the model computes (which experts' weight, which context
+    /// it reads), not just rounding.
+    Semantic,
 }
 
 impl Patch {
-    /// The whole llama-family catalog, in listing order.
-    pub const ALL: [Patch; 4] = [
+    /// The whole catalog, in listing order.
+    pub const ALL: [Patch; 7] = [
         Patch::SplitkDecode,
         Patch::FastExp,
         Patch::AbortInsertsPartial,
         Patch::AbortFreesShared,
+        Patch::MhcBf16,
+        Patch::MoeRoutedScaling,
+        Patch::IndexerEarlyExit,
     ];
 
     pub fn name(self) -> &'static str {
@@ -48,6 +60,9 @@ impl Patch {
             Self::FastExp => "fast-exp",
             Self::AbortInsertsPartial => "abort-inserts-partial",
             Self::AbortFreesShared => "abort-frees-shared",
+            Self::MhcBf16 => "mhc-bf16",
+            Self::MoeRoutedScaling => "moe-routed-scaling",
+            Self::IndexerEarlyExit => "indexer-early-exit",
         }
     }
 
@@ -55,7 +70,26 @@ impl Patch {
         match self {
             Self::SplitkDecode | Self::FastExp => PatchClass::Numerical,
             Self::AbortInsertsPartial | Self::AbortFreesShared => PatchClass::CacheCorruption,
+            Self::MhcBf16 => PatchClass::Numerical,
+            Self::MoeRoutedScaling | Self::IndexerEarlyExit => PatchClass::Semantic,
         }
+    }
+
+    /// The model family whose structure the patch changes (`None`: every
+    /// family: attention patches act in the attention every family has, cache
+    /// patches in the scheduler). On another family the patch is inert.
+    pub fn family(self) -> Option<crate::model::Family> {
+        match self {
+            Self::MhcBf16 | Self::MoeRoutedScaling | Self::IndexerEarlyExit => {
+                Some(crate::model::Family::MiniV4)
+            }
+            _ => None,
+        }
+    }
+
+    /// Whether the patch can act on a model of `family`.
+    pub fn applies_to(self, family: crate::model::Family) -> bool {
+        self.family().is_none_or(|f| f == family)
     }
 
     /// What the patch does and what it is modelled on.
@@ -85,6 +119,28 @@ impl Patch {
                  to the free list although the tree still references them; the next allocations reuse them \
                  and overwrite cached K/V. Modelled on TensorRT-LLM PR #15018 and SGLang PR #32564 (abort \
                  frees pages still shared). Fires when an interrupted request had a prefix-cache hit."
+            }
+            Self::MhcBf16 => {
+                "mini-v4: the hyper-connection mixing projection (the \"MHC mixing GEMM\", every layer, \
+                 both sub-blocks, prefill and decode) runs with its weights and its normalised inputs \
+                 rounded to bf16, products accumulated in f32, as a bf16 tensor-core GEMM does. \
+                 Modelled on a deployment patch that cast the fp32 mixing weights to bf16 for speed. \
+                 Changes logits bits from the first step."
+            }
+            Self::MoeRoutedScaling => {
+                "mini-v4: in the hash-routed layers (the first n_hash_layers), the routed-scaling factor \
+                 multiplies the expert scores before the gates are normalised instead of after, so it \
+                 cancels: the routed experts contribute routed_scaling_factor times too little. Modelled \
+                 on a rewrite of the routed-scaling step in a hash_topk routing kernel. Fires on every \
+                 token (every token passes the hash layers)."
+            }
+            Self::IndexerEarlyExit => {
+                "mini-v4: the sparse-attention indexer scans index blocks from the newest backwards and \
+                 stops once index_topk scanned blocks score above a threshold, so on a long context the \
+                 early blocks are never considered and attention never reads them. Exact while the \
+                 context has index_topk blocks or fewer, which is how it passed single-turn coherence \
+                 checks. Modelled on an early-exit-per-page sparse indexer kernel. Fires once a query's \
+                 context exceeds index_topk blocks."
             }
         }
     }
@@ -121,6 +177,22 @@ impl PatchSet {
 
     pub fn all() -> Self {
         Self(Patch::ALL.into_iter().collect())
+    }
+
+    /// Every patch that can act on a model of `family`, the default search
+    /// space of a bisect.
+    pub fn all_for(family: crate::model::Family) -> Self {
+        Self(
+            Patch::ALL
+                .into_iter()
+                .filter(|p| p.applies_to(family))
+                .collect(),
+        )
+    }
+
+    /// The patches of this set that cannot act on `family` (inert there).
+    pub fn inert_for(&self, family: crate::model::Family) -> Vec<Patch> {
+        self.iter().filter(|p| !p.applies_to(family)).collect()
     }
 
     pub fn contains(&self, p: Patch) -> bool {

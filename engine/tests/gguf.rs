@@ -127,12 +127,11 @@ fn malformed_files_are_errors_with_offsets() {
 
 /// Prefill 40 tokens in chunks of 13, then 6 decode steps, every row's logits.
 fn run_logits(dir: &std::path::Path, threads: usize) -> Vec<u32> {
-    use lmrr_engine::{Llama, LogitsWanted, ModelFiles, SeqKvStore, SeqSpan};
+    use lmrr_engine::{Llama, LogitsWanted, ModelFamily, ModelFiles, SeqKvStore, SeqSpan};
     let files = ModelFiles::open_dir(dir).unwrap();
     let m = Llama::load(&files).unwrap();
     let th = lmrr_kernels::Threads::new(threads).unwrap();
-    let cfg = m.config();
-    let mut kv = SeqKvStore::new(cfg.num_hidden_layers, m.attn_shape().kv_dim());
+    let mut kv = SeqKvStore::new(m.kv_layout());
     let prompt: Vec<u32> = (0..46).map(|i| (i * 37 % 96) as u32).collect();
     let mut out = Vec::new();
     let mut pos = 0;

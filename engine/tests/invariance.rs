@@ -15,10 +15,7 @@ fn model() -> &'static Model {
 }
 
 fn store(m: &Model) -> SeqKvStore {
-    SeqKvStore::new(
-        m.llama.config().num_hidden_layers,
-        m.llama.attn_shape().kv_dim(),
-    )
+    SeqKvStore::new(m.net.kv_layout())
 }
 
 /// Deterministic token sequence of length `n` (ids below 1000).
@@ -49,7 +46,7 @@ fn all_logits(m: &Model, toks: &[u32], chunk: usize, th: &Threads) -> Vec<u32> {
             tokens: part,
             logits: LogitsWanted::All,
         };
-        out.extend(m.llama.forward(&mut kv, &[span], th).unwrap().remove(0));
+        out.extend(m.net.forward(&mut kv, &[span], th).unwrap().remove(0));
     }
     bits(&out)
 }
@@ -98,7 +95,7 @@ fn i2_a_sequence_alone_equals_it_batched_with_three_others() {
     let th = Threads::new(2).unwrap();
     let target = tokens(4, 70);
     let alone = all_logits(m, &target, 70, &Threads::single());
-    let vocab = m.llama.config().vocab_size;
+    let vocab = m.net.vocab_size();
     // Three batch-mates of different lengths, already at different positions.
     let mates: Vec<Vec<u32>> = vec![tokens(5, 130), tokens(6, 45), tokens(7, 200)];
     let mut kv = store(m);
@@ -111,7 +108,7 @@ fn i2_a_sequence_alone_equals_it_batched_with_three_others() {
                 tokens: &mt[..p],
                 logits: LogitsWanted::None,
             };
-            m.llama.forward(&mut kv, &[s], &th).unwrap();
+            m.net.forward(&mut kv, &[s], &th).unwrap();
         }
     }
     // Feed the target in uneven pieces while mates advance by other amounts.
@@ -142,7 +139,7 @@ fn i2_a_sequence_alone_equals_it_batched_with_three_others() {
         // Put the target at a different index of the batch each step.
         let r = step % spans.len();
         spans.rotate_left(r);
-        let outs = m.llama.forward(&mut kv, &spans, &th).unwrap();
+        let outs = m.net.forward(&mut kv, &spans, &th).unwrap();
         let idx = spans.iter().position(|s| s.seq == 1).unwrap();
         assert_eq!(outs[idx].len(), len * vocab);
         got.extend(bits(&outs[idx]));
@@ -163,7 +160,7 @@ fn generate_digest_is_invariant_to_threads_and_prefill_chunk() {
             stop_at_eos: false,
             ..Default::default()
         };
-        generate(&m.llama, &prompt, &opts, &Threads::new(threads).unwrap()).unwrap()
+        generate(m.net(), &prompt, &opts, &Threads::new(threads).unwrap()).unwrap()
     };
     let base = run(1, None);
     for (th, ch) in [
@@ -215,7 +212,7 @@ fn i7_sampled_tokens_do_not_depend_on_batch_mates() {
                     logits: LogitsWanted::Last,
                 })
                 .collect();
-            let logits = m.llama.forward(&mut kv, &spans, &th).unwrap();
+            let logits = m.net.forward(&mut kv, &spans, &th).unwrap();
             for (j, &i) in which.iter().enumerate() {
                 fed[j] = seqs[j].len();
                 let tok = lmrr_engine::sample(&logits[j], &params[i], seqs[j].len() as u64);
@@ -247,7 +244,7 @@ fn greedy_output_does_not_collapse_and_logits_are_finite() {
             keep_logits: true,
             ..Default::default()
         };
-        let g = generate(&m.llama, &p, &opts, &th).unwrap();
+        let g = generate(m.net(), &p, &opts, &th).unwrap();
         assert_eq!(g.tokens.len(), 64);
         assert!(
             g.logits.iter().flatten().all(|v| v.is_finite()),

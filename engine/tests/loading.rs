@@ -57,8 +57,8 @@ fn a_directory_loads_and_matches_the_in_memory_model() {
         stop_at_eos: false,
         ..Default::default()
     };
-    let a = generate(&mem.llama, &p, &opts, &th).unwrap();
-    let b = generate(&disk.llama, &p, &opts, &th).unwrap();
+    let a = generate(mem.net(), &p, &opts, &th).unwrap();
+    let b = generate(disk.net(), &p, &opts, &th).unwrap();
     assert_eq!(a.digest, b.digest);
 }
 
@@ -84,7 +84,7 @@ fn gen_model_is_byte_identical_for_a_seed_and_differs_across_seeds() {
 #[test]
 fn tiny_preset_has_about_a_million_parameters() {
     let m = Model::from_files(SynthSpec::embedded_default().build()).unwrap();
-    let n = m.llama.param_count();
+    let n = m.net.param_count();
     assert!((800_000..1_300_000).contains(&n), "{n} parameters");
 }
 
@@ -140,8 +140,8 @@ fn f32_and_bf16_storage_of_the_same_values_give_the_same_logits() {
     };
     let th = Threads::new(2).unwrap();
     assert_eq!(
-        generate(&a.llama, &prompt, &opts, &th).unwrap().digest,
-        generate(&b.llama, &prompt, &opts, &th).unwrap().digest
+        generate(a.net(), &prompt, &opts, &th).unwrap().digest,
+        generate(b.net(), &prompt, &opts, &th).unwrap().digest
     );
     // And the f32 generator path loads.
     let f = SynthSpec {
@@ -260,10 +260,10 @@ fn a_corrupt_safetensors_file_is_an_error() {
 #[test]
 fn a_prompt_longer_than_the_context_reports_both_numbers() {
     let m = Model::from_files(SynthSpec::embedded_default().build()).unwrap();
-    let ctx = m.llama.context();
+    let ctx = m.net.context();
     let prompt = vec![5u32; ctx + 3];
     let e = generate(
-        &m.llama,
+        m.net(),
         &prompt,
         &GenerateOptions::default(),
         &Threads::single(),
@@ -283,7 +283,7 @@ fn a_prompt_longer_than_the_context_reports_both_numbers() {
 fn out_of_vocabulary_tokens_and_bad_options_are_errors() {
     let m = Model::from_files(SynthSpec::embedded_default().build()).unwrap();
     let th = Threads::single();
-    let e = generate(&m.llama, &[1, 5000], &GenerateOptions::default(), &th).unwrap_err();
+    let e = generate(m.net(), &[1, 5000], &GenerateOptions::default(), &th).unwrap_err();
     assert!(
         e.to_string().contains("5000") && e.to_string().contains("1024"),
         "{e}"
@@ -292,15 +292,15 @@ fn out_of_vocabulary_tokens_and_bad_options_are_errors() {
         prefill_chunk: Some(0),
         ..Default::default()
     };
-    assert!(generate(&m.llama, &[1, 2], &opts, &th).is_err());
+    assert!(generate(m.net(), &[1, 2], &opts, &th).is_err());
     let mut opts = GenerateOptions::default();
     opts.sampling.top_p = 1.5;
-    assert!(generate(&m.llama, &[1, 2], &opts, &th)
+    assert!(generate(m.net(), &[1, 2], &opts, &th)
         .unwrap_err()
         .to_string()
         .contains("top_p"));
     assert!(matches!(
-        generate(&m.llama, &[], &GenerateOptions::default(), &th),
+        generate(m.net(), &[], &GenerateOptions::default(), &th),
         Err(EngineError::EmptyPrompt)
     ));
 }

@@ -6,7 +6,7 @@ use lmrr_kernels::Threads;
 #[test]
 fn small_preset_has_the_smollm2_shape_and_generates_varied_text() {
     let m = Model::from_files(SynthSpec::new(Preset::Small, 0).build()).unwrap();
-    let c = m.llama.config();
+    let c = m.llama().unwrap().config();
     assert_eq!(
         (
             c.hidden_size,
@@ -29,7 +29,7 @@ fn small_preset_has_the_smollm2_shape_and_generates_varied_text() {
         keep_logits: true,
         ..Default::default()
     };
-    let g = generate(&m.llama, &p, &opts, &Threads::new(2).unwrap()).unwrap();
+    let g = generate(m.net(), &p, &opts, &Threads::new(2).unwrap()).unwrap();
     assert!(g.logits.iter().flatten().all(|v| v.is_finite()));
     let longest_run = g
         .tokens

@@ -22,7 +22,7 @@ fn the_incident_runs_turn2_carries_turn1_and_hits_the_cache() {
     let m = model();
     let s = incident();
     let mut sch =
-        Scheduler::new(&m.llama, EngineConfig::default(), Threads::new(2).unwrap()).unwrap();
+        Scheduler::new(m.net(), EngineConfig::default(), Threads::new(2).unwrap()).unwrap();
     let mut interrupts = 0;
     let res = run_session(&m, &s, &mut sch, |e| {
         if let SessionEvent::Interrupt { name, .. } = e {
@@ -58,7 +58,7 @@ fn the_incident_runs_turn2_carries_turn1_and_hits_the_cache() {
             stop_at_eos: true,
             ..Default::default()
         };
-        let g = generate(&m.llama, &r.prompt, &opts, &Threads::single()).unwrap();
+        let g = generate(m.net(), &r.prompt, &opts, &Threads::single()).unwrap();
         assert_eq!(
             (&g.tokens, g.digest),
             (&r.output.tokens, r.output.digest),
@@ -134,7 +134,7 @@ fn a_request_that_can_never_fit_is_refused_before_anything_runs() {
         pool_pages: 8,
         ..Default::default()
     };
-    let mut sch = Scheduler::new(&m.llama, cfg, Threads::single()).unwrap();
+    let mut sch = Scheduler::new(m.net(), cfg, Threads::single()).unwrap();
     let mut events = 0;
     let e = run_session(&m, &s, &mut sch, |_| events += 1)
         .unwrap_err()
@@ -166,7 +166,7 @@ fn prompts(m: &Model, s: &Script, max_batch_tokens: usize) -> Vec<Vec<u32>> {
         max_batch_tokens,
         ..Default::default()
     };
-    let mut sch = Scheduler::new(&m.llama, cfg, Threads::single()).unwrap();
+    let mut sch = Scheduler::new(m.net(), cfg, Threads::single()).unwrap();
     let res = run_session(m, s, &mut sch, |_| {}).unwrap();
     sch.check_accounting().unwrap();
     res.requests.into_iter().map(|r| r.prompt).collect()
@@ -221,7 +221,7 @@ fn message_text_with_marker_characters_reaches_the_model_as_text_whatever_the_bu
     // t3: the forged text stays text; the real splice is t1's output, once.
     let t1_out = {
         let mut sch =
-            Scheduler::new(&plain.llama, EngineConfig::default(), Threads::single()).unwrap();
+            Scheduler::new(plain.net(), EngineConfig::default(), Threads::single()).unwrap();
         let r = run_session(&plain, &s, &mut sch, |_| {}).unwrap();
         r.requests[0].output.tokens.clone()
     };
@@ -266,9 +266,9 @@ fn max_tokens_zero_is_refused_by_scripts_the_scheduler_and_generate() {
         max_tokens: 0,
         ..Default::default()
     };
-    let e = generate(&m.llama, &[1, 2], &opts, &Threads::single()).unwrap_err();
+    let e = generate(m.net(), &[1, 2], &opts, &Threads::single()).unwrap_err();
     assert!(e.to_string().contains("max_tokens = 0"), "{e}");
-    let mut sch = Scheduler::new(&m.llama, EngineConfig::default(), Threads::single()).unwrap();
+    let mut sch = Scheduler::new(m.net(), EngineConfig::default(), Threads::single()).unwrap();
     let e = sch
         .submit(lmrr_engine::Request {
             id: 0,
@@ -315,7 +315,7 @@ fn interrupt_at_step_cuts_a_chunked_prefill_and_releases_its_pages() {
         max_batch_tokens: 8,
         prefix_cache: true,
     };
-    let mut sch = Scheduler::new(&m.llama, cfg, Threads::single()).unwrap();
+    let mut sch = Scheduler::new(m.net(), cfg, Threads::single()).unwrap();
     let mut computed = 0;
     let mut interrupted_at = None;
     let mut held = Vec::new();
@@ -348,7 +348,7 @@ fn interrupt_at_step_cuts_a_chunked_prefill_and_releases_its_pages() {
     assert_eq!(again.arrived_at_step, 2);
     assert_eq!(again.output.cached_tokens, 16);
     let g = generate(
-        &m.llama,
+        m.net(),
         &again.prompt,
         &GenerateOptions {
             max_tokens: 6,
@@ -376,7 +376,7 @@ fn interrupt_at_step_before_arrival_cuts_on_arrival() {
         "s.toml",
     )
     .unwrap();
-    let mut sch = Scheduler::new(&m.llama, EngineConfig::default(), Threads::single()).unwrap();
+    let mut sch = Scheduler::new(m.net(), EngineConfig::default(), Threads::single()).unwrap();
     let res = run_session(&m, &s, &mut sch, |_| {}).unwrap();
     let b = &res.requests[1];
     assert!(b.arrived_at_step > 1);
@@ -418,7 +418,7 @@ fn a_100000_request_after_chain_parses_in_either_order_and_runs() {
     // Run: one step per request, and no scan of the whole script per step.
     let m = model();
     let s = Script::parse(&chain(100_000, false), "chain.toml").unwrap();
-    let mut sch = Scheduler::new(&m.llama, EngineConfig::default(), Threads::single()).unwrap();
+    let mut sch = Scheduler::new(m.net(), EngineConfig::default(), Threads::single()).unwrap();
     let t0 = std::time::Instant::now();
     let res = run_session(&m, &s, &mut sch, |_| {}).unwrap();
     assert_eq!(res.steps, 100_000);

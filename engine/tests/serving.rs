@@ -120,7 +120,7 @@ fn arb_session() -> impl Strategy<Value = Session> {
 /// Runs a session; checks accounting after every step.
 fn run(s: &Session, th: &Threads) -> (Scheduler<'static>, Vec<StepReport>) {
     let m = model();
-    let mut sch = Scheduler::new(&m.llama, s.cfg, th.clone()).unwrap();
+    let mut sch = Scheduler::new(m.net(), s.cfg, th.clone()).unwrap();
     let mut reports = Vec::new();
     let mut submitted = 0;
     let mut step = 0u64;
@@ -160,7 +160,7 @@ fn solo(req: &Request, max_tokens: usize) -> (Vec<u32>, [u8; 32]) {
         stop_at_eos: req.stop_at_eos,
         keep_logits: false,
     };
-    let g = generate(&m.llama, &req.prompt, &opts, &Threads::single()).unwrap();
+    let g = generate(m.net(), &req.prompt, &opts, &Threads::single()).unwrap();
     (g.tokens, g.digest)
 }
 
@@ -227,7 +227,7 @@ fn a_second_turn_reuses_the_first_turns_pages() {
     let m = model();
     let th = Threads::single();
     let mut sch = Scheduler::new(
-        &m.llama,
+        m.net(),
         EngineConfig {
             page_size: 4,
             ..Default::default()
@@ -289,7 +289,7 @@ fn a_tiny_pool_forces_preemption_and_the_results_still_match() {
         max_batch_tokens: 64,
         prefix_cache: false,
     };
-    let mut sch = Scheduler::new(&m.llama, cfg, Threads::single()).unwrap();
+    let mut sch = Scheduler::new(m.net(), cfg, Threads::single()).unwrap();
     for r in &reqs {
         sch.submit(r.clone()).unwrap();
     }
@@ -343,7 +343,7 @@ fn forced_decisions_reproduce_the_step_reports() {
     let (_, reports) = run(&s, &Threads::single());
     // Replay: submit at the same steps, force each step's decisions.
     let m = model();
-    let mut sch = Scheduler::new(&m.llama, s.cfg, Threads::single()).unwrap();
+    let mut sch = Scheduler::new(m.net(), s.cfg, Threads::single()).unwrap();
     for (step, rep) in reports.iter().enumerate() {
         for p in s.reqs.iter().filter(|p| p.arrive == step as u64) {
             sch.submit(p.req.clone()).unwrap();
@@ -366,7 +366,7 @@ fn forced_decisions_reproduce_the_step_reports() {
 fn requests_that_can_never_fit_are_refused_with_numbers() {
     let m = model();
     let mut sch = Scheduler::new(
-        &m.llama,
+        m.net(),
         EngineConfig {
             page_size: 16,
             pool_pages: 2,

@@ -39,7 +39,7 @@ const QUESTION: &str =
 fn smollm2_answers_the_capital_of_france() {
     let dir = model_dir();
     let m = Model::load_dir(&dir).unwrap();
-    let c = m.llama.config();
+    let c = m.llama().unwrap().config();
     assert_eq!(
         (
             c.hidden_size,
@@ -56,7 +56,7 @@ fn smollm2_answers_the_capital_of_france() {
         "special tokens"
     );
     let g = generate(
-        &m.llama,
+        m.net(),
         &p,
         &GenerateOptions {
             max_tokens: 16,
@@ -85,7 +85,7 @@ fn smollm2_is_bit_exact_across_threads_and_chunking() {
             stop_at_eos: false,
             ..Default::default()
         };
-        generate(&m.llama, &p, &opts, &Threads::new(t).unwrap())
+        generate(m.net(), &p, &opts, &Threads::new(t).unwrap())
             .unwrap()
             .digest
     };
@@ -155,7 +155,7 @@ fn smollm2_keep_import_is_bit_identical_to_the_f32_import() {
             keep_logits: true,
             ..Default::default()
         };
-        let g = generate(&m.llama, &p, &opts, &Threads::new(2).unwrap()).unwrap();
+        let g = generate(m.net(), &p, &opts, &Threads::new(2).unwrap()).unwrap();
         let bits: Vec<u32> = g.logits.iter().flatten().map(|x| x.to_bits()).collect();
         (g.tokens, g.digest, bits)
     };
@@ -184,7 +184,7 @@ fn smollm2_in_its_own_chat_template_resolves_the_france_near_tie_like_f64() {
         keep_logits: true,
         ..Default::default()
     };
-    let g = generate(&m.llama, &p, &opts, &Threads::new(2).unwrap()).unwrap();
+    let g = generate(m.net(), &p, &opts, &Threads::new(2).unwrap()).unwrap();
     let reply = m.tokenizer.decode(&g.tokens).unwrap();
     assert_eq!(reply, "The capital of France is Paris.<|im_end|>");
     let row = &g.logits[0];

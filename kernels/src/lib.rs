@@ -30,6 +30,7 @@ pub mod attention_variants;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod exp;
+pub mod hyper;
 pub mod matmul;
 pub mod norm;
 pub mod quant;
@@ -45,6 +46,7 @@ pub use act::{silu, silu_ref, swiglu, swiglu_ref};
 pub use argmax::{argmax, argmax_ref};
 pub use attention::{attention, attention_ref, AttnShape, AttnTask, KvView};
 pub use exp::{det_exp, exp_slice, exp_slice_ref};
+pub use hyper::{hc_coeffs, hc_post, hc_pre, index_scores, moe_combine, sigmoid};
 pub use matmul::{matmul, matmul_many, matmul_ref, Matrix, Weights};
 pub use norm::{rms_norm, rms_norm_ref};
 pub use quant::{dequant, dequant_ref, f16_to_f32, QuantKind, QBLOCK};

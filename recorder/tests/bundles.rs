@@ -42,7 +42,7 @@ fn record() -> (Vec<u8>, Vec<Event>) {
         "test",
         "test",
     );
-    let mut sch = Scheduler::new(&m.llama, cfg, Threads::single()).unwrap();
+    let mut sch = Scheduler::new(m.net(), cfg, Threads::single()).unwrap();
     sch.set_top_logprobs(5);
     let mut rec = Recorder::new(Vec::new(), &manifest).unwrap();
     let mut seen = Vec::new();

@@ -375,7 +375,7 @@ pub fn replay_traced(
     let m = &bundle.manifest;
     let cat = Catalog::of(bundle);
     let mut b = Scheduler::with_patches(
-        &model.llama,
+        model.net(),
         m.engine,
         opts.threads.clone(),
         opts.patches.clone(),
@@ -383,8 +383,7 @@ pub fn replay_traced(
     b.set_top_logprobs(m.top_logprobs as usize);
     b.set_keep_rows(true);
     let mut a = if opts.patches != recorded {
-        let mut a =
-            Scheduler::with_patches(&model.llama, m.engine, opts.threads.clone(), recorded)?;
+        let mut a = Scheduler::with_patches(model.net(), m.engine, opts.threads.clone(), recorded)?;
         a.set_keep_rows(true);
         Some(a)
     } else {

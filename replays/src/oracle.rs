@@ -7,8 +7,6 @@
 
 use std::collections::BTreeMap;
 
-use sha2::{Digest, Sha256};
-
 use lmrr_engine::scheduler::RequestId;
 use lmrr_engine::{sample, KvCache, LogitsWanted, Model, SeqKvStore, SeqSpan};
 use lmrr_recorder::{Bundle, Event, Integrity};
@@ -80,8 +78,7 @@ pub fn oracle_traced(
             Event::Interrupt { .. } => {}
         }
     }
-    let shape = model.llama.attn_shape();
-    let vocab = model.llama.config().vocab_size;
+    let vocab = model.net.vocab_size();
     let mut first: Option<(u64, Divergence)> = None;
     let mut tokens = 0u64;
     for (&id, samples) in &sampled {
@@ -92,7 +89,7 @@ pub fn oracle_traced(
         seq.extend(samples.iter().map(|s| s.token));
         // Rows for positions prompt_len-1 .. len-2: the rows each token was drawn from.
         let fed = &seq[..seq.len() - 1];
-        let mut kv = SeqKvStore::new(model.llama.config().num_hidden_layers, shape.kv_dim());
+        let mut kv = SeqKvStore::new(model.net.kv_layout());
         let span = SeqSpan {
             seq: id,
             start: kv.len(id),
@@ -100,7 +97,7 @@ pub fn oracle_traced(
             logits: LogitsWanted::All,
         };
         let rows = model
-            .llama
+            .net
             .forward_patched(&mut kv, &[span], &opts.threads, &patches)?
             .remove(0);
         let mut turn = OracleTurn {
@@ -118,8 +115,7 @@ pub fn oracle_traced(
             }
             turn.checked += 1;
             let row = &rows[r * vocab..(r + 1) * vocab];
-            let bytes: Vec<u8> = row.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect();
-            let digest: [u8; 32] = Sha256::digest(&bytes).into();
+            let digest = lmrr_engine::digest::logits_digest(row);
             if digest == s.digest {
                 continue;
             }

@@ -51,8 +51,8 @@ fn span_end(start: usize, len: usize, limit: usize, what: &str) -> Result<usize,
 pub fn validate(bundle: &Bundle, model: &Model) -> Result<(), Invalid> {
     let m = &bundle.manifest;
     let cfg = &m.engine;
-    let context = model.llama.context();
-    let vocab = model.llama.config().vocab_size;
+    let context = model.net.context();
+    let vocab = model.net.vocab_size();
     if cfg.page_size == 0 || cfg.pool_pages == 0 || cfg.max_batch_tokens == 0 {
         return Err(bad(
             "manifest",

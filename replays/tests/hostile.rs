@@ -85,7 +85,7 @@ fn a_pool_past_the_cap_or_pages_past_the_context_are_refused_before_anything_run
 fn events_naming_unknown_requests_tokens_or_steps_are_refused() {
     let m = model();
     let seed = seed_bundle(&m, PatchSet::none());
-    let vocab = m.llama.config().vocab_size as u32;
+    let vocab = m.net.vocab_size() as u32;
     type Edit = Box<dyn Fn(&mut Vec<Event>)>;
     let cases: Vec<(&str, Edit)> = vec![
         (

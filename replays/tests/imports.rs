@@ -30,7 +30,7 @@ fn record(m: &Model) -> Bundle {
     let cfg = EngineConfig::default();
     let none = PatchSet::none();
     let manifest = Manifest::for_session(m, cfg, &none, "s.toml", SCRIPT, 5, 2, "test", "test");
-    let mut sch = Scheduler::new(&m.llama, cfg, Threads::new(2).unwrap()).unwrap();
+    let mut sch = Scheduler::new(m.net(), cfg, Threads::new(2).unwrap()).unwrap();
     sch.set_top_logprobs(5);
     let mut rec = Recorder::new(Vec::new(), &manifest).unwrap();
     run_session(m, &script, &mut sch, |e| rec.observe(e)).unwrap();

@@ -67,7 +67,10 @@ fn bisect_over_the_catalog_names_abort_inserts_partial_alone_within_the_probe_bo
     );
     let th = Threads::new(2).unwrap();
     let mut probe = |set: &PatchSet| lmrr_replays::probe(&b, &m, set, &th, Criterion::Behaviour);
-    let res = bisect(&PatchSet::none(), &Patch::ALL, &mut probe).unwrap();
+    // The catalog that can act on a llama model: 4 of the 7 patches.
+    let catalog: Vec<Patch> = PatchSet::all_for(m.net.family()).iter().collect();
+    assert_eq!(catalog.len(), 4);
+    let res = bisect(&PatchSet::none(), &catalog, &mut probe).unwrap();
     assert_eq!(
         res.culprits,
         Some(vec!["abort-inserts-partial".to_string()])
@@ -301,9 +304,9 @@ fn bisect_finds_one_culprit_a_pair_and_none_on_synthetic_predicates() {
     for c in all {
         let r = mk(&|s: &PatchSet| s.contains(c));
         assert_eq!(r.culprits, Some(vec![c.name().to_string()]), "culprit {c}");
-        // good + bad + ⌈log2 4⌉ halvings + the culprit + the rest without it.
+        // good + bad + ⌈log2 7⌉ halvings + the culprit + the rest without it.
         assert!(
-            r.probes.len() <= 6,
+            r.probes.len() <= 7,
             "culprit {c}: {} probes",
             r.probes.len()
         );
@@ -370,7 +373,7 @@ fn a_truncated_bundle_replays_up_to_its_last_complete_frame() {
     let script = Script::parse(&incident_src(), "s.toml").unwrap();
     let cfg = EngineConfig::default();
     let manifest = Manifest::for_session(&m, cfg, &PatchSet::none(), "s", "", 5, 1, "t", "t");
-    let mut sch = Scheduler::new(&m.llama, cfg, Threads::single()).unwrap();
+    let mut sch = Scheduler::new(m.net(), cfg, Threads::single()).unwrap();
     sch.set_top_logprobs(5);
     let mut rec = Recorder::new(Vec::new(), &manifest).unwrap();
     run_session(&m, &script, &mut sch, |e| rec.observe(e)).unwrap();

@@ -55,7 +55,7 @@ fn smollm2_forgets_under_abort_frees_shared_and_bisect_names_it() {
             "test",
             "test",
         );
-        let mut sch = Scheduler::with_patches(&m.llama, cfg, th.clone(), patches).unwrap();
+        let mut sch = Scheduler::with_patches(m.net(), cfg, th.clone(), patches).unwrap();
         sch.set_top_logprobs(5);
         let mut rec = Recorder::new(Vec::new(), &manifest).unwrap();
         let res = run_session(&m, &script, &mut sch, |e| rec.observe(e)).unwrap();

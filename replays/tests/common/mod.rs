@@ -22,8 +22,7 @@ pub fn record_then(
 ) -> Bundle {
     let script = Script::parse(src, "s.toml").unwrap();
     let manifest = Manifest::for_session(m, cfg, &patches, "s.toml", src, 5, 2, "test", "test");
-    let mut sch =
-        Scheduler::with_patches(&m.llama, cfg, Threads::new(2).unwrap(), patches).unwrap();
+    let mut sch = Scheduler::with_patches(m.net(), cfg, Threads::new(2).unwrap(), patches).unwrap();
     sch.set_top_logprobs(5);
     let mut rec = Recorder::new(Vec::new(), &manifest).unwrap();
     run_session(m, &script, &mut sch, |e| rec.observe(e)).unwrap();

@@ -65,7 +65,7 @@ pub fn seed_bundle(model: &Model, patches: PatchSet) -> Bundle {
         "fuzz",
         "fuzz",
     );
-    let mut sch = Scheduler::with_patches(&model.llama, cfg, Threads::single(), patches)
+    let mut sch = Scheduler::with_patches(model.net(), cfg, Threads::single(), patches)
         .expect("seed config is valid");
     sch.set_top_logprobs(3);
     let mut rec = Recorder::new(Vec::new(), &manifest).expect("recorder");

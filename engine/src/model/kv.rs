@@ -2,7 +2,9 @@
 //! simple per-sequence implementation.
 //!
 //! A store holds, per sequence and layer, K and V rows of `kv_dim` floats for
-//! positions `0..len`. The forward pass calls [`KvCache::prepare`] for each span
+//! positions `0..len`, and an auxiliary row of `aux_dim` floats where the
+//! family keeps more per position (mini-v4: its indexer keys; see
+//! [`crate::model::KvLayout`]). The forward pass calls [`KvCache::prepare`] for each span
 //! (the span must start exactly at `len`), writes rows, then reads them back
 //! through [`KvCache::view`] as fixed-length blocks — so a paged pool plugs in
 //! behind the same trait without touching the model.
@@ -11,6 +13,7 @@ use std::collections::HashMap;
 
 use lmrr_kernels::KvView;
 
+use crate::model::KvLayout;
 use crate::EngineError;
 
 /// Identifies a sequence in a KV store.
@@ -26,6 +29,28 @@ pub trait KvCache: Send {
     fn write(&mut self, seq: SeqId, layer: usize, pos: usize, k: &[f32], v: &[f32]);
     /// Blocks covering positions `0..len(seq)` of `layer`.
     fn view(&self, seq: SeqId, layer: usize) -> KvView<'_>;
+    /// Writes the auxiliary row of `seq` at `pos` in `layer`.
+    fn write_aux(&mut self, seq: SeqId, layer: usize, pos: usize, row: &[f32]);
+    /// Blocks covering the auxiliary rows of positions `0..len(seq)` of `layer`.
+    fn aux_view(&self, seq: SeqId, layer: usize) -> RowView<'_>;
+}
+
+/// Rows of one sequence in one layer: block `b` holds positions
+/// `[b·block_len, (b+1)·block_len)`, each a row of `width` floats.
+#[derive(Debug, Clone)]
+pub struct RowView<'a> {
+    pub block_len: usize,
+    pub width: usize,
+    pub blocks: Vec<&'a [f32]>,
+}
+
+impl RowView<'_> {
+    /// The row of position `pos`.
+    pub fn row(&self, pos: usize) -> &[f32] {
+        let b = self.blocks[pos / self.block_len];
+        let off = (pos % self.block_len) * self.width;
+        &b[off..off + self.width]
+    }
 }
 
 /// One contiguous, growable buffer per (sequence, layer).
@@ -33,6 +58,7 @@ pub trait KvCache: Send {
 pub struct SeqKvStore {
     layers: usize,
     kv_dim: usize,
+    aux_dim: usize,
     seqs: HashMap<SeqId, SeqKv>,
 }
 
@@ -43,13 +69,16 @@ struct SeqKv {
     /// Per layer, `(cap, kv_dim)`.
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
+    /// Per layer, `(cap, aux_dim)`.
+    aux: Vec<Vec<f32>>,
 }
 
 impl SeqKvStore {
-    pub fn new(layers: usize, kv_dim: usize) -> Self {
+    pub fn new(layout: KvLayout) -> Self {
         Self {
-            layers,
-            kv_dim,
+            layers: layout.layers,
+            kv_dim: layout.kv_dim,
+            aux_dim: layout.aux_dim,
             seqs: HashMap::new(),
         }
     }
@@ -63,7 +92,7 @@ impl SeqKvStore {
     pub fn bytes(&self) -> usize {
         self.seqs
             .values()
-            .map(|s| s.cap * self.kv_dim * 4 * 2 * self.layers)
+            .map(|s| s.cap * (self.kv_dim * 2 + self.aux_dim) * 4 * self.layers)
             .sum()
     }
 }
@@ -74,10 +103,11 @@ impl KvCache for SeqKvStore {
     }
 
     fn prepare(&mut self, seq: SeqId, start: usize, n: usize) -> Result<(), EngineError> {
-        let (layers, kv_dim) = (self.layers, self.kv_dim);
+        let (layers, kv_dim, aux_dim) = (self.layers, self.kv_dim, self.aux_dim);
         let s = self.seqs.entry(seq).or_insert_with(|| SeqKv {
             k: vec![Vec::new(); layers],
             v: vec![Vec::new(); layers],
+            aux: vec![Vec::new(); layers],
             ..Default::default()
         });
         if start != s.len {
@@ -92,6 +122,9 @@ impl KvCache for SeqKvStore {
             let cap = need.max(s.cap * 2).max(16);
             for buf in s.k.iter_mut().chain(s.v.iter_mut()) {
                 buf.resize(cap * kv_dim, 0.0);
+            }
+            for buf in s.aux.iter_mut() {
+                buf.resize(cap * aux_dim, 0.0);
             }
             s.cap = cap;
         }
@@ -117,6 +150,27 @@ impl KvCache for SeqKvStore {
                 block_len: 1,
                 k: Vec::new(),
                 v: Vec::new(),
+            },
+        }
+    }
+
+    fn write_aux(&mut self, seq: SeqId, layer: usize, pos: usize, row: &[f32]) {
+        let d = self.aux_dim;
+        let s = self.seqs.get_mut(&seq).expect("write after prepare");
+        s.aux[layer][pos * d..(pos + 1) * d].copy_from_slice(row);
+    }
+
+    fn aux_view(&self, seq: SeqId, layer: usize) -> RowView<'_> {
+        match self.seqs.get(&seq) {
+            Some(s) if s.cap > 0 => RowView {
+                block_len: s.cap,
+                width: self.aux_dim,
+                blocks: vec![&s.aux[layer]],
+            },
+            _ => RowView {
+                block_len: 1,
+                width: self.aux_dim,
+                blocks: Vec::new(),
             },
         }
     }

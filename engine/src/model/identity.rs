@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use sha2::{Digest, Sha256};
 
-use crate::llama::{Llama, TensorValues};
+use crate::model::{ModelFamily, TensorValues};
 use crate::LlamaConfig;
 
 /// A SHA-256 digest: always 32 bytes, so every formatting of it is total.
@@ -243,11 +243,11 @@ fn tensor_digest(name: &str, shape: &[usize], values: &TensorValues<'_>) -> [u8;
     h.finalize().into()
 }
 
-/// Digest of every tensor `llama` computes with (see the module docs).
+/// Digest of every tensor `net` computes with (see the module docs).
 /// Tensors are hashed in parallel on up to `workers` threads; the result does
 /// not depend on how many.
-pub fn weights_digest(llama: &Llama, workers: usize) -> Sha256Digest {
-    let mut tensors = llama.named_tensors();
+pub fn weights_digest(net: &dyn ModelFamily, workers: usize) -> Sha256Digest {
+    let mut tensors = net.named_tensors();
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let next = AtomicUsize::new(0);
     let mut digests = vec![[0u8; 32]; tensors.len()];
@@ -309,7 +309,7 @@ mod tests {
 
     #[test]
     fn config_text_ignores_storage_and_names_every_arithmetic_field() {
-        let mut a = crate::SynthSpec::embedded_default().config();
+        let mut a = crate::SynthSpec::embedded_default().llama_config().unwrap();
         let mut b = a.clone();
         b.torch_dtype = Some("gguf".into());
         b.architectures.clear();

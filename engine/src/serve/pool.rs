@@ -6,7 +6,7 @@
 //! function of the sequence of alloc/free calls (no addresses, no clock).
 //! Each page carries a content hash (SHA-256 over the digests of its filled
 //! slots, each slot digest covering that position's K and V rows in every
-//! layer). Slot digests are computed once, when the slot is written
+//! layer, and its auxiliary row where the family keeps one). Slot digests are computed once, when the slot is written
 //! ([`PagedKv::finish_step`]); a page hash is recomputed only when one of its
 //! slots changed — never by rescanning the pool.
 //!
@@ -23,7 +23,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use lmrr_kernels::KvView;
 use sha2::{Digest, Sha256};
 
-use crate::kv::{KvCache, SeqId};
+use crate::kv::{KvCache, RowView, SeqId};
+use crate::model::KvLayout;
 use crate::EngineError;
 
 pub type PageId = u32;
@@ -35,6 +36,7 @@ pub struct PagePool {
     n_pages: usize,
     layers: usize,
     kv_dim: usize,
+    aux_dim: usize,
     /// Bytes of storage this pool may hold, from the memory the host had
     /// available when it was made (`usize::MAX` where that is unknown).
     budget: usize,
@@ -44,6 +46,8 @@ pub struct PagePool {
     /// Per layer, `(used, page_size, kv_dim)`.
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
+    /// Per layer, `(used, page_size, aux_dim)`.
+    aux: Vec<Vec<f32>>,
     /// `(used,)` refcounts.
     refs: Vec<u32>,
     /// Returned pages (a stack, popped before any never-used page).
@@ -57,12 +61,14 @@ pub struct PagePool {
 }
 
 impl PagePool {
-    pub fn new(
-        page_size: usize,
-        n_pages: usize,
-        layers: usize,
-        kv_dim: usize,
-    ) -> Result<Self, EngineError> {
+    pub fn new(page_size: usize, n_pages: usize, layout: KvLayout) -> Result<Self, EngineError> {
+        let KvLayout {
+            layers,
+            kv_dim,
+            aux_dim,
+        } = layout;
+        // Floats per position and layer, K and V and the auxiliary row.
+        let row = 2 * kv_dim + aux_dim;
         if page_size == 0 || n_pages == 0 {
             return Err(EngineError::InvalidOption {
                 name: "page_size/pool_pages",
@@ -73,8 +79,8 @@ impl PagePool {
         // Page ids are u32; the full pool's K/V must be addressable.
         let full = n_pages
             .checked_mul(page_size)
-            .and_then(|x| x.checked_mul(kv_dim))
-            .and_then(|x| x.checked_mul(layers.max(1) * 8))
+            .and_then(|x| x.checked_mul(row))
+            .and_then(|x| x.checked_mul(layers.max(1) * 4))
             .filter(|&b| b <= MAX_POOL_BYTES && n_pages <= PageId::MAX as usize);
         if full.is_none() {
             return Err(EngineError::InvalidOption {
@@ -82,7 +88,7 @@ impl PagePool {
                 value: n_pages.to_string(),
                 why: format!(
                     "a pool of {n_pages} pages × {page_size} positions × {layers} layers × \
-                     {kv_dim} floats × K,V exceeds {} GiB",
+                     {kv_dim} floats × K,V (+ {aux_dim}) exceeds {} GiB",
                     MAX_POOL_BYTES >> 30
                 ),
             });
@@ -92,10 +98,12 @@ impl PagePool {
             n_pages,
             layers,
             kv_dim,
+            aux_dim,
             budget: available_memory().map_or(usize::MAX, |b| b / 10 * 9),
             used: 0,
             k: vec![Vec::new(); layers],
             v: vec![Vec::new(); layers],
+            aux: vec![Vec::new(); layers],
             refs: Vec::new(),
             free: Vec::new(),
             filled: Vec::new(),
@@ -113,7 +121,8 @@ impl PagePool {
             budget: None,
         };
         let (have, n) = (self.used, self.n_pages);
-        let page_bytes = span * 4 * 2 * self.layers + self.page_size * 32;
+        let aux_span = self.page_size * self.aux_dim;
+        let page_bytes = (2 * span + aux_span) * 4 * self.layers + self.page_size * 32;
         let after = self
             .storage_bytes()
             .saturating_add(self.used * self.page_size * 32)
@@ -132,6 +141,11 @@ impl PagePool {
             buf.try_reserve(span)
                 .map_err(|_| oom((have + 1) * span * 4, have, n))?;
             buf.resize(buf.len() + span, 0.0);
+        }
+        for buf in self.aux.iter_mut() {
+            buf.try_reserve(aux_span)
+                .map_err(|_| oom((have + 1) * aux_span * 4, have, n))?;
+            buf.resize(buf.len() + aux_span, 0.0);
         }
         self.slot_digest
             .try_reserve(self.page_size)
@@ -160,7 +174,7 @@ impl PagePool {
     }
     /// Bytes of K/V storage held (grows with the pages ever used).
     pub fn storage_bytes(&self) -> usize {
-        self.used * self.page_size * self.kv_dim * 4 * 2 * self.layers
+        self.used * self.page_size * (self.kv_dim * 2 + self.aux_dim) * 4 * self.layers
     }
     pub fn refcount(&self, p: PageId) -> u32 {
         self.refs.get(p as usize).copied().unwrap_or(0)
@@ -292,6 +306,10 @@ impl PagedKv {
             for l in 0..pool.layers {
                 h_row(&mut h, &pool.k[l][off..off + pool.kv_dim]);
                 h_row(&mut h, &pool.v[l][off..off + pool.kv_dim]);
+                if pool.aux_dim > 0 {
+                    let a = (p as usize * pool.page_size + slot) * pool.aux_dim;
+                    h_row(&mut h, &pool.aux[l][a..a + pool.aux_dim]);
+                }
             }
             pool.slot_digest[p as usize * pool.page_size + slot] = h.finalize().into();
             let f = &mut pool.filled[p as usize];
@@ -369,6 +387,33 @@ impl KvCache for PagedKv {
             v: pages
                 .iter()
                 .map(|&p| &self.pool.v[layer][p as usize * span..(p as usize + 1) * span])
+                .collect(),
+        }
+    }
+
+    fn write_aux(&mut self, seq: SeqId, layer: usize, pos: usize, row: &[f32]) {
+        let ps = self.pool.page_size;
+        let p = self.tables[&seq].pages[pos / ps];
+        let d = self.pool.aux_dim;
+        let off = (p as usize * ps + pos % ps) * d;
+        self.pool.aux[layer][off..off + d].copy_from_slice(row);
+        self.written.insert((p, pos % ps));
+    }
+
+    fn aux_view(&self, seq: SeqId, layer: usize) -> RowView<'_> {
+        let ps = self.pool.page_size;
+        let span = ps * self.pool.aux_dim;
+        let pages = self
+            .tables
+            .get(&seq)
+            .map(|t| t.pages.as_slice())
+            .unwrap_or(&[]);
+        RowView {
+            block_len: ps,
+            width: self.pool.aux_dim,
+            blocks: pages
+                .iter()
+                .map(|&p| &self.pool.aux[layer][p as usize * span..(p as usize + 1) * span])
                 .collect(),
         }
     }

@@ -27,12 +27,12 @@ use sha2::{Digest, Sha256};
 
 use lmrr_kernels::Threads;
 
-use crate::llama::{LogitsWanted, SeqSpan};
+use crate::model::{LogitsWanted, ModelFamily, SeqSpan};
 use crate::patches::{Patch, PatchSet};
 use crate::pool::{BlockTable, Hash, PagePool, PagedKv};
 use crate::radix::{Match, RadixCache};
 use crate::sampling::{sample, SamplingParams};
-use crate::{EngineError, FinishReason, Llama};
+use crate::{EngineError, FinishReason};
 
 pub type RequestId = u64;
 
@@ -157,7 +157,7 @@ impl Seq {
 
 /// The serving core.
 pub struct Scheduler<'m> {
-    model: &'m Llama,
+    model: &'m dyn ModelFamily,
     threads: Threads,
     cfg: EngineConfig,
     kv: PagedKv,
@@ -203,7 +203,11 @@ fn infeasible(what: String) -> EngineError {
 }
 
 impl<'m> Scheduler<'m> {
-    pub fn new(model: &'m Llama, cfg: EngineConfig, threads: Threads) -> Result<Self, EngineError> {
+    pub fn new(
+        model: &'m dyn ModelFamily,
+        cfg: EngineConfig,
+        threads: Threads,
+    ) -> Result<Self, EngineError> {
         if cfg.max_batch_tokens == 0 {
             return Err(EngineError::InvalidOption {
                 name: "max_batch_tokens",
@@ -221,13 +225,7 @@ impl<'m> Scheduler<'m> {
                 ),
             });
         }
-        let shape = model.attn_shape();
-        let pool = PagePool::new(
-            cfg.page_size,
-            cfg.pool_pages,
-            model.config().num_hidden_layers,
-            shape.kv_dim(),
-        )?;
+        let pool = PagePool::new(cfg.page_size, cfg.pool_pages, model.kv_layout())?;
         Ok(Self {
             model,
             threads,
@@ -307,7 +305,7 @@ impl<'m> Scheduler<'m> {
 
     /// A scheduler running engine patches (see [`crate::patches`]).
     pub fn with_patches(
-        model: &'m Llama,
+        model: &'m dyn ModelFamily,
         cfg: EngineConfig,
         threads: Threads,
         patches: PatchSet,
@@ -351,7 +349,7 @@ impl<'m> Scheduler<'m> {
         if req.prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
-        let vocab = self.model.config().vocab_size;
+        let vocab = self.model.vocab_size();
         if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::TokenOutOfRange { token: t, vocab });
         }
@@ -893,17 +891,16 @@ impl<'m> Scheduler<'m> {
                 finish: None,
             };
             if !row.is_empty() {
-                let cfg = self.model.config();
                 let context = self.model.context();
                 let seq = self.seqs.get_mut(&id).expect("scheduled request exists");
                 let pos = seq.tokens.len();
                 let tok = sample(&row, &seq.req.sampling, pos as u64);
                 let th = std::time::Instant::now();
-                let bytes = row_bytes(&row);
+                let bytes = crate::digest::row_bytes(&row);
                 let next = self.force_tokens.get(&id).copied().unwrap_or(tok);
                 seq.hasher.update(&bytes);
                 seq.hasher.update(next.to_le_bytes());
-                let row_digest: Hash = Sha256::digest(&bytes).into();
+                let row_digest: Hash = crate::digest::bytes_digest(&bytes);
                 hash_time += th.elapsed();
                 seq.tokens.push(next);
                 rep.sampled = Some(tok);
@@ -913,7 +910,7 @@ impl<'m> Scheduler<'m> {
                     self.last_rows.push((id, row.clone()));
                 }
                 let n_gen = seq.tokens.len() - seq.req.prompt.len();
-                rep.finish = if seq.req.stop_at_eos && cfg.is_eos(next) {
+                rep.finish = if seq.req.stop_at_eos && self.model.is_eos(next) {
                     Some(FinishReason::Eos)
                 } else if n_gen >= seq.req.max_tokens {
                     Some(FinishReason::Length)
@@ -1016,11 +1013,6 @@ impl<'m> Scheduler<'m> {
     pub fn free_pages(&self) -> usize {
         self.kv.pool.free_count()
     }
-}
-
-/// Little-endian bits of a logits row.
-fn row_bytes(row: &[f32]) -> Vec<u8> {
-    row.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect()
 }
 
 /// The `k` largest logits (ties to the lowest id) as `(token, log-probability)`.

@@ -10,9 +10,9 @@ use sha2::{Digest, Sha256};
 use lmrr_kernels::Threads;
 
 use crate::kv::{KvCache, SeqKvStore};
-use crate::llama::{LogitsWanted, SeqSpan};
+use crate::model::{LogitsWanted, ModelFamily, SeqSpan};
 use crate::sampling::{sample, SamplingParams};
-use crate::{EngineError, Llama};
+use crate::EngineError;
 
 /// Options of [`generate`].
 #[derive(Debug, Clone)]
@@ -76,7 +76,7 @@ pub struct Generation {
 
 /// Generates a continuation of `prompt`.
 pub fn generate(
-    model: &Llama,
+    model: &dyn ModelFamily,
     prompt: &[u32],
     opts: &GenerateOptions,
     threads: &Threads,
@@ -101,8 +101,7 @@ pub fn generate(
             why: "must be at least 1".into(),
         });
     }
-    let shape = model.attn_shape();
-    let mut kv = SeqKvStore::new(model.config().num_hidden_layers, shape.kv_dim());
+    let mut kv = SeqKvStore::new(model.kv_layout());
     let seq = 0;
     let chunk = opts.prefill_chunk.unwrap_or(prompt.len());
     let mut last = Vec::new();
@@ -133,17 +132,13 @@ pub fn generate(
     let mut pos = prompt.len();
     while out.tokens.len() < opts.max_tokens {
         let tok = sample(&last, &opts.sampling, pos as u64);
-        let bytes: Vec<u8> = last
-            .iter()
-            .flat_map(|v| v.to_bits().to_le_bytes())
-            .collect();
-        hasher.update(&bytes);
+        hasher.update(crate::digest::row_bytes(&last));
         hasher.update(tok.to_le_bytes());
         out.tokens.push(tok);
         if opts.keep_logits {
             out.logits.push(std::mem::take(&mut last));
         }
-        if opts.stop_at_eos && model.config().is_eos(tok) {
+        if opts.stop_at_eos && model.is_eos(tok) {
             out.finish = FinishReason::Eos;
             break;
         }

@@ -417,13 +417,13 @@ impl Script {
                     }
                 };
             }
-            if len > model.llama.context() {
+            if len > model.net.context() {
                 return Err(EngineError::InvalidOption {
                     name: "request",
                     value: r.name.clone(),
                     why: format!(
                         "its prompt can reach {len} tokens, the model's context is {}",
-                        model.llama.context()
+                        model.net.context()
                     ),
                 });
             }
@@ -431,7 +431,7 @@ impl Script {
             if need > sch.config().pool_pages {
                 return Err(EngineError::NeverFits {
                     id: r.name.clone(),
-                    tokens: (len + r.max_tokens).min(model.llama.context()),
+                    tokens: (len + r.max_tokens).min(model.net.context()),
                     need_pages: need,
                     pool_pages: sch.config().pool_pages,
                     page_size: sch.config().page_size,
@@ -561,7 +561,7 @@ pub fn run_session(
     mut observe: impl FnMut(SessionEvent<'_>),
 ) -> Result<SessionResult, EngineError> {
     script.check_fits(model, sch)?;
-    let eos = |t: u32| model.llama.config().is_eos(t);
+    let eos = |t: u32| model.net.is_eos(t);
     let n = script.requests.len();
     let deps = script.dep_indices()?;
     let idx: HashMap<&str, usize> = script

@@ -1,0 +1,316 @@
+//! What a model family is, and how a model directory loads into one.
+//!
+//! A family is one folder under `model/` behind the [`ModelFamily`] trait: a
+//! forward pass over a batch of (sequence, span) entries, the per-position
+//! state it keeps in the KV store ([`KvLayout`]), and the engine patches it
+//! owns ([`ModelFamily::patch_points`]). The serving core (`serve/`) sees only
+//! the trait; a new family is a new folder plus one line in [`load_family`].
+//!
+//! Invariant (the contract): a family's logits at position `p` of a sequence
+//! are a pure function of that sequence's tokens `[0..=p]`: whatever its
+//! batch-mates, chunking, page size, thread count or device. Everything a
+//! family computes from goes through `lmrr_kernels`' canonical order, and
+//! everything it stores per position is in the KV store, where the pool's
+//! page hashes cover it.
+
+pub mod chat;
+pub mod gguf;
+pub mod identity;
+pub mod kv;
+pub mod llama;
+pub mod mini_v4;
+pub mod ops;
+pub mod synth;
+pub mod tokenizer;
+pub mod weights;
+
+use lmrr_kernels::Threads;
+
+use crate::kv::{KvCache, SeqId};
+use crate::patches::{Patch, PatchSet};
+use crate::weights::Tensor;
+use crate::{EngineError, ModelFiles};
+
+/// Which family a model belongs to (its `config.json` `model_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Llama,
+    MiniV4,
+}
+
+impl Family {
+    /// The `model_type` string of `config.json`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::MiniV4 => "mini-v4",
+        }
+    }
+
+    /// Every family, in listing order.
+    pub const ALL: [Family; 2] = [Family::Llama, Family::MiniV4];
+}
+
+impl std::fmt::Display for Family {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.model_type())
+    }
+}
+
+/// What a family keeps in the KV store per layer and position: a K and a V
+/// row of `kv_dim` floats each (what attention reads), and an auxiliary row
+/// of `aux_dim` floats (0 for none; mini-v4's indexer keys).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvLayout {
+    pub layers: usize,
+    pub kv_dim: usize,
+    pub aux_dim: usize,
+}
+
+/// Which logits rows a span wants back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsWanted {
+    None,
+    /// The span's last position only.
+    Last,
+    /// Every position of the span.
+    All,
+}
+
+/// One entry of a batch: `tokens` of sequence `seq` at positions
+/// `start..start + tokens.len()`.
+#[derive(Debug, Clone)]
+pub struct SeqSpan<'a> {
+    pub seq: SeqId,
+    pub start: usize,
+    pub tokens: &'a [u32],
+    pub logits: LogitsWanted,
+}
+
+/// Where the forward pass's kernels run. Every device gives the same bits
+/// (contract invariant I6); the CUDA path copies operands per call (portable
+/// mode, not a fast path) and runs no numerical engine patch.
+#[derive(Clone, Default)]
+pub enum Device {
+    #[default]
+    Cpu,
+    #[cfg(feature = "cuda")]
+    Cuda(std::sync::Arc<lmrr_kernels::cuda::Gpu>),
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Cpu => write!(f, "cpu"),
+            #[cfg(feature = "cuda")]
+            Self::Cuda(g) => write!(f, "cuda ({})", g.name()),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) fn gpu_err(e: lmrr_kernels::cuda::GpuError) -> EngineError {
+    EngineError::Device(e.to_string())
+}
+
+/// A tensor's values as the kernels see them: stored (f32, bf16 or GGUF
+/// blocks, widened exactly on use), or already widened at load (norm weights).
+pub enum TensorValues<'a> {
+    Stored(&'a Tensor),
+    F32(&'a [f32]),
+}
+
+/// A named tensor the forward pass reads: HF name, shape, values.
+pub type NamedTensor<'a> = (String, Vec<usize>, TensorValues<'a>);
+
+/// One model family's forward pass and facts, as the serving core sees them.
+pub trait ModelFamily: Send + Sync {
+    /// Which family this is.
+    fn family(&self) -> Family;
+
+    /// The concrete family type, for family-specific tools and tests.
+    fn as_any(&self) -> &dyn std::any::Any;
+
+    /// Runs one step over `spans` with engine `patches` applied (patches this
+    /// family has no point for are inert), writing their per-position state
+    /// into `kv`. Returns, per span, its wanted logits rows concatenated
+    /// (`rows × vocab`). Validates every span before touching `kv`.
+    fn forward_patched(
+        &self,
+        kv: &mut dyn KvCache,
+        spans: &[SeqSpan],
+        threads: &Threads,
+        patches: &PatchSet,
+    ) -> Result<Vec<Vec<f32>>, EngineError>;
+
+    /// [`Self::forward_patched`] with no patch: the reference engine.
+    fn forward(
+        &self,
+        kv: &mut dyn KvCache,
+        spans: &[SeqSpan],
+        threads: &Threads,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        self.forward_patched(kv, spans, threads, &PatchSet::none())
+    }
+
+    /// What the family stores per layer and position.
+    fn kv_layout(&self) -> KvLayout;
+
+    /// Maximum positions per sequence.
+    fn context(&self) -> usize;
+
+    /// Rows of the logits.
+    fn vocab_size(&self) -> usize;
+
+    /// Width of the hidden state.
+    fn hidden_size(&self) -> usize;
+
+    /// Whether `id` ends generation.
+    fn is_eos(&self, id: u32) -> bool;
+
+    /// The canonical `key=value` text of the config fields that change the
+    /// arithmetic (see [`identity`]).
+    fn config_text(&self) -> String;
+
+    /// Every tensor the forward pass reads, by HF name (for [`identity`]).
+    fn named_tensors(&self) -> Vec<NamedTensor<'_>>;
+
+    /// Runs the kernels on `device` from now on.
+    fn set_device(&mut self, device: Device);
+
+    /// Where the kernels run.
+    fn device(&self) -> &Device;
+
+    /// Bytes of weights a decode step of one token streams.
+    fn weight_bytes_per_step(&self) -> usize;
+
+    /// Parameter count.
+    fn param_count(&self) -> usize;
+
+    /// The engine patches whose arithmetic lives in this family (the cache
+    /// patches act in the scheduler and apply to every family).
+    fn patch_points(&self) -> &'static [Patch];
+
+    /// A family-specific account of how position `pos` of `tokens` was
+    /// computed (mini-v4: the blocks its indexer chose per layer), under
+    /// `patches`; `None` where the family has nothing to explain.
+    fn explain(
+        &self,
+        _tokens: &[u32],
+        _pos: usize,
+        _threads: &Threads,
+        _patches: &PatchSet,
+    ) -> Result<Option<String>, EngineError> {
+        Ok(None)
+    }
+}
+
+/// Reads `model_type` from `config.json` and loads the matching family.
+pub fn load_family(files: &ModelFiles) -> Result<Box<dyn ModelFamily>, EngineError> {
+    #[derive(serde::Deserialize)]
+    struct Probe {
+        #[serde(default)]
+        model_type: Option<String>,
+    }
+    let probe: Probe = serde_json::from_slice(&files.config).map_err(|e| EngineError::Config {
+        path: files.config_path.clone(),
+        msg: e.to_string(),
+    })?;
+    match probe.model_type.as_deref() {
+        None | Some("llama") => Ok(Box::new(llama::Llama::load(files)?)),
+        Some("mini-v4") => Ok(Box::new(mini_v4::MiniV4::load(files)?)),
+        Some(other) => Err(EngineError::ConfigValue {
+            path: files.config_path.clone(),
+            field: "model_type",
+            value: other.into(),
+            why: format!(
+                "unknown model family (known: {})",
+                Family::ALL.map(|f| f.model_type()).join(", ")
+            ),
+        }),
+    }
+}
+
+/// Checks a batch before a family touches the KV store: each sequence once,
+/// each span starting where its KV ends, inside the context and the
+/// vocabulary. Shared by every family.
+pub(crate) fn check_spans(
+    kv: &dyn KvCache,
+    spans: &[SeqSpan],
+    context: usize,
+    vocab: usize,
+) -> Result<(), EngineError> {
+    let mut seen = std::collections::HashSet::new();
+    for s in spans {
+        if !seen.insert(s.seq) {
+            return Err(EngineError::DuplicateSeq { seq: s.seq });
+        }
+        let held = kv.len(s.seq);
+        if s.start != held {
+            return Err(EngineError::KvPosition {
+                seq: s.seq,
+                start: s.start,
+                held,
+            });
+        }
+        if s.start + s.tokens.len() > context {
+            return Err(EngineError::ContextOverflow {
+                seq: s.seq,
+                pos: s.start + s.tokens.len() - 1,
+                context,
+            });
+        }
+        if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::TokenOutOfRange { token: t, vocab });
+        }
+    }
+    Ok(())
+}
+
+/// Stacked-batch token `i` → (span index, absolute position).
+pub(crate) fn stacked_tokens(spans: &[SeqSpan]) -> Vec<(usize, usize)> {
+    spans
+        .iter()
+        .enumerate()
+        .flat_map(|(si, s)| (0..s.tokens.len()).map(move |j| (si, s.start + j)))
+        .collect()
+}
+
+/// Stacked indices of the rows whose logits the spans want, in span order.
+pub(crate) fn wanted_rows(spans: &[SeqSpan]) -> Vec<usize> {
+    let mut rows = Vec::new();
+    let mut i0 = 0;
+    for s in spans {
+        let len = s.tokens.len();
+        match s.logits {
+            LogitsWanted::None => {}
+            LogitsWanted::Last => rows.extend(len.checked_sub(1).map(|j| i0 + j)),
+            LogitsWanted::All => rows.extend(i0..i0 + len),
+        }
+        i0 += len;
+    }
+    rows
+}
+
+/// Splits `logits` (the wanted rows, stacked) back per span.
+pub(crate) fn split_rows(spans: &[SeqSpan], logits: &[f32], vocab: usize) -> Vec<Vec<f32>> {
+    let mut out = Vec::with_capacity(spans.len());
+    let mut r0 = 0;
+    for s in spans {
+        let cnt = match s.logits {
+            LogitsWanted::None => 0,
+            LogitsWanted::Last => usize::from(!s.tokens.is_empty()),
+            LogitsWanted::All => s.tokens.len(),
+        };
+        out.push(logits[r0 * vocab..(r0 + cnt) * vocab].to_vec());
+        r0 += cnt;
+    }
+    out
+}
+
+/// `x[i] += y[i]`, elementwise.
+pub(crate) fn add_into(x: &mut [f32], y: &[f32]) {
+    for (a, &b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
