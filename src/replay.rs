@@ -13,7 +13,8 @@ use lmrr_engine::{Model, Patch, PatchSet};
 use lmrr_replays::html::ReportData;
 use lmrr_replays::report::plural;
 use lmrr_replays::{
-    bisect, oracle_traced, probe, replay_traced, Criterion, Outcome, Probe, ReplayOptions,
+    all_culprits, all_found, bisect_all, oracle_traced, probe, replay_traced, rounds_text,
+    Criterion, Outcome, Probe, ReplayOptions,
 };
 
 #[derive(clap::Args, Debug)]
@@ -150,7 +151,8 @@ pub fn run(a: &ReplayArgs) -> Result<u8> {
             };
             Ok(probe(&b, &model, set, &th, criterion)?)
         };
-        let res = bisect(&base, &candidates, &mut run_probe)?;
+        let rounds = bisect_all(&base, &candidates, &mut run_probe)?;
+        let res = rounds[0].clone();
         if let Some(pb) = bar {
             pb.finish_and_clear();
         }
@@ -182,7 +184,13 @@ pub fn run(a: &ReplayArgs) -> Result<u8> {
             write_reports(a, &data)?;
         }
         if a.json {
-            writeln!(out, "{}", serde_json::to_string_pretty(&res)?)?;
+            // One round: the outcome itself; several: the list of rounds.
+            let json = if rounds.len() == 1 {
+                serde_json::to_string_pretty(&res)?
+            } else {
+                serde_json::to_string_pretty(&rounds)?
+            };
+            writeln!(out, "{json}")?;
         } else {
             writeln!(
                 out,
@@ -191,19 +199,20 @@ pub fn run(a: &ReplayArgs) -> Result<u8> {
                 res.base,
                 a.criterion
             )?;
-            for line in res.to_string().lines() {
+            for line in rounds_text(&rounds).lines() {
                 writeln!(out, "  {line}")?;
             }
-            if res.found() {
-                let c = res.culprits.as_deref().unwrap_or_default();
-                let all: PatchSet = base
-                    .iter()
-                    .chain(c.iter().filter_map(|n| n.parse::<Patch>().ok()))
-                    .collect();
-                writeln!(out, "repro: {}", repro(a, &all))?;
+            if all_found(&rounds) {
+                for c in all_culprits(&rounds) {
+                    let set: PatchSet = base
+                        .iter()
+                        .chain(c.iter().filter_map(|n| n.parse::<Patch>().ok()))
+                        .collect();
+                    writeln!(out, "repro: {}", repro(a, &set))?;
+                }
             }
         }
-        return Ok(if res.found() { 0 } else { 2 });
+        return Ok(if all_found(&rounds) { 0 } else { 2 });
     }
 
     let patches = a.patches.clone().unwrap_or(recorded);

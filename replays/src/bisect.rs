@@ -259,6 +259,119 @@ pub fn bisect<E>(
     Ok(finish(s, Some(&culprits), method, Verdict::Culprit))
 }
 
+/// Every independent culprit: [`bisect`], then, while a confirmed search
+/// ends in [`Verdict::RestDiverges`], [`bisect`] again over the rest of the
+/// candidates. Each round names one culprit set; the last round either
+/// confirms its culprit with the rest clean ([`Verdict::Culprit`]) or says
+/// why it stopped. Probes are shared across rounds (a set is replayed once).
+pub fn bisect_all<E>(
+    base: &PatchSet,
+    candidates: &[Patch],
+    run: &mut dyn FnMut(&PatchSet) -> Result<Probe, E>,
+) -> Result<Vec<BisectOutcome>, E> {
+    let mut seen: BTreeMap<String, Probe> = BTreeMap::new();
+    let mut cached = |set: &PatchSet| -> Result<Probe, E> {
+        if let Some(p) = seen.get(&set.to_string()) {
+            return Ok(p.clone());
+        }
+        let p = run(set)?;
+        seen.insert(set.to_string(), p.clone());
+        Ok(p)
+    };
+    let mut rounds = Vec::new();
+    let mut cur: Vec<Patch> = candidates.to_vec();
+    loop {
+        let r = bisect(base, &cur, &mut cached)?;
+        let next = match (&r.verdict, &r.culprits) {
+            (Verdict::RestDiverges { .. }, Some(c)) => {
+                let rest: Vec<Patch> = cur
+                    .iter()
+                    .copied()
+                    .filter(|p| !c.iter().any(|n| n == p.name()))
+                    .collect();
+                (rest.len() < cur.len()).then_some(rest)
+            }
+            _ => None,
+        };
+        rounds.push(r);
+        match next {
+            Some(rest) => cur = rest,
+            None => return Ok(rounds),
+        }
+    }
+}
+
+/// Whether a [`bisect_all`] search named every culprit: each round found one,
+/// and the last one's rest replays clean.
+pub fn all_found(rounds: &[BisectOutcome]) -> bool {
+    rounds.last().is_some_and(|r| r.found())
+        && rounds
+            .iter()
+            .all(|r| r.found() || matches!(r.verdict, Verdict::RestDiverges { .. }))
+}
+
+/// A [`bisect_all`] search as text: one round prints as [`BisectOutcome`]
+/// does; several print round by round (cached probes cost no replay), then
+/// every culprit named.
+pub fn rounds_text(rounds: &[BisectOutcome]) -> String {
+    if let [one] = rounds {
+        return one.to_string();
+    }
+    let mut s = String::new();
+    for (i, r) in rounds.iter().enumerate() {
+        s += &format!(
+            "round {}: candidates `{}` on top of `{}`\n",
+            i + 1,
+            r.bad,
+            r.base
+        );
+        let text = r.to_string();
+        let lines: Vec<&str> = text.lines().collect();
+        let (table, last) = lines.split_at(lines.len().saturating_sub(1));
+        for l in table {
+            s += &format!("  {l}\n");
+        }
+        match (&r.verdict, &r.culprits) {
+            (Verdict::RestDiverges { rest }, Some(c)) => {
+                s += &format!(
+                    "  culprit ({}): {}; the bad set without it (`{rest}`) still diverges: searching it\n",
+                    r.method,
+                    c.join(",")
+                );
+            }
+            _ => {
+                for l in last {
+                    s += &format!("  {l}\n");
+                }
+            }
+        }
+    }
+    let named: Vec<String> = all_culprits(rounds).iter().map(|c| c.join(",")).collect();
+    if all_found(rounds) {
+        s += &format!(
+            "culprits ({}): {} — each diverges on top of the good set, and the bad set without them replays clean",
+            plural(rounds.len() as u64, "round"),
+            named.join("; ")
+        );
+    } else {
+        s += &format!(
+            "stopped after {}: named {}; the last round did not confirm a culprit",
+            plural(rounds.len() as u64, "round"),
+            if named.is_empty() {
+                "none".into()
+            } else {
+                named.join("; ")
+            }
+        );
+    }
+    s
+}
+
+/// The culprit sets a [`bisect_all`] search named, in order.
+pub fn all_culprits(rounds: &[BisectOutcome]) -> Vec<Vec<String>> {
+    rounds.iter().filter_map(|r| r.culprits.clone()).collect()
+}
+
 /// One bisect probe: replays `bundle` under `set`, stopping at the first
 /// divergence by `criterion`.
 pub fn probe(

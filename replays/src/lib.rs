@@ -24,7 +24,9 @@ pub mod oracle;
 pub mod report;
 pub mod validate;
 
-pub use bisect::{bisect, probe, BisectOutcome, Probe};
+pub use bisect::{
+    all_culprits, all_found, bisect, bisect_all, probe, rounds_text, BisectOutcome, Probe,
+};
 pub use check::{Check, CheckError, Report};
 pub use driver::{replay, replay_traced, Criterion, ReplayError, ReplayOptions, Trace};
 pub use oracle::{oracle, oracle_traced, OracleTurn};

@@ -6,6 +6,9 @@
 
 use lmrr_replays::Check;
 
+/// Bundles recorded on the llama tiny model, replayed under every patch that
+/// can act on a llama (the mini-v4 patches are inert there: checked once, in
+/// `mini_v4_patches_are_inert_on_llama_bundles`).
 const BUNDLES: [&str; 4] = ["incident", "long-recall", "multi-user", "sampled"];
 const PATCH_SETS: [&str; 5] = [
     "none",
@@ -13,6 +16,20 @@ const PATCH_SETS: [&str; 5] = [
     "fast-exp",
     "abort-inserts-partial",
     "abort-frees-shared",
+];
+/// Bundles recorded on the mini-v4 tiny model, replayed under the whole
+/// catalog: each shows one of the mini-v4 patches (`v4-batch`: mhc-bf16,
+/// `v4-agent`: moe-routed-scaling, `v4-long-context`: indexer-early-exit).
+const V4_BUNDLES: [&str; 3] = ["v4-batch", "v4-agent", "v4-long-context"];
+const V4_PATCH_SETS: [&str; 8] = [
+    "none",
+    "splitk-decode",
+    "fast-exp",
+    "abort-inserts-partial",
+    "abort-frees-shared",
+    "mhc-bf16",
+    "moe-routed-scaling",
+    "indexer-early-exit",
 ];
 
 fn settings() -> insta::Settings {
@@ -30,7 +47,7 @@ fn bundle(name: &str) -> String {
 
 #[test]
 fn committed_bundles_are_small_and_complete() {
-    for b in BUNDLES {
+    for b in BUNDLES.into_iter().chain(V4_BUNDLES) {
         let len = std::fs::metadata(bundle(b)).unwrap().len();
         assert!(
             len <= 200 * 1024,
@@ -60,4 +77,34 @@ fn replay_reports_match_their_snapshots() {
             }
         }
     });
+}
+
+#[test]
+fn mini_v4_replay_reports_match_their_snapshots() {
+    settings().bind(|| {
+        for b in V4_BUNDLES {
+            for p in V4_PATCH_SETS {
+                let report = Check::bundle(bundle(b))
+                    .patches(p)
+                    .unwrap()
+                    .threads(2)
+                    .run()
+                    .unwrap();
+                insta::assert_snapshot!(format!("{b}__{p}"), report.to_string());
+            }
+        }
+    });
+}
+
+#[test]
+fn mini_v4_patches_are_inert_on_llama_bundles() {
+    for b in BUNDLES {
+        let r = Check::bundle(bundle(b))
+            .patches("mhc-bf16,moe-routed-scaling,indexer-early-exit")
+            .unwrap()
+            .threads(2)
+            .run()
+            .unwrap();
+        assert!(r.outcome.is_bit_exact(), "{b}:\n{r}");
+    }
 }
