@@ -45,6 +45,11 @@ pub struct ReplayArgs {
     /// numerical drift of logits and K/V included).
     #[arg(long, default_value = "behaviour", value_parser = ["behaviour", "tokens", "bits"], requires = "bisect")]
     criterion: String,
+    /// After a divergence, explain how the divergent position was computed,
+    /// under the recorded patches and under the replay's (mini-v4: the index
+    /// blocks its indexer chose and scored, per layer).
+    #[arg(long, conflicts_with_all = ["bisect", "oracle"])]
+    explain: bool,
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
@@ -215,7 +220,7 @@ pub fn run(a: &ReplayArgs) -> Result<u8> {
         return Ok(if all_found(&rounds) { 0 } else { 2 });
     }
 
-    let patches = a.patches.clone().unwrap_or(recorded);
+    let patches = a.patches.clone().unwrap_or_else(|| recorded.clone());
     let mut opts = ReplayOptions::new(patches.clone(), th);
     opts.repro = repro(a, &patches);
     if a.html.is_some() || a.svg.is_some() {
@@ -228,6 +233,16 @@ pub fn run(a: &ReplayArgs) -> Result<u8> {
         a.json,
         &format!("replay under patches `{patches}`"),
     )?;
+    if a.explain {
+        let text = match o.divergence() {
+            Some(d) => {
+                lmrr_replays::explain::explain(&b, &model, d, &recorded, &patches, &opts.threads)?
+                    .unwrap_or_else(|| "explain: the divergence names no request".into())
+            }
+            None => "explain: nothing diverged".into(),
+        };
+        writeln!(out, "{text}")?;
+    }
     if a.html.is_some() || a.svg.is_some() {
         let data = ReportData::replay(
             &b,

@@ -164,3 +164,47 @@ fn readme_examples_match_the_snapshots() {
         "README.md marks only {checked} example blocks"
     );
 }
+
+/// mini-v4: bisect over the whole catalog names each culprit of a committed
+/// bundle in turn, and `--explain` shows what the early-exit indexer never
+/// looked at.
+#[test]
+fn mini_v4_bisect_and_explain_are_locked() {
+    let (code, out, _) = lmrr(&["replay", "replays/v4-agent.lmrr", "--bisect"], None);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains(
+            "culprits (3 rounds): abort-inserts-partial; moe-routed-scaling; indexer-early-exit"
+        ),
+        "{out}"
+    );
+    snap("v4_bisect", &out);
+
+    let (code, out, _) = lmrr(
+        &[
+            "replay",
+            "replays/v4-batch.lmrr",
+            "--bisect",
+            "--criterion",
+            "bits",
+        ],
+        None,
+    );
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("mhc-bf16"), "{out}");
+    snap("v4_bisect_bits", &out);
+
+    let (code, out, _) = lmrr(
+        &[
+            "replay",
+            "replays/v4-long-context.lmrr",
+            "--patches",
+            "indexer-early-exit",
+            "--explain",
+        ],
+        None,
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("never considered"), "{out}");
+    snap("v4_explain", &out);
+}

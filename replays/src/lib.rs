@@ -19,6 +19,7 @@
 pub mod bisect;
 pub mod check;
 pub mod driver;
+pub mod explain;
 pub mod html;
 pub mod oracle;
 pub mod report;

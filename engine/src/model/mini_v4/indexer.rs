@@ -3,8 +3,10 @@
 //!
 //! Each position keeps an indexer key (`index_head_dim` floats, the KV store's
 //! auxiliary row). A query scores every earlier position with
-//! [`lmrr_kernels::index_scores`] (ReLU-weighted dot products over the
-//! indexer heads); an index block's score is the largest of its positions'.
+//! [`lmrr_kernels::index_scores`] (ReLU'd dot products over the indexer
+//! heads, weighted by the query's per-head weights, which the forward pass
+//! puts through a sigmoid: scores are never negative); an index block's score
+//! is the largest of its positions'.
 //! Attention reads the `index_topk` best blocks (ties to the older block) and
 //! the last `sliding_window` positions; while the context has no more than
 //! `index_topk` blocks it reads everything (dense). Blocks are

@@ -348,6 +348,12 @@ impl MiniV4 {
                     (&iw, &mut sc.iw),
                 ],
             )?;
+            // Indexer head weights through a sigmoid: positive, so a block's
+            // score is never below zero and "above the threshold" means some
+            // head found a positive match in it.
+            for w in sc.iw.iter_mut() {
+                *w = k::sigmoid(*w);
+            }
             for (i, &(si, pos)) in tok.iter().enumerate() {
                 ops.rope_row(&self.rope, &mut sc.q[i * qd..(i + 1) * qd], pos)?;
                 ops.rope_row(&self.rope, &mut sc.k[i * kvd..(i + 1) * kvd], pos)?;
