@@ -168,6 +168,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     };
     let prompts: Vec<Vec<u32>> = (0..8).map(prompt).collect();
     let mut rows_out = Vec::new();
+    // Per batch, the family's breakdown of prefill and decode time.
+    let mut parts_out = Vec::new();
+    m.reset_profile();
     let batches: &[usize] = if a.speed_only { &[1] } else { &[1, 8] };
     for &batch in batches {
         // Prefill: `batch` prompts in one step.
@@ -191,6 +194,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             }
         }
         let prefill_s = median(pre);
+        let prefill_parts = m.profile();
+        m.reset_profile();
         // Decode: `batch` sequences advance one token per step.
         let mut steps = Vec::new();
         let toks: Vec<u32> = (0..batch as u32).map(|i| 100 + i).collect();
@@ -208,12 +213,15 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             steps.push(t.elapsed().as_secs_f64());
         }
         let step_s = median(steps);
+        let decode_parts = m.profile();
+        m.reset_profile();
         rows_out.push((
             batch,
             (batch * a.prompt_len) as f64 / prefill_s,
             batch as f64 / step_s,
             step_s,
         ));
+        parts_out.push((batch, prefill_parts, decode_parts));
     }
 
     let extras = if a.speed_only {
@@ -260,6 +268,27 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             step * 1e3,
             step / floor
         );
+    }
+    for (batch, pre, dec) in &parts_out {
+        for (what, parts) in [("prefill", pre), ("decode", dec)] {
+            let Some(&(_, step)) = parts.iter().find(|p| p.0 == "step") else {
+                continue;
+            };
+            let named: Vec<&(&str, f64)> = parts.iter().filter(|p| p.0 != "step").collect();
+            let other = step - named.iter().map(|p| p.1).sum::<f64>();
+            let shares: Vec<String> = named
+                .iter()
+                .map(|(name, s)| format!("{name} {:.1}%", 100.0 * s / step))
+                .chain(std::iter::once(format!(
+                    "other (embedding, head, norms) {:.1}%",
+                    100.0 * other / step
+                )))
+                .collect();
+            println!(
+                "| share of {what} step time, batch {batch} | {} |",
+                shares.join(", ")
+            );
+        }
     }
     let Some(((hash_s, total_s, steps), rf)) = extras else {
         return Ok(());

@@ -191,6 +191,17 @@ pub trait ModelFamily: Send + Sync {
     /// patches act in the scheduler and apply to every family).
     fn patch_points(&self) -> &'static [Patch];
 
+    /// Time spent per part of the forward pass since the last
+    /// [`Self::reset_profile`], `(part, seconds)`, for `lmrr bench`
+    /// (measurement only: nothing reads it to decide anything). Empty where
+    /// the family does not break its step down.
+    fn profile(&self) -> Vec<(&'static str, f64)> {
+        Vec::new()
+    }
+
+    /// Zeroes [`Self::profile`].
+    fn reset_profile(&self) {}
+
     /// A family-specific account of how position `pos` of `tokens` was
     /// computed (mini-v4: the blocks its indexer chose per layer), under
     /// `patches`; `None` where the family has nothing to explain.

@@ -25,6 +25,8 @@ pub mod indexer;
 pub mod routing;
 
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use lmrr_kernels::{self as k, AttnShape, AttnTask, KvView, Matrix, RopeTable, Threads, Weights};
 
@@ -86,6 +88,23 @@ pub struct MiniV4 {
     shape: AttnShape,
     indexer: IndexerShape,
     device: Device,
+    profile: Profile,
+}
+
+/// Nanoseconds spent per part of the forward pass (for `lmrr bench`).
+#[derive(Default)]
+struct Profile {
+    mixing: AtomicU64,
+    indexer: AtomicU64,
+    attention: AtomicU64,
+    moe: AtomicU64,
+    total: AtomicU64,
+}
+
+impl Profile {
+    fn add(part: &AtomicU64, since: Instant) {
+        part.fetch_add(since.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
 }
 
 /// The patch points of one step.
@@ -226,6 +245,7 @@ impl MiniV4 {
             shape,
             indexer,
             device: Device::Cpu,
+            profile: Profile::default(),
         })
     }
 
@@ -243,6 +263,7 @@ impl MiniV4 {
         n: usize,
         pts: Points,
     ) -> Result<(), EngineError> {
+        let t0 = Instant::now();
         let (h, w) = (self.cfg.hc_mult, k::hyper::hc_raw_width(self.cfg.hc_mult));
         let hd = h * self.cfg.hidden_size;
         ops.norm(&sc.x, &hc.norm, self.cfg.rms_norm_eps, &mut sc.xn)?;
@@ -268,7 +289,9 @@ impl MiniV4 {
             &mut sc.pre,
             &mut sc.post,
             &mut sc.res,
-        )
+        )?;
+        Profile::add(&self.profile.mixing, t0);
+        Ok(())
     }
 
     fn forward_in_pool(
@@ -289,6 +312,7 @@ impl MiniV4 {
             threads,
         };
         let pts = Points::of(patches);
+        let t_step = Instant::now();
         ops.check_patches(patches)?;
         check_spans(kv, spans, cfg.max_position_embeddings, vocab)?;
         for s in spans {
@@ -332,7 +356,10 @@ impl MiniV4 {
         for (li, l) in self.layers.iter().enumerate() {
             // Attention sub-block.
             self.coefficients(&ops, &l.hc_attn, &mut sc, n, pts)?;
+            let t0 = Instant::now();
             ops.hc_pre(&sc.x, &sc.pre, h, d, &mut sc.b_in)?;
+            Profile::add(&self.profile.mixing, t0);
+            let t_attn = Instant::now();
             ops.norm(&sc.b_in, &l.attn_norm, eps, &mut sc.hn)?;
             let (wq, wk, wv) = (l.q.matrix(), l.k.matrix(), l.v.matrix());
             let (iq, ik, iw) = (l.idx_q.matrix(), l.idx_k.matrix(), l.idx_w.matrix());
@@ -365,6 +392,7 @@ impl MiniV4 {
                 let views: Vec<_> = spans.iter().map(|s| kv.view(s.seq, li)).collect();
                 let keys: Vec<_> = spans.iter().map(|s| kv.aux_view(s.seq, li)).collect();
                 // Per token: the selection, and for a sparse one its gathered K/V.
+                let t_idx = Instant::now();
                 let mut gathered: Vec<Option<(Vec<f32>, Vec<f32>)>> = Vec::with_capacity(n);
                 for (i, &(si, pos)) in tok.iter().enumerate() {
                     let sel = self.indexer.select(
@@ -396,6 +424,7 @@ impl MiniV4 {
                         }
                     });
                 }
+                Profile::add(&self.profile.indexer, t_idx);
                 let sparse_views: Vec<Option<KvView>> = gathered
                     .iter()
                     .map(|g| {
@@ -433,16 +462,25 @@ impl MiniV4 {
                 )?;
             }
             ops.matmuls(&sc.att, n, &mut [(&l.o.matrix(), &mut sc.o)])?;
+            Profile::add(&self.profile.attention, t_attn);
+            let t0 = Instant::now();
             ops.hc_post(&sc.x, &sc.res, &sc.post, &sc.o, h, d, &mut sc.x2)?;
             std::mem::swap(&mut sc.x, &mut sc.x2);
+            Profile::add(&self.profile.mixing, t0);
 
             // MoE sub-block.
             self.coefficients(&ops, &l.hc_ffn, &mut sc, n, pts)?;
+            let t0 = Instant::now();
             ops.hc_pre(&sc.x, &sc.pre, h, d, &mut sc.b_in)?;
+            Profile::add(&self.profile.mixing, t0);
+            let t_moe = Instant::now();
             ops.norm(&sc.b_in, &l.mlp_norm, eps, &mut sc.hn)?;
             self.moe(&ops, l, li, &ids, &sc.hn, n, pts, &mut sc.o)?;
+            Profile::add(&self.profile.moe, t_moe);
+            let t0 = Instant::now();
             ops.hc_post(&sc.x, &sc.res, &sc.post, &sc.o, h, d, &mut sc.x2)?;
             std::mem::swap(&mut sc.x, &mut sc.x2);
+            Profile::add(&self.profile.mixing, t0);
         }
         // Streams merged (sequential sum, then the mean), then the head.
         let rows = wanted_rows(spans);
@@ -463,6 +501,7 @@ impl MiniV4 {
         let mut logits = vec![0.0; m * vocab];
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         ops.matmuls(&hn, m, &mut [(&head.matrix(), &mut logits)])?;
+        Profile::add(&self.profile.total, t_step);
         Ok(split_rows(spans, &logits, vocab))
     }
 
@@ -711,6 +750,30 @@ impl ModelFamily for MiniV4 {
             Patch::MoeRoutedScaling,
             Patch::IndexerEarlyExit,
         ]
+    }
+
+    /// Mixing (projection, Sinkhorn, stream mixes), indexer (scoring,
+    /// selection, gather), attention (norm, projections, RoPE, KV writes,
+    /// attention, output projection, indexer excluded), MoE (router,
+    /// experts, combine), and the step in all.
+    fn profile(&self) -> Vec<(&'static str, f64)> {
+        let p = &self.profile;
+        let s = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64 / 1e9;
+        let indexer = s(&p.indexer);
+        vec![
+            ("mixing", s(&p.mixing)),
+            ("indexer", indexer),
+            ("attention", s(&p.attention) - indexer),
+            ("moe", s(&p.moe)),
+            ("step", s(&p.total)),
+        ]
+    }
+
+    fn reset_profile(&self) {
+        let p = &self.profile;
+        for a in [&p.mixing, &p.indexer, &p.attention, &p.moe, &p.total] {
+            a.store(0, Ordering::Relaxed);
+        }
     }
 
     fn explain(
