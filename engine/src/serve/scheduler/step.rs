@@ -1,0 +1,169 @@
+//! Executing a decided step: one forward pass over every scheduled span,
+//! sampling, finish reasons, and the per-step hashes (slot digests, page
+//! hashes, radix and cache-state hashes) that bundles record.
+
+use super::*;
+use crate::model::{LogitsWanted, SeqSpan};
+use crate::pool::Hash;
+use crate::sampling::sample;
+use crate::FinishReason;
+use sha2::{Digest, Sha256};
+
+impl Scheduler<'_> {
+    pub(super) fn execute(
+        &mut self,
+        decisions: Vec<Decision>,
+        mut finished: Vec<(RequestId, FinishReason)>,
+    ) -> Result<StepReport, EngineError> {
+        let sched: Vec<(RequestId, usize, usize)> = decisions
+            .iter()
+            .filter_map(|d| match *d {
+                Decision::Schedule { id, start, len } => Some((id, start, len)),
+                _ => None,
+            })
+            .collect();
+        let spans: Vec<SeqSpan> = sched
+            .iter()
+            .map(|&(id, start, len)| {
+                let toks = &self.seqs[&id].tokens;
+                SeqSpan {
+                    seq: id,
+                    start,
+                    tokens: &toks[start..start + len],
+                    logits: if start + len == toks.len() {
+                        LogitsWanted::Last
+                    } else {
+                        LogitsWanted::None
+                    },
+                }
+            })
+            .collect();
+        let logits = if spans.is_empty() {
+            Vec::new()
+        } else {
+            self.model
+                .forward_patched(&mut self.kv, &spans, &self.threads, &self.patches)?
+        };
+        let th = std::time::Instant::now();
+        self.kv.finish_step();
+        let mut hash_time = th.elapsed();
+        self.last_rows.clear();
+        let mut seqs = Vec::with_capacity(sched.len());
+        for (&(id, start, len), row) in sched.iter().zip(logits) {
+            let mut rep = SeqReport {
+                id,
+                start,
+                len,
+                sampled: None,
+                logits_digest: None,
+                top_logprobs: Vec::new(),
+                finish: None,
+            };
+            if !row.is_empty() {
+                let context = self.model.context();
+                let seq = self.seqs.get_mut(&id).expect("scheduled request exists");
+                let pos = seq.tokens.len();
+                let tok = sample(&row, &seq.req.sampling, pos as u64);
+                let th = std::time::Instant::now();
+                let bytes = crate::digest::row_bytes(&row);
+                let next = self.force_tokens.get(&id).copied().unwrap_or(tok);
+                seq.hasher.update(&bytes);
+                seq.hasher.update(next.to_le_bytes());
+                let row_digest: Hash = crate::digest::bytes_digest(&bytes);
+                hash_time += th.elapsed();
+                seq.tokens.push(next);
+                rep.sampled = Some(tok);
+                rep.logits_digest = Some(row_digest);
+                rep.top_logprobs = top_logprobs(&row, self.top_logprobs);
+                if self.keep_rows {
+                    self.last_rows.push((id, row.clone()));
+                }
+                let n_gen = seq.tokens.len() - seq.req.prompt.len();
+                rep.finish = if seq.req.stop_at_eos && self.model.is_eos(next) {
+                    Some(FinishReason::Eos)
+                } else if n_gen >= seq.req.max_tokens {
+                    Some(FinishReason::Length)
+                } else if seq.tokens.len() > context {
+                    Some(FinishReason::Context)
+                } else {
+                    None
+                };
+            }
+            if let Some(r) = rep.finish {
+                self.release(id, true);
+                self.finish(id, r);
+                finished.push((id, r));
+            }
+            seqs.push(rep);
+        }
+        let th = std::time::Instant::now();
+        let mut h = Sha256::new();
+        h.update(self.radix.structure_hash(&self.kv.pool, true));
+        let mut lh = Sha256::new();
+        lh.update(self.radix.structure_hash(&self.kv.pool, false));
+        for (p, refs, content) in self.kv.pool.in_use() {
+            h.update(p.to_le_bytes());
+            h.update(refs.to_le_bytes());
+            h.update(content);
+            lh.update(p.to_le_bytes());
+            lh.update(refs.to_le_bytes());
+        }
+        hash_time += th.elapsed();
+        self.timings.hashing += hash_time;
+        let report = StepReport {
+            step: self.step,
+            decisions,
+            seqs,
+            finished,
+            cache_layout: lh.finalize().into(),
+            cache_state: h.finalize().into(),
+        };
+        self.step += 1;
+        let progress = !report.finished.is_empty()
+            || report.seqs.iter().any(|q| q.sampled.is_some())
+            || report
+                .decisions
+                .iter()
+                .any(|d| matches!(d, Decision::Interrupt { .. }));
+        self.stalled = if progress || self.is_idle() {
+            0
+        } else {
+            self.stalled + 1
+        };
+        Ok(report)
+    }
+}
+
+/// The `k` largest logits (ties to the lowest id) as `(token, log-probability)`.
+/// For reports only, but still deterministic: the log-sum-exp uses the
+/// canonical `det_exp` and sum, and one f64 `ln` from the pure-Rust `libm`
+/// (the same bits on every platform; recorded logprobs are in bundles).
+pub fn top_logprobs(row: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let mut idx: Vec<u32> = (0..row.len() as u32)
+        .filter(|&i| !row[i as usize].is_nan())
+        .collect();
+    let k = k.min(idx.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    let m = idx
+        .iter()
+        .map(|&i| row[i as usize])
+        .fold(f32::NEG_INFINITY, f32::max);
+    let shifted: Vec<f32> = row
+        .iter()
+        .map(|&v| if v.is_nan() { f32::NEG_INFINITY } else { v - m })
+        .collect();
+    let mut e = vec![0.0f32; row.len()];
+    lmrr_kernels::exp_slice(&shifted, &mut e);
+    let lse = m as f64 + libm::log(lmrr_kernels::sum(&e) as f64);
+    let order = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
+    if k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, order);
+        idx.truncate(k);
+    }
+    idx.sort_unstable_by(order);
+    idx.into_iter()
+        .map(|i| (i, (row[i as usize] as f64 - lse) as f32))
+        .collect()
+}
