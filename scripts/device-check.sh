@@ -72,6 +72,7 @@ top_p = 0.9
 prompt = "$long"
 TOML
 for model in synthetic:mini-v4-tiny synthetic:mini-v4-small; do
+  rm -f "$tmp/v4.lmrr"  # a failed recording must not replay the last one
   "$bin/lmrr" run --model "$model" --script "$tmp/mini-v4.toml" --device cuda --record "$tmp/v4.lmrr" >/dev/null 2>&1 || fail=1
   out=$("$bin/lmrr" replay "$tmp/v4.lmrr" --device cpu 2>&1); rc=$?
   printf 'record %s on cuda, replay on cpu: exit %s  %s\n' "$model" "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
