@@ -12,16 +12,23 @@ bin=${1:-.gpu}
 fail=0
 "$bin/gpu_check" || fail=1
 prompt="The quick brown fox jumps over the lazy dog, and then"
-for model in synthetic:tiny synthetic:small; do
+# mini-v4's indexer reads every position while the context has no more than
+# index_topk blocks (tiny: 4 blocks of 16 = 64 positions): its prompt and
+# generation run well past that, so the sparse path (indexer scores, top-k
+# blocks, gathered K/V) is on the device too.
+long="Inference engines keep a cache of keys and values so that each new token attends to every earlier one without recomputing it; a radix tree lets later requests reuse a shared prefix, and a scheduler batches the decode steps of many users with chunked prefill."
+for model in synthetic:tiny synthetic:small synthetic:mini-v4-tiny synthetic:mini-v4-small; do
+  p=$prompt; max=24
+  case $model in *mini-v4*) p=$long; max=64 ;; esac
   ref=""
   for run in "cpu 1 -" "cpu 2 5" "cuda 1 -" "cuda 1 7" "cuda 2 1"; do
     set -- $run
     chunk=(); [ "$3" != "-" ] && chunk=(--prefill-chunk "$3")
-    out=$("$bin/lmrr" generate --model "$model" --prompt "$prompt" --max-tokens 24 --device "$1" --threads "$2" "${chunk[@]}" 2>&1); d=$(echo "$out" | sed -n 's/^digest: //p'); [ -n "$d" ] || echo "$out" | tail -n 2
+    out=$("$bin/lmrr" generate --model "$model" --prompt "$p" --max-tokens $max --device "$1" --threads "$2" "${chunk[@]}" 2>&1); d=$(echo "$out" | sed -n 's/^digest: //p'); [ -n "$d" ] || echo "$out" | tail -n 2
     [ -z "$ref" ] && ref=$d
     same=$([ -n "$d" ] && [ "$d" = "$ref" ] && echo same || echo DIFFERENT)
     [ "$same" = same ] || fail=1
-    printf '%-16s device %-4s threads %s chunk %-2s  %s  %s\n' "$model" "$1" "$2" "$3" "${d:-<none>}" "$same"
+    printf '%-22s device %-4s threads %s chunk %-2s  %s  %s\n' "$model" "$1" "$2" "$3" "${d:-<none>}" "$same"
   done
 done
 # Bundles recorded on the CPU replay bit-exactly on the GPU, a session recorded
@@ -36,6 +43,41 @@ tmp=$(mktemp -d)
 out=$("$bin/lmrr" replay "$tmp/gpu.lmrr" --device cpu 2>&1); rc=$?
 printf 'record on cuda, replay on cpu: exit %s  %s\n' "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
 [ $rc = 0 ] || fail=1
+# mini-v4 (no example session of its own): a long turn that goes sparse, a
+# follow-up served from the prefix cache, a sampled request; recorded on the
+# GPU, replayed on the CPU.
+cat >"$tmp/mini-v4.toml" <<TOML
+[defaults]
+temperature = 0.0
+max_tokens = 40
+
+[[request]]
+id = "long"
+messages = [{ role = "user", content = "$long $long" }]
+
+[[request]]
+id = "follow-up"
+after = "long"
+messages = [
+  { role = "user", content = "$long $long" },
+  { role = "assistant", from = "long" },
+  { role = "user", content = "Say that again, shorter." },
+]
+
+[[request]]
+id = "sampled"
+seed = 7
+temperature = 0.8
+top_p = 0.9
+prompt = "$long"
+TOML
+for model in synthetic:mini-v4-tiny synthetic:mini-v4-small; do
+  rm -f "$tmp/v4.lmrr"  # a failed recording must not replay the last one
+  "$bin/lmrr" run --model "$model" --script "$tmp/mini-v4.toml" --device cuda --record "$tmp/v4.lmrr" >/dev/null 2>&1 || fail=1
+  out=$("$bin/lmrr" replay "$tmp/v4.lmrr" --device cpu 2>&1); rc=$?
+  printf 'record %s on cuda, replay on cpu: exit %s  %s\n' "$model" "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
+  [ $rc = 0 ] || fail=1
+done
 out=$("$bin/lmrr" replay replays/incident.lmrr --device cuda --patches abort-inserts-partial 2>&1); rc=$?
 printf 'replay incident on cuda under abort-inserts-partial: exit %s  %s\n' "$rc" "$(echo "$out" | grep -m1 -E 'DIVERGED|bit-exact|error')"
 [ $rc = 1 ] || fail=1

@@ -45,56 +45,220 @@ fn diff(a: &[f32], b: &[f32]) -> usize {
         + a.len().abs_diff(b.len())
 }
 
-/// Differing bits between the CPU and a (mutated) device build over a few
-/// matmuls, RMSNorm, SwiGLU and RoPE.
-fn control(gpu: &Gpu) -> usize {
+/// Differing bits, except that two NaNs count as equal whatever their
+/// payloads: `(differing, NaN payload only)`. x86 propagates an operand's NaN
+/// payload (and makes `-NaN` for `inf − inf`); NVIDIA GPUs return the
+/// canonical `0x7fffffff`. NaN where the CPU has a number (or the reverse)
+/// still counts as differing.
+fn diff_nan(a: &[f32], b: &[f32]) -> (usize, usize) {
+    let mut d = a.len().abs_diff(b.len());
+    let mut payload = 0;
+    for (x, y) in a.iter().zip(b) {
+        if x.to_bits() == y.to_bits() {
+            continue;
+        }
+        if x.is_nan() && y.is_nan() {
+            payload += 1;
+        } else {
+            d += 1;
+        }
+    }
+    (d, payload)
+}
+
+/// Random mini-v4 operands for one hyper-connection / MoE / indexer case.
+struct Hyper {
+    h: usize,
+    d: usize,
+    n: usize,
+    raw: Vec<f32>,
+    x: Vec<f32>,
+    y: Vec<f32>,
+}
+
+impl Hyper {
+    fn new(r: &mut Rng, n: usize, h: usize, d: usize) -> Self {
+        Self {
+            h,
+            d,
+            n,
+            raw: r.uniform_vec(n * hyper::hc_raw_width(h), 4.0),
+            x: r.uniform_vec(n * h * d, 2.0),
+            y: r.uniform_vec(n * d, 2.0),
+        }
+    }
+
+    /// `[pre, post, res]` of the CPU and of the device.
+    fn coeffs(&self, gpu: &Gpu, iters: usize) -> ([Vec<f32>; 3], [Vec<f32>; 3]) {
+        let (n, h) = (self.n, self.h);
+        let z = || [vec![0.0; n * h], vec![0.0; n * h], vec![0.0; n * h * h]];
+        let (mut c, mut g) = (z(), z());
+        let [cp, cq, cr] = &mut c;
+        hc_coeffs(&self.raw, h, iters, cp, cq, cr);
+        let [gp, gq, gr] = &mut g;
+        gpu.hc_coeffs(&self.raw, h, iters, gp, gq, gr)
+            .expect("gpu hc_coeffs");
+        (c, g)
+    }
+
+    /// hc_pre then hc_post with the CPU's coefficients: `(cpu, device)` of
+    /// each.
+    fn mixes(&self, gpu: &Gpu, coeffs: &[Vec<f32>; 3]) -> [(Vec<f32>, Vec<f32>); 2] {
+        let (n, h, d) = (self.n, self.h, self.d);
+        let [pre, post, res] = coeffs;
+        let (mut c1, mut g1) = (vec![0.0; n * d], vec![f32::NAN; n * d]);
+        hc_pre(&self.x, pre, h, d, &mut c1);
+        gpu.hc_pre(&self.x, pre, h, d, &mut g1).expect("gpu hc_pre");
+        let (mut c2, mut g2) = (vec![0.0; n * h * d], vec![f32::NAN; n * h * d]);
+        hc_post(&self.x, res, post, &self.y, h, d, &mut c2);
+        gpu.hc_post(&self.x, res, post, &self.y, h, d, &mut g2)
+            .expect("gpu hc_post");
+        [(c1, g1), (c2, g2)]
+    }
+}
+
+/// `(cpu, device)` of the expert combine of one token with `k` experts of
+/// width `d`.
+fn combine(gpu: &Gpu, r: &mut Rng, k: usize, d: usize) -> (Vec<f32>, Vec<f32>) {
+    let base = r.uniform_vec(d, 2.0);
+    let gates = r.uniform_vec(k, 1.5);
+    let rows: Vec<Vec<f32>> = (0..k).map(|_| r.uniform_vec(d, 3.0)).collect();
+    let ys: Vec<&[f32]> = rows.iter().map(|v| v.as_slice()).collect();
+    let (mut cpu, mut dev) = (vec![0.0; d], vec![f32::NAN; d]);
+    moe_combine(&base, &gates, &ys, &mut cpu);
+    gpu.moe_combine(&base, &gates, &ys, &mut dev)
+        .expect("gpu moe_combine");
+    (cpu, dev)
+}
+
+/// `(cpu, device)` of the indexer scores of one query (`heads × dim`)
+/// against `m` keys; weights of both signs, keys scaled by `key_scale`.
+fn scores(
+    gpu: &Gpu,
+    r: &mut Rng,
+    heads: usize,
+    dim: usize,
+    m: usize,
+    key_scale: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let q = r.uniform_vec(heads * dim, 1.0);
+    let w = r.uniform_vec(heads, 2.0);
+    let rows: Vec<Vec<f32>> = (0..m).map(|_| r.uniform_vec(dim, key_scale)).collect();
+    let keys: Vec<&[f32]> = rows.iter().map(|v| v.as_slice()).collect();
+    let (mut cpu, mut dev) = (vec![0.0; m], vec![f32::NAN; m]);
+    index_scores(&q, &w, dim, &keys, &mut cpu);
+    gpu.index_scores(&q, &w, dim, &keys, &mut dev)
+        .expect("gpu index_scores");
+    (cpu, dev)
+}
+
+/// Differing bits, per op, between the CPU and a (mutated) device build over
+/// a few matmuls, RMSNorm, RoPE and the mini-v4 ops.
+fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
     let th = Threads::new(2).expect("threads");
     let mut r = SplitMix64(7);
     let (rows, cols, n) = (64, 576, 2);
     let x = r.uniform_vec(n * cols, 2.0);
     let q41 = blocks(&mut r, QuantKind::Q4_1, rows * cols / 32);
     let wf = r.uniform_vec(rows * cols, 0.5);
-    let mut total = 0;
+    let mut out = Vec::new();
+    let mut mm = 0;
     for w in [Weights::F32(&wf), Weights::Quant(QuantKind::Q4_1, &q41)] {
         let m = Matrix::new(w, rows, cols).expect("shape");
         let (mut cpu, mut dev) = (vec![0.0; n * rows], vec![0.0; n * rows]);
         matmul(&th, &x, n, &m, &mut cpu);
         gpu.matmul(&x, n, &m, &mut dev).expect("gpu matmul");
-        total += diff(&cpu, &dev);
+        mm += diff(&cpu, &dev);
     }
+    out.push(("matmul", mm));
     let w = r.uniform_vec(cols, 1.5);
     let (mut cpu, mut dev) = (vec![0.0; x.len()], vec![0.0; x.len()]);
     rms_norm(&x, &w, 1e-5, &mut cpu);
     gpu.rms_norm(&x, &w, 1e-5, &mut dev).expect("gpu rms_norm");
-    total += diff(&cpu, &dev);
+    out.push(("rms_norm", diff(&cpu, &dev)));
     let table = RopeTable::new(64, 100_000.0, 1024);
     let (mut cpu, mut dev) = (x[..576].to_vec(), x[..576].to_vec());
     rope(&table, &mut cpu, 777);
     gpu.rope(&table, &mut dev, 777).expect("gpu rope");
-    total + diff(&cpu, &dev)
+    out.push(("rope", diff(&cpu, &dev)));
+    let hy = Hyper::new(&mut r, 9, 4, 100);
+    let (c, g) = hy.coeffs(gpu, 20);
+    let cd: usize = c.iter().zip(&g).map(|(a, b)| diff(a, b)).sum();
+    out.push(("hc_coeffs", cd));
+    let [(c1, g1), (c2, g2)] = hy.mixes(gpu, &c);
+    out.push(("hc_pre", diff(&c1, &g1)));
+    out.push(("hc_post", diff(&c2, &g2)));
+    let (c, g) = combine(gpu, &mut r, 6, 200);
+    out.push(("moe_combine", diff(&c, &g)));
+    let (c, g) = scores(gpu, &mut r, 4, 100, 64, 3.0);
+    out.push(("index_scores", diff(&c, &g)));
+    out
 }
 
 fn main() {
     // Negative control first: with multiply-add contraction allowed, or with
     // the lane tree reassociated, some output must change — else the check
     // below could not see a broken mirror.
+    let mutate = |label: &'static str, from: &str, to: &str| {
+        // A control whose target text is gone would silently test nothing.
+        assert!(
+            SOURCE.contains(from),
+            "control `{label}`: kernels.cu changed"
+        );
+        (label, SOURCE.replace(from, to), false)
+    };
     let controls = [
         ("fmad=true", SOURCE.to_string(), true),
-        (
+        mutate(
             "lane tree (l0+l1)+(l2+l3)…",
-            SOURCE.replace(
-                "float t0 = l[0] + l[4], t1 = l[1] + l[5], t2 = l[2] + l[6], t3 = l[3] + l[7];",
-                "float t0 = l[0] + l[1], t1 = l[4] + l[5], t2 = l[2] + l[3], t3 = l[6] + l[7];",
-            ),
-            false,
+            "float t0 = l[0] + l[4], t1 = l[1] + l[5], t2 = l[2] + l[6], t3 = l[3] + l[7];",
+            "float t0 = l[0] + l[1], t1 = l[4] + l[5], t2 = l[2] + l[3], t3 = l[6] + l[7];",
+        ),
+        mutate(
+            "sigmoid through expf",
+            "return 1.0f / (1.0f + det_exp(-x));",
+            "return 1.0f / (1.0f + expf(-x));",
+        ),
+        mutate(
+            "Sinkhorn rows times the reciprocal of the sum",
+            "m[i * h + j] = m[i * h + j] / s;  // row",
+            "m[i * h + j] = m[i * h + j] * (1.0f / s);  // row",
+        ),
+        mutate(
+            "hc_pre mul + add instead of fmaf",
+            "acc = fmaf(pre[t * h + i], x[(t * h + i) * d + c], acc);",
+            "acc = pre[t * h + i] * x[(t * h + i) * d + c] + acc;",
+        ),
+        mutate(
+            "hc_post post term mul + add",
+            "out[idx] = fmaf(post[ti], y[t * d + c], acc);",
+            "out[idx] = post[ti] * y[t * d + c] + acc;",
+        ),
+        mutate(
+            "moe_combine mul + add instead of fmaf",
+            "acc = fmaf(gates[e], ys[(long long)e * d + c], acc);",
+            "acc = gates[e] * ys[(long long)e * d + c] + acc;",
+        ),
+        mutate(
+            "index_scores heads summed in reverse",
+            "for (int hh = 0; hh < heads; ++hh) {",
+            "for (int hh = heads - 1; hh >= 0; --hh) {",
         ),
     ];
     for (label, src, fmad) in controls {
-        assert_ne!(src.len(), 0);
         match Gpu::open_with(0, &src, fmad) {
             Ok(g) => {
-                let n = control(&g);
-                println!("negative control, {label}: {n} differing bits (must be > 0)");
+                let per_op = control(&g);
+                let n: usize = per_op.iter().map(|x| x.1).sum();
+                let seen: Vec<String> = per_op
+                    .iter()
+                    .filter(|x| x.1 > 0)
+                    .map(|(op, d)| format!("{op} {d}"))
+                    .collect();
+                println!(
+                    "negative control, {label}: {n} differing bits (must be > 0) [{}]",
+                    seen.join(", ")
+                );
                 if n == 0 {
                     eprintln!("the check cannot see a broken mirror");
                     std::process::exit(1);
@@ -272,6 +436,181 @@ fn main() {
             format!("attention 9/3 heads × 64, positions {positions:?}"),
             diff(&cpu, &dev),
             cpu.len(),
+        );
+    }
+    // mini-v4: hyper-connection coefficients (sigmoid + Sinkhorn) over odd
+    // stream counts, zero and many rounds; the stream mixes with d not a
+    // multiple of 8; the expert combine; indexer scores with dims over 64.
+    for &(n, h, d, iters) in &[
+        (1usize, 1usize, 7usize, 20usize),
+        (37, 3, 100, 20),
+        (5, 4, 128, 0),
+        (5, 4, 128, 1),
+        (13, 5, 13, 7),
+        (3, 4, 512, 20),
+    ] {
+        let hy = Hyper::new(&mut r, n, h, d);
+        let (c, g) = hy.coeffs(&gpu, iters);
+        for (name, (a, b)) in ["pre", "post", "res"].iter().zip(c.iter().zip(&g)) {
+            report(
+                format!("hc_coeffs {n} tokens, h {h}, {iters} Sinkhorn rounds: {name}"),
+                diff(a, b),
+                a.len(),
+            );
+        }
+        let [(c1, g1), (c2, g2)] = hy.mixes(&gpu, &c);
+        report(
+            format!("hc_pre {n} tokens, h {h}, d {d}"),
+            diff(&c1, &g1),
+            c1.len(),
+        );
+        report(
+            format!("hc_post {n} tokens, h {h}, d {d}"),
+            diff(&c2, &g2),
+            c2.len(),
+        );
+    }
+    // Sigmoid and Sinkhorn on special and large values: NaN, ±inf, ±1e30,
+    // ±f32::MAX, around det_exp's cut-offs, -0, subnormals, random bits.
+    {
+        let h = 3;
+        let w = hyper::hc_raw_width(h);
+        let specials = [
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            1e30,
+            -1e30,
+            f32::MAX,
+            f32::MIN,
+            88.0,
+            88.01,
+            -87.0,
+            -87.01,
+            100.0,
+            -100.0,
+            0.0,
+            -0.0,
+            1e-40,
+            -1e-40,
+        ];
+        let mut raw = Vec::new();
+        // One special in every slot of a token; then pairs; then one token
+        // of all-equal specials each; then random bit patterns.
+        for (i, &v) in specials.iter().enumerate() {
+            for slot in 0..w {
+                let mut t = r.uniform_vec(w, 4.0);
+                t[slot] = v;
+                t[(slot + 1 + i) % w] = specials[(i * 7 + slot) % specials.len()];
+                raw.extend(t);
+            }
+            raw.extend(std::iter::repeat_n(v, w));
+        }
+        raw.extend((0..64 * w).map(|_| f32::from_bits(r.next_u64() as u32)));
+        let n = raw.len() / w;
+        let z = || [vec![0.0; n * h], vec![0.0; n * h], vec![0.0; n * h * h]];
+        let (mut c, mut g) = (z(), z());
+        {
+            let [cp, cq, cr] = &mut c;
+            hc_coeffs(&raw, h, 20, cp, cq, cr);
+            let [gp, gq, gr] = &mut g;
+            gpu.hc_coeffs(&raw, h, 20, gp, gq, gr)
+                .expect("gpu hc_coeffs");
+        }
+        for (name, (a, b)) in ["pre", "post", "res"].iter().zip(c.iter().zip(&g)) {
+            let (dd, payload) = diff_nan(a, b);
+            let nans = a.iter().filter(|v| v.is_nan()).count();
+            report(
+                format!(
+                    "hc_coeffs specials, {n} tokens, h 3: {name} ({nans} NaN, {payload} payload-only)"
+                ),
+                dd,
+                a.len(),
+            );
+        }
+        // The sigmoid alone, through pre, on a dense sweep plus specials.
+        let mut xs: Vec<f32> = (0..200_001).map(|i| -100.0 + i as f32 * 0.001).collect();
+        xs.extend(specials);
+        let (h1, n1) = (1, xs.len());
+        let raw1: Vec<f32> = xs.iter().flat_map(|&v| [v, -v, 0.0]).collect();
+        let z = || [vec![0.0; n1 * h1], vec![0.0; n1 * h1], vec![0.0; n1]];
+        let (mut c, mut g) = (z(), z());
+        {
+            let [cp, cq, cr] = &mut c;
+            hc_coeffs(&raw1, h1, 1, cp, cq, cr);
+            let [gp, gq, gr] = &mut g;
+            gpu.hc_coeffs(&raw1, h1, 1, gp, gq, gr)
+                .expect("gpu hc_coeffs");
+        }
+        let (d1, p1) = diff_nan(&c[0], &g[0]);
+        let (d2, p2) = diff_nan(&c[1], &g[1]);
+        report(
+            format!(
+                "sigmoid [-100, 100) + specials (pre, 2·post; {} payload-only)",
+                p1 + p2
+            ),
+            d1 + d2 + diff(&c[2], &g[2]),
+            2 * n1 + n1,
+        );
+    }
+    for &(k, d) in &[(0usize, 100usize), (1, 7), (2, 100), (6, 512), (3, 1)] {
+        let (c, g) = combine(&gpu, &mut r, k, d);
+        report(
+            format!("moe_combine {k} experts × {d}"),
+            diff(&c, &g),
+            c.len(),
+        );
+    }
+    {
+        // Several tokens in one launch, with different expert counts.
+        let d = 77;
+        let base = r.uniform_vec(4 * d, 2.0);
+        let counts = [2usize, 0, 5, 1];
+        let gates: Vec<Vec<f32>> = counts.iter().map(|&k| r.uniform_vec(k, 1.5)).collect();
+        let rows: Vec<Vec<Vec<f32>>> = counts
+            .iter()
+            .map(|&k| (0..k).map(|_| r.uniform_vec(d, 3.0)).collect())
+            .collect();
+        let ys: Vec<Vec<&[f32]>> = rows
+            .iter()
+            .map(|t| t.iter().map(|v| v.as_slice()).collect())
+            .collect();
+        let mut cpu = vec![0.0; 4 * d];
+        for t in 0..4 {
+            moe_combine(
+                &base[t * d..(t + 1) * d],
+                &gates[t],
+                &ys[t],
+                &mut cpu[t * d..(t + 1) * d],
+            );
+        }
+        let tokens: Vec<(&[f32], &[&[f32]])> = gates
+            .iter()
+            .zip(&ys)
+            .map(|(g, y)| (g.as_slice(), y.as_slice()))
+            .collect();
+        let mut dev = vec![f32::NAN; 4 * d];
+        gpu.moe_combine_many(d, &base, &tokens, &mut dev)
+            .expect("gpu moe_combine_many");
+        report(
+            "moe_combine 4 tokens × 77 in one launch (2, 0, 5, 1 experts)".into(),
+            diff(&cpu, &dev),
+            cpu.len(),
+        );
+    }
+    for &(heads, dim, m, ks) in &[
+        (1usize, 7usize, 5usize, 1.0f32),
+        (2, 16, 16, 1.0),
+        (3, 100, 37, 3.0),
+        (4, 64, 64, 1.0),
+        (4, 130, 33, 1e20),
+        (5, 200, 129, 0.01),
+    ] {
+        let (c, g) = scores(&gpu, &mut r, heads, dim, m, ks);
+        report(
+            format!("index_scores {heads} heads × {dim}, {m} keys (scale {ks:e})"),
+            diff(&c, &g),
+            c.len(),
         );
     }
     println!(

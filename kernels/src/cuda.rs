@@ -9,7 +9,9 @@
 //! The CUDA libraries are loaded at run time: a build needs no CUDA, and
 //! [`Gpu::open`] returns an error (never panics) where no driver or device is
 //! present. This mirror covers matmul over every weight storage, RMSNorm,
-//! SwiGLU, `det_exp`, RoPE and attention. Each call copies its operands to
+//! SwiGLU, `det_exp`, RoPE, attention, and mini-v4's hyper-connection
+//! coefficients (sigmoid, Sinkhorn–Knopp), stream mixes, expert combine and
+//! indexer scores ([`crate::hyper`]). Each call copies its operands to
 //! the device and back (weights too): it is the portable mode's proof of
 //! arithmetic, not a fast path.
 
@@ -56,6 +58,11 @@ pub struct Gpu {
     swiglu: CudaFunction,
     rope: CudaFunction,
     attention: CudaFunction,
+    hc_coeffs: CudaFunction,
+    hc_pre: CudaFunction,
+    hc_post: CudaFunction,
+    moe_combine: CudaFunction,
+    index_scores: CudaFunction,
 }
 
 fn grid(n: usize) -> LaunchConfig {
@@ -112,6 +119,11 @@ impl Gpu {
             swiglu: f("swiglu")?,
             rope: f("rope")?,
             attention: f("attention")?,
+            hc_coeffs: f("hc_coeffs")?,
+            hc_pre: f("hc_pre")?,
+            hc_post: f("hc_post")?,
+            moe_combine: f("moe_combine")?,
+            index_scores: f("index_scores")?,
             ctx,
         })
     }
@@ -369,6 +381,321 @@ impl Gpu {
         // SAFETY: matches `attention` in kernels.cu; task t reads rows
         // offs[t] ..= offs[t] + pos[t] of k and v, all gathered above.
         unsafe { b.launch(grid(tasks.len() * shape.n_heads)) }.map_err(drv)?;
+        s.memcpy_dtoh(&dout, out).map_err(drv)
+    }
+
+    /// [`crate::hc_coeffs`] on the device, one thread per token.
+    pub fn hc_coeffs(
+        &self,
+        raw: &[f32],
+        h: usize,
+        iters: usize,
+        pre: &mut [f32],
+        post: &mut [f32],
+        res: &mut [f32],
+    ) -> Result<(), GpuError> {
+        let w = crate::hyper::hc_raw_width(h);
+        let n = raw.len() / w.max(1);
+        if raw.len() != n * w || pre.len() != n * h || post.len() != n * h || res.len() != n * h * h
+        {
+            return Err(GpuError::Shape {
+                what: "hc_coeffs",
+                detail: format!(
+                    "raw {} (tokens of {w}), pre {}, post {}, res {} for h = {h}",
+                    raw.len(),
+                    pre.len(),
+                    post.len(),
+                    res.len()
+                ),
+            });
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let s = &self.stream;
+        let draw = s.clone_htod(raw).map_err(drv)?;
+        let mut dpre = s.alloc_zeros::<f32>(pre.len()).map_err(drv)?;
+        let mut dpost = s.alloc_zeros::<f32>(post.len()).map_err(drv)?;
+        let mut dres = s.alloc_zeros::<f32>(res.len()).map_err(drv)?;
+        let (ni, hi, it) = (
+            as_i32("hc_coeffs", n)?,
+            as_i32("hc_coeffs", h)?,
+            as_i32("hc_coeffs", iters)?,
+        );
+        as_i32("hc_coeffs", w)?; // h·h and 2h + h·h are formed in 32 bits
+        let eps = crate::hyper::HC_EPS;
+        let mut b = s.launch_builder(&self.hc_coeffs);
+        b.arg(&draw)
+            .arg(&mut dpre)
+            .arg(&mut dpost)
+            .arg(&mut dres)
+            .arg(&ni)
+            .arg(&hi)
+            .arg(&it)
+            .arg(&eps);
+        // SAFETY: matches `hc_coeffs` in kernels.cu; token t reads raw[t·w ..
+        // (t+1)·w] and writes h, h and h·h values of pre, post and res.
+        unsafe { b.launch(grid(n)) }.map_err(drv)?;
+        s.memcpy_dtoh(&dpre, pre).map_err(drv)?;
+        s.memcpy_dtoh(&dpost, post).map_err(drv)?;
+        s.memcpy_dtoh(&dres, res).map_err(drv)
+    }
+
+    /// [`crate::hc_pre`] on the device, one thread per output.
+    pub fn hc_pre(
+        &self,
+        x: &[f32],
+        pre: &[f32],
+        h: usize,
+        d: usize,
+        out: &mut [f32],
+    ) -> Result<(), GpuError> {
+        let n = out.len() / d.max(1);
+        if x.len() != n * h * d || pre.len() != n * h || out.len() != n * d {
+            return Err(GpuError::Shape {
+                what: "hc_pre",
+                detail: format!(
+                    "x {}, pre {}, out {} for h = {h}, d = {d}",
+                    x.len(),
+                    pre.len(),
+                    out.len()
+                ),
+            });
+        }
+        if out.is_empty() {
+            return Ok(());
+        }
+        let s = &self.stream;
+        let (dx, dp) = (
+            s.clone_htod(x).map_err(drv)?,
+            s.clone_htod(pre).map_err(drv)?,
+        );
+        let mut dout = s.alloc_zeros::<f32>(out.len()).map_err(drv)?;
+        let (ni, hi, di) = (
+            as_i32("hc_pre", n)?,
+            as_i32("hc_pre", h)?,
+            as_i32("hc_pre", d)?,
+        );
+        as_i32("hc_pre", out.len())?; // the launch grid counts outputs in 32 bits
+        let mut b = s.launch_builder(&self.hc_pre);
+        b.arg(&dx)
+            .arg(&dp)
+            .arg(&mut dout)
+            .arg(&ni)
+            .arg(&hi)
+            .arg(&di);
+        // SAFETY: matches `hc_pre` in kernels.cu; every index is below n·h·d,
+        // n·h or n·d.
+        unsafe { b.launch(grid(out.len())) }.map_err(drv)?;
+        s.memcpy_dtoh(&dout, out).map_err(drv)
+    }
+
+    /// [`crate::hc_post`] on the device, one thread per output.
+    #[allow(clippy::too_many_arguments)]
+    pub fn hc_post(
+        &self,
+        x: &[f32],
+        res: &[f32],
+        post: &[f32],
+        y: &[f32],
+        h: usize,
+        d: usize,
+        out: &mut [f32],
+    ) -> Result<(), GpuError> {
+        let n = y.len() / d.max(1);
+        if x.len() != n * h * d
+            || res.len() != n * h * h
+            || post.len() != n * h
+            || y.len() != n * d
+            || out.len() != n * h * d
+        {
+            return Err(GpuError::Shape {
+                what: "hc_post",
+                detail: format!(
+                    "x {}, res {}, post {}, y {}, out {} for h = {h}, d = {d}",
+                    x.len(),
+                    res.len(),
+                    post.len(),
+                    y.len(),
+                    out.len()
+                ),
+            });
+        }
+        if out.is_empty() {
+            return Ok(());
+        }
+        let s = &self.stream;
+        let (dx, dr) = (
+            s.clone_htod(x).map_err(drv)?,
+            s.clone_htod(res).map_err(drv)?,
+        );
+        let (dp, dy) = (
+            s.clone_htod(post).map_err(drv)?,
+            s.clone_htod(y).map_err(drv)?,
+        );
+        let mut dout = s.alloc_zeros::<f32>(out.len()).map_err(drv)?;
+        let (ni, hi, di) = (
+            as_i32("hc_post", n)?,
+            as_i32("hc_post", h)?,
+            as_i32("hc_post", d)?,
+        );
+        as_i32("hc_post", out.len())?; // the launch grid counts outputs in 32 bits
+        let mut b = s.launch_builder(&self.hc_post);
+        b.arg(&dx)
+            .arg(&dr)
+            .arg(&dp)
+            .arg(&dy)
+            .arg(&mut dout)
+            .arg(&ni)
+            .arg(&hi)
+            .arg(&di);
+        // SAFETY: matches `hc_post` in kernels.cu; every index is below
+        // n·h·d, n·h·h, n·h or n·d.
+        unsafe { b.launch(grid(out.len())) }.map_err(drv)?;
+        s.memcpy_dtoh(&dout, out).map_err(drv)
+    }
+
+    /// [`crate::moe_combine`] of one token on the device.
+    pub fn moe_combine(
+        &self,
+        base: &[f32],
+        gates: &[f32],
+        ys: &[&[f32]],
+        out: &mut [f32],
+    ) -> Result<(), GpuError> {
+        self.moe_combine_many(base.len(), base, &[(gates, ys)], out)
+    }
+
+    /// [`crate::moe_combine`] of `tokens.len()` tokens in one launch: token
+    /// `t` combines `base[t·d..]` with its `(gates, ys)` into `out[t·d..]`.
+    pub fn moe_combine_many(
+        &self,
+        d: usize,
+        base: &[f32],
+        tokens: &[(&[f32], &[&[f32]])],
+        out: &mut [f32],
+    ) -> Result<(), GpuError> {
+        let n = tokens.len();
+        let bad = base.len() != n * d
+            || out.len() != n * d
+            || tokens
+                .iter()
+                .any(|(g, ys)| g.len() != ys.len() || ys.iter().any(|y| y.len() != d));
+        if bad {
+            return Err(GpuError::Shape {
+                what: "moe_combine",
+                detail: format!(
+                    "{n} tokens of {d}: base {}, out {}, gates {:?}, expert rows {:?}",
+                    base.len(),
+                    out.len(),
+                    tokens.iter().map(|t| t.0.len()).collect::<Vec<_>>(),
+                    tokens
+                        .iter()
+                        .map(|t| t.1.iter().map(|y| y.len()).collect::<Vec<_>>())
+                        .collect::<Vec<_>>()
+                ),
+            });
+        }
+        if out.is_empty() {
+            return Ok(());
+        }
+        let mut gates = Vec::new();
+        let mut ys = Vec::new();
+        let mut off = Vec::with_capacity(n + 1);
+        off.push(0i32);
+        for (g, y) in tokens {
+            gates.extend_from_slice(g);
+            for row in y.iter() {
+                ys.extend_from_slice(row);
+            }
+            off.push(as_i32("moe_combine", gates.len())?);
+        }
+        // A token with no routed expert reads nothing; the buffers still
+        // need one element each (a zero-byte allocation is an error).
+        if gates.is_empty() {
+            gates.push(0.0);
+            ys.push(0.0);
+        }
+        as_i32("moe_combine", out.len())?; // the launch grid counts outputs in 32 bits
+        let s = &self.stream;
+        let (db, dg) = (
+            s.clone_htod(base).map_err(drv)?,
+            s.clone_htod(&gates).map_err(drv)?,
+        );
+        let (dy, doff) = (
+            s.clone_htod(&ys).map_err(drv)?,
+            s.clone_htod(&off).map_err(drv)?,
+        );
+        let mut dout = s.alloc_zeros::<f32>(out.len()).map_err(drv)?;
+        let (ni, di) = (as_i32("moe_combine", n)?, as_i32("moe_combine", d)?);
+        let mut b = s.launch_builder(&self.moe_combine);
+        b.arg(&db)
+            .arg(&dg)
+            .arg(&dy)
+            .arg(&doff)
+            .arg(&mut dout)
+            .arg(&ni)
+            .arg(&di);
+        // SAFETY: matches `moe_combine` in kernels.cu; token t reads gates
+        // and rows off[t] .. off[t+1], all packed above, and base/out row t.
+        unsafe { b.launch(grid(out.len())) }.map_err(drv)?;
+        s.memcpy_dtoh(&dout, out).map_err(drv)
+    }
+
+    /// [`crate::index_scores`] on the device, one thread per key.
+    pub fn index_scores(
+        &self,
+        q: &[f32],
+        w: &[f32],
+        dim: usize,
+        keys: &[&[f32]],
+        out: &mut [f32],
+    ) -> Result<(), GpuError> {
+        let heads = w.len();
+        if q.len() != heads * dim || out.len() != keys.len() || keys.iter().any(|k| k.len() != dim)
+        {
+            return Err(GpuError::Shape {
+                what: "index_scores",
+                detail: format!(
+                    "q {} for {heads} heads × {dim}, {} keys, out {}",
+                    q.len(),
+                    keys.len(),
+                    out.len()
+                ),
+            });
+        }
+        if out.is_empty() {
+            return Ok(());
+        }
+        let mut packed = Vec::with_capacity(keys.len() * dim);
+        for k in keys {
+            packed.extend_from_slice(k);
+        }
+        // One element at least in each buffer (heads or dim may be 0).
+        let pad = |v: &[f32]| if v.is_empty() { vec![0.0] } else { v.to_vec() };
+        let s = &self.stream;
+        let (dq, dw) = (
+            s.clone_htod(&pad(q)).map_err(drv)?,
+            s.clone_htod(&pad(w)).map_err(drv)?,
+        );
+        let dk = s.clone_htod(&pad(&packed)).map_err(drv)?;
+        let mut dout = s.alloc_zeros::<f32>(out.len()).map_err(drv)?;
+        let (mi, hi, di) = (
+            as_i32("index_scores", keys.len())?,
+            as_i32("index_scores", heads)?,
+            as_i32("index_scores", dim)?,
+        );
+        let mut b = s.launch_builder(&self.index_scores);
+        b.arg(&dq)
+            .arg(&dw)
+            .arg(&dk)
+            .arg(&mut dout)
+            .arg(&mi)
+            .arg(&hi)
+            .arg(&di);
+        // SAFETY: matches `index_scores` in kernels.cu; key s reads
+        // keys[s·dim .. (s+1)·dim], q below heads·dim, w below heads.
+        unsafe { b.launch(grid(keys.len())) }.map_err(drv)?;
         s.memcpy_dtoh(&dout, out).map_err(drv)
     }
 }

@@ -151,7 +151,13 @@ impl Ops<'_> {
         post: &mut [f32],
         res: &mut [f32],
     ) -> Result<(), EngineError> {
-        k::hc_coeffs(raw, h, iters, pre, post, res);
+        match self.device {
+            Device::Cpu => k::hc_coeffs(raw, h, iters, pre, post, res),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(g) => g
+                .hc_coeffs(raw, h, iters, pre, post, res)
+                .map_err(gpu_err)?,
+        }
         Ok(())
     }
 
@@ -164,7 +170,11 @@ impl Ops<'_> {
         d: usize,
         out: &mut [f32],
     ) -> Result<(), EngineError> {
-        k::hc_pre(x, pre, h, d, out);
+        match self.device {
+            Device::Cpu => k::hc_pre(x, pre, h, d, out),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(g) => g.hc_pre(x, pre, h, d, out).map_err(gpu_err)?,
+        }
         Ok(())
     }
 
@@ -180,7 +190,11 @@ impl Ops<'_> {
         d: usize,
         out: &mut [f32],
     ) -> Result<(), EngineError> {
-        k::hc_post(x, res, post, y, h, d, out);
+        match self.device {
+            Device::Cpu => k::hc_post(x, res, post, y, h, d, out),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(g) => g.hc_post(x, res, post, y, h, d, out).map_err(gpu_err)?,
+        }
         Ok(())
     }
 
@@ -192,7 +206,28 @@ impl Ops<'_> {
         ys: &[&[f32]],
         out: &mut [f32],
     ) -> Result<(), EngineError> {
-        k::moe_combine(base, gates, ys, out);
+        match self.device {
+            Device::Cpu => k::moe_combine(base, gates, ys, out),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(g) => g.moe_combine(base, gates, ys, out).map_err(gpu_err)?,
+        }
+        Ok(())
+    }
+
+    /// Indexer scores of one query against `keys` ([`k::hyper::index_scores`]).
+    pub fn index_scores(
+        &self,
+        q: &[f32],
+        w: &[f32],
+        dim: usize,
+        keys: &[&[f32]],
+        out: &mut [f32],
+    ) -> Result<(), EngineError> {
+        match self.device {
+            Device::Cpu => k::index_scores(q, w, dim, keys, out),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(g) => g.index_scores(q, w, dim, keys, out).map_err(gpu_err)?,
+        }
         Ok(())
     }
 }

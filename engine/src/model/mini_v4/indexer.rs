@@ -3,10 +3,10 @@
 //!
 //! Each position keeps an indexer key (`index_head_dim` floats, the KV store's
 //! auxiliary row). A query scores every earlier position with
-//! [`lmrr_kernels::index_scores`] (ReLU'd dot products over the indexer
-//! heads, weighted by the query's per-head weights, which the forward pass
-//! puts through a sigmoid: scores are never negative); an index block's score
-//! is the largest of its positions'.
+//! [`lmrr_kernels::index_scores`] on the model's device through [`Ops`]
+//! (ReLU'd dot products over the indexer heads, weighted by the query's
+//! per-head weights, which the forward pass puts through a sigmoid: scores are
+//! never negative); an index block's score is the largest of its positions'.
 //! Attention reads the `index_topk` best blocks (ties to the older block) and
 //! the last `sliding_window` positions; while the context has no more than
 //! `index_topk` blocks it reads everything (dense). Blocks are
@@ -18,9 +18,9 @@
 //! [`EARLY_EXIT_THRESHOLD`]: older blocks are never scored. With `index_topk`
 //! blocks or fewer it is exact, which is how it passes single-turn checks.
 
-use lmrr_kernels::index_scores;
-
 use crate::kv::RowView;
+use crate::model::ops::Ops;
+use crate::EngineError;
 
 /// Score above which the early-exit scan counts a block as "looking full".
 pub const EARLY_EXIT_THRESHOLD: f32 = 0.0;
@@ -47,18 +47,19 @@ pub enum Selection {
 impl IndexerShape {
     /// Chooses the blocks for the query at `pos` with indexer query `q`
     /// (`heads × dim`) and head weights `w` (`heads`), over the keys of
-    /// positions `0..=pos`.
+    /// positions `0..=pos`, scoring on `ops`' device.
     pub fn select(
         &self,
+        ops: &Ops,
         q: &[f32],
         w: &[f32],
         keys: &RowView,
         pos: usize,
         early_exit: bool,
-    ) -> Selection {
+    ) -> Result<Selection, EngineError> {
         let nb = pos / self.block + 1;
         if nb <= self.topk {
-            return Selection::Dense;
+            return Ok(Selection::Dense);
         }
         let mut scored: Vec<(usize, f32)> = Vec::with_capacity(nb);
         let mut above = 0;
@@ -68,7 +69,7 @@ impl IndexerShape {
             let hi = ((b + 1) * self.block).min(pos + 1);
             let rows: Vec<&[f32]> = (lo..hi).map(|p| keys.row(p)).collect();
             let out = &mut buf[..hi - lo];
-            index_scores(q, w, self.dim, &rows, out);
+            ops.index_scores(q, w, self.dim, &rows, out)?;
             let mut best = f32::NEG_INFINITY;
             for &s in out.iter() {
                 if s > best {
@@ -92,7 +93,7 @@ impl IndexerShape {
         });
         let mut blocks: Vec<usize> = scored.iter().take(self.topk).map(|x| x.0).collect();
         blocks.sort_unstable();
-        Selection::Sparse { blocks, scanned }
+        Ok(Selection::Sparse { blocks, scanned })
     }
 
     /// The positions a selection reads for the query at `pos`, ascending.
@@ -157,13 +158,19 @@ mod tests {
             blocks: vec![&keys],
         };
         let (q, w) = ([1.0f32], [1.0f32]);
+        let threads = lmrr_kernels::Threads::new(1).expect("threads");
+        let ops = Ops {
+            device: &crate::model::Device::Cpu,
+            threads: &threads,
+        };
+        let select = |q: &[f32], pos, early| s.select(&ops, q, &w, &view, pos, early).expect("cpu");
         // Short context (2 blocks = topk): dense either way.
-        assert_eq!(s.select(&q, &w, &view, 7, true), Selection::Dense);
-        assert_eq!(s.select(&q, &w, &view, 7, false), Selection::Dense);
+        assert_eq!(select(&q, 7, true), Selection::Dense);
+        assert_eq!(select(&q, 7, false), Selection::Dense);
         // Long: with q = -1 the oldest blocks score highest (least negative
         // dot → relu 0 everywhere, ties to older), so the reference picks
         // blocks 0 and 1; early exit never gets there.
-        let full = s.select(&[-1.0], &w, &view, 19, false);
+        let full = select(&[-1.0], 19, false);
         assert_eq!(
             full,
             Selection::Sparse {
@@ -171,7 +178,7 @@ mod tests {
                 scanned: 5
             }
         );
-        let fast = s.select(&q, &w, &view, 19, true);
+        let fast = select(&q, 19, true);
         assert_eq!(
             fast,
             Selection::Sparse {

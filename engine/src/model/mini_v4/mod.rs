@@ -396,12 +396,13 @@ impl MiniV4 {
                 let mut gathered: Vec<Option<(Vec<f32>, Vec<f32>)>> = Vec::with_capacity(n);
                 for (i, &(si, pos)) in tok.iter().enumerate() {
                     let sel = self.indexer.select(
+                        &ops,
                         &sc.iq[i * ih * idim..(i + 1) * ih * idim],
                         &sc.iw[i * ih..(i + 1) * ih],
                         &keys[si],
                         pos,
                         pts.early_exit,
-                    );
+                    )?;
                     if let Some((want, out)) = explain.as_mut() {
                         if *want == i {
                             out.push(Chosen {
