@@ -78,8 +78,21 @@ for model in synthetic:mini-v4-tiny synthetic:mini-v4-small; do
   printf 'record %s on cuda, replay on cpu: exit %s  %s\n' "$model" "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
   [ $rc = 0 ] || fail=1
 done
-out=$("$bin/lmrr" replay replays/incident.lmrr --device cuda --patches abort-inserts-partial 2>&1); rc=$?
-printf 'replay incident on cuda under abort-inserts-partial: exit %s  %s\n' "$rc" "$(echo "$out" | grep -m1 -E 'DIVERGED|bit-exact|error')"
-[ $rc = 1 ] || fail=1
+# The committed mini-v4 sessions, recorded on the GPU, replayed on the CPU.
+for s in v4-batch v4-agent v4-long-context; do
+  extra=(); [ $s = v4-batch ] && extra=(--max-batch-tokens 64)
+  rm -f "$tmp/$s.lmrr"
+  "$bin/lmrr" run --model synthetic:mini-v4-tiny --script "examples/$s.toml" "${extra[@]}" --device cuda --record "$tmp/$s.lmrr" >/dev/null 2>&1 || fail=1
+  out=$("$bin/lmrr" replay "$tmp/$s.lmrr" --device cpu 2>&1); rc=$?
+  printf 'record examples/%s.toml on cuda, replay on cpu: exit %s  %s\n' "$s" "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
+  [ $rc = 0 ] || fail=1
+done
+# Negative controls: the patches are still found on the device.
+for case in "incident abort-inserts-partial" "v4-batch mhc-bf16" "v4-agent moe-routed-scaling" "v4-long-context indexer-early-exit"; do
+  set -- $case
+  out=$("$bin/lmrr" replay "replays/$1.lmrr" --device cuda --patches "$2" 2>&1); rc=$?
+  printf 'replay %s on cuda under %s: exit %s  %s\n' "$1" "$2" "$rc" "$(echo "$out" | grep -m1 -E 'DIVERGED|bit-exact|error')"
+  [ $rc = 1 ] || fail=1
+done
 echo "device check: $([ $fail = 0 ] && echo 'all bit-identical' || echo FAILED)"
 exit $fail
