@@ -375,6 +375,15 @@ fn run_run(a: &RunArgs) -> Result<u8> {
         prefix_cache: !a.no_prefix_cache,
     };
     let threads_n = th.count();
+    let inert = a.patches.inert_for(model.net.family());
+    if !inert.is_empty() {
+        let names: Vec<&str> = inert.iter().map(|p| p.name()).collect();
+        eprintln!(
+            "warning: {} cannot act on a {} model: inert in this run",
+            names.join(", "),
+            model.net.family()
+        );
+    }
     let mut sch = Scheduler::with_patches(model.net(), cfg, th, a.patches.clone())?;
     // Validate against the model and pool before creating any file.
     script.check_fits(&model, &sch)?;
