@@ -123,6 +123,16 @@ pub enum TensorValues<'a> {
 /// A named tensor the forward pass reads: HF name, shape, values.
 pub type NamedTensor<'a> = (String, Vec<usize>, TensorValues<'a>);
 
+/// A stored tensor, named as in its file.
+pub(crate) fn stored(t: &Tensor) -> NamedTensor<'_> {
+    (t.name.clone(), t.shape.clone(), TensorValues::Stored(t))
+}
+
+/// A vector widened at load (norm weights, biases), under `name`.
+pub(crate) fn vector(name: String, v: &[f32]) -> NamedTensor<'_> {
+    (name, vec![v.len()], TensorValues::F32(v))
+}
+
 /// One model family's forward pass and facts, as the serving core sees them.
 pub trait ModelFamily: Send + Sync {
     /// Which family this is.

@@ -15,8 +15,8 @@ use lmrr_kernels::{AttnShape, AttnTask, RopeTable, Threads};
 use crate::kv::KvCache;
 use crate::model::ops::Ops;
 use crate::model::{
-    add_into, check_spans, split_rows, stacked_tokens, wanted_rows, Device, Family, KvLayout,
-    ModelFamily, NamedTensor, SeqSpan, TensorValues,
+    add_into, check_spans, split_rows, stacked_tokens, stored, vector, wanted_rows, Device, Family,
+    KvLayout, ModelFamily, NamedTensor, SeqSpan,
 };
 use crate::patches::{Patch, PatchSet};
 use crate::weights::{Tensor, TensorFile};
@@ -113,12 +113,6 @@ impl Llama {
     /// its values as the kernels see them (for [`crate::identity`]). A tied
     /// output head is the embedding, listed once.
     fn tensors(&self) -> Vec<NamedTensor<'_>> {
-        fn stored(t: &Tensor) -> NamedTensor<'_> {
-            (t.name.clone(), t.shape.clone(), TensorValues::Stored(t))
-        }
-        fn vector(name: String, v: &[f32]) -> NamedTensor<'_> {
-            (name, vec![v.len()], TensorValues::F32(v))
-        }
         let mut out = vec![
             stored(&self.embed),
             vector("model.norm.weight".into(), &self.norm),

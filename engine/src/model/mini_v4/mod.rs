@@ -33,8 +33,8 @@ use lmrr_kernels::{self as k, AttnShape, AttnTask, KvView, Matrix, RopeTable, Th
 use crate::kv::{KvCache, SeqKvStore};
 use crate::model::ops::Ops;
 use crate::model::{
-    check_spans, split_rows, stacked_tokens, wanted_rows, Device, Family, KvLayout, LogitsWanted,
-    ModelFamily, NamedTensor, SeqSpan, TensorValues,
+    check_spans, split_rows, stacked_tokens, stored, vector, wanted_rows, Device, Family, KvLayout,
+    LogitsWanted, ModelFamily, NamedTensor, SeqSpan,
 };
 use crate::patches::{Patch, PatchSet};
 use crate::synth::f32_to_bf16;
@@ -585,12 +585,6 @@ impl MiniV4 {
     }
 
     fn tensors(&self) -> Vec<NamedTensor<'_>> {
-        fn stored(t: &Tensor) -> NamedTensor<'_> {
-            (t.name.clone(), t.shape.clone(), TensorValues::Stored(t))
-        }
-        fn vector(name: String, v: &[f32]) -> NamedTensor<'_> {
-            (name, vec![v.len()], TensorValues::F32(v))
-        }
         let mut out = vec![
             stored(&self.embed),
             vector("model.norm.weight".into(), &self.norm),
