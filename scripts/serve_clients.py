@@ -4,6 +4,7 @@
                                       # cancellation then "to a file") and curl
     python serve_clients.py load      # 32 concurrent streaming clients, random
                                       # arrivals and disconnects, <= 2 minutes
+    python serve_clients.py bench     # figures for docs/PERFORMANCE.md
 
 Each starts its own server on a free loopback port with the tiny synthetic
 model, recording into a temporary directory, stops it with SIGTERM and checks
@@ -324,12 +325,71 @@ async def load(clients_n=32, per_client=4, budget_s=110):
           f"{toks / wall:.0f} tok/s over the whole run")
 
 
+async def bench(clients_n=32, per_client=4, max_tokens=64):
+    """Throughput and latency: every client sends its requests back to back
+    (greedy, `max_tokens` each, EOS ignored, no disconnects); then the
+    bundle's script is run with `lmrr run` for the same session without HTTP."""
+    srv = Server()
+    c = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=300)
+    recs = []
+
+    async def one_client(k):
+        r = random.Random(k)
+        for j in range(per_client):
+            msg = " ".join(r.choice(WORDS) for _ in range(r.randint(3, 40)))
+            t0 = time.monotonic()
+            s = await c.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": msg}], max_tokens=max_tokens,
+                temperature=0, stream=True, extra_body={"ignore_eos": True})
+            ttft = None
+            async for ch in s:
+                if ttft is None and ch.choices and ch.choices[0].delta.content:
+                    ttft = time.monotonic() - t0
+            recs.append((t0, ttft, time.monotonic()))
+
+    t_start = time.monotonic()
+    await asyncio.gather(*(one_client(k) for k in range(clients_n)))
+    wall = time.monotonic() - t_start
+    h = srv.health()
+    log = srv.text()
+    bundle = srv.stop()
+    engine_ttft = sorted(int(m) for m in re.findall(r"first token (\d+) ms", log))
+    ttft = sorted(t for _, t, _ in recs if t is not None)
+    q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))]
+    toks = clients_n * per_client * max_tokens
+    script = os.path.join(srv.dir, "session.toml")
+    lmrr("inspect", bundle, "--script", script)
+    info = json.loads(lmrr("inspect", bundle, "--json"))
+    runs = []
+    for _ in range(3):
+        p = subprocess.run([LMRR, "run", "--script", script, "--model", MODEL, "--pool-pages",
+                            str(info["manifest"]["engine"]["pool_pages"])],
+                           capture_output=True, text=True)
+        runs.append(float(re.search(r" · ([\d.]+)s · ", p.stderr).group(1)))
+    run_s = statistics.median(runs)
+    print(f"bench: {len(recs)} streaming requests ({clients_n} concurrent clients x {per_client}, "
+          f"{max_tokens} tokens each, greedy), {h['steps']} steps")
+    print(f"bench: wall {wall:.2f} s, {toks / wall:.0f} tok/s through HTTP (client: openai, "
+          f"same machine)")
+    print(f"bench: TTFT at the client p50 {q(ttft, 0.5) * 1000:.1f} ms, p99 "
+          f"{q(ttft, 0.99) * 1000:.1f} ms; at the engine (arrival to first token) p50 "
+          f"{q(engine_ttft, 0.5)} ms, p99 {q(engine_ttft, 0.99)} ms")
+    print(f"bench: engine loop busy {h['busy_ms']} ms, of which steps {h['step_ms']} ms "
+          f"({100 * (h['busy_ms'] - h['step_ms']) / max(h['step_ms'], 1):.1f}% loop overhead: "
+          f"boundaries, recording, detokenization, channels)")
+    print(f"bench: the same session by `lmrr run --script` (no HTTP): {run_s:.2f} s "
+          f"(median of 3), {toks / run_s:.0f} tok/s; server wall / run = {wall / run_s:.2f}x")
+
+
 def main():
     what = sys.argv[1] if len(sys.argv) > 1 else "clients"
     if what == "clients":
         clients()
     elif what == "load":
         asyncio.run(load())
+    elif what == "bench":
+        asyncio.run(bench())
     else:
         raise SystemExit(f"unknown test {what!r} (clients, load)")
     if failures:

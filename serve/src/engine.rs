@@ -130,6 +130,11 @@ pub struct Stats {
     pub live: AtomicU64,
     pub steps: AtomicU64,
     pub interrupts: AtomicU64,
+    /// Microseconds inside `Scheduler::step`.
+    pub step_us: AtomicU64,
+    /// Microseconds the loop was not waiting for work (steps, boundaries,
+    /// recording, detokenization).
+    pub busy_us: AtomicU64,
     pub alive: AtomicBool,
 }
 
@@ -304,6 +309,7 @@ fn run(
     let mut ep = open_epoch(&mut record, epochs)?;
     let mut pending: VecDeque<Box<Submission>> = VecDeque::new();
     let mut inbox_open = true;
+    let mut busy_since = Instant::now();
     loop {
         let stopping = shutdown.load(Ordering::SeqCst) || !inbox_open;
         let rotate = !stopping
@@ -326,7 +332,12 @@ fn run(
                 if let Some(b) = ep.bundle.as_mut() {
                     b.flush()?;
                 }
-                match inbox.blocking_recv() {
+                stats
+                    .busy_us
+                    .fetch_add(busy_since.elapsed().as_micros() as u64, Ordering::Relaxed);
+                let got = inbox.blocking_recv();
+                busy_since = Instant::now();
+                match got {
                     Some(Inbox::Submit(s)) => pending.push_back(s),
                     Some(Inbox::Wake) => {}
                     None => inbox_open = false,
@@ -353,7 +364,12 @@ fn run(
         if ep.sch.is_idle() {
             continue;
         }
-        match ep.sch.step() {
+        let t0 = Instant::now();
+        let stepped = ep.sch.step();
+        stats
+            .step_us
+            .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+        match stepped {
             Ok(report) => {
                 stats.steps.fetch_add(1, Ordering::Relaxed);
                 if let Some(b) = ep.bundle.as_mut() {

@@ -595,6 +595,8 @@ async fn health(State(app): State<Arc<App>>) -> Response {
         "live": s.live.load(Relaxed),
         "steps": s.steps.load(Relaxed),
         "interrupts": s.interrupts.load(Relaxed),
+        "step_ms": s.step_us.load(Relaxed) / 1000,
+        "busy_ms": s.busy_us.load(Relaxed) / 1000,
     });
     let status = if alive {
         StatusCode::OK

@@ -196,6 +196,51 @@ mod tests {
         );
     }
 
+    fn with_template(src: &str) -> Renderer {
+        let mut files = lmrr_engine::SynthSpec::embedded_default().build();
+        let cfg = serde_json::json!({"chat_template": src, "eos_token": "<|im_end|>"});
+        files.tokenizer_config = Some((cfg.to_string().into_bytes(), "tc.json".into()));
+        Renderer::new(&Model::from_files(files).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn a_template_that_reads_tools_gets_them_and_the_tool_calls() {
+        let r = with_template(
+            "{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}{% for m in messages %}\
+             [{{ m.role }}] {{ m.content.strip() }}{% if m.tool_calls %} CALLS {{ m.tool_calls[0].function.name }}{% endif %}\
+             {% if m.tool_call_id %} ID {{ m.tool_call_id }}{% endif %}\n{% endfor %}",
+        );
+        assert!(r.reads_tools());
+        let mut a = msg("assistant", "");
+        a.extra.insert(
+            "tool_calls".into(),
+            serde_json::json!([{"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]),
+        );
+        let mut t = msg("tool", "  files  ");
+        t.extra.insert("tool_call_id".into(), "c1".into());
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "ls"}}]);
+        let out = r
+            .render(&[msg("user", "list"), a, t], Some(&tools), None)
+            .unwrap();
+        assert!(out.warnings.is_empty());
+        assert!(out.text.starts_with("TOOLS [{"), "{}", out.text);
+        assert!(out.text.contains("[assistant]  CALLS ls"), "{}", out.text);
+        assert!(out.text.contains("[tool] files ID c1"), "{}", out.text);
+    }
+
+    #[test]
+    fn tools_a_template_ignores_are_a_warning_and_raise_exception_is_a_500() {
+        let r = with_template("{% for m in messages %}{{ m.content }}{% endfor %}");
+        let tools = serde_json::json!([{"type": "function"}]);
+        let out = r.render(&[msg("user", "x")], Some(&tools), None).unwrap();
+        assert_eq!(out.text, "x");
+        assert_eq!(out.warnings.len(), 1);
+        let r = with_template("{{ raise_exception('roles must alternate') }}");
+        let e = r.render(&[msg("user", "x")], None, None).unwrap_err();
+        assert_eq!(e.status, 500);
+        assert!(e.message.contains("roles must alternate"), "{e}");
+    }
+
     #[test]
     fn tool_calls_are_written_into_chatml() {
         let mut a = msg("assistant", "");
