@@ -143,9 +143,9 @@ pub fn write_script(
 ) -> Result<()> {
     let m: Option<Model> = match (model, &b.manifest.model.synthetic) {
         (Some(spec), _) => Some(crate::load_model(Some(spec))?),
-        (None, Some(s)) => Some(
-            Model::synthetic(s.clone()).with_context(|| format!("regenerating {}", s.name()))?,
-        ),
+        (None, Some(s)) => {
+            Some(Model::synthetic(*s).with_context(|| format!("regenerating {}", s.name()))?)
+        }
         (None, None) => {
             eprintln!(
                 "note: no --model given for {}: prompts are written as token ids",
