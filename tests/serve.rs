@@ -557,3 +557,56 @@ fn sigkill_leaves_a_bundle_readable_up_to_its_last_frame() {
         String::from_utf8_lossy(&o.stdout)
     );
 }
+
+#[test]
+fn bundles_rotate_by_request_count_and_each_replays_alone() {
+    let mut s = Server::start(&["--record-dir", "rec", "--rotate-requests", "2"]);
+    let mut seen = Vec::new();
+    for i in 0..5 {
+        let r = post(
+            s.port,
+            "/v1/chat/completions",
+            &chat_body(&format!("q{i}"), 6),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        seen.push((
+            v["id"].as_str().unwrap().to_string(),
+            v["lmrr"]["bundle"].as_str().unwrap().to_string(),
+        ));
+    }
+    s.signal("-TERM");
+    assert_eq!(s.wait(), Some(0), "{}", s.log());
+    let ids: Vec<&str> = seen.iter().map(|(i, _)| i.as_str()).collect();
+    assert_eq!(
+        ids,
+        [
+            "chatcmpl-0-0",
+            "chatcmpl-0-1",
+            "chatcmpl-1-0",
+            "chatcmpl-1-1",
+            "chatcmpl-2-0"
+        ]
+    );
+    let bundles = s.bundles();
+    assert_eq!(bundles.len(), 3, "{bundles:?}");
+    for (k, b) in bundles.iter().enumerate() {
+        let name = b.file_name().unwrap().to_str().unwrap();
+        assert!(name.ends_with(&format!("-{:04}.lmrr", k + 1)), "{name}");
+        assert_eq!(seen[2 * k].1, name);
+        let o = lmrr(&["replay", b.to_str().unwrap()]);
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&o.stdout)
+        );
+        let o = lmrr(&["inspect", b.to_str().unwrap()]);
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(out.contains("integrity   complete"), "{out}");
+        assert!(
+            out.contains(if k < 2 { "2 requests" } else { "1 request " }),
+            "{out}"
+        );
+    }
+}

@@ -277,7 +277,7 @@ impl Script {
                 }
                 _ => {
                     return Err(req_err(
-                        "needs exactly one of `prompt`, `prompt_tokens` and `messages`".into(),
+                        "needs exactly one of `prompt` and `messages` (or `prompt_tokens`)".into(),
                     ))
                 }
             };
