@@ -5,7 +5,8 @@
 # streaming clients, random arrivals and disconnects, at most 2 minutes), each
 # checked against the bundle the server recorded (scripts/serve_clients.py).
 #
-#   scripts/serve-test.sh [clients|load]...   default: both
+#   scripts/serve-test.sh [clients|load|bench]...   default: clients load
+#                                             (bench: docs/PERFORMANCE.md's figures)
 #   LMRR=path/to/lmrr                         default: target/release/lmrr
 #
 # The client runs in a virtual environment under target/ with a pinned

@@ -226,8 +226,16 @@ pub fn spawn(
     let join = std::thread::Builder::new()
         .name("lmrr-engine".into())
         .spawn(move || {
+            /// Marks the loop dead however it ends, a panic included, so
+            /// that `/health` says so.
+            struct Alive<'a>(&'a Stats);
+            impl Drop for Alive<'_> {
+                fn drop(&mut self) {
+                    self.0.alive.store(false, Ordering::SeqCst);
+                }
+            }
+            let _alive = Alive(&stats);
             let r = run(setup, rx, &shutdown, &stats);
-            stats.alive.store(false, Ordering::SeqCst);
             if let Err(e) = &r {
                 eprintln!("lmrr serve: engine loop stopped: {e}");
             }
@@ -360,7 +368,7 @@ fn run(
             }
         }
         let stopping = shutdown.load(Ordering::SeqCst) || !inbox_open;
-        boundary(&mut ep, &mut pending, stopping, rotate, &model, stats)?;
+        boundary(&mut ep, &mut pending, stopping, rotate, stats)?;
         if ep.sch.is_idle() {
             continue;
         }
@@ -443,7 +451,6 @@ fn boundary(
     pending: &mut VecDeque<Box<Submission>>,
     stopping: bool,
     rotate: bool,
-    model: &Model,
     stats: &Stats,
 ) -> Result<(), ServeError> {
     let due: Vec<RequestId> = ep
@@ -523,7 +530,6 @@ fn boundary(
             },
         );
     }
-    let _ = model;
     stats.live.store(ep.live.len() as u64, Ordering::Relaxed);
     let abandoned: Vec<RequestId> = ep
         .live
