@@ -328,8 +328,11 @@ async def load(clients_n=32, per_client=4, budget_s=110):
 async def bench(clients_n=32, per_client=4, max_tokens=64):
     """Throughput and latency: every client sends its requests back to back
     (greedy, `max_tokens` each, EOS ignored, no disconnects); then the
-    bundle's script is run with `lmrr run` for the same session without HTTP."""
-    srv = Server()
+    bundle's script is run with `lmrr run` for the same session without HTTP.
+    The engine gets `LMRR_BENCH_THREADS` threads (default 1, leaving a core
+    to the Python client and HTTP on a 2-core machine), `lmrr run` the same."""
+    threads = os.environ.get("LMRR_BENCH_THREADS", "1")
+    srv = Server("--threads", threads)
     c = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
                            timeout=300)
     recs = []
@@ -364,12 +367,13 @@ async def bench(clients_n=32, per_client=4, max_tokens=64):
     runs = []
     for _ in range(3):
         p = subprocess.run([LMRR, "run", "--script", script, "--model", MODEL, "--pool-pages",
-                            str(info["manifest"]["engine"]["pool_pages"])],
+                            str(info["manifest"]["engine"]["pool_pages"]), "--threads", threads,
+                            "--record", os.path.join(srv.dir, "run.lmrr")],
                            capture_output=True, text=True)
         runs.append(float(re.search(r" · ([\d.]+)s · ", p.stderr).group(1)))
     run_s = statistics.median(runs)
     print(f"bench: {len(recs)} streaming requests ({clients_n} concurrent clients x {per_client}, "
-          f"{max_tokens} tokens each, greedy), {h['steps']} steps")
+          f"{max_tokens} tokens each, greedy), {h['steps']} steps, engine threads {threads}")
     print(f"bench: wall {wall:.2f} s, {toks / wall:.0f} tok/s through HTTP (client: openai, "
           f"same machine)")
     print(f"bench: TTFT at the client p50 {q(ttft, 0.5) * 1000:.1f} ms, p99 "
@@ -378,7 +382,7 @@ async def bench(clients_n=32, per_client=4, max_tokens=64):
     print(f"bench: engine loop busy {h['busy_ms']} ms, of which steps {h['step_ms']} ms "
           f"({100 * (h['busy_ms'] - h['step_ms']) / max(h['step_ms'], 1):.1f}% loop overhead: "
           f"boundaries, recording, detokenization, channels)")
-    print(f"bench: the same session by `lmrr run --script` (no HTTP): {run_s:.2f} s "
+    print(f"bench: the same session by `lmrr run --script --record` (no HTTP): {run_s:.2f} s "
           f"(median of 3), {toks / run_s:.0f} tok/s; server wall / run = {wall / run_s:.2f}x")
 
 
