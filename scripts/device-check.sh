@@ -36,6 +36,19 @@ tmp=$(mktemp -d)
 out=$("$bin/lmrr" replay "$tmp/gpu.lmrr" --device cpu 2>&1); rc=$?
 printf 'record on cuda, replay on cpu: exit %s  %s\n' "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
 [ $rc = 0 ] || fail=1
+# `lmrr serve --device cuda`: a served session (greedy, sampled, a stream
+# cancelled mid-generation) replays bit-exactly on the GPU and on the CPU.
+"$bin/lmrr" serve --device cuda --record-dir "$tmp/serve" --addr 127.0.0.1:8020 --quiet 2>"$tmp/serve.log" &
+pid=$!
+python3 scripts/serve_device_client.py 8020 >/dev/null || fail=1
+kill -TERM $pid; wait $pid || fail=1
+for b in "$tmp"/serve/*.lmrr; do
+  for dev in cuda cpu; do
+    out=$("$bin/lmrr" replay "$b" --device $dev 2>&1); rc=$?
+    printf 'served on cuda, replay on %-4s: exit %s  %s\n' "$dev" "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
+    [ $rc = 0 ] || fail=1
+  done
+done
 out=$("$bin/lmrr" replay replays/incident.lmrr --device cuda --patches abort-inserts-partial 2>&1); rc=$?
 printf 'replay incident on cuda under abort-inserts-partial: exit %s  %s\n' "$rc" "$(echo "$out" | grep -m1 -E 'DIVERGED|bit-exact|error')"
 [ $rc = 1 ] || fail=1

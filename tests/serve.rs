@@ -610,3 +610,52 @@ fn bundles_rotate_by_request_count_and_each_replays_alone() {
         );
     }
 }
+
+#[test]
+fn a_server_bundle_diverges_under_a_cache_patch_like_a_scripted_one() {
+    let mut s = Server::start(&["--record-dir", "rec"]);
+    // A harness's system prompt, cached by a first turn; a second turn with
+    // it is streamed and cancelled (its cached pages are shared with the
+    // tree when it aborts); a third turn follows.
+    let system = "You are a coding agent. Keep answers short. ".repeat(4);
+    let turn = |user: &str, max: usize, stream: bool| {
+        json!({"model": MODEL, "temperature": 0, "max_tokens": max, "stream": stream,
+               "ignore_eos": true,
+               "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]})
+    };
+    assert_eq!(
+        post(s.port, "/v1/chat/completions", &turn("hi", 4, false)).status,
+        200
+    );
+    let mut quitter = open_stream(s.port, &turn("write a tic tac toe html page", 1500, true));
+    assert_eq!(read_events(&mut quitter, 5).len(), 5);
+    drop(quitter);
+    std::thread::sleep(Duration::from_millis(300));
+    let r = post(
+        s.port,
+        "/v1/chat/completions",
+        &turn("to a file", 30, false),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    s.signal("-TERM");
+    assert_eq!(s.wait(), Some(0), "{}", s.log());
+    let b = s.bundles().remove(0);
+    let b = b.to_str().unwrap();
+    let o = lmrr(&["replay", b]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    let o = lmrr(&["replay", b, "--patches", "abort-frees-shared"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(1), "{out}");
+    assert!(out.contains("DIVERGED"), "{out}");
+    let o = lmrr(&["replay", b, "--bisect"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("culprit") && out.contains("abort-frees-shared"),
+        "{out}"
+    );
+}
