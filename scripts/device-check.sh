@@ -87,6 +87,19 @@ for s in v4-batch v4-agent v4-long-context; do
   printf 'record examples/%s.toml on cuda, replay on cpu: exit %s  %s\n' "$s" "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
   [ $rc = 0 ] || fail=1
 done
+# `lmrr serve --device cuda`: a served session (greedy, sampled, a stream
+# cancelled mid-generation) replays bit-exactly on the GPU and on the CPU.
+"$bin/lmrr" serve --device cuda --record-dir "$tmp/serve" --addr 127.0.0.1:8020 --quiet 2>"$tmp/serve.log" &
+pid=$!
+python3 scripts/serve_device_client.py 8020 >/dev/null || fail=1
+kill -TERM $pid; wait $pid || fail=1
+for b in "$tmp"/serve/*.lmrr; do
+  for dev in cuda cpu; do
+    out=$("$bin/lmrr" replay "$b" --device $dev 2>&1); rc=$?
+    printf 'served on cuda, replay on %-4s: exit %s  %s\n' "$dev" "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
+    [ $rc = 0 ] || fail=1
+  done
+done
 # Negative controls: the patches are still found on the device.
 for case in "incident abort-inserts-partial" "v4-batch mhc-bf16" "v4-agent moe-routed-scaling" "v4-long-context indexer-early-exit"; do
   set -- $case

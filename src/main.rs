@@ -5,6 +5,7 @@ mod bench;
 mod demo;
 mod replay;
 mod rerecord;
+mod serve;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -58,6 +59,8 @@ enum Cmd {
     Tokenize(TokenizeArgs),
     /// Measure kernels, prefill and decode against the memory bandwidth.
     Bench(bench::BenchArgs),
+    /// Serve the OpenAI API on the serving core, recording what happens.
+    Serve(serve::ServeArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -152,6 +155,13 @@ struct InspectArgs {
     /// Also write the bundle's timeline as one self-contained HTML page.
     #[arg(long, value_name = "OUT.html")]
     html: Option<PathBuf>,
+    /// Also write the session as a script for `lmrr run --script`.
+    #[arg(long, value_name = "OUT.toml")]
+    script: Option<PathBuf>,
+    /// The model for `--script`'s prompt texts (default: the bundle's
+    /// synthetic model; token ids without one).
+    #[arg(long)]
+    model: Option<String>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -592,6 +602,9 @@ pub(crate) fn open_bundle(path: &std::path::Path) -> Result<lmrr_recorder::Bundl
 fn run_inspect(a: &InspectArgs) -> Result<()> {
     let b = crate::open_bundle(&a.bundle)?;
     let s = Summary::of(&b);
+    if let Some(out) = &a.script {
+        serve::write_script(&b, &a.bundle, a.model.as_deref(), out)?;
+    }
     if let Some(p) = &a.html {
         let cmd = format!("lmrr inspect {}", a.bundle.display());
         let data =
@@ -706,6 +719,7 @@ fn main() -> std::process::ExitCode {
         Some(Cmd::Tokenize(a)) => run_tokenize(a),
         Some(Cmd::Rerecord(a)) => rerecord::run(a),
         Some(Cmd::Bench(a)) => bench::run(a),
+        Some(Cmd::Serve(a)) => serve::run(a),
     };
     match res {
         Ok(()) => std::process::ExitCode::SUCCESS,

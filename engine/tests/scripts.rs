@@ -425,3 +425,31 @@ fn a_100000_request_after_chain_parses_in_either_order_and_runs() {
     assert!(res.requests.iter().all(|r| r.output.tokens.len() == 1));
     eprintln!("100,000-request chain: {:.1} s", t0.elapsed().as_secs_f64());
 }
+
+#[test]
+fn prompt_tokens_send_exactly_those_ids() {
+    let m = model();
+    let ids = m.tokenizer.encode("The quick brown fox").unwrap();
+    let list: Vec<String> = ids.iter().map(u32::to_string).collect();
+    let src = format!(
+        "[[request]]\nid = \"text\"\nprompt = \"The quick brown fox\"\nmax_tokens = 6\n\
+         [[request]]\nid = \"ids\"\nprompt_tokens = [{}]\nmax_tokens = 6\nat_step = 9\n",
+        list.join(", ")
+    );
+    let s = Script::parse(&src, "s.toml").unwrap();
+    let mut sch = Scheduler::new(&m.llama, EngineConfig::default(), Threads::single()).unwrap();
+    let res = run_session(&m, &s, &mut sch, |_| {}).unwrap();
+    assert_eq!(res.requests[1].prompt, ids);
+    assert_eq!(res.requests[0].output.digest, res.requests[1].output.digest);
+    let e = Script::parse("[[request]]\nid = \"a\"\nprompt_tokens = []\n", "s.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`prompt_tokens` is empty"), "{e}");
+    let e = Script::parse(
+        "[[request]]\nid = \"a\"\nprompt = \"x\"\nprompt_tokens = [1]\n",
+        "s.toml",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("exactly one of"), "{e}");
+}

@@ -184,6 +184,17 @@ impl ChatTemplate {
         Ok(Some(t))
     }
 
+    /// The template's Jinja source (for renderers that pass more than role
+    /// and content, such as `lmrr serve` with `tools`).
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// The BOS and EOS token strings of `tokenizer_config.json`.
+    pub fn special_tokens(&self) -> (&str, &str) {
+        (&self.bos_token, &self.eos_token)
+    }
+
     fn env(&self) -> Result<minijinja::Environment<'_>, minijinja::Error> {
         let mut env = minijinja::Environment::new();
         env.set_fuel(Some(RENDER_FUEL));

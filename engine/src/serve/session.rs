@@ -22,7 +22,8 @@
 //! ]
 //! ```
 //!
-//! A request has `prompt` (raw text) or `messages` (ChatML), optional
+//! A request has `prompt` (raw text), `prompt_tokens` (token ids) or
+//! `messages` (the model's chat template), optional
 //! `max_tokens` (at least 1), `temperature`, `top_k`, `top_p`, `seed`,
 //! `ignore_eos`, `at_step` (arrive at that engine step, default 0), `after`
 //! (arrive once that request ended), `interrupt_after_tokens` (abort once that
@@ -80,6 +81,7 @@ struct RawMessage {
 struct RawRequest {
     id: Spanned<String>,
     prompt: Option<String>,
+    prompt_tokens: Option<Vec<u32>>,
     messages: Option<Vec<RawMessage>>,
     max_tokens: Option<usize>,
     temperature: Option<f32>,
@@ -107,6 +109,10 @@ struct RawScript {
 pub enum PromptSpec {
     Raw(String),
     Chat(Vec<Message>),
+    /// Token ids, sent as they are (`prompt_tokens = [..]`; what `lmrr
+    /// inspect --script` writes when a prompt's text would not tokenize back
+    /// to the recorded ids).
+    Tokens(Vec<u32>),
 }
 
 /// One validated request of a script.
@@ -229,9 +235,15 @@ impl Script {
             if let Some(a) = &r.after {
                 deps.push(check_ref(a, "`after`")?);
             }
-            let prompt = match (r.prompt, r.messages) {
-                (Some(p), None) => PromptSpec::Raw(p),
-                (None, Some(ms)) => {
+            let prompt = match (r.prompt, r.messages, r.prompt_tokens) {
+                (Some(p), None, None) => PromptSpec::Raw(p),
+                (None, None, Some(t)) => {
+                    if t.is_empty() {
+                        return Err(req_err("`prompt_tokens` is empty".into()));
+                    }
+                    PromptSpec::Tokens(t)
+                }
+                (None, Some(ms), None) => {
                     if ms.is_empty() {
                         return Err(req_err("`messages` is empty".into()));
                     }
@@ -265,7 +277,7 @@ impl Script {
                 }
                 _ => {
                     return Err(req_err(
-                        "needs exactly one of `prompt` and `messages`".into(),
+                        "needs exactly one of `prompt` and `messages` (or `prompt_tokens`)".into(),
                     ))
                 }
             };
@@ -406,6 +418,9 @@ impl Script {
             self.requests.iter().map(|r| (r.name.as_str(), r)).collect();
         for r in &self.requests {
             let mut len = 0;
+            if let PromptSpec::Tokens(t) = &r.prompt {
+                len = t.len();
+            }
             for part in parts(model, &r.prompt)? {
                 len += match part {
                     Part::Text(t) => model.tokenizer.encode(&t)?.len(),
@@ -478,6 +493,7 @@ fn parts(model: &Model, p: &PromptSpec) -> Result<Vec<Part>, EngineError> {
     match p {
         PromptSpec::Raw(t) => Ok(vec![Part::Text(t.clone())]),
         PromptSpec::Chat(ms) => model.render_chat(ms),
+        PromptSpec::Tokens(_) => Ok(Vec::new()),
     }
 }
 
@@ -624,7 +640,10 @@ pub fn run_session(
             for i in ready {
                 let r = &script.requests[i];
                 let id = i as RequestId;
-                let mut prompt = Vec::new();
+                let mut prompt = match &r.prompt {
+                    PromptSpec::Tokens(t) => t.clone(),
+                    _ => Vec::new(),
+                };
                 for part in parts(model, &r.prompt)? {
                     match part {
                         Part::Text(t) => prompt.extend(model.tokenizer.encode(&t)?),

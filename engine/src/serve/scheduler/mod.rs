@@ -342,6 +342,13 @@ impl<'m> Scheduler<'m> {
         self.done.get(&id)
     }
 
+    /// Removes and returns the result of a finished request (a long-running
+    /// server forgets what it has answered; [`Self::interrupt`] then treats
+    /// the id as unknown).
+    pub fn take_output(&mut self, id: RequestId) -> Option<RequestOutput> {
+        self.done.remove(&id)
+    }
+
     /// All finished requests by id.
     pub fn outputs(&self) -> &BTreeMap<RequestId, RequestOutput> {
         &self.done
