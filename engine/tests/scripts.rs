@@ -437,7 +437,7 @@ fn prompt_tokens_send_exactly_those_ids() {
         list.join(", ")
     );
     let s = Script::parse(&src, "s.toml").unwrap();
-    let mut sch = Scheduler::new(&m.llama, EngineConfig::default(), Threads::single()).unwrap();
+    let mut sch = Scheduler::new(m.net(), EngineConfig::default(), Threads::single()).unwrap();
     let res = run_session(&m, &s, &mut sch, |_| {}).unwrap();
     assert_eq!(res.requests[1].prompt, ids);
     assert_eq!(res.requests[0].output.digest, res.requests[1].output.digest);
