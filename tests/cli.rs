@@ -235,7 +235,8 @@ fn a_prompt_longer_than_the_context_exits_2(p: Preset) {
     assert_eq!(o.status.code(), Some(2));
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(
-        e.contains(&format!("context is {context}")) && e.contains(&format!("prompt is {n} tokens")),
+        e.contains(&format!("context is {context}"))
+            && e.contains(&format!("prompt is {n} tokens")),
         "{e}"
     );
 }
@@ -277,7 +278,14 @@ fn run_plays_the_incident_script_with_one_digest_per_request(p: Preset) {
     );
     // Pages of 7 and a 5-token budget: chunks and pages across index blocks.
     assert_eq!(
-        run(&["--page-size", "7", "--max-batch-tokens", "5", "--threads", "2"]),
+        run(&[
+            "--page-size",
+            "7",
+            "--max-batch-tokens",
+            "5",
+            "--threads",
+            "2"
+        ]),
         base
     );
 }

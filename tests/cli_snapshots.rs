@@ -176,14 +176,20 @@ fn mini_v4_cli_output_is_locked() {
     snap("mini_v4_bisect", &out);
 
     let (code, out, _) = lmrr(&["replay", g, "--bisect"], tmp);
-    assert_eq!(code, 2, "more than one culprit in the whole catalog: refused");
+    assert_eq!(
+        code, 2,
+        "more than one culprit in the whole catalog: refused"
+    );
     snap("mini_v4_bisect_refused", &out);
 
     let (code, out, _) = lmrr(
         &["replay", early.to_str().unwrap(), "--oracle", "recompute"],
         tmp,
     );
-    assert_eq!(code, 0, "the oracle recomputes under the recording's patches");
+    assert_eq!(
+        code, 0,
+        "the oracle recomputes under the recording's patches"
+    );
     snap("mini_v4_oracle_blind", &out);
 }
 

@@ -241,7 +241,9 @@ fn page_size_and_shared_prefix_pages_never_change_a_bit(p: Preset) {
         let mut kv = paged(m, ps, 3, a.len());
         // Descending page ids for `a`: every page is another block of the pool.
         let n_a = a.len().div_ceil(ps);
-        let mut ids: Vec<_> = (0..n_a).map(|_| kv.pool.alloc().unwrap().unwrap()).collect();
+        let mut ids: Vec<_> = (0..n_a)
+            .map(|_| kv.pool.alloc().unwrap().unwrap())
+            .collect();
         ids.reverse();
         kv.tables.insert(1, BlockTable { pages: ids, len: 0 });
         let got = feed(m, &mut kv, &[(1, &a), (2, &mate)], 13, &th);
@@ -252,7 +254,13 @@ fn page_size_and_shared_prefix_pages_never_change_a_bit(p: Preset) {
         for &pg in &pages {
             kv.pool.incref(pg);
         }
-        kv.tables.insert(3, BlockTable { len: full * ps, pages });
+        kv.tables.insert(
+            3,
+            BlockTable {
+                len: full * ps,
+                pages,
+            },
+        );
         let got = feed(m, &mut kv, &[(3, &b)], 9, &th);
         assert_eq!(
             got[0],

@@ -463,7 +463,11 @@ fn filled_pool(m: &Model, ps: usize, pages: usize, toks: &[u32]) -> PagedKv {
 }
 
 fn page_hashes(kv: &PagedKv) -> Vec<[u8; 32]> {
-    kv.tables[&1].pages.iter().map(|&p| kv.pool.page_hash(p)).collect()
+    kv.tables[&1]
+        .pages
+        .iter()
+        .map(|&p| kv.pool.page_hash(p))
+        .collect()
 }
 
 /// Flips the lowest bit of the last element of one row of sequence 1 at
@@ -516,9 +520,15 @@ fn page_hashes_cover_every_row_the_family_stores(p: Preset) {
         let after = page_hashes(&kv);
         for (i, (a, b)) in before.iter().zip(&after).enumerate() {
             if i == pos / ps {
-                assert_ne!(a, b, "a flipped {name} bit leaves page {i}'s hash as it was");
+                assert_ne!(
+                    a, b,
+                    "a flipped {name} bit leaves page {i}'s hash as it was"
+                );
             } else {
-                assert_eq!(a, b, "a flipped {name} bit at {pos} changes page {i}'s hash");
+                assert_eq!(
+                    a, b,
+                    "a flipped {name} bit at {pos} changes page {i}'s hash"
+                );
             }
         }
         flip(&mut kv, row, layer, pos, layout.kv_dim);

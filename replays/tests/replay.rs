@@ -9,8 +9,7 @@ use common::families::{self, sparse_from};
 use common::record;
 use lmrr_engine::patches::PatchClass;
 use lmrr_engine::{
-    run_session, EngineConfig, Family, Model, Patch, PatchSet, Preset, Scheduler, Script,
-    SynthSpec,
+    run_session, EngineConfig, Family, Model, Patch, PatchSet, Preset, Scheduler, Script, SynthSpec,
 };
 use lmrr_kernels::Threads;
 use lmrr_recorder::{read, Bundle, Event, Manifest, Recorder};
@@ -41,12 +40,15 @@ per_family!(
 
 /// The incident recorded on `m` by the reference engine.
 fn incident(m: &Model) -> Bundle {
-    record(m, &incident_src(), EngineConfig::default(), PatchSet::none())
+    record(
+        m,
+        &incident_src(),
+        EngineConfig::default(),
+        PatchSet::none(),
+    )
 }
 
-fn the_incident_replays_bit_exactly_and_diverges_at_turn_2_under_abort_inserts_partial(
-    p: Preset,
-) {
+fn the_incident_replays_bit_exactly_and_diverges_at_turn_2_under_abort_inserts_partial(p: Preset) {
     let m = families::model(p);
     let b = incident(m);
     let turn2_prompt = b
@@ -124,7 +126,11 @@ fn bisect_names_the_one_patch_that_changes_behaviour_within_the_probe_bound(p: P
         culprit,
     ];
     let res = bisect(&PatchSet::none(), &candidates, &mut probe).unwrap();
-    assert_eq!(res.culprits, Some(vec![culprit.name().to_string()]), "{res}");
+    assert_eq!(
+        res.culprits,
+        Some(vec![culprit.name().to_string()]),
+        "{res}"
+    );
     assert_eq!(res.method, "binary");
     assert!(res.found(), "{res}");
     // good + bad + ⌈log2 4⌉ halvings + the culprit + the rest without it.
@@ -134,7 +140,13 @@ fn bisect_names_the_one_patch_that_changes_behaviour_within_the_probe_bound(p: P
         res.probes.len()
     );
     let bad: PatchSet = candidates.into_iter().collect();
-    confirm(&b, m, &PatchSet::none(), &bad, res.culprits.as_deref().unwrap());
+    confirm(
+        &b,
+        m,
+        &PatchSet::none(),
+        &bad,
+        res.culprits.as_deref().unwrap(),
+    );
 }
 
 /// The culprit of a bisect, checked by replays of its own (not the search's).
@@ -170,8 +182,7 @@ fn bisect_never_names_a_patch_for_a_bundle_recorded_with_another(p: Preset) {
             EngineConfig::default(),
             recorded.clone(),
         );
-        let mut probe =
-            |set: &PatchSet| lmrr_replays::probe(&b, m, set, &th, Criterion::Behaviour);
+        let mut probe = |set: &PatchSet| lmrr_replays::probe(&b, m, set, &th, Criterion::Behaviour);
         let none_diverges = probe(&PatchSet::none()).unwrap().diverged;
         let res = bisect(&PatchSet::none(), &Patch::ALL, &mut probe).unwrap();
         if none_diverges {
@@ -337,7 +348,10 @@ ignore_eos = true
         .iter()
         .map(|src| {
             let b = record(m, src, cfg, PatchSet::none());
-            assert!(run(&b, m, PatchSet::none()).is_bit_exact(), "reference replay");
+            assert!(
+                run(&b, m, PatchSet::none()).is_bit_exact(),
+                "reference replay"
+            );
             b
         })
         .collect();
@@ -440,7 +454,10 @@ fn a_different_model_is_refused_naming_both_hashes(p: Preset) {
     let other_family = families::FAMILIES.into_iter().find(|&f| f != p).unwrap();
     for (other, differs) in [
         (SynthSpec::new(p, 1), "differs in: weights;"),
-        (SynthSpec::new(other_family, 0), "differs in: config, weights;"),
+        (
+            SynthSpec::new(other_family, 0),
+            "differs in: config, weights;",
+        ),
     ] {
         let other = Model::synthetic(other).unwrap();
         let e = replay(

@@ -47,9 +47,7 @@ max_tokens = 6
 
 per_family!(an_interrupt_in_the_middle_of_a_chunked_prefill_is_recorded_and_replays_bit_exactly);
 
-fn an_interrupt_in_the_middle_of_a_chunked_prefill_is_recorded_and_replays_bit_exactly(
-    p: Preset,
-) {
+fn an_interrupt_in_the_middle_of_a_chunked_prefill_is_recorded_and_replays_bit_exactly(p: Preset) {
     let m = families::model(p);
     let cfg = EngineConfig {
         page_size: 4,
