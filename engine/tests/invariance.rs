@@ -10,10 +10,11 @@
 mod families;
 
 use families::{assert_reaches_sparse, model};
+use lmrr_engine::mini_v4::indexer::Selection;
 use lmrr_engine::pool::{BlockTable, PagePool, PagedKv};
 use lmrr_engine::{
-    generate, GenerateOptions, KvCache, LogitsWanted, Model, Preset, SamplingParams, SeqKvStore,
-    SeqSpan,
+    generate, GenerateOptions, KvCache, LogitsWanted, Model, PatchSet, Preset, SamplingParams,
+    SeqKvStore, SeqSpan,
 };
 use lmrr_kernels::Threads;
 
@@ -26,7 +27,40 @@ per_family!(
     generate_digest_is_invariant_to_threads_and_prefill_chunk,
     i7_sampled_tokens_do_not_depend_on_batch_mates,
     greedy_output_does_not_collapse_and_logits_are_finite,
+    sparse_attention_starts_where_the_tests_assume,
 );
+
+/// `families::sparse_from`, which every test above uses to check that its
+/// sequences reach sparse attention, against the indexer's own choices: every
+/// layer reads everything up to the position before, and from it on a
+/// selection of `index_topk` blocks. llama has no indexer: nothing to explain.
+fn sparse_attention_starts_where_the_tests_assume(p: Preset) {
+    let m = model(p);
+    let th = Threads::single();
+    let t = tokens(14, 100);
+    let none = PatchSet::none();
+    let Some(from) = families::sparse_from(m) else {
+        assert!(m.net.explain(&t, 80, &th, &none).unwrap().is_none());
+        return;
+    };
+    let v = m.mini_v4().unwrap();
+    let layers = v.config().num_hidden_layers;
+    let dense = v.chosen_blocks(&t, from - 1, &th, &none).unwrap();
+    assert_eq!(dense.len(), layers);
+    assert!(dense.iter().all(|c| c.selection == Selection::Dense));
+    for pos in [from, 99] {
+        let chosen = v.chosen_blocks(&t, pos, &th, &none).unwrap();
+        assert_eq!(chosen.len(), layers);
+        for c in chosen {
+            match c.selection {
+                Selection::Sparse { blocks, .. } => {
+                    assert_eq!(blocks.len(), v.config().index_topk, "layer {}", c.layer)
+                }
+                Selection::Dense => panic!("layer {} dense at {pos}", c.layer),
+            }
+        }
+    }
+}
 
 fn store(m: &Model) -> SeqKvStore {
     SeqKvStore::new(m.net.kv_layout())
