@@ -1,6 +1,27 @@
-//! The real `lmrr` binary, run in a temp dir with a cleared environment.
+//! The real `lmrr` binary, run in a temp dir with a cleared environment. The
+//! digests, recording, replay, bisect and oracle run on every family's tiny
+//! model (`--model synthetic:tiny`, `synthetic:mini-v4-tiny`).
+
+#[macro_use]
+#[path = "../engine/tests/common/families.rs"]
+mod families;
 
 use std::process::{Command, Output};
+
+use families::cli_name;
+use lmrr_engine::{Family, Preset};
+
+per_family!(
+    threads_and_prefill_chunks_give_one_digest,
+    scalar_and_simd_engines_agree_end_to_end,
+    sampling_is_seeded,
+    gen_model_writes_identical_directories_that_generate_like_the_preset,
+    a_prompt_longer_than_the_context_exits_2,
+    run_plays_the_incident_script_with_one_digest_per_request,
+    record_then_inspect_reports_counts_and_integrity,
+    replay_exit_codes_reports_bisect_and_oracle,
+    another_contract_version_is_refused_and_rerecord_refreshes_it,
+);
 
 fn lmrr(args: &[&str], env: &[(&str, &str)]) -> Output {
     let dir = tempfile::tempdir().unwrap();
@@ -28,7 +49,15 @@ fn digest(o: &Output) -> String {
     hex.to_string()
 }
 
+/// Past mini-v4's first sparse position (checked where it is used).
 const LONG_PROMPT: &str = "In the beginning the engine was deterministic, and every logit was a pure function of the tokens before it; chunked or whole, batched or alone, one thread or three.";
+
+/// `LONG_PROMPT`'s tokens reach the family's sparse attention, if it has one.
+fn long_prompt_reaches_sparse(p: Preset) {
+    let m = families::model(p);
+    let n = m.tokenizer.encode(LONG_PROMPT).unwrap().len();
+    families::assert_reaches_sparse(m, n, "LONG_PROMPT");
+}
 
 #[test]
 fn bare_lmrr_runs_the_incident_demo() {
@@ -47,11 +76,14 @@ fn bare_lmrr_runs_the_incident_demo() {
     }
 }
 
-#[test]
-fn threads_and_prefill_chunks_give_one_digest() {
+fn threads_and_prefill_chunks_give_one_digest(p: Preset) {
+    long_prompt_reaches_sparse(p);
+    let model = cli_name(p);
     let base = digest(&lmrr(
         &[
             "generate",
+            "--model",
+            &model,
             "--prompt",
             LONG_PROMPT,
             "--max-tokens",
@@ -67,17 +99,29 @@ fn threads_and_prefill_chunks_give_one_digest() {
         vec!["--prefill-chunk", "1"],
         vec!["--prefill-chunk", "7", "--threads", "2"],
         vec!["--prefill-chunk", "64", "--threads", "3"],
+        vec!["--prefill-chunk", "23", "--threads", "2"],
     ] {
-        let mut args = vec!["generate", "--prompt", LONG_PROMPT, "--max-tokens", "20"];
+        let mut args = vec![
+            "generate",
+            "--model",
+            &model,
+            "--prompt",
+            LONG_PROMPT,
+            "--max-tokens",
+            "20",
+        ];
         args.extend(&extra);
         assert_eq!(digest(&lmrr(&args, &[])), base, "{extra:?}");
     }
 }
 
-#[test]
-fn scalar_and_simd_engines_agree_end_to_end() {
+fn scalar_and_simd_engines_agree_end_to_end(p: Preset) {
+    long_prompt_reaches_sparse(p);
+    let model = cli_name(p);
     let args = [
         "generate",
+        "--model",
+        &model,
         "--prompt",
         LONG_PROMPT,
         "--max-tokens",
@@ -93,12 +137,14 @@ fn scalar_and_simd_engines_agree_end_to_end() {
     );
 }
 
-#[test]
-fn sampling_is_seeded() {
+fn sampling_is_seeded(p: Preset) {
+    let model = cli_name(p);
     let run = |seed: &str| {
         digest(&lmrr(
             &[
                 "generate",
+                "--model",
+                &model,
                 "--max-tokens",
                 "24",
                 "--temperature",
@@ -115,22 +161,21 @@ fn sampling_is_seeded() {
     assert_ne!(run("5"), run("6"));
 }
 
-#[test]
-fn gen_model_writes_identical_directories_that_generate_like_the_default() {
+fn gen_model_writes_identical_directories_that_generate_like_the_preset(p: Preset) {
     let d = tempfile::tempdir().unwrap();
     let (a, b) = (d.path().join("a"), d.path().join("b"));
-    for p in [&a, &b] {
+    for dir in [&a, &b] {
         let o = lmrr(
             &[
                 "gen-model",
                 "--arch",
-                "llama",
+                p.family().model_type(),
                 "--preset",
                 "tiny",
                 "--seed",
                 "0",
                 "--out",
-                p.to_str().unwrap(),
+                dir.to_str().unwrap(),
             ],
             &[],
         );
@@ -143,7 +188,12 @@ fn gen_model_writes_identical_directories_that_generate_like_the_default() {
         );
     }
     let from_dir = digest(&lmrr(&["generate", "--model", a.to_str().unwrap()], &[]));
-    assert_eq!(from_dir, digest(&lmrr(&["generate"], &[])));
+    let preset = digest(&lmrr(&["generate", "--model", &cli_name(p)], &[]));
+    assert_eq!(from_dir, preset);
+    // llama's tiny preset is the embedded default model.
+    if p.family() == Family::Llama {
+        assert_eq!(from_dir, digest(&lmrr(&["generate"], &[])));
+    }
 }
 
 #[test]
@@ -167,25 +217,35 @@ fn bad_input_exits_2_with_a_clear_message() {
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("mistral"));
 
-    let long = " a".repeat(3000);
-    let o = lmrr(&["generate", "--prompt", &long], &[]);
-    assert_eq!(o.status.code(), Some(2));
-    let e = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        e.contains("context is 2048") && e.contains("prompt is 3000 tokens"),
-        "{e}"
-    );
-
     let o = lmrr(&["generate", "--threads", "0"], &[]);
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("at least 1"));
 }
 
-#[test]
-fn run_plays_the_incident_script_with_one_digest_per_request() {
+/// A prompt over the model's context (llama tiny: 2,048; mini-v4 tiny:
+/// 4,096) is refused with both numbers.
+fn a_prompt_longer_than_the_context_exits_2(p: Preset) {
+    let context = families::model(p).net.context();
+    let n = context + 952;
+    let long = " a".repeat(n);
+    let o = lmrr(
+        &["generate", "--model", &cli_name(p), "--prompt", &long],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.contains(&format!("context is {context}"))
+            && e.contains(&format!("prompt is {n} tokens")),
+        "{e}"
+    );
+}
+
+fn run_plays_the_incident_script_with_one_digest_per_request(p: Preset) {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/incident.toml");
+    let model = cli_name(p);
     let run = |extra: &[&str]| {
-        let mut args = vec!["run", "--script", script];
+        let mut args = vec!["run", "--model", &model, "--script", script];
         args.extend(extra);
         let o = lmrr(&args, &[]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -216,6 +276,18 @@ fn run_plays_the_incident_script_with_one_digest_per_request() {
         ]),
         base
     );
+    // Pages of 7 and a 5-token budget: chunks and pages across index blocks.
+    assert_eq!(
+        run(&[
+            "--page-size",
+            "7",
+            "--max-batch-tokens",
+            "5",
+            "--threads",
+            "2"
+        ]),
+        base
+    );
 }
 
 #[test]
@@ -233,13 +305,20 @@ fn run_refuses_a_bad_script_with_exit_2() {
     assert!(e.contains("bad.toml:4") && e.contains("nobody"), "{e}");
 }
 
-#[test]
-fn record_then_inspect_reports_counts_and_integrity() {
+fn record_then_inspect_reports_counts_and_integrity(p: Preset) {
     let d = tempfile::tempdir().unwrap();
     let b = d.path().join("s.lmrr");
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/incident.toml");
     let o = lmrr(
-        &["run", "--script", script, "--record", b.to_str().unwrap()],
+        &[
+            "run",
+            "--model",
+            &cli_name(p),
+            "--script",
+            script,
+            "--record",
+            b.to_str().unwrap(),
+        ],
         &[],
     );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -254,7 +333,7 @@ fn record_then_inspect_reports_counts_and_integrity() {
     let o = lmrr(&["inspect", "--json", b.to_str().unwrap()], &[]);
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["summary"]["generated_tokens"], 60 + 120);
-    assert_eq!(v["manifest"]["model"]["synthetic"]["preset"], "tiny");
+    assert_eq!(v["manifest"]["model"]["synthetic"]["preset"], p.name());
     // A foreign file: exit 2, says what it is not.
     std::fs::write(d.path().join("x.lmrr"), b"hello world").unwrap();
     let o = lmrr(&["inspect", d.path().join("x.lmrr").to_str().unwrap()], &[]);
@@ -307,15 +386,23 @@ fn a_recorder_killed_with_sigkill_leaves_a_readable_truncated_bundle() {
     assert!(!out.contains(" 0 steps"), "{out}");
 }
 
-#[test]
-fn replay_exit_codes_reports_bisect_and_oracle() {
+/// Exit codes and reports of replay, bisect and the oracle on the incident.
+/// Bisect over the family's whole catalog: llama's names
+/// `abort-inserts-partial`; mini-v4's own patches change the incident's
+/// tokens too, so there it is refused (more than one culprit), and a bad set
+/// of the patches that keep the incident's behaviour plus `indexer-early-exit`
+/// names that one.
+fn replay_exit_codes_reports_bisect_and_oracle(p: Preset) {
     let d = tempfile::tempdir().unwrap();
+    let model = cli_name(p);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/incident.toml");
     let (good, bad) = (d.path().join("good.lmrr"), d.path().join("bad.lmrr"));
     for (path, patches) in [(&good, "none"), (&bad, "abort-inserts-partial")] {
         let o = lmrr(
             &[
                 "run",
+                "--model",
+                &model,
                 "--script",
                 script,
                 "--record",
@@ -351,9 +438,43 @@ fn replay_exit_codes_reports_bisect_and_oracle() {
     assert!(v["drift"][0]["max_abs_dlogit"].as_f64().unwrap() > 0.0);
 
     let o = lmrr(&["replay", g, "--bisect"], &[]);
-    assert_eq!(o.status.code(), Some(0));
-    assert!(String::from_utf8_lossy(&o.stdout)
-        .contains("culprit (binary, 5 replays): abort-inserts-partial"));
+    let out = String::from_utf8_lossy(&o.stdout);
+    match p.family() {
+        Family::Llama => {
+            assert_eq!(o.status.code(), Some(0), "{out}");
+            assert!(
+                out.contains("bisect over 4 candidate patches")
+                    && out.contains("culprit (binary, 5 replays): abort-inserts-partial"),
+                "{out}"
+            );
+        }
+        Family::MiniV4 => {
+            assert_eq!(o.status.code(), Some(2), "{out}");
+            assert!(
+                out.contains("bisect over 7 candidate patches")
+                    && out.contains("more than one culprit")
+                    && !out.contains("culprit ("),
+                "{out}"
+            );
+            let o = lmrr(
+                &[
+                    "replay",
+                    g,
+                    "--bisect",
+                    "--patches",
+                    "splitk-decode,fast-exp,abort-frees-shared,indexer-early-exit",
+                ],
+                &[],
+            );
+            let out = String::from_utf8_lossy(&o.stdout);
+            assert_eq!(o.status.code(), Some(0), "{out}");
+            // good + bad + ⌈log2 4⌉ halvings + the culprit + the rest without it.
+            let re = regex::Regex::new(r"culprit \(binary, (\d+) replays\): indexer-early-exit\n")
+                .unwrap();
+            let n: usize = re.captures(&out).expect("a culprit")[1].parse().unwrap();
+            assert!(n <= 6, "{out}");
+        }
+    }
     let o = lmrr(
         &[
             "replay",
@@ -414,7 +535,8 @@ fn replay_exit_codes_reports_bisect_and_oracle() {
     assert_eq!(o.status.code(), Some(0));
 
     // Another model: refused with both hashes, exit 2.
-    let o = lmrr(&["replay", g, "--model", "synthetic:tiny:7"], &[]);
+    let other = format!("{model}:7");
+    let o = lmrr(&["replay", g, "--model", &other], &[]);
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("model mismatch"));
     let o = lmrr(&["replay", g, "--patches", "no-such-patch"], &[]);
@@ -426,14 +548,10 @@ fn patches_lists_the_catalog() {
     let o = lmrr(&["patches"], &[]);
     assert!(o.status.success());
     let out = String::from_utf8(o.stdout).unwrap();
-    for p in [
-        "splitk-decode",
-        "fast-exp",
-        "abort-inserts-partial",
-        "abort-frees-shared",
-    ] {
-        assert!(out.contains(p), "{out}");
+    for p in lmrr_engine::Patch::ALL {
+        assert!(out.contains(p.name()), "{out}");
     }
+    assert!(out.contains("Semantic, mini-v4"), "{out}");
 }
 
 /// Rewrites a bundle with `edit` applied to its manifest.
@@ -452,8 +570,7 @@ fn rewrite_manifest(
     std::fs::write(dst, w.finish().unwrap()).unwrap();
 }
 
-#[test]
-fn another_contract_version_is_refused_and_rerecord_refreshes_it() {
+fn another_contract_version_is_refused_and_rerecord_refreshes_it(p: Preset) {
     let d = tempfile::tempdir().unwrap();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/incident.toml");
     let (cur, old, new) = (
@@ -462,7 +579,15 @@ fn another_contract_version_is_refused_and_rerecord_refreshes_it() {
         d.path().join("new.lmrr"),
     );
     assert!(lmrr(
-        &["run", "--script", script, "--record", cur.to_str().unwrap()],
+        &[
+            "run",
+            "--model",
+            &cli_name(p),
+            "--script",
+            script,
+            "--record",
+            cur.to_str().unwrap()
+        ],
         &[]
     )
     .status

@@ -125,6 +125,74 @@ fn cli_output_is_locked() {
     snap("error_missing_bundle", &err);
 }
 
+/// mini-v4's reports, locked: the incident recorded on `synthetic:mini-v4-tiny`
+/// (into a temporary bundle) diverges under `indexer-early-exit` once a query
+/// sees more than `index_topk` index blocks; bisect names it among the patches
+/// that keep the incident's behaviour, and refuses the whole catalog (mini-v4's
+/// own patches change tokens too); the oracle, recomputing under the
+/// recording's patches, passes a bundle recorded with it.
+#[test]
+fn mini_v4_cli_output_is_locked() {
+    let d = tempfile::tempdir().unwrap();
+    let tmp = Some(d.path());
+    let (good, early) = (
+        d.path().join("mini-v4.lmrr"),
+        d.path().join("early-exit.lmrr"),
+    );
+    for (path, patches) in [(&good, "none"), (&early, "indexer-early-exit")] {
+        let (code, _, err) = lmrr(
+            &[
+                "run",
+                "--model",
+                "synthetic:mini-v4-tiny",
+                "--script",
+                "examples/incident.toml",
+                "--patches",
+                patches,
+                "--record",
+                path.to_str().unwrap(),
+            ],
+            tmp,
+        );
+        assert_eq!(code, 0, "{err}");
+    }
+    let g = good.to_str().unwrap();
+
+    let (code, out, _) = lmrr(&["replay", g, "--patches", "indexer-early-exit"], tmp);
+    assert_eq!(code, 1);
+    snap("mini_v4_divergence", &out);
+
+    let (code, out, _) = lmrr(
+        &[
+            "replay",
+            g,
+            "--bisect",
+            "--patches",
+            "splitk-decode,fast-exp,abort-frees-shared,indexer-early-exit",
+        ],
+        tmp,
+    );
+    assert_eq!(code, 0);
+    snap("mini_v4_bisect", &out);
+
+    let (code, out, _) = lmrr(&["replay", g, "--bisect"], tmp);
+    assert_eq!(
+        code, 2,
+        "more than one culprit in the whole catalog: refused"
+    );
+    snap("mini_v4_bisect_refused", &out);
+
+    let (code, out, _) = lmrr(
+        &["replay", early.to_str().unwrap(), "--oracle", "recompute"],
+        tmp,
+    );
+    assert_eq!(
+        code, 0,
+        "the oracle recomputes under the recording's patches"
+    );
+    snap("mini_v4_oracle_blind", &out);
+}
+
 /// The body of `snapshots/cli__NAME.snap` (after insta's header).
 fn snapshot_body(name: &str) -> String {
     let p = Path::new(ROOT).join(format!("snapshots/cli__{name}.snap"));

@@ -1,13 +1,28 @@
-//! Session scripts: the shipped incident example runs and obeys I4; malformed
-//! scripts are refused before anything runs, naming the line or the request.
+//! Session scripts: the shipped incident example runs and obeys I4, and
+//! scripted interrupts cut where they say, on every family's tiny model;
+//! malformed scripts are refused before anything runs, naming the line or the
+//! request.
 
+#[macro_use]
+#[path = "common/families.rs"]
+mod families;
+
+use families::assert_reaches_sparse;
 use lmrr_engine::session::SessionEvent;
 use lmrr_engine::{
-    generate, run_session, EngineConfig, FinishReason, GenerateOptions, Model, Scheduler, Script,
-    SynthSpec,
+    generate, run_session, EngineConfig, FinishReason, GenerateOptions, Model, Preset, Scheduler,
+    Script, SynthSpec,
 };
 use lmrr_kernels::Threads;
 
+per_family!(
+    the_incident_runs_turn2_carries_turn1_and_hits_the_cache,
+    a_request_that_can_never_fit_is_refused_before_anything_runs,
+    interrupt_at_step_cuts_a_chunked_prefill_and_releases_its_pages,
+    interrupt_at_step_before_arrival_cuts_on_arrival,
+);
+
+/// The embedded model, for what does not depend on the family.
 fn model() -> Model {
     Model::from_files(SynthSpec::embedded_default().build()).unwrap()
 }
@@ -17,14 +32,13 @@ fn incident() -> Script {
     Script::load(&path).unwrap()
 }
 
-#[test]
-fn the_incident_runs_turn2_carries_turn1_and_hits_the_cache() {
-    let m = model();
+fn the_incident_runs_turn2_carries_turn1_and_hits_the_cache(p: Preset) {
+    let m = families::model(p);
     let s = incident();
     let mut sch =
         Scheduler::new(m.net(), EngineConfig::default(), Threads::new(2).unwrap()).unwrap();
     let mut interrupts = 0;
-    let res = run_session(&m, &s, &mut sch, |e| {
+    let res = run_session(m, &s, &mut sch, |e| {
         if let SessionEvent::Interrupt { name, .. } = e {
             assert_eq!(name, "turn1");
             interrupts += 1;
@@ -33,6 +47,7 @@ fn the_incident_runs_turn2_carries_turn1_and_hits_the_cache() {
     .unwrap();
     assert_eq!(interrupts, 1);
     let (t1, t2) = (&res.requests[0], &res.requests[1]);
+    assert_reaches_sparse(m, t2.prompt.len(), "turn 2's prompt");
     assert_eq!(t1.output.finish, FinishReason::Interrupted);
     assert_eq!(t1.output.tokens.len(), 60);
     // Turn 2's prompt = turn 1's prompt + its partial answer + the follow-up.
@@ -125,9 +140,8 @@ fn malformed_requests_are_named() {
     assert!(e.contains("no [[request]]"), "{e}");
 }
 
-#[test]
-fn a_request_that_can_never_fit_is_refused_before_anything_runs() {
-    let m = model();
+fn a_request_that_can_never_fit_is_refused_before_anything_runs(p: Preset) {
+    let m = families::model(p);
     let s = Script::parse("[[request]]\nid = \"ok\"\nprompt = \"hi\"\nmax_tokens = 4\n[[request]]\nid = \"big\"\nprompt = \"hello there\"\nmax_tokens = 100\n", "s.toml").unwrap();
     let cfg = EngineConfig {
         page_size: 4,
@@ -136,7 +150,7 @@ fn a_request_that_can_never_fit_is_refused_before_anything_runs() {
     };
     let mut sch = Scheduler::new(m.net(), cfg, Threads::single()).unwrap();
     let mut events = 0;
-    let e = run_session(&m, &s, &mut sch, |_| events += 1)
+    let e = run_session(m, &s, &mut sch, |_| events += 1)
         .unwrap_err()
         .to_string();
     assert!(
@@ -305,9 +319,8 @@ pub fn disconnect_script() -> String {
     )
 }
 
-#[test]
-fn interrupt_at_step_cuts_a_chunked_prefill_and_releases_its_pages() {
-    let m = model();
+fn interrupt_at_step_cuts_a_chunked_prefill_and_releases_its_pages(p: Preset) {
+    let m = families::model(p);
     let s = Script::parse(&disconnect_script(), "disconnect.toml").unwrap();
     let cfg = EngineConfig {
         page_size: 4,
@@ -319,7 +332,7 @@ fn interrupt_at_step_cuts_a_chunked_prefill_and_releases_its_pages() {
     let mut computed = 0;
     let mut interrupted_at = None;
     let mut held = Vec::new();
-    let res = run_session(&m, &s, &mut sch, |e| match e {
+    let res = run_session(m, &s, &mut sch, |e| match e {
         SessionEvent::Interrupt { step, name, .. } => {
             assert_eq!(name, "long");
             interrupted_at = Some(step);
@@ -337,6 +350,7 @@ fn interrupt_at_step_cuts_a_chunked_prefill_and_releases_its_pages() {
     .unwrap();
     let (long, again) = (&res.requests[0], &res.requests[1]);
     assert!(long.prompt.len() > 16, "prompt {}", long.prompt.len());
+    assert_reaches_sparse(m, again.prompt.len(), "the retry");
     assert_eq!(interrupted_at, Some(2));
     // Mid-prefill: two chunks of 8 computed, no token out.
     assert_eq!(computed, 16);
@@ -367,9 +381,8 @@ fn interrupt_at_step_cuts_a_chunked_prefill_and_releases_its_pages() {
 }
 
 /// A request arriving after its `interrupt_at_step` is cut off on arrival.
-#[test]
-fn interrupt_at_step_before_arrival_cuts_on_arrival() {
-    let m = model();
+fn interrupt_at_step_before_arrival_cuts_on_arrival(p: Preset) {
+    let m = families::model(p);
     let s = Script::parse(
         "[[request]]\nid = \"a\"\nprompt = \"hello\"\nmax_tokens = 3\n\
          [[request]]\nid = \"b\"\nafter = \"a\"\nprompt = \"x\"\ninterrupt_at_step = 1\n",
@@ -377,7 +390,7 @@ fn interrupt_at_step_before_arrival_cuts_on_arrival() {
     )
     .unwrap();
     let mut sch = Scheduler::new(m.net(), EngineConfig::default(), Threads::single()).unwrap();
-    let res = run_session(&m, &s, &mut sch, |_| {}).unwrap();
+    let res = run_session(m, &s, &mut sch, |_| {}).unwrap();
     let b = &res.requests[1];
     assert!(b.arrived_at_step > 1);
     assert_eq!(b.output.finish, FinishReason::Interrupted);

@@ -1,23 +1,35 @@
-//! The serving core against the contract: every request's tokens and logits
-//! bits equal the same request run alone with no cache (I4, with I2/I3 along
-//! the way), over random sessions with shared prefixes, interrupts, tiny pools
-//! (eviction and preemption) and token budgets from 1 up; plus pool accounting.
+//! The serving core against the contract, on every family's tiny model:
+//! every request's tokens and logits bits equal the same request run alone
+//! with no cache (I4, with I2/I3 along the way), over random sessions with
+//! shared prefixes, interrupts, tiny pools (eviction and preemption), page
+//! sizes that cut mini-v4's index blocks anywhere and token budgets from 1
+//! up; plus pool accounting, and page hashes over every row a family keeps.
 
-use std::collections::BTreeMap;
-use std::sync::OnceLock;
+#[macro_use]
+#[path = "common/families.rs"]
+mod families;
 
 use proptest::prelude::*;
+use proptest::test_runner::{Config, TestRunner};
 
+use families::{assert_reaches_sparse, model, sparse_from};
+use lmrr_engine::pool::{BlockTable, PagePool, PagedKv};
 use lmrr_engine::{
-    generate, Decision, EngineConfig, FinishReason, GenerateOptions, Model, Request,
-    SamplingParams, Scheduler, StepReport, SynthSpec,
+    generate, Decision, EngineConfig, FinishReason, GenerateOptions, KvCache, LogitsWanted, Model,
+    Preset, Request, SamplingParams, Scheduler, SeqKvStore, SeqSpan, StepReport,
 };
 use lmrr_kernels::Threads;
 
-fn model() -> &'static Model {
-    static M: OnceLock<Model> = OnceLock::new();
-    M.get_or_init(|| Model::from_files(SynthSpec::embedded_default().build()).unwrap())
-}
+per_family!(
+    i4_every_request_equals_its_solo_cache_off_run,
+    sessions_are_deterministic_step_by_step_and_across_threads,
+    a_second_turn_reuses_the_first_turns_pages,
+    a_tiny_pool_forces_preemption_and_the_results_still_match,
+    forced_decisions_reproduce_the_step_reports,
+    requests_that_can_never_fit_are_refused_with_numbers,
+    page_hashes_cover_every_row_the_family_stores,
+    storage_bytes_count_every_row_the_family_stores,
+);
 
 #[derive(Debug, Clone)]
 struct Planned {
@@ -44,10 +56,13 @@ fn toks(seed: u64, n: usize) -> Vec<u32> {
         .collect()
 }
 
-fn arb_session() -> impl Strategy<Value = Session> {
+/// Random sessions over prefixes of `prefix_len` tokens; the first request
+/// always carries a whole prefix, so on mini-v4 (prefixes past its first
+/// sparse position) every session runs sparse attention.
+fn arb_session(prefix_len: usize) -> impl Strategy<Value = Session> {
     let req = (
         0usize..4,
-        0usize..40,
+        0usize..prefix_len,
         1usize..20,
         1usize..12,
         any::<bool>(),
@@ -56,7 +71,7 @@ fn arb_session() -> impl Strategy<Value = Session> {
         any::<u64>(),
     );
     (
-        prop_oneof![Just(1usize), Just(3), Just(16)],
+        prop_oneof![Just(1usize), Just(3), Just(7), Just(16), Just(64)],
         0usize..6,
         prop_oneof![
             Just(1usize),
@@ -69,13 +84,15 @@ fn arb_session() -> impl Strategy<Value = Session> {
         any::<bool>(),
         proptest::collection::vec(req, 2..6),
     )
-        .prop_map(|(page_size, extra_pages, budget, cache, reqs)| {
-            let prefixes = [toks(1, 40), toks(2, 40), toks(3, 40), Vec::new()];
+        .prop_map(move |(page_size, extra_pages, budget, cache, reqs)| {
+            let n = prefix_len;
+            let prefixes = [toks(1, n), toks(2, n), toks(3, n), Vec::new()];
             let reqs: Vec<Planned> = reqs
                 .into_iter()
                 .enumerate()
                 .map(
                     |(i, (pfx, plen, slen, max_tokens, sampled, arrive, intr, seed))| {
+                        let (pfx, plen) = if i == 0 { (pfx % 3, n) } else { (pfx, plen) };
                         let mut prompt = prefixes[pfx][..plen.min(prefixes[pfx].len())].to_vec();
                         prompt.extend(toks(seed | 1, slen));
                         let sampling = if sampled {
@@ -118,8 +135,7 @@ fn arb_session() -> impl Strategy<Value = Session> {
 }
 
 /// Runs a session; checks accounting after every step.
-fn run(s: &Session, th: &Threads) -> (Scheduler<'static>, Vec<StepReport>) {
-    let m = model();
+fn run(m: &'static Model, s: &Session, th: &Threads) -> (Scheduler<'static>, Vec<StepReport>) {
     let mut sch = Scheduler::new(m.net(), s.cfg, th.clone()).unwrap();
     let mut reports = Vec::new();
     let mut submitted = 0;
@@ -146,13 +162,12 @@ fn run(s: &Session, th: &Threads) -> (Scheduler<'static>, Vec<StepReport>) {
     (sch, reports)
 }
 
-fn solo(req: &Request, max_tokens: usize) -> (Vec<u32>, [u8; 32]) {
+fn solo(m: &Model, req: &Request, max_tokens: usize) -> (Vec<u32>, [u8; 32]) {
     if max_tokens == 0 {
         // Interrupted before its first token; `generate` refuses 0 tokens.
         use sha2::Digest;
         return (Vec::new(), sha2::Sha256::digest([]).into());
     }
-    let m = model();
     let opts = GenerateOptions {
         max_tokens,
         sampling: req.sampling,
@@ -164,37 +179,61 @@ fn solo(req: &Request, max_tokens: usize) -> (Vec<u32>, [u8; 32]) {
     (g.tokens, g.digest)
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 40, failure_persistence: None, ..ProptestConfig::default() })]
+/// I4 over one session.
+fn i4_holds(m: &'static Model, s: &Session) -> Result<(), TestCaseError> {
+    let th = Threads::new(2).unwrap();
+    let (sch, _) = run(m, s, &th);
+    for p in &s.reqs {
+        let out = sch.output(p.req.id).expect("every request ends");
+        let max = if out.finish == FinishReason::Interrupted {
+            out.tokens.len()
+        } else {
+            p.req.max_tokens
+        };
+        let (want_tokens, want_digest) = solo(m, &p.req, max);
+        prop_assert_eq!(
+            &out.tokens,
+            &want_tokens,
+            "request {} ({:?})",
+            p.req.id,
+            out.finish
+        );
+        prop_assert_eq!(out.digest, want_digest, "request {} logits bits", p.req.id);
+        if let Some(k) = p.interrupt_after {
+            prop_assert!(out.tokens.len() <= k.max(1) || out.finish != FinishReason::Interrupted);
+        }
+    }
+    // Nothing leaks: with every request done, pages are free or cached.
+    prop_assert_eq!(sch.pages_held_by_requests(), 0);
+    prop_assert_eq!(sch.free_pages() + sch.cached_pages(), s.cfg.pool_pages);
+    if !s.cfg.prefix_cache {
+        prop_assert_eq!(sch.cached_pages(), 0);
+    }
+    Ok(())
+}
 
-    #[test]
-    fn i4_every_request_equals_its_solo_cache_off_run(s in arb_session()) {
-        let th = Threads::new(2).unwrap();
-        let (sch, _) = run(&s, &th);
-        for p in &s.reqs {
-            let out = sch.output(p.req.id).expect("every request ends");
-            let (want_tokens, want_digest) = solo(&p.req, if out.finish == FinishReason::Interrupted { out.tokens.len() } else { p.req.max_tokens });
-            prop_assert_eq!(&out.tokens, &want_tokens, "request {} ({:?})", p.req.id, out.finish);
-            prop_assert_eq!(out.digest, want_digest, "request {} logits bits", p.req.id);
-            if let Some(k) = p.interrupt_after {
-                prop_assert!(out.tokens.len() <= k.max(1) || out.finish != FinishReason::Interrupted);
-            }
-        }
-        // Nothing leaks: with every request done, pages are free or cached.
-        prop_assert_eq!(sch.pages_held_by_requests(), 0);
-        prop_assert_eq!(sch.free_pages() + sch.cached_pages(), s.cfg.pool_pages);
-        if !s.cfg.prefix_cache {
-            prop_assert_eq!(sch.cached_pages(), 0);
-        }
+/// The I4 property test: 40 random sessions per family. Prefixes are 40
+/// tokens on llama; on mini-v4 they run 16 past its first sparse position.
+fn i4_every_request_equals_its_solo_cache_off_run(p: Preset) {
+    let m = model(p);
+    let prefix_len = sparse_from(m).map_or(40, |from| from + 16);
+    assert_reaches_sparse(m, prefix_len + 1, "I4's first request");
+    let mut runner = TestRunner::new(Config {
+        cases: 40,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    if let Err(e) = runner.run(&arb_session(prefix_len), |s| i4_holds(m, &s)) {
+        panic!("{p}: {e}");
     }
 }
 
-#[test]
-fn sessions_are_deterministic_step_by_step_and_across_threads() {
+fn sessions_are_deterministic_step_by_step_and_across_threads(p: Preset) {
+    let m = model(p);
     let s = Session {
         cfg: EngineConfig {
             page_size: 4,
-            pool_pages: 40,
+            pool_pages: 120,
             max_batch_tokens: 9,
             prefix_cache: true,
         },
@@ -202,7 +241,7 @@ fn sessions_are_deterministic_step_by_step_and_across_threads() {
             .map(|i| Planned {
                 req: Request {
                     id: i,
-                    prompt: [toks(7, 21), toks(100 + i, 5 + i as usize)].concat(),
+                    prompt: [toks(7, 60), toks(100 + i, 5 + i as usize)].concat(),
                     sampling: SamplingParams {
                         temperature: 0.7,
                         top_k: 0,
@@ -217,19 +256,22 @@ fn sessions_are_deterministic_step_by_step_and_across_threads() {
             })
             .collect(),
     };
-    let (_, a) = run(&s, &Threads::single());
-    let (_, b) = run(&s, &Threads::new(3).unwrap());
+    assert_reaches_sparse(m, 65 + 8, "the session's requests");
+    let (_, a) = run(m, &s, &Threads::single());
+    let (_, b) = run(m, &s, &Threads::new(3).unwrap());
     assert_eq!(a, b);
 }
 
-#[test]
-fn a_second_turn_reuses_the_first_turns_pages() {
-    let m = model();
+/// Turn 2 carries turn 1 and more: it is served turn 1's full pages from the
+/// cache (7-position pages, across index blocks) and computes the rest.
+fn a_second_turn_reuses_the_first_turns_pages(p: Preset) {
+    let m = model(p);
     let th = Threads::single();
+    let page_size = 7;
     let mut sch = Scheduler::new(
         m.net(),
         EngineConfig {
-            page_size: 4,
+            page_size,
             ..Default::default()
         },
         th,
@@ -237,7 +279,7 @@ fn a_second_turn_reuses_the_first_turns_pages() {
     .unwrap();
     let turn1 = Request {
         id: 1,
-        prompt: toks(5, 30),
+        prompt: toks(5, 60),
         sampling: SamplingParams::default(),
         max_tokens: 10,
         stop_at_eos: false,
@@ -250,6 +292,7 @@ fn a_second_turn_reuses_the_first_turns_pages() {
     let mut history = turn1.prompt.clone();
     history.extend(&out1.tokens);
     history.extend(toks(6, 7));
+    assert_reaches_sparse(m, history.len(), "turn 2's prompt");
     let turn2 = Request {
         id: 2,
         prompt: history,
@@ -262,30 +305,33 @@ fn a_second_turn_reuses_the_first_turns_pages() {
         sch.step().unwrap();
     }
     let out2 = sch.output(2).unwrap();
-    // Turn 1 computed KV for its 30 prompt tokens and 9 of its 10 outputs: 39
-    // positions, 9 full pages of 4.
-    assert_eq!(out2.cached_tokens, 36);
-    let (t, d) = solo(&turn2, 5);
+    // Turn 1 computed KV for its 60 prompt tokens and 9 of its 10 outputs (the
+    // last was sampled, never fed): 69 positions, 9 full pages of 7.
+    assert_eq!(out2.cached_tokens, 9 * 7);
+    let (t, d) = solo(m, &turn2, 5);
     assert_eq!(out2.tokens, t);
     assert_eq!(out2.digest, d);
 }
 
-#[test]
-fn a_tiny_pool_forces_preemption_and_the_results_still_match() {
-    let m = model();
+fn a_tiny_pool_forces_preemption_and_the_results_still_match(p: Preset) {
+    let m = model(p);
+    let (prompt_len, max_tokens, page_size) = (60, 10, 4);
+    assert_reaches_sparse(m, prompt_len + max_tokens, "each request");
     let reqs: Vec<Request> = (0..3)
         .map(|i| Request {
             id: i,
-            prompt: toks(40 + i, 10),
+            prompt: toks(40 + i, prompt_len),
             sampling: SamplingParams::default(),
-            max_tokens: 10,
+            max_tokens,
             stop_at_eos: false,
         })
         .collect();
-    // Each request needs 5 pages of 4 at most; the pool has 7.
+    // Each request needs 18 pages of 4 at most; the pool has half as many
+    // again, so two cannot run to the end together.
+    let need = (prompt_len + max_tokens).div_ceil(page_size);
     let cfg = EngineConfig {
-        page_size: 4,
-        pool_pages: 7,
+        page_size,
+        pool_pages: need + need / 2,
         max_batch_tokens: 64,
         prefix_cache: false,
     };
@@ -306,26 +352,26 @@ fn a_tiny_pool_forces_preemption_and_the_results_still_match() {
     assert!(preempts > 0, "the pool should have forced a preemption");
     for r in &reqs {
         let out = sch.output(r.id).unwrap();
-        let (t, d) = solo(r, 10);
+        let (t, d) = solo(m, r, max_tokens);
         assert_eq!((&out.tokens, out.digest), (&t, d), "request {}", r.id);
     }
-    assert_eq!(sch.free_pages(), 7);
+    assert_eq!(sch.free_pages(), cfg.pool_pages);
 }
 
-#[test]
-fn forced_decisions_reproduce_the_step_reports() {
+fn forced_decisions_reproduce_the_step_reports(p: Preset) {
+    let m = model(p);
     let s = Session {
         cfg: EngineConfig {
             page_size: 2,
-            pool_pages: 30,
-            max_batch_tokens: 6,
+            pool_pages: 160,
+            max_batch_tokens: 16,
             prefix_cache: true,
         },
         reqs: (0..4)
             .map(|i| Planned {
                 req: Request {
                     id: i,
-                    prompt: [toks(9, 8), toks(200 + i, 3)].concat(),
+                    prompt: [toks(9, 60), toks(200 + i, 3)].concat(),
                     sampling: SamplingParams {
                         temperature: 1.0,
                         top_k: 10,
@@ -340,9 +386,9 @@ fn forced_decisions_reproduce_the_step_reports() {
             })
             .collect(),
     };
-    let (_, reports) = run(&s, &Threads::single());
+    assert_reaches_sparse(m, 63 + 6, "the session's requests");
+    let (_, reports) = run(m, &s, &Threads::single());
     // Replay: submit at the same steps, force each step's decisions.
-    let m = model();
     let mut sch = Scheduler::new(m.net(), s.cfg, Threads::single()).unwrap();
     for (step, rep) in reports.iter().enumerate() {
         for p in s.reqs.iter().filter(|p| p.arrive == step as u64) {
@@ -362,9 +408,8 @@ fn forced_decisions_reproduce_the_step_reports() {
     assert!(e.to_string().contains("99"), "{e}");
 }
 
-#[test]
-fn requests_that_can_never_fit_are_refused_with_numbers() {
-    let m = model();
+fn requests_that_can_never_fit_are_refused_with_numbers(p: Preset) {
+    let m = model(p);
     let mut sch = Scheduler::new(
         m.net(),
         EngineConfig {
@@ -392,5 +437,130 @@ fn requests_that_can_never_fit_are_refused_with_numbers() {
             && e.contains("has 2"),
         "{e}"
     );
-    let _ = BTreeMap::<u8, u8>::new();
+}
+
+/// A pool with `pages` pages of `ps` positions, one sequence (id 1) holding
+/// `toks` computed by the model's forward pass.
+fn filled_pool(m: &Model, ps: usize, pages: usize, toks: &[u32]) -> PagedKv {
+    let mut kv = PagedKv::new(PagePool::new(ps, pages, m.net.kv_layout()).unwrap());
+    let ids = (0..toks.len().div_ceil(ps))
+        .map(|_| kv.pool.alloc().unwrap().unwrap())
+        .collect();
+    kv.tables.insert(1, BlockTable { pages: ids, len: 0 });
+    let span = SeqSpan {
+        seq: 1,
+        start: 0,
+        tokens: toks,
+        logits: LogitsWanted::None,
+    };
+    m.net.forward(&mut kv, &[span], &Threads::single()).unwrap();
+    kv.finish_step();
+    kv
+}
+
+fn page_hashes(kv: &PagedKv) -> Vec<[u8; 32]> {
+    kv.tables[&1]
+        .pages
+        .iter()
+        .map(|&p| kv.pool.page_hash(p))
+        .collect()
+}
+
+/// Flips the lowest bit of the last element of one row of sequence 1 at
+/// `pos` in `layer`: `row` 0 is K, 1 is V (`d` floats), 2 the auxiliary row.
+fn flip(kv: &mut PagedKv, row: usize, layer: usize, pos: usize, d: usize) {
+    let flip = |r: &mut Vec<f32>| {
+        let x = r.last_mut().unwrap();
+        *x = f32::from_bits(x.to_bits() ^ 1);
+    };
+    if row == 2 {
+        let mut a = kv.aux_view(1, layer).row(pos).to_vec();
+        flip(&mut a);
+        kv.write_aux(1, layer, pos, &a);
+    } else {
+        let view = kv.view(1, layer);
+        let (mut k, mut v) = (view.key(pos, d).to_vec(), view.value(pos, d).to_vec());
+        flip(if row == 0 { &mut k } else { &mut v });
+        kv.write(1, layer, pos, &k, &v);
+    }
+    kv.finish_step();
+}
+
+/// What the cache-state hash is made of: each page's content hash covers
+/// every row the family keeps per position: K and V, and for mini-v4 the
+/// indexer key in the auxiliary row. One flipped bit in any of them, at one
+/// position in one layer, changes that page's hash and no other page's;
+/// flipping it back restores it.
+fn page_hashes_cover_every_row_the_family_stores(p: Preset) {
+    let m = model(p);
+    let layout = m.net.kv_layout();
+    // mini-v4 keeps its indexer key (index_head_dim floats) per position.
+    let want_aux = m.mini_v4().map_or(0, |v| v.config().index_head_dim);
+    assert_eq!(layout.aux_dim, want_aux);
+    let ps = 7;
+    let mut kv = filled_pool(m, ps, 8, &toks(21, 40));
+    let before = page_hashes(&kv);
+    let (layer, pos) = (layout.layers - 1, 3 * ps + 2);
+    let rows: &[(usize, &str)] = if layout.aux_dim > 0 {
+        let key = kv.aux_view(1, layer).row(pos).to_vec();
+        assert!(
+            key.iter().any(|&x| x != 0.0),
+            "the forward pass wrote no indexer key at {pos}"
+        );
+        &[(0, "K"), (1, "V"), (2, "indexer key")]
+    } else {
+        &[(0, "K"), (1, "V")]
+    };
+    for &(row, name) in rows {
+        flip(&mut kv, row, layer, pos, layout.kv_dim);
+        let after = page_hashes(&kv);
+        for (i, (a, b)) in before.iter().zip(&after).enumerate() {
+            if i == pos / ps {
+                assert_ne!(
+                    a, b,
+                    "a flipped {name} bit leaves page {i}'s hash as it was"
+                );
+            } else {
+                assert_eq!(
+                    a, b,
+                    "a flipped {name} bit at {pos} changes page {i}'s hash"
+                );
+            }
+        }
+        flip(&mut kv, row, layer, pos, layout.kv_dim);
+        assert_eq!(page_hashes(&kv), before, "{name} restored");
+    }
+}
+
+/// The pool's storage is K, V and the auxiliary row per position and layer,
+/// for the pages ever handed out: the same account as the per-sequence
+/// store's, and for mini-v4 more than a pool without the indexer keys by
+/// exactly their rows.
+fn storage_bytes_count_every_row_the_family_stores(p: Preset) {
+    let m = model(p);
+    let layout = m.net.kv_layout();
+    let (ps, used) = (16, 5);
+    let pool_of = |layout| {
+        let mut pool = PagePool::new(ps, 100, layout).unwrap();
+        assert_eq!(pool.storage_bytes(), 0, "storage is lazy");
+        for _ in 0..used {
+            pool.alloc().unwrap().unwrap();
+        }
+        pool.storage_bytes()
+    };
+    let bytes = pool_of(layout);
+    let per_position = layout.layers * (2 * layout.kv_dim + layout.aux_dim) * 4;
+    assert_eq!(bytes, used * ps * per_position);
+    let mut store = SeqKvStore::new(layout);
+    store.prepare(1, 0, used * ps).unwrap();
+    assert_eq!(bytes, store.bytes());
+    if let Some(v) = m.mini_v4() {
+        let bare = lmrr_engine::KvLayout {
+            aux_dim: 0,
+            ..layout
+        };
+        let keys = used * ps * v.config().num_hidden_layers * v.config().index_head_dim * 4;
+        assert!(keys > 0);
+        assert_eq!(bytes - pool_of(bare), keys);
+    }
 }

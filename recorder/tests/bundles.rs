@@ -1,10 +1,15 @@
 //! Bundles as untrusted input: round trip, then hand-corrupted copies — a bit
 //! flip in every region, truncation at every frame boundary and inside frames,
 //! oversized lengths, foreign files, wrong versions. Nothing may panic; every
-//! failure names what and where; truncation keeps what was complete.
+//! failure names what and where; truncation keeps what was complete. The
+//! tests of recorded content run on a session of each family's tiny model.
+
+#[macro_use]
+#[path = "../../engine/tests/common/families.rs"]
+mod families;
 
 use lmrr_engine::session::SessionEvent;
-use lmrr_engine::{run_session, EngineConfig, Model, PatchSet, Scheduler, Script, SynthSpec};
+use lmrr_engine::{run_session, EngineConfig, PatchSet, Preset, Scheduler, Script};
 use lmrr_kernels::Threads;
 use lmrr_recorder::format::{FRAME_HEADER_LEN, HEADER_LEN, MAX_FRAME_COMPRESSED, MAX_FRAME_RAW};
 use lmrr_recorder::{read, BundleError, Event, Integrity, Manifest, Recorder, Summary};
@@ -12,27 +17,35 @@ use lmrr_recorder::{read, BundleError, Event, Integrity, Manifest, Recorder, Sum
 const SCRIPT: &str = r#"
 [[request]]
 id = "a"
-messages = [{ role = "user", content = "hello" }]
+messages = [{ role = "user", content = "hello, tell me all about the sea and its tides" }]
 max_tokens = 12
 ignore_eos = true
 
 [[request]]
 id = "b"
 after = "a"
-messages = [{ role = "user", content = "hello" }, { role = "assistant", from = "a" }, { role = "user", content = "more" }]
+messages = [{ role = "user", content = "hello, tell me all about the sea and its tides" }, { role = "assistant", from = "a" }, { role = "user", content = "more" }]
 max_tokens = 20
 interrupt_after_tokens = 7
 "#;
 
-fn record() -> (Vec<u8>, Vec<Event>) {
-    let m = Model::synthetic(SynthSpec::embedded_default()).unwrap();
+per_family!(
+    a_bundle_round_trips_every_event,
+    a_bit_flip_anywhere_is_an_error_or_a_flagged_truncation_never_a_panic,
+    truncation_at_every_frame_boundary_keeps_the_complete_frames,
+    truncation_at_every_byte_never_panics,
+);
+
+/// Records [`SCRIPT`] on the family's tiny model.
+fn record(p: Preset) -> (Vec<u8>, Vec<Event>) {
+    let m = families::model(p);
     let script = Script::parse(SCRIPT, "t.toml").unwrap();
     let cfg = EngineConfig {
         page_size: 4,
         ..Default::default()
     };
     let manifest = Manifest::for_session(
-        &m,
+        m,
         cfg,
         &PatchSet::none(),
         "t.toml",
@@ -46,7 +59,7 @@ fn record() -> (Vec<u8>, Vec<Event>) {
     sch.set_top_logprobs(5);
     let mut rec = Recorder::new(Vec::new(), &manifest).unwrap();
     let mut seen = Vec::new();
-    run_session(&m, &script, &mut sch, |e: SessionEvent| {
+    run_session(m, &script, &mut sch, |e: SessionEvent| {
         seen.push(match &e {
             SessionEvent::Arrival {
                 step,
@@ -82,12 +95,21 @@ fn frame_starts(b: &[u8]) -> Vec<usize> {
     out
 }
 
-#[test]
-fn a_bundle_round_trips_every_event() {
-    let (bytes, events) = record();
+fn a_bundle_round_trips_every_event(p: Preset) {
+    let (bytes, events) = record(p);
     let b = read(&bytes).unwrap();
     assert!(matches!(b.integrity, Integrity::Complete { .. }));
     assert_eq!(b.events, events);
+    let longest = b
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Arrival { request, .. } => Some(request.prompt.len()),
+            _ => None,
+        })
+        .max()
+        .unwrap();
+    families::assert_reaches_sparse(families::model(p), longest, "the longest prompt");
     assert_eq!(b.frames, frame_starts(&bytes).len());
     let s = Summary::of(&b);
     assert_eq!(
@@ -119,9 +141,8 @@ fn a_bundle_round_trips_every_event() {
         .all(|t| t.len() == 5 && t.windows(2).all(|w| w[0].1 >= w[1].1)));
 }
 
-#[test]
-fn a_bit_flip_anywhere_is_an_error_or_a_flagged_truncation_never_a_panic() {
-    let (bytes, _) = record();
+fn a_bit_flip_anywhere_is_an_error_or_a_flagged_truncation_never_a_panic(p: Preset) {
+    let (bytes, _) = record(p);
     let starts = frame_starts(&bytes);
     for i in 0..bytes.len() {
         for bit in [0u8, 3, 7] {
@@ -151,9 +172,8 @@ fn a_bit_flip_anywhere_is_an_error_or_a_flagged_truncation_never_a_panic() {
     }
 }
 
-#[test]
-fn truncation_at_every_frame_boundary_keeps_the_complete_frames() {
-    let (bytes, events) = record();
+fn truncation_at_every_frame_boundary_keeps_the_complete_frames(p: Preset) {
+    let (bytes, events) = record(p);
     let starts = frame_starts(&bytes);
     for (k, &cut) in starts.iter().enumerate().skip(1) {
         let b = read(&bytes[..cut]).unwrap();
@@ -191,9 +211,8 @@ fn truncation_at_every_frame_boundary_keeps_the_complete_frames() {
     }
 }
 
-#[test]
-fn truncation_at_every_byte_never_panics() {
-    let (bytes, _) = record();
+fn truncation_at_every_byte_never_panics(p: Preset) {
+    let (bytes, _) = record(p);
     for cut in 0..bytes.len() {
         let _ = read(&bytes[..cut]);
     }
@@ -201,7 +220,7 @@ fn truncation_at_every_byte_never_panics() {
 
 #[test]
 fn oversized_lengths_are_refused_before_allocating() {
-    let (bytes, _) = record();
+    let (bytes, _) = record(Preset::Tiny);
     let starts = frame_starts(&bytes);
     let at = starts[1];
     let mut c = bytes.clone();
@@ -226,7 +245,7 @@ fn foreign_files_and_other_versions_are_named() {
     let e = read(b"PK\x03\x04 this is a zip file").unwrap_err();
     assert!(matches!(e, BundleError::Foreign { .. }), "{e}");
     assert!(e.to_string().contains("PK"), "{e}");
-    let (mut bytes, _) = record();
+    let (mut bytes, _) = record(Preset::Tiny);
     let supported = lmrr_recorder::FORMAT_VERSION;
     bytes[8..12].copy_from_slice(&(supported + 5).to_le_bytes());
     let e = read(&bytes).unwrap_err().to_string();
@@ -248,7 +267,7 @@ fn foreign_files_and_other_versions_are_named() {
 
 #[test]
 fn bytes_after_the_trailer_are_corruption() {
-    let (mut bytes, _) = record();
+    let (mut bytes, _) = record(Preset::Tiny);
     bytes.extend_from_slice(b"junk");
     let e = read(&bytes).unwrap_err().to_string();
     assert!(e.contains("after the trailer"), "{e}");

@@ -2,12 +2,15 @@
 //! exhaust the replayer. Each named finding is pinned by a test; a sweep of
 //! structure-aware mutations (the `replay_mutated` fuzz target's own
 //! mutator, driven by a fixed SplitMix64 stream) must give errors or reports,
-//! never a panic.
+//! never a panic, on a seed bundle of each family's tiny model.
 
+#[macro_use]
+#[path = "../../engine/tests/common/families.rs"]
+mod families;
 mod mutator;
 
 use lmrr_engine::scheduler::Decision;
-use lmrr_engine::PatchSet;
+use lmrr_engine::{PatchSet, Preset};
 use lmrr_kernels::{SplitMix64, Threads};
 use lmrr_recorder::Event;
 use lmrr_replays::{replay, ReplayError, ReplayOptions};
@@ -159,27 +162,30 @@ fn the_error_is_typed_as_invalid() {
     assert!(matches!(r, Err(ReplayError::Invalid(_))), "{:?}", r.err());
 }
 
-#[test]
-fn the_seed_bundle_itself_replays_bit_exactly() {
+per_family!(
+    the_seed_bundle_itself_replays_bit_exactly,
+    a_sweep_of_structure_aware_mutations_never_panics,
+);
+
+fn the_seed_bundle_itself_replays_bit_exactly(p: Preset) {
     // The mutator starts from a real recording: unmutated, it is clean.
-    let m = model();
-    let seed = seed_bundle(&m, PatchSet::none());
+    let m = families::model(p);
+    let seed = seed_bundle(m, PatchSet::none());
     let b = reread(seed.manifest.clone(), seed.events.clone());
     let o = replay(
         &b,
-        &m,
+        m,
         &ReplayOptions::new(PatchSet::none(), Threads::single()),
     )
     .unwrap();
     assert!(o.is_bit_exact(), "{o}");
 }
 
-#[test]
-fn a_sweep_of_structure_aware_mutations_never_panics() {
-    let m = model();
+fn a_sweep_of_structure_aware_mutations_never_panics(p: Preset) {
+    let m = families::model(p);
     let seeds = [
-        seed_bundle(&m, PatchSet::none()),
-        seed_bundle(&m, PatchSet::parse("abort-frees-shared").unwrap()),
+        seed_bundle(m, PatchSet::none()),
+        seed_bundle(m, PatchSet::parse("abort-frees-shared").unwrap()),
     ];
     let mut rng = SplitMix64(0x1157_0b00);
     let sweeps: usize = std::env::var("LMRR_HOSTILE_SWEEP")
@@ -193,7 +199,7 @@ fn a_sweep_of_structure_aware_mutations_never_panics() {
         let (man, ev) = mutate(seed, &ops);
         let bytes = reframe(&man, ev);
         let other = PatchSet::parse(["none", "fast-exp", "abort-inserts-partial"][i % 3]).unwrap();
-        exercise(&m, &bytes, other);
+        exercise(m, &bytes, other);
     }
 }
 

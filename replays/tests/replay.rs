@@ -1,13 +1,18 @@
-//! Replay, divergence reports, the patch catalog, bisect and the oracle.
+//! Replay, divergence reports, the patch catalog, bisect and the oracle, on
+//! every family's tiny model (the incident runs past mini-v4's first sparse
+//! position in both turns).
 
+#[macro_use]
 mod common;
 
-use common::{model, record};
+use common::families::{self, sparse_from};
+use common::record;
+use lmrr_engine::patches::PatchClass;
 use lmrr_engine::{
-    run_session, EngineConfig, Model, Patch, PatchSet, Scheduler, Script, SynthSpec,
+    run_session, EngineConfig, Family, Model, Patch, PatchSet, Preset, Scheduler, Script, SynthSpec,
 };
 use lmrr_kernels::Threads;
-use lmrr_recorder::{read, Bundle, Manifest, Recorder};
+use lmrr_recorder::{read, Bundle, Event, Manifest, Recorder};
 use lmrr_replays::bisect::Verdict;
 use lmrr_replays::{bisect, oracle, replay, Criterion, Outcome, Probe, ReplayOptions, Signal};
 
@@ -23,16 +28,39 @@ fn run(b: &Bundle, m: &Model, patches: PatchSet) -> Outcome {
     replay(b, m, &ReplayOptions::new(patches, Threads::new(2).unwrap())).unwrap()
 }
 
-#[test]
-fn the_incident_replays_bit_exactly_and_diverges_at_turn_2_under_abort_inserts_partial() {
-    let m = model();
-    let b = record(
-        &m,
+per_family!(
+    the_incident_replays_bit_exactly_and_diverges_at_turn_2_under_abort_inserts_partial,
+    bisect_names_the_one_patch_that_changes_behaviour_within_the_probe_bound,
+    bisect_never_names_a_patch_for_a_bundle_recorded_with_another,
+    the_oracle_flags_a_bundle_recorded_with_the_patch_and_passes_a_clean_one,
+    every_catalog_patch_fires_in_its_scenario_and_the_others_are_inert,
+    a_different_model_is_refused_naming_both_hashes,
+    a_truncated_bundle_replays_up_to_its_last_complete_frame,
+);
+
+/// The incident recorded on `m` by the reference engine.
+fn incident(m: &Model) -> Bundle {
+    record(
+        m,
         &incident_src(),
         EngineConfig::default(),
         PatchSet::none(),
-    );
-    match run(&b, &m, PatchSet::none()) {
+    )
+}
+
+fn the_incident_replays_bit_exactly_and_diverges_at_turn_2_under_abort_inserts_partial(p: Preset) {
+    let m = families::model(p);
+    let b = incident(m);
+    let turn2_prompt = b
+        .events
+        .iter()
+        .find_map(|e| match e {
+            Event::Arrival { name, request, .. } if name == "turn2" => Some(request.prompt.len()),
+            _ => None,
+        })
+        .unwrap();
+    families::assert_reaches_sparse(m, turn2_prompt, "the incident's turn 2");
+    match run(&b, m, PatchSet::none()) {
         Outcome::BitExact {
             steps,
             tokens,
@@ -43,7 +71,7 @@ fn the_incident_replays_bit_exactly_and_diverges_at_turn_2_under_abort_inserts_p
         }
         o => panic!("{o}"),
     }
-    let o = run(&b, &m, PatchSet::parse("abort-inserts-partial").unwrap());
+    let o = run(&b, m, PatchSet::parse("abort-inserts-partial").unwrap());
     let d = o.divergence().expect("diverges");
     assert_eq!(d.signal, Signal::CacheState);
     assert_eq!((d.request.as_deref(), d.turn), (Some("turn2"), Some(2)));
@@ -56,24 +84,52 @@ fn the_incident_replays_bit_exactly_and_diverges_at_turn_2_under_abort_inserts_p
     assert!(text.contains("`turn1` is interrupted"), "{text}");
 }
 
-#[test]
-fn bisect_over_the_catalog_names_abort_inserts_partial_alone_within_the_probe_bound() {
-    let m = model();
-    let b = record(
-        &m,
-        &incident_src(),
-        EngineConfig::default(),
-        PatchSet::none(),
-    );
+/// Bisect on the incident. Over the family's whole catalog: llama's has one
+/// patch that changes behaviour there (`abort-inserts-partial`), named alone;
+/// mini-v4's own patches change tokens too, so its bisect finds one culprit
+/// and refuses to call it the whole story. Over the family's one
+/// behaviour-changing candidate among the patches that keep the incident's
+/// behaviour (splitk-decode, fast-exp, abort-frees-shared): that one, by
+/// binary search, within the probe bound, confirmed by replays of its own.
+fn bisect_names_the_one_patch_that_changes_behaviour_within_the_probe_bound(p: Preset) {
+    let m = families::model(p);
+    let b = incident(m);
     let th = Threads::new(2).unwrap();
-    let mut probe = |set: &PatchSet| lmrr_replays::probe(&b, &m, set, &th, Criterion::Behaviour);
-    // The catalog that can act on a llama model: 4 of the 7 patches.
-    let catalog: Vec<Patch> = PatchSet::all_for(m.net.family()).iter().collect();
-    assert_eq!(catalog.len(), 4);
+    let mut probe = |set: &PatchSet| lmrr_replays::probe(&b, m, set, &th, Criterion::Behaviour);
+    let family = m.net.family();
+    let catalog: Vec<Patch> = PatchSet::all_for(family).iter().collect();
+    // llama: the 4 patches of attention and cache; mini-v4: those and its 3 own.
+    let (size, culprit) = match family {
+        Family::Llama => (4, Patch::AbortInsertsPartial),
+        Family::MiniV4 => (7, Patch::IndexerEarlyExit),
+    };
+    assert_eq!(catalog.len(), size);
     let res = bisect(&PatchSet::none(), &catalog, &mut probe).unwrap();
+    match family {
+        Family::Llama => assert_eq!(
+            res.culprits,
+            Some(vec!["abort-inserts-partial".to_string()]),
+            "{res}"
+        ),
+        Family::MiniV4 => {
+            assert!(!res.found(), "{res}");
+            assert!(
+                matches!(&res.verdict, Verdict::RestDiverges { rest } if rest.contains("moe-routed-scaling")),
+                "{res}"
+            );
+        }
+    }
+    let candidates = [
+        Patch::SplitkDecode,
+        Patch::FastExp,
+        Patch::AbortFreesShared,
+        culprit,
+    ];
+    let res = bisect(&PatchSet::none(), &candidates, &mut probe).unwrap();
     assert_eq!(
         res.culprits,
-        Some(vec!["abort-inserts-partial".to_string()])
+        Some(vec![culprit.name().to_string()]),
+        "{res}"
     );
     assert_eq!(res.method, "binary");
     assert!(res.found(), "{res}");
@@ -82,6 +138,14 @@ fn bisect_over_the_catalog_names_abort_inserts_partial_alone_within_the_probe_bo
         res.probes.len() <= 6,
         "{} probes for 4 patches",
         res.probes.len()
+    );
+    let bad: PatchSet = candidates.into_iter().collect();
+    confirm(
+        &b,
+        m,
+        &PatchSet::none(),
+        &bad,
+        res.culprits.as_deref().unwrap(),
     );
 }
 
@@ -103,24 +167,22 @@ fn confirm(b: &Bundle, m: &Model, base: &PatchSet, bad: &PatchSet, culprits: &[S
     );
 }
 
-#[test]
-fn bisect_never_names_a_patch_for_a_bundle_recorded_with_another() {
+fn bisect_never_names_a_patch_for_a_bundle_recorded_with_another(p: Preset) {
     // Bundles recorded with each patch of the catalog. Bisecting from the
     // empty set must refuse whenever the empty set already diverges (the
     // reported bug named `splitk-decode` on an `abort-frees-shared` bundle);
     // bisecting from the recording's own set must name only confirmed culprits.
-    let m = model();
+    let m = families::model(p);
     let th = Threads::new(2).unwrap();
     for rec_patch in Patch::ALL {
         let recorded: PatchSet = [rec_patch].into_iter().collect();
         let b = record(
-            &m,
+            m,
             &incident_src(),
             EngineConfig::default(),
             recorded.clone(),
         );
-        let mut probe =
-            |set: &PatchSet| lmrr_replays::probe(&b, &m, set, &th, Criterion::Behaviour);
+        let mut probe = |set: &PatchSet| lmrr_replays::probe(&b, m, set, &th, Criterion::Behaviour);
         let none_diverges = probe(&PatchSet::none()).unwrap().diverged;
         let res = bisect(&PatchSet::none(), &Patch::ALL, &mut probe).unwrap();
         if none_diverges {
@@ -135,7 +197,7 @@ fn bisect_never_names_a_patch_for_a_bundle_recorded_with_another() {
             let bad = PatchSet::all();
             confirm(
                 &b,
-                &m,
+                m,
                 &PatchSet::none(),
                 &bad,
                 res.culprits.as_deref().unwrap(),
@@ -152,7 +214,7 @@ fn bisect_never_names_a_patch_for_a_bundle_recorded_with_another() {
         if res.found() {
             confirm(
                 &b,
-                &m,
+                m,
                 &recorded,
                 &PatchSet::all(),
                 res.culprits.as_deref().unwrap(),
@@ -162,8 +224,8 @@ fn bisect_never_names_a_patch_for_a_bundle_recorded_with_another() {
     // The reported case: recorded with abort-frees-shared, bad set
     // abort-frees-shared + fast-exp from the empty set: refused, not `fast-exp`.
     let afs = PatchSet::parse("abort-frees-shared").unwrap();
-    let b = record(&m, &incident_src(), EngineConfig::default(), afs.clone());
-    let mut probe = |set: &PatchSet| lmrr_replays::probe(&b, &m, set, &th, Criterion::Behaviour);
+    let b = record(m, &incident_src(), EngineConfig::default(), afs.clone());
+    let mut probe = |set: &PatchSet| lmrr_replays::probe(&b, m, set, &th, Criterion::Behaviour);
     assert!(!probe(&afs).unwrap().diverged, "its own set replays clean");
     let res = bisect(
         &PatchSet::none(),
@@ -178,24 +240,40 @@ fn bisect_never_names_a_patch_for_a_bundle_recorded_with_another() {
     );
 }
 
-#[test]
-fn the_oracle_flags_a_bundle_recorded_with_the_patch_and_passes_a_clean_one() {
-    let m = model();
+/// The oracle flags a cache bug recorded in a bundle and passes a clean one.
+/// It recomputes under the recording's own patches, so it is blind to
+/// arithmetic patches by design: a bundle recorded under fast-exp or one of
+/// mini-v4's patches (indexer-early-exit included, past the first sparse
+/// position) passes it.
+fn the_oracle_flags_a_bundle_recorded_with_the_patch_and_passes_a_clean_one(p: Preset) {
+    let m = families::model(p);
     let opts = ReplayOptions::new(PatchSet::none(), Threads::new(2).unwrap());
-    let clean = record(
-        &m,
-        &incident_src(),
-        EngineConfig::default(),
-        PatchSet::none(),
-    );
-    assert!(oracle(&clean, &m, &opts).unwrap().is_bit_exact());
+    let clean = incident(m);
+    assert!(oracle(&clean, m, &opts).unwrap().is_bit_exact());
+    for patch in PatchSet::all_for(m.net.family()).iter() {
+        if patch.class() == PatchClass::CacheCorruption || patch == Patch::SplitkDecode {
+            continue;
+        }
+        let b = record(
+            m,
+            &incident_src(),
+            EngineConfig::default(),
+            [patch].into_iter().collect(),
+        );
+        assert!(
+            !run(&b, m, PatchSet::none()).is_bit_exact(),
+            "{patch} changes nothing on the incident"
+        );
+        let o = oracle(&b, m, &opts).unwrap();
+        assert!(o.is_bit_exact(), "recorded under {patch}: {o}");
+    }
     let bad = record(
-        &m,
+        m,
         &incident_src(),
         EngineConfig::default(),
         PatchSet::parse("abort-inserts-partial").unwrap(),
     );
-    let o = oracle(&bad, &m, &opts).unwrap();
+    let o = oracle(&bad, m, &opts).unwrap();
     let d = o
         .divergence()
         .expect("the oracle must flag the corrupted cache");
@@ -204,17 +282,20 @@ fn the_oracle_flags_a_bundle_recorded_with_the_patch_and_passes_a_clean_one() {
         (Some("turn2"), Signal::Logits)
     );
     // And a plain replay of the patched bundle without the patch diverges at turn 2.
-    let r = run(&bad, &m, PatchSet::none());
+    let r = run(&bad, m, PatchSet::none());
     assert_eq!(
         r.divergence().map(|d| d.request.as_deref()),
         Some(Some("turn2"))
     );
 }
 
-/// One scenario per catalog patch in which it really changes something.
-#[test]
-fn every_catalog_patch_fires_in_its_scenario() {
-    let m = model();
+/// One scenario per catalog patch in which it really changes something on a
+/// family it can act on (indexer-early-exit only past the first sparse
+/// position); on another family it is inert: the scenario replays
+/// bit-exactly under it.
+fn every_catalog_patch_fires_in_its_scenario_and_the_others_are_inert(p: Preset) {
+    let m = families::model(p);
+    let family = m.net.family();
     let concurrent = r#"
 [[request]]
 id = "a"
@@ -251,24 +332,35 @@ ignore_eos = true
         page_size: 4,
         ..Default::default()
     };
-    let cases: [(Patch, &str, Signal); 4] = [
-        (Patch::SplitkDecode, concurrent, Signal::Logits),
-        (Patch::FastExp, concurrent, Signal::Logits),
-        (
-            Patch::AbortInsertsPartial,
-            &incident_src(),
-            Signal::CacheState,
-        ),
-        (Patch::AbortFreesShared, shared_abort, Signal::CacheState),
-    ]
-    .map(|(p, s, sig)| (p, Box::leak(s.to_string().into_boxed_str()) as &str, sig));
-    for (patch, src, signal) in cases {
-        let b = record(&m, src, cfg, PatchSet::none());
-        assert!(
-            run(&b, &m, PatchSet::none()).is_bit_exact(),
-            "{patch}: reference replay"
-        );
-        let o = run(&b, &m, [patch].into_iter().collect());
+    let incident = incident_src();
+    let scenarios = [concurrent, shared_abort, incident.as_str()];
+    let cases: [(Patch, usize, Signal); 7] = [
+        (Patch::SplitkDecode, 0, Signal::Logits),
+        (Patch::FastExp, 0, Signal::Logits),
+        (Patch::AbortInsertsPartial, 2, Signal::CacheState),
+        (Patch::AbortFreesShared, 1, Signal::CacheState),
+        (Patch::MhcBf16, 0, Signal::Logits),
+        (Patch::MoeRoutedScaling, 0, Signal::Logits),
+        (Patch::IndexerEarlyExit, 2, Signal::Logits),
+    ];
+    assert_eq!(cases.map(|c| c.0), Patch::ALL, "one scenario per patch");
+    let bundles: Vec<Bundle> = scenarios
+        .iter()
+        .map(|src| {
+            let b = record(m, src, cfg, PatchSet::none());
+            assert!(
+                run(&b, m, PatchSet::none()).is_bit_exact(),
+                "reference replay"
+            );
+            b
+        })
+        .collect();
+    for (patch, scenario, signal) in cases {
+        let o = run(&bundles[scenario], m, [patch].into_iter().collect());
+        if !patch.applies_to(family) {
+            assert!(o.is_bit_exact(), "{patch} acts on {family}: {o}");
+            continue;
+        }
         let d = o
             .divergence()
             .unwrap_or_else(|| panic!("{patch} never fired"));
@@ -279,11 +371,22 @@ ignore_eos = true
                 "{patch}: drift statistics"
             );
         }
+        if patch == Patch::IndexerEarlyExit {
+            // Exact while attention is dense: the first token it changes is
+            // sampled from a query at the first sparse position or later (a
+            // report's position is the sampled token's, one past the query's).
+            let from = sparse_from(m).unwrap();
+            assert!(
+                d.position.is_some_and(|p| p > from),
+                "{patch} fired at {:?}: {o}",
+                d.position
+            );
+        }
     }
     // splitk-decode only breaks batch invariance: a single decoding request is untouched.
     let single = "[[request]]\nid = \"solo\"\nprompt = \"alone in the batch\"\nmax_tokens = 10\nignore_eos = true\n";
-    let b = record(&m, single, cfg, PatchSet::none());
-    assert!(run(&b, &m, PatchSet::parse("splitk-decode").unwrap()).is_bit_exact());
+    let b = record(m, single, cfg, PatchSet::none());
+    assert!(run(&b, m, PatchSet::parse("splitk-decode").unwrap()).is_bit_exact());
 }
 
 #[test]
@@ -342,44 +445,49 @@ fn bisect_finds_one_culprit_a_pair_and_none_on_synthetic_predicates() {
     );
 }
 
-#[test]
-fn a_different_model_is_refused_naming_both_hashes() {
-    let m = model();
-    let b = record(
-        &m,
-        &incident_src(),
-        EngineConfig::default(),
-        PatchSet::none(),
-    );
-    let other = Model::synthetic(SynthSpec::new(lmrr_engine::Preset::Tiny, 1)).unwrap();
-    let e = replay(
-        &b,
-        &other,
-        &ReplayOptions::new(PatchSet::none(), Threads::single()),
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(
-        e.contains(&m.identity().weights_sha256.hex())
-            && e.contains(&other.identity().weights_sha256.hex())
-            && e.contains("differs in: weights;"),
-        "{e}"
-    );
+/// A bundle replays only on its own model: another seed of the family
+/// (weights differ) and the other family's model (config and weights differ)
+/// are refused, naming both weights hashes.
+fn a_different_model_is_refused_naming_both_hashes(p: Preset) {
+    let m = families::model(p);
+    let b = incident(m);
+    let other_family = families::FAMILIES.into_iter().find(|&f| f != p).unwrap();
+    for (other, differs) in [
+        (SynthSpec::new(p, 1), "differs in: weights;"),
+        (
+            SynthSpec::new(other_family, 0),
+            "differs in: config, weights;",
+        ),
+    ] {
+        let other = Model::synthetic(other).unwrap();
+        let e = replay(
+            &b,
+            &other,
+            &ReplayOptions::new(PatchSet::none(), Threads::single()),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains(&m.identity().weights_sha256.hex())
+                && e.contains(&other.identity().weights_sha256.hex())
+                && e.contains(differs),
+            "{e}"
+        );
+    }
 }
 
-#[test]
-fn a_truncated_bundle_replays_up_to_its_last_complete_frame() {
-    let m = model();
+fn a_truncated_bundle_replays_up_to_its_last_complete_frame(p: Preset) {
+    let m = families::model(p);
     let script = Script::parse(&incident_src(), "s.toml").unwrap();
     let cfg = EngineConfig::default();
-    let manifest = Manifest::for_session(&m, cfg, &PatchSet::none(), "s", "", 5, 1, "t", "t");
+    let manifest = Manifest::for_session(m, cfg, &PatchSet::none(), "s", "", 5, 1, "t", "t");
     let mut sch = Scheduler::new(m.net(), cfg, Threads::single()).unwrap();
     sch.set_top_logprobs(5);
     let mut rec = Recorder::new(Vec::new(), &manifest).unwrap();
-    run_session(&m, &script, &mut sch, |e| rec.observe(e)).unwrap();
+    run_session(m, &script, &mut sch, |e| rec.observe(e)).unwrap();
     let bytes = rec.finish().unwrap();
     let cut = read(&bytes[..bytes.len() * 2 / 3]).unwrap();
-    match run(&cut, &m, PatchSet::none()) {
+    match run(&cut, m, PatchSet::none()) {
         Outcome::BitExact {
             truncated, steps, ..
         } => assert!(truncated && steps > 0 && steps < 180),

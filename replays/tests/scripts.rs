@@ -1,13 +1,15 @@
 //! Session scripts end to end through the recorder and the replayer: an
 //! interrupt in the middle of a chunked prefill (`interrupt_at_step`) is
-//! recorded and replays bit-exactly, and today's script driver still produces
-//! every committed bundle's session event for event.
+//! recorded and replays bit-exactly on every family, and today's script
+//! driver still produces every committed bundle's session event for event.
 
+#[macro_use]
 mod common;
 
+use common::families;
 use common::model;
 use lmrr_engine::scheduler::Decision;
-use lmrr_engine::{EngineConfig, Model, PatchSet};
+use lmrr_engine::{EngineConfig, Model, PatchSet, Preset};
 use lmrr_kernels::Threads;
 use lmrr_recorder::{Bundle, Event};
 use lmrr_replays::{replay, Outcome, ReplayOptions};
@@ -43,16 +45,17 @@ prompt = "the quick brown fox jumps over the lazy dog. the quick brown fox jumps
 max_tokens = 6
 "#;
 
-#[test]
-fn an_interrupt_in_the_middle_of_a_chunked_prefill_is_recorded_and_replays_bit_exactly() {
-    let m = model();
+per_family!(an_interrupt_in_the_middle_of_a_chunked_prefill_is_recorded_and_replays_bit_exactly);
+
+fn an_interrupt_in_the_middle_of_a_chunked_prefill_is_recorded_and_replays_bit_exactly(p: Preset) {
+    let m = families::model(p);
     let cfg = EngineConfig {
         page_size: 4,
         pool_pages: 64,
         max_batch_tokens: 8,
         prefix_cache: true,
     };
-    let b = record(&m, DISCONNECT, cfg, PatchSet::none());
+    let b = record(m, DISCONNECT, cfg, PatchSet::none());
     // Recorded: the interrupt event before step 3, and step 3's decision.
     let interrupts: Vec<(u64, &str)> = b
         .events
@@ -93,6 +96,8 @@ fn an_interrupt_in_the_middle_of_a_chunked_prefill_is_recorded_and_replays_bit_e
         computed > 0 && computed < prompt_len,
         "{computed} of {prompt_len}"
     );
+    // The retry (the same prompt) runs past mini-v4's first sparse position.
+    families::assert_reaches_sparse(m, prompt_len, "the retry");
     assert!(steps
         .iter()
         .flat_map(|r| &r.seqs)
@@ -101,7 +106,7 @@ fn an_interrupt_in_the_middle_of_a_chunked_prefill_is_recorded_and_replays_bit_e
     for t in [1, 2] {
         match replay(
             &b,
-            &m,
+            m,
             &ReplayOptions::new(PatchSet::none(), Threads::new(t).unwrap()),
         )
         .unwrap()

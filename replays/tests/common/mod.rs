@@ -1,7 +1,12 @@
-//! What several replay test files share: the embedded model and recording a
-//! session script into an in-memory bundle.
+//! What several replay test files share: the embedded model, every family's
+//! tiny model (the engine tests' family list and `per_family!` generator),
+//! and recording a session script into an in-memory bundle.
 
 #![allow(dead_code)]
+
+#[macro_use]
+#[path = "../../../engine/tests/common/families.rs"]
+pub mod families;
 
 use lmrr_engine::{run_session, EngineConfig, Model, PatchSet, Scheduler, Script, SynthSpec};
 use lmrr_kernels::Threads;

@@ -1,0 +1,79 @@
+//! Every model family's test model, for tests that must hold on each of them
+//! (included by the test files of every crate with `#[path]`, so the list of
+//! families and the test generator exist once).
+//!
+//! A test is written once as `fn name(p: Preset)` and instantiated per family
+//! by [`per_family!`]: `llama::name` and `mini_v4::name`.
+
+#![allow(dead_code)]
+
+use std::sync::OnceLock;
+
+use lmrr_engine::{Model, Preset, SynthSpec};
+
+/// One tiny synthetic model per family, in listing order.
+pub const FAMILIES: [Preset; 2] = [Preset::Tiny, Preset::MiniV4Tiny];
+
+/// The family's tiny model (seed 0; llama's is the embedded default), built
+/// once per test binary.
+pub fn model(p: Preset) -> &'static Model {
+    static LLAMA: OnceLock<Model> = OnceLock::new();
+    static MINI_V4: OnceLock<Model> = OnceLock::new();
+    let cell = match p {
+        Preset::Tiny => &LLAMA,
+        Preset::MiniV4Tiny => &MINI_V4,
+        other => panic!("{other} is not a test preset"),
+    };
+    cell.get_or_init(|| fresh(p))
+}
+
+/// A newly built instance of the family's tiny model (with its synthetic
+/// spec, as `--model synthetic:NAME` loads it).
+pub fn fresh(p: Preset) -> Model {
+    Model::synthetic(SynthSpec::new(p, 0)).unwrap()
+}
+
+/// `--model` value of the family's tiny model.
+pub fn cli_name(p: Preset) -> String {
+    format!("synthetic:{}", p.name())
+}
+
+/// The first position whose attention is sparse (the indexer chooses blocks),
+/// `None` for a family whose attention is always dense. A position `p` sees
+/// `p / block + 1` index blocks and goes sparse once they exceed `topk`.
+pub fn sparse_from(m: &Model) -> Option<usize> {
+    m.mini_v4()
+        .map(|v| v.config().index_topk * v.config().index_block_size)
+}
+
+/// Asserts that a sequence of `len` positions reaches the sparse path of a
+/// family that has one, so an invariance test over it covers the indexer.
+pub fn assert_reaches_sparse(m: &Model, len: usize, what: &str) {
+    if let Some(from) = sparse_from(m) {
+        assert!(
+            len > from,
+            "{what}: {len} positions never reach sparse attention (from position {from})"
+        );
+    }
+}
+
+/// Generates one `#[test]` per family for each `fn name(p: Preset)` listed:
+/// `llama::name` and `mini_v4::name` (spelled out for the two presets of
+/// [`FAMILIES`]: a macro cannot loop over a constant).
+#[allow(unused_macros)]
+macro_rules! per_family {
+    ($($name:ident),+ $(,)?) => {
+        mod llama {
+            $(#[test]
+            fn $name() {
+                super::$name(lmrr_engine::Preset::Tiny)
+            })+
+        }
+        mod mini_v4 {
+            $(#[test]
+            fn $name() {
+                super::$name(lmrr_engine::Preset::MiniV4Tiny)
+            })+
+        }
+    };
+}
