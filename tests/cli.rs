@@ -389,9 +389,9 @@ fn a_recorder_killed_with_sigkill_leaves_a_readable_truncated_bundle() {
 /// Exit codes and reports of replay, bisect and the oracle on the incident.
 /// Bisect over the family's whole catalog: llama's names
 /// `abort-inserts-partial`; mini-v4's own patches change the incident's
-/// tokens too, so there it is refused (more than one culprit), and a bad set
+/// tokens too, so there every culprit is named round by round, and a bad set
 /// of the patches that keep the incident's behaviour plus `indexer-early-exit`
-/// names that one.
+/// names that one alone.
 fn replay_exit_codes_reports_bisect_and_oracle(p: Preset) {
     let d = tempfile::tempdir().unwrap();
     let model = cli_name(p);
@@ -449,11 +449,13 @@ fn replay_exit_codes_reports_bisect_and_oracle(p: Preset) {
             );
         }
         Family::MiniV4 => {
-            assert_eq!(o.status.code(), Some(2), "{out}");
+            // Several independent culprits: the search goes on over the rest
+            // round by round and names each (the cache bug, and the mini-v4
+            // patches that change tokens on this session).
+            assert_eq!(o.status.code(), Some(0), "{out}");
             assert!(
                 out.contains("bisect over 7 candidate patches")
-                    && out.contains("more than one culprit")
-                    && !out.contains("culprit ("),
+                    && out.contains("culprits (4 rounds): abort-inserts-partial; mhc-bf16; moe-routed-scaling; indexer-early-exit"),
                 "{out}"
             );
             let o = lmrr(
