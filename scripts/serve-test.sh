@@ -16,12 +16,21 @@ cd "$(dirname "$0")/.."
 export LMRR=${LMRR:-target/release/lmrr}
 [ -x "$LMRR" ] || cargo build --release --quiet
 venv=target/serve-venv
-if ! "$venv/bin/python" -c "import openai" 2>/dev/null; then
-  python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check openai==3.51.0
+py="$venv/bin/python"
+if ! "$py" -c "import openai" 2>/dev/null; then
+  if python3 -m venv "$venv" 2>/dev/null; then
+    "$py" -m pip install --quiet --disable-pip-version-check openai==3.51.0
+  else
+    # No venv module (Debian without python3-venv): install into a private
+    # directory under target/ and put it on the path instead.
+    lib=target/serve-pylib
+    python3 -m pip install --quiet --disable-pip-version-check --target "$lib" openai==3.51.0
+    export PYTHONPATH="$PWD/$lib${PYTHONPATH:+:$PYTHONPATH}"
+    py=python3
+  fi
 fi
 tests=("$@")
 [ ${#tests[@]} -gt 0 ] || tests=(clients load)
 for t in "${tests[@]}"; do
-  timeout 600 "$venv/bin/python" scripts/serve_clients.py "$t"
+  timeout 600 "$py" scripts/serve_clients.py "$t"
 done
