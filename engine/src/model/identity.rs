@@ -136,13 +136,7 @@ impl std::fmt::Display for ModelIdentity {
 /// The canonical text the config digest is taken over: one `key=value` line
 /// per field that matters, floats as their bits.
 pub fn config_text(cfg: &LlamaConfig) -> String {
-    let mut eos: Vec<u32> = match &cfg.eos_token_id {
-        None => Vec::new(),
-        Some(crate::config::TokenIds::One(x)) => vec![*x],
-        Some(crate::config::TokenIds::Many(v)) => v.clone(),
-    };
-    eos.sort_unstable();
-    eos.dedup();
+    let eos = crate::config::TokenIds::canonical(cfg.eos_token_id.as_ref());
     let mut t = String::from("lmrr-config-v1\nfamily=llama\n");
     let mut line = |k: &str, v: &dyn std::fmt::Display| {
         // Writing to a String cannot fail.

@@ -19,6 +19,18 @@ pub enum TokenIds {
 }
 
 impl TokenIds {
+    /// The ids, sorted and deduplicated (for canonical config texts).
+    pub fn canonical(ids: Option<&Self>) -> Vec<u32> {
+        let mut v = match ids {
+            None => Vec::new(),
+            Some(Self::One(x)) => vec![*x],
+            Some(Self::Many(v)) => v.clone(),
+        };
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
     pub fn contains(&self, id: u32) -> bool {
         match self {
             Self::One(x) => *x == id,
@@ -80,15 +92,36 @@ pub struct LlamaConfig {
 }
 
 /// Largest dimension accepted from a config (guards allocation sizes).
-const MAX_DIM: usize = 1 << 20;
+pub(crate) const MAX_DIM: usize = 1 << 20;
+
+/// Parses a `config.json` read from `path` (fields not validated yet).
+pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(
+    bytes: &[u8],
+    path: &Path,
+) -> Result<T, EngineError> {
+    serde_json::from_slice(bytes).map_err(|e| EngineError::Config {
+        path: path.into(),
+        msg: e.to_string(),
+    })
+}
+
+/// Refuses the first dimension outside `1..=MAX_DIM`, naming it.
+pub(crate) fn check_dims(path: &Path, dims: &[(&'static str, usize)]) -> Result<(), EngineError> {
+    match dims.iter().find(|(_, v)| *v == 0 || *v > MAX_DIM) {
+        Some(&(field, v)) => Err(EngineError::ConfigValue {
+            path: path.into(),
+            field,
+            value: v.to_string(),
+            why: format!("must be in 1..={MAX_DIM}"),
+        }),
+        None => Ok(()),
+    }
+}
 
 impl LlamaConfig {
     /// Parses and validates `bytes` read from `path`.
     pub fn parse(bytes: &[u8], path: &Path) -> Result<Self, EngineError> {
-        let cfg: Self = serde_json::from_slice(bytes).map_err(|e| EngineError::Config {
-            path: path.into(),
-            msg: e.to_string(),
-        })?;
+        let cfg: Self = parse_json(bytes, path)?;
         cfg.validate(path)?;
         Ok(cfg)
     }
@@ -107,22 +140,17 @@ impl LlamaConfig {
                 "only the llama family is supported",
             ));
         }
-        for (field, v) in [
-            ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
-            ("num_hidden_layers", self.num_hidden_layers),
-            ("num_attention_heads", self.num_attention_heads),
-            ("vocab_size", self.vocab_size),
-            ("max_position_embeddings", self.max_position_embeddings),
-        ] {
-            if v == 0 || v > MAX_DIM {
-                return Err(bad(
-                    field,
-                    v.to_string(),
-                    &format!("must be in 1..={MAX_DIM}"),
-                ));
-            }
-        }
+        check_dims(
+            path,
+            &[
+                ("hidden_size", self.hidden_size),
+                ("intermediate_size", self.intermediate_size),
+                ("num_hidden_layers", self.num_hidden_layers),
+                ("num_attention_heads", self.num_attention_heads),
+                ("vocab_size", self.vocab_size),
+                ("max_position_embeddings", self.max_position_embeddings),
+            ],
+        )?;
         let kv = self.n_kv_heads();
         if kv == 0 || self.num_attention_heads % kv != 0 {
             return Err(bad(

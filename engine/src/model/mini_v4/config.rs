@@ -7,7 +7,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::TokenIds;
+use crate::config::{check_dims, parse_json, TokenIds};
 use crate::EngineError;
 
 fn default_model_type() -> String {
@@ -66,16 +66,10 @@ pub struct MiniV4Config {
     pub sliding_window: usize,
 }
 
-/// Largest dimension accepted from a config (guards allocation sizes).
-const MAX_DIM: usize = 1 << 20;
-
 impl MiniV4Config {
     /// Parses and validates `bytes` read from `path`.
     pub fn parse(bytes: &[u8], path: &Path) -> Result<Self, EngineError> {
-        let cfg: Self = serde_json::from_slice(bytes).map_err(|e| EngineError::Config {
-            path: path.into(),
-            msg: e.to_string(),
-        })?;
+        let cfg: Self = parse_json(bytes, path)?;
         cfg.validate(path)?;
         Ok(cfg)
     }
@@ -94,30 +88,25 @@ impl MiniV4Config {
                 "a mini-v4 config has model_type \"mini-v4\"".into(),
             ));
         }
-        for (field, v) in [
-            ("hidden_size", self.hidden_size),
-            ("num_hidden_layers", self.num_hidden_layers),
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.num_key_value_heads),
-            ("vocab_size", self.vocab_size),
-            ("max_position_embeddings", self.max_position_embeddings),
-            ("n_routed_experts", self.n_routed_experts),
-            ("num_experts_per_tok", self.num_experts_per_tok),
-            ("moe_intermediate_size", self.moe_intermediate_size),
-            ("index_n_heads", self.index_n_heads),
-            ("index_head_dim", self.index_head_dim),
-            ("index_topk", self.index_topk),
-            ("index_block_size", self.index_block_size),
-            ("sliding_window", self.sliding_window),
-        ] {
-            if v == 0 || v > MAX_DIM {
-                return Err(bad(
-                    field,
-                    v.to_string(),
-                    format!("must be in 1..={MAX_DIM}"),
-                ));
-            }
-        }
+        check_dims(
+            path,
+            &[
+                ("hidden_size", self.hidden_size),
+                ("num_hidden_layers", self.num_hidden_layers),
+                ("num_attention_heads", self.num_attention_heads),
+                ("num_key_value_heads", self.num_key_value_heads),
+                ("vocab_size", self.vocab_size),
+                ("max_position_embeddings", self.max_position_embeddings),
+                ("n_routed_experts", self.n_routed_experts),
+                ("num_experts_per_tok", self.num_experts_per_tok),
+                ("moe_intermediate_size", self.moe_intermediate_size),
+                ("index_n_heads", self.index_n_heads),
+                ("index_head_dim", self.index_head_dim),
+                ("index_topk", self.index_topk),
+                ("index_block_size", self.index_block_size),
+                ("sliding_window", self.sliding_window),
+            ],
+        )?;
         if self.hc_mult == 0 || self.hc_mult > 16 {
             return Err(bad(
                 "hc_mult",
@@ -218,13 +207,7 @@ impl MiniV4Config {
     /// The canonical text the config digest is taken over (see
     /// [`crate::identity`]).
     pub fn config_text(&self) -> String {
-        let mut eos: Vec<u32> = match &self.eos_token_id {
-            None => Vec::new(),
-            Some(TokenIds::One(x)) => vec![*x],
-            Some(TokenIds::Many(v)) => v.clone(),
-        };
-        eos.sort_unstable();
-        eos.dedup();
+        let eos = TokenIds::canonical(self.eos_token_id.as_ref());
         let mut t = String::from("lmrr-config-v1\nfamily=mini-v4\n");
         let mut line = |k: &str, v: &dyn std::fmt::Display| {
             // Writing to a String cannot fail.
