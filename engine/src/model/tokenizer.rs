@@ -56,6 +56,36 @@ impl Tokenizer {
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }
+
+    /// The raw bytes every token stands for, indexed by id (OpenAI's `bytes`
+    /// field of a logprob). For a byte-level BPE token, its vocabulary string
+    /// mapped back through [`bytes_to_unicode`], so a token holding part of a
+    /// UTF-8 character gives exactly its bytes; for an added (special) token,
+    /// or a vocabulary that is not byte-level, the token's decoded text.
+    /// Built once per use site: it walks the whole vocabulary.
+    pub fn byte_table(&self) -> Vec<Vec<u8>> {
+        let added = self.inner.get_added_tokens_decoder();
+        let mut back = std::collections::HashMap::with_capacity(256);
+        for (b, &c) in bytes_to_unicode().iter().enumerate() {
+            back.insert(c, b as u8);
+        }
+        (0..self.vocab_size() as u32)
+            .map(|id| {
+                let Some(s) = self.inner.id_to_token(id) else {
+                    return Vec::new();
+                };
+                if !added.contains_key(&id) {
+                    if let Some(bytes) = s.chars().map(|c| back.get(&c).copied()).collect() {
+                        return bytes;
+                    }
+                }
+                match self.inner.decode(&[id], false) {
+                    Ok(text) if !text.is_empty() => text.into_bytes(),
+                    _ => s.into_bytes(),
+                }
+            })
+            .collect()
+    }
 }
 
 /// GPT-2's reversible byte → printable char map used by byte-level BPE.
@@ -151,4 +181,25 @@ pub fn byte_level_json(vocab_size: usize) -> String {
         }
     });
     serde_json::to_string_pretty(&v).expect("json of strings and numbers serialises")
+}
+
+#[cfg(test)]
+mod byte_table_tests {
+    use super::*;
+
+    #[test]
+    fn token_bytes_concatenate_to_the_text_even_inside_utf8_characters() {
+        let json = byte_level_json(1024);
+        let tok = Tokenizer::from_bytes(json.as_bytes(), Path::new("synthetic")).unwrap();
+        let table = tok.byte_table();
+        assert_eq!(table.len(), 1024);
+        // Multi-byte characters split into byte tokens: each token's bytes are
+        // a fragment of a character, not valid UTF-8 alone.
+        let text = "Zorblax likes teal — 🌊 über <|im_end|> done";
+        let ids = tok.encode(text).unwrap();
+        let joined: Vec<u8> = ids.iter().flat_map(|&i| table[i as usize].clone()).collect();
+        assert_eq!(joined, text.as_bytes());
+        assert!(ids.iter().any(|&i| std::str::from_utf8(&table[i as usize]).is_err()));
+        assert_eq!(table[2], b"<|im_end|>".to_vec());
+    }
 }

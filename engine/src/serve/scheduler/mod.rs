@@ -41,7 +41,7 @@ use crate::pool::{PagePool, PagedKv};
 use crate::radix::RadixCache;
 use crate::EngineError;
 
-pub use step::top_logprobs;
+pub use step::{log_sum_exp, token_logprob, top_logprobs};
 pub use types::*;
 
 struct Seq {

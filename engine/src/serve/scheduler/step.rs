@@ -134,6 +134,37 @@ impl Scheduler<'_> {
     }
 }
 
+/// `ln Σ exp(row)` over the non-NaN entries, as [`top_logprobs`] computes it
+/// (canonical `det_exp` and sum, one f64 `ln`), so that a token's
+/// log-probability `row[t] − lse` has the same bits wherever it is computed —
+/// in the server's response or in `lmrr audit`'s reference. `None` for a row
+/// with no finite-or-infinite entry.
+pub fn log_sum_exp(row: &[f32]) -> Option<f64> {
+    let m = row
+        .iter()
+        .filter(|v| !v.is_nan())
+        .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    if row.iter().all(|v| v.is_nan()) {
+        return None;
+    }
+    let shifted: Vec<f32> = row
+        .iter()
+        .map(|&v| if v.is_nan() { f32::NEG_INFINITY } else { v - m })
+        .collect();
+    let mut e = vec![0.0f32; row.len()];
+    lmrr_kernels::exp_slice(&shifted, &mut e);
+    Some(m as f64 + libm::log(lmrr_kernels::sum(&e) as f64))
+}
+
+/// Log-probability of token `t` in `row` (the bits [`top_logprobs`] gives it).
+pub fn token_logprob(row: &[f32], t: u32) -> Option<f32> {
+    let v = *row.get(t as usize)?;
+    if v.is_nan() {
+        return None;
+    }
+    Some((v as f64 - log_sum_exp(row)?) as f32)
+}
+
 /// The `k` largest logits (ties to the lowest id) as `(token, log-probability)`.
 /// For reports only, but still deterministic: the log-sum-exp uses the
 /// canonical `det_exp` and sum, and one f64 `ln` from the pure-Rust `libm`
@@ -146,17 +177,9 @@ pub fn top_logprobs(row: &[f32], k: usize) -> Vec<(u32, f32)> {
     if k == 0 {
         return Vec::new();
     }
-    let m = idx
-        .iter()
-        .map(|&i| row[i as usize])
-        .fold(f32::NEG_INFINITY, f32::max);
-    let shifted: Vec<f32> = row
-        .iter()
-        .map(|&v| if v.is_nan() { f32::NEG_INFINITY } else { v - m })
-        .collect();
-    let mut e = vec![0.0f32; row.len()];
-    lmrr_kernels::exp_slice(&shifted, &mut e);
-    let lse = m as f64 + libm::log(lmrr_kernels::sum(&e) as f64);
+    let Some(lse) = log_sum_exp(row) else {
+        return Vec::new();
+    };
     let order = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
     if k < idx.len() {
         idx.select_nth_unstable_by(k - 1, order);
