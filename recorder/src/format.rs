@@ -7,7 +7,14 @@
 //!            | checksum [8] (first 8 bytes of SHA-256 of the payload)        (20 bytes)
 //!            | payload [comp_len] (zstd of the bincode of the frame's value)
 //! kinds   := 1 manifest (first, once) | 2 events | 3 trailer (last, once)
+//!            | 4 traffic manifest (first, once) | 5 traffic events
 //! ```
+//!
+//! Two kinds of bundle share this framing, its integrity checks and its
+//! limits, and differ in their manifest frame's kind ([`Kind`]): a *session*
+//! bundle (kinds 1, 2, 3: `lmrr run --record`, `lmrr serve`) and a *traffic*
+//! bundle (kinds 4, 5, 3: `lmrr proxy`, schema in [`crate::traffic`]). A
+//! reader asked for one kind that finds the other says so by name.
 //!
 //! The writer appends a frame of events every `flush_every_steps` steps and
 //! flushes it to the OS, so a recorder killed with SIGKILL leaves every frame
@@ -28,6 +35,7 @@ use sha2::{Digest, Sha256};
 
 use crate::codec;
 use crate::schema::{Event, Manifest, Trailer, FORMAT_VERSION};
+use crate::traffic::{TrafficEvent, TrafficManifest};
 
 pub const MAGIC: [u8; 8] = *b"LMRRBNDL";
 pub const HEADER_LEN: usize = 16;
@@ -45,6 +53,79 @@ const ZSTD_LEVEL: i32 = 3;
 const KIND_MANIFEST: u8 = 1;
 const KIND_EVENTS: u8 = 2;
 const KIND_TRAILER: u8 = 3;
+const KIND_TRAFFIC_MANIFEST: u8 = 4;
+const KIND_TRAFFIC_EVENTS: u8 = 5;
+const KIND_LAST: u8 = KIND_TRAFFIC_EVENTS;
+
+/// What a bundle holds: its manifest and event types and their frame kinds.
+pub trait Kind {
+    type Manifest: Serialize + DeserializeOwned + Clone + std::fmt::Debug;
+    type Event: Serialize + DeserializeOwned + Clone + std::fmt::Debug;
+    /// Frame kind of the manifest (first frame).
+    const MANIFEST: u8;
+    /// Frame kind of a batch of events.
+    const EVENTS: u8;
+    /// What this kind is, for messages ("a session bundle").
+    const WHAT: &'static str;
+    /// Format version the manifest states (must match the header's).
+    fn format_version(m: &Self::Manifest) -> u32;
+    /// Contract version written in the header.
+    fn contract_version(m: &Self::Manifest) -> u32;
+    /// Whether an event counts in the trailer's `steps` (and triggers the
+    /// writer's periodic flush).
+    fn is_step(e: &Self::Event) -> bool;
+}
+
+/// A session recording: requests, scheduling, steps.
+#[derive(Debug, Clone, Copy)]
+pub struct Session;
+
+impl Kind for Session {
+    type Manifest = Manifest;
+    type Event = Event;
+    const MANIFEST: u8 = KIND_MANIFEST;
+    const EVENTS: u8 = KIND_EVENTS;
+    const WHAT: &'static str = "a session bundle (`lmrr run --record`, `lmrr serve`)";
+    fn format_version(m: &Manifest) -> u32 {
+        m.format_version
+    }
+    fn contract_version(m: &Manifest) -> u32 {
+        m.contract_version
+    }
+    fn is_step(e: &Event) -> bool {
+        matches!(e, Event::Step(_))
+    }
+}
+
+/// A traffic recording: HTTP requests and responses seen by `lmrr proxy`.
+#[derive(Debug, Clone, Copy)]
+pub struct Traffic;
+
+impl Kind for Traffic {
+    type Manifest = TrafficManifest;
+    type Event = TrafficEvent;
+    const MANIFEST: u8 = KIND_TRAFFIC_MANIFEST;
+    const EVENTS: u8 = KIND_TRAFFIC_EVENTS;
+    const WHAT: &'static str = "a traffic bundle (`lmrr proxy`)";
+    fn format_version(m: &TrafficManifest) -> u32 {
+        m.format_version
+    }
+    fn contract_version(m: &TrafficManifest) -> u32 {
+        m.contract_version
+    }
+    fn is_step(e: &TrafficEvent) -> bool {
+        e.ends_request()
+    }
+}
+
+/// What the manifest frame of kind `k` says the bundle is.
+fn kind_name(k: u8) -> &'static str {
+    match k {
+        KIND_MANIFEST => Session::WHAT,
+        KIND_TRAFFIC_MANIFEST => Traffic::WHAT,
+        _ => "not a manifest",
+    }
+}
 
 /// Errors reading or writing a bundle.
 #[derive(Debug, thiserror::Error)]
@@ -84,6 +165,12 @@ pub enum BundleError {
     },
     #[error("bundle truncated before its manifest ({size} bytes): nothing to read")]
     NoManifest { size: u64 },
+    #[error("this is {found}, expected {expected}{hint}")]
+    WrongKind {
+        found: &'static str,
+        expected: &'static str,
+        hint: &'static str,
+    },
 }
 
 /// Whether the bundle was read to its trailer.
@@ -119,11 +206,11 @@ impl std::fmt::Display for Integrity {
     }
 }
 
-/// A bundle read into memory.
+/// A bundle of kind `K` read into memory.
 #[derive(Debug, Clone)]
-pub struct Bundle {
-    pub manifest: Manifest,
-    pub events: Vec<Event>,
+pub struct BundleOf<K: Kind> {
+    pub manifest: K::Manifest,
+    pub events: Vec<K::Event>,
     /// Frames read (manifest and trailer included).
     pub frames: usize,
     /// Bytes in the file.
@@ -131,21 +218,31 @@ pub struct Bundle {
     pub integrity: Integrity,
 }
 
-/// Appends frames to `out`.
-pub struct BundleWriter<W: Write> {
+/// A session bundle read into memory.
+pub type Bundle = BundleOf<Session>;
+
+/// A session bundle's writer.
+pub type BundleWriter<W> = Writer<W, Session>;
+
+/// Appends frames of a bundle of kind `K` to `out`.
+pub struct Writer<W: Write, K: Kind> {
     out: W,
     hasher: Sha256,
     frames: u32,
     events: u64,
     steps: u64,
-    pending: Vec<Event>,
+    pending: Vec<K::Event>,
     pending_steps: usize,
     flush_every_steps: usize,
 }
 
-impl<W: Write> BundleWriter<W> {
+impl<W: Write, K: Kind> Writer<W, K> {
     /// Writes the header and the manifest frame.
-    pub fn new(out: W, manifest: &Manifest, flush_every_steps: usize) -> Result<Self, BundleError> {
+    pub fn new(
+        out: W,
+        manifest: &K::Manifest,
+        flush_every_steps: usize,
+    ) -> Result<Self, BundleError> {
         let mut w = Self {
             out,
             hasher: Sha256::new(),
@@ -159,9 +256,9 @@ impl<W: Write> BundleWriter<W> {
         let mut header = Vec::with_capacity(HEADER_LEN);
         header.extend_from_slice(&MAGIC);
         header.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-        header.extend_from_slice(&manifest.contract_version.to_le_bytes());
+        header.extend_from_slice(&K::contract_version(manifest).to_le_bytes());
         w.put(&header)?;
-        w.frame(KIND_MANIFEST, manifest)?;
+        w.frame(K::MANIFEST, manifest)?;
         w.out.flush().map_err(BundleError::Write)?;
         Ok(w)
     }
@@ -195,8 +292,8 @@ impl<W: Write> BundleWriter<W> {
     }
 
     /// Buffers an event; writes and flushes a frame every `flush_every_steps` steps.
-    pub fn push(&mut self, e: Event) -> Result<(), BundleError> {
-        if matches!(e, Event::Step(_)) {
+    pub fn push(&mut self, e: K::Event) -> Result<(), BundleError> {
+        if K::is_step(&e) {
             self.steps += 1;
             self.pending_steps += 1;
         }
@@ -212,7 +309,7 @@ impl<W: Write> BundleWriter<W> {
     pub fn flush(&mut self) -> Result<(), BundleError> {
         if !self.pending.is_empty() {
             let events = std::mem::take(&mut self.pending);
-            self.frame(KIND_EVENTS, &events)?;
+            self.frame(K::EVENTS, &events)?;
             self.pending_steps = 0;
         }
         self.out.flush().map_err(BundleError::Write)
@@ -233,8 +330,13 @@ impl<W: Write> BundleWriter<W> {
     }
 }
 
-/// Reads a bundle file.
+/// Reads a session bundle file.
 pub fn open(path: &Path) -> Result<Bundle, BundleError> {
+    open_as::<Session>(path)
+}
+
+/// Reads a bundle file of kind `K`.
+pub fn open_as<K: Kind>(path: &Path) -> Result<BundleOf<K>, BundleError> {
     let io = |source| BundleError::Io {
         path: path.display().to_string(),
         source,
@@ -247,7 +349,7 @@ pub fn open(path: &Path) -> Result<Bundle, BundleError> {
         });
     }
     let bytes = std::fs::read(path).map_err(io)?;
-    read(&bytes)
+    read_as::<K>(&bytes)
 }
 
 /// One frame's header, validated against the limits.
@@ -284,7 +386,7 @@ fn next_frame(bytes: &[u8], off: usize, index: usize) -> Result<Next<'_>, Bundle
     let u32_at =
         |i: usize| u32::from_le_bytes([rest[i], rest[i + 1], rest[i + 2], rest[i + 3]]) as usize;
     let kind = rest[0];
-    if !(KIND_MANIFEST..=KIND_TRAILER).contains(&kind)
+    if !(KIND_MANIFEST..=KIND_LAST).contains(&kind)
         || rest[1] != 0
         || rest[2] != 0
         || rest[3] != 0
@@ -349,8 +451,13 @@ fn payload<T: DeserializeOwned>(
     codec::decode(&raw).map_err(|e| corrupt(format!("decoding: {e}")))
 }
 
-/// Reads a bundle from bytes.
+/// Reads a session bundle from bytes.
 pub fn read(bytes: &[u8]) -> Result<Bundle, BundleError> {
+    read_as::<Session>(bytes)
+}
+
+/// Reads a bundle of kind `K` from bytes.
+pub fn read_as<K: Kind>(bytes: &[u8]) -> Result<BundleOf<K>, BundleError> {
     let size = bytes.len() as u64;
     if size > MAX_BUNDLE_BYTES {
         return Err(BundleError::TooLarge {
@@ -388,21 +495,32 @@ pub fn read(bytes: &[u8]) -> Result<Bundle, BundleError> {
         Next::Frame(h, d) => (h, d),
         Next::End | Next::Truncated(_) => return Err(BundleError::NoManifest { size }),
     };
-    if h.kind != KIND_MANIFEST {
+    if h.kind != K::MANIFEST && matches!(h.kind, KIND_MANIFEST | KIND_TRAFFIC_MANIFEST) {
+        return Err(BundleError::WrongKind {
+            found: kind_name(h.kind),
+            expected: K::WHAT,
+            hint: if h.kind == KIND_TRAFFIC_MANIFEST {
+                ": check it against a model with `lmrr audit`"
+            } else {
+                ": replay it with `lmrr replay`"
+            },
+        });
+    }
+    if h.kind != K::MANIFEST {
         return Err(BundleError::Corrupt {
             frame: 0,
             offset: off as u64,
             what: format!("first frame is kind {}, expected the manifest", h.kind),
         });
     }
-    let manifest: Manifest = payload(&h, data, 0, off)?;
-    if manifest.format_version != version {
+    let manifest: K::Manifest = payload(&h, data, 0, off)?;
+    if K::format_version(&manifest) != version {
         return Err(BundleError::Corrupt {
             frame: 0,
             offset: off as u64,
             what: format!(
                 "manifest says format {}, header says {version}",
-                manifest.format_version
+                K::format_version(&manifest)
             ),
         });
     }
@@ -427,8 +545,8 @@ pub fn read(bytes: &[u8]) -> Result<Bundle, BundleError> {
                 }
             }
             Next::Frame(h, data) => match h.kind {
-                KIND_EVENTS => {
-                    let mut batch: Vec<Event> = payload(&h, data, index, off)?;
+                k if k == K::EVENTS => {
+                    let mut batch: Vec<K::Event> = payload(&h, data, index, off)?;
                     events.append(&mut batch);
                     off += FRAME_HEADER_LEN + h.comp_len;
                     frames += 1;
@@ -444,10 +562,7 @@ pub fn read(bytes: &[u8]) -> Result<Bundle, BundleError> {
                     if sha != t.sha256 {
                         return Err(corrupt("trailer SHA-256 does not match the bundle".into()));
                     }
-                    let steps = events
-                        .iter()
-                        .filter(|e| matches!(e, Event::Step(_)))
-                        .count() as u64;
+                    let steps = events.iter().filter(|e| K::is_step(e)).count() as u64;
                     if t.frames as usize != frames
                         || t.events != events.len() as u64
                         || t.steps != steps
@@ -481,7 +596,7 @@ pub fn read(bytes: &[u8]) -> Result<Bundle, BundleError> {
             },
         }
     };
-    Ok(Bundle {
+    Ok(BundleOf {
         manifest,
         events,
         frames,

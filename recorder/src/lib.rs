@@ -11,7 +11,8 @@
 //!
 //! Modules: [`schema`] (the serde types), [`codec`] (the only place that
 //! touches bincode), [`format`] (framing, writer, reader, limits), [`record`]
-//! (session observer → bundle) and [`summary`] (counts for `lmrr inspect`).
+//! (session observer → bundle), [`summary`] (counts for `lmrr inspect`) and
+//! [`traffic`] (what `lmrr proxy` records, in the same framing).
 //! Dependency direction: kernels ← engine ← recorder ← replays ← binary.
 
 pub mod codec;
@@ -19,8 +20,9 @@ pub mod format;
 pub mod record;
 pub mod schema;
 pub mod summary;
+pub mod traffic;
 
-pub use format::{open, read, Bundle, BundleError, BundleWriter, Integrity};
+pub use format::{open, read, Bundle, BundleError, BundleOf, BundleWriter, Integrity, Kind, Writer};
 pub use record::Recorder;
 pub use schema::{Event, HostInfo, Manifest, ModelInfo, SessionSource, Trailer, FORMAT_VERSION};
 pub use summary::Summary;
