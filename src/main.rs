@@ -5,6 +5,7 @@ mod bench;
 mod demo;
 mod replay;
 mod rerecord;
+mod proxy;
 mod serve;
 
 use std::io::Write;
@@ -61,6 +62,10 @@ enum Cmd {
     Bench(bench::BenchArgs),
     /// Serve the OpenAI API on the serving core, recording what happens.
     Serve(serve::ServeArgs),
+    /// Forward OpenAI traffic to another server and record it for `lmrr audit`.
+    Proxy(proxy::ProxyArgs),
+    /// Check a server's recorded answers against lmrr's reference engine.
+    Audit(proxy::AuditArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -720,6 +725,11 @@ fn main() -> std::process::ExitCode {
         Some(Cmd::Rerecord(a)) => rerecord::run(a),
         Some(Cmd::Bench(a)) => bench::run(a),
         Some(Cmd::Serve(a)) => serve::run(a),
+        Some(Cmd::Proxy(a)) => proxy::run_proxy(a),
+        Some(Cmd::Audit(a)) => match proxy::run_audit(a) {
+            Ok(code) => return std::process::ExitCode::from(code),
+            Err(e) => Err(e),
+        },
     };
     match res {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -15,12 +15,15 @@
 //! and interrupts are recorded at engine steps, never at wall-clock times.
 
 pub mod api;
+pub mod audit;
 pub mod detok;
 pub mod engine;
 pub mod error;
+pub mod proxy;
 pub mod record;
 pub mod script;
 pub mod server;
+pub mod sse;
 pub mod template;
 
 use std::net::SocketAddr;
@@ -169,7 +172,7 @@ pub fn serve(model: Model, cfg: ServeConfig) -> Result<(), ServeError> {
 }
 
 /// Waits for SIGINT or SIGTERM; names it.
-async fn signal() -> &'static str {
+pub(crate) async fn signal() -> &'static str {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};

@@ -20,6 +20,7 @@
 //! - [`page`]: the HTML around them.
 
 mod page;
+pub mod audit;
 pub mod plot;
 pub mod timeline;
 
@@ -36,6 +37,7 @@ use crate::driver::{Catalog, Trace};
 use crate::oracle::OracleTurn;
 use crate::report::Outcome;
 
+pub use audit::{audit_svg, AuditSeries};
 pub use timeline::Timeline;
 
 /// Timeline lanes drawn at most (all are in the data).

@@ -1,0 +1,1011 @@
+//! `lmrr audit`: checks what an upstream server answered, as recorded by
+//! `lmrr proxy`, against lmrr's deterministic reference engine.
+//!
+//! Each recorded request is a turn. Its prompt is rebuilt as `lmrr serve`
+//! builds it (the model's chat template, then its tokenizer); the upstream's
+//! output tokens — recovered from its logprob entries (`bytes`, else the
+//! token's text) looked up in this model's vocabulary, or, with no usable
+//! entries, by tokenizing the text — are teacher-forced through the reference
+//! engine, and each is scored against the reference row it was drawn from:
+//! its rank (ties to the lower id, as the sampler), its log-probability, the
+//! gap to the reference's top choice, and, where the upstream returned
+//! alternatives, the KL divergence between the two distributions. An
+//! interrupted turn is cut where its client cut it (the chunks the client was
+//! handed).
+//!
+//! Verdicts ([`Thresholds`] names the numbers and why):
+//! - **faithful**: every greedy choice is the reference's or a near-tie, no
+//!   token is improbable, and the KL stays at the level of rounding noise;
+//!   *bit-faithful* when every returned logprob has the reference's bits;
+//! - **drifted**: a greedy choice beyond a near-tie, or KL above the noise,
+//!   but nothing improbable;
+//! - **broken**: a token the reference finds improbable (below its top-5 and
+//!   past a near-tie for a greedy turn; below [`Thresholds::improbable_logprob`]
+//!   for a sampled one) — the signature of a corrupted context.
+//!
+//! Context fidelity: for a chat turn with history, the reference log-probability
+//! of the upstream's answer with the full history against the same answer
+//! with the history removed (system messages and the last user message kept).
+//! An answer that fits "no history" better is flagged as amnesia.
+//!
+//! Invariants: the reference rows are a pure function of the tokens, so the
+//! same traffic and model always give the same report; logprobs are computed
+//! with the functions `lmrr serve` uses, so an lmrr upstream is bit-faithful.
+//! A traffic bundle is untrusted input: a turn that cannot be read is
+//! skipped with its reason; a tokenizer that does not match the upstream's is
+//! an error naming the first piece of text that does not round-trip.
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde::Serialize;
+use serde_json::Value;
+
+use lmrr_engine::scheduler::{token_logprob, top_logprobs};
+use lmrr_engine::{LogitsWanted, Model, SeqKvStore, SeqSpan};
+use lmrr_kernels::Threads;
+use lmrr_recorder::traffic::{Outcome, TrafficBundle, TrafficEvent};
+
+use crate::api::{self, ChatMessage, Prompt};
+use crate::template::Renderer;
+
+/// The numbers behind the verdicts.
+#[derive(Debug, Clone, Serialize)]
+pub struct Thresholds {
+    /// A greedy choice at rank > 1 whose reference log-probability is within
+    /// this many nats of the top is a near-tie. llama.cpp's top-1 agrees with
+    /// lmrr's wherever its own top-2 gap exceeds 1.5 (docs/REFERENCE.md:
+    /// 224 of 224 positions); its logits differ from the exact ones by up to
+    /// 2.15 per entry, mostly as a shift of the whole row.
+    pub near_tie_nats: f32,
+    /// Ranks past this are "below the top-k" (the top-5).
+    pub top_k: u32,
+    /// A sampled token whose reference log-probability is below this
+    /// (p < 1e-4) is improbable: a sampler at temperature ≤ 1 picks one at
+    /// most once in 10,000 positions.
+    pub improbable_logprob: f32,
+    /// Mean KL (nats per token, over the upstream's returned alternatives)
+    /// above which a turn has drifted. Calibrated on llama.cpp serving the
+    /// same GGUF (docs/REFERENCE.md, "Auditing a server").
+    pub kl_drift: f64,
+}
+
+impl Default for Thresholds {
+    fn default() -> Self {
+        Self {
+            near_tie_nats: 1.5,
+            top_k: 5,
+            improbable_logprob: -9.21,
+            kl_drift: 0.25,
+        }
+    }
+}
+
+/// Errors that stop an audit.
+#[derive(Debug, thiserror::Error)]
+pub enum AuditError {
+    #[error(
+        "the traffic does not match this model's tokenizer: turn {turn} (request {request}), output token {index} {text:?} (bytes {bytes:?}) is not a token of this model's vocabulary of {vocab}; audit with the model the upstream serves"
+    )]
+    Tokenizer {
+        turn: usize,
+        request: u64,
+        index: usize,
+        text: String,
+        bytes: Vec<u8>,
+        vocab: usize,
+    },
+    #[error("turn {turn} (request {request}): the upstream's text {text:?} does not round-trip through this model's tokenizer (it decodes to {back:?})")]
+    RoundTrip {
+        turn: usize,
+        request: u64,
+        text: String,
+        back: String,
+    },
+    #[error("the model's chat template: {0}")]
+    Template(String),
+    #[error(transparent)]
+    Engine(#[from] lmrr_engine::EngineError),
+}
+
+/// One output token, scored.
+#[derive(Debug, Clone, Serialize)]
+pub struct TokenScore {
+    pub id: u32,
+    pub text: String,
+    /// 1 = the reference's greedy choice.
+    pub rank: u32,
+    pub ref_logprob: f32,
+    /// Reference top-1 minus this token's log-probability (0 at rank 1).
+    pub gap: f32,
+    pub ref_top: u32,
+    pub ref_top_text: String,
+    pub upstream_logprob: Option<f64>,
+    /// KL(upstream ‖ reference) over the upstream's alternatives plus the rest.
+    pub kl: Option<f64>,
+}
+
+/// Per-turn figures.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct TurnStats {
+    pub tokens: usize,
+    pub rank1: usize,
+    pub near_ties: usize,
+    /// Greedy choices past a near-tie, within the top-k.
+    pub off: usize,
+    pub improbable: usize,
+    pub first_below_top_k: Option<usize>,
+    pub first_improbable: Option<usize>,
+    pub mean_kl: Option<f64>,
+    pub max_kl: Option<f64>,
+    /// Returned logprobs equal to the reference's bits, of those returned.
+    pub identical_logprobs: usize,
+    pub returned_logprobs: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    Faithful,
+    Drifted,
+    Broken,
+    Skipped,
+}
+
+impl Verdict {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Faithful => "faithful",
+            Self::Drifted => "drifted",
+            Self::Broken => "broken",
+            Self::Skipped => "skipped",
+        }
+    }
+}
+
+/// The context-fidelity comparison of one turn.
+#[derive(Debug, Clone, Serialize)]
+pub struct Fidelity {
+    /// Σ reference logprob of the answer with the full history.
+    pub with_history: f64,
+    /// The same without the history.
+    pub without_history: f64,
+    pub history_messages: usize,
+    pub amnesia: bool,
+}
+
+/// One audited request.
+#[derive(Debug, Clone, Serialize)]
+pub struct Turn {
+    pub turn: usize,
+    pub request: u64,
+    pub endpoint: String,
+    /// The last user message (or the prompt), shortened.
+    pub asks: String,
+    pub temperature: f32,
+    /// Chunks the client was handed before it left.
+    pub interrupted_after_chunks: Option<u32>,
+    /// The turn before this one was interrupted.
+    pub after_interrupt: bool,
+    pub prompt_tokens: usize,
+    pub upstream_prompt_tokens: Option<u64>,
+    /// Where the token ids came from.
+    pub ids_from: String,
+    pub answer: String,
+    pub finish_reason: Option<String>,
+    pub stats: TurnStats,
+    pub verdict: Verdict,
+    pub why: String,
+    pub fidelity: Option<Fidelity>,
+    pub notes: Vec<String>,
+    pub tokens: Vec<TokenScore>,
+}
+
+/// A whole audit.
+#[derive(Debug, Clone, Serialize)]
+pub struct AuditReport {
+    pub traffic: String,
+    pub upstream: String,
+    pub origin: String,
+    pub integrity: String,
+    pub model: String,
+    pub thresholds: Thresholds,
+    pub turns: Vec<Turn>,
+}
+
+impl AuditReport {
+    /// Whether every audited turn is faithful and none forgot its history.
+    pub fn all_faithful(&self) -> bool {
+        self.turns.iter().all(|t| {
+            matches!(t.verdict, Verdict::Faithful | Verdict::Skipped)
+                && !t.fidelity.as_ref().is_some_and(|f| f.amnesia)
+        })
+    }
+}
+
+/// An upstream logprob entry: the token, its logprob, its alternatives.
+#[derive(Debug, Clone)]
+struct Entry {
+    text: String,
+    bytes: Option<Vec<u8>>,
+    logprob: Option<f64>,
+    top: Vec<(String, Option<Vec<u8>>, f64)>,
+}
+
+/// What one response said.
+#[derive(Debug, Default)]
+struct Answer {
+    text: String,
+    entries: Vec<Entry>,
+    finish_reason: Option<String>,
+    prompt_tokens: Option<u64>,
+    notes: Vec<String>,
+}
+
+fn bytes_of(v: &Value) -> Option<Vec<u8>> {
+    v.as_array()?
+        .iter()
+        .map(|b| b.as_u64().filter(|&b| b < 256).map(|b| b as u8))
+        .collect()
+}
+
+/// Logprob entries of a chat choice (`logprobs.content`).
+fn chat_entries(lp: &Value) -> Vec<Entry> {
+    let Some(content) = lp.get("content").and_then(Value::as_array) else {
+        return Vec::new();
+    };
+    content
+        .iter()
+        .map(|e| Entry {
+            text: e.get("token").and_then(Value::as_str).unwrap_or("").into(),
+            bytes: e.get("bytes").and_then(bytes_of),
+            logprob: e.get("logprob").and_then(Value::as_f64),
+            top: e
+                .get("top_logprobs")
+                .and_then(Value::as_array)
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|t| {
+                            Some((
+                                t.get("token")?.as_str()?.to_string(),
+                                t.get("bytes").and_then(bytes_of),
+                                t.get("logprob")?.as_f64()?,
+                            ))
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+        })
+        .collect()
+}
+
+/// Logprob entries of a completion choice (the legacy shape).
+fn completion_entries(lp: &Value) -> Vec<Entry> {
+    let toks = lp.get("tokens").and_then(Value::as_array);
+    let lps = lp.get("token_logprobs").and_then(Value::as_array);
+    let tops = lp.get("top_logprobs").and_then(Value::as_array);
+    let Some(toks) = toks else {
+        return Vec::new();
+    };
+    toks.iter()
+        .enumerate()
+        .map(|(i, t)| Entry {
+            text: t.as_str().unwrap_or("").into(),
+            bytes: None,
+            logprob: lps.and_then(|l| l.get(i)).and_then(Value::as_f64),
+            top: tops
+                .and_then(|l| l.get(i))
+                .and_then(Value::as_object)
+                .map(|o| {
+                    o.iter()
+                        .filter_map(|(k, v)| Some((k.clone(), None, v.as_f64()?)))
+                        .collect()
+                })
+                .unwrap_or_default(),
+        })
+        .collect()
+}
+
+/// Reads the chunks the client was handed (or the whole body) of one turn.
+fn answer(chat: bool, chunks: &[&[u8]], streamed: bool) -> Answer {
+    let mut a = Answer::default();
+    for (i, data) in chunks.iter().enumerate() {
+        if *data == b"[DONE]" {
+            continue;
+        }
+        let v: Value = match serde_json::from_slice(data) {
+            Ok(v) => v,
+            Err(e) => {
+                a.notes.push(format!("chunk {i} is not JSON ({e}); ignored"));
+                continue;
+            }
+        };
+        if let Some(err) = v.get("error") {
+            a.notes.push(format!("the upstream sent an error: {err}"));
+            continue;
+        }
+        if let Some(p) = v
+            .get("usage")
+            .and_then(|u| u.get("prompt_tokens"))
+            .and_then(Value::as_u64)
+        {
+            a.prompt_tokens = Some(p);
+        }
+        let Some(c) = v
+            .get("choices")
+            .and_then(Value::as_array)
+            .and_then(|c| c.iter().find(|c| c.get("index").and_then(Value::as_u64).unwrap_or(0) == 0))
+        else {
+            continue;
+        };
+        let text = if chat {
+            let m = if streamed { c.get("delta") } else { c.get("message") };
+            m.and_then(|m| m.get("content")).and_then(Value::as_str)
+        } else {
+            c.get("text").and_then(Value::as_str)
+        };
+        a.text.push_str(text.unwrap_or(""));
+        if let Some(lp) = c.get("logprobs").filter(|l| !l.is_null()) {
+            a.entries.extend(if chat {
+                chat_entries(lp)
+            } else {
+                completion_entries(lp)
+            });
+        }
+        if let Some(f) = c.get("finish_reason").and_then(Value::as_str) {
+            a.finish_reason = Some(f.into());
+        }
+    }
+    a
+}
+
+/// This model's vocabulary by the bytes of each token.
+pub struct Vocab {
+    bytes: Vec<Vec<u8>>,
+    by_bytes: HashMap<Vec<u8>, u32>,
+}
+
+impl Vocab {
+    pub fn new(model: &Model) -> Self {
+        let bytes = model.tokenizer.byte_table();
+        let mut by_bytes = HashMap::with_capacity(bytes.len());
+        for (i, b) in bytes.iter().enumerate() {
+            // The lowest id wins a collision.
+            by_bytes.entry(b.clone()).or_insert(i as u32);
+        }
+        Self { bytes, by_bytes }
+    }
+
+    fn id(&self, text: &str, bytes: Option<&[u8]>) -> Option<u32> {
+        let key = bytes.unwrap_or(text.as_bytes());
+        self.by_bytes.get(key).copied()
+    }
+
+    fn text(&self, id: u32) -> String {
+        self.bytes
+            .get(id as usize)
+            .map(|b| String::from_utf8_lossy(b).into_owned())
+            .unwrap_or_default()
+    }
+}
+
+/// Rank of `t` in `row`: 1 + entries above it (ties to the lower id).
+fn rank(row: &[f32], t: u32) -> u32 {
+    let v = row[t as usize];
+    let mut r = 1u32;
+    for (j, &x) in row.iter().enumerate() {
+        if x.is_nan() {
+            continue;
+        }
+        if x > v || (x == v && (j as u32) < t) {
+            r += 1;
+        }
+    }
+    r
+}
+
+/// KL(P_up ‖ P_ref) over the upstream's alternatives and one "rest" bucket.
+fn kl(row: &[f32], top: &[(u32, f64)]) -> Option<f64> {
+    if top.is_empty() {
+        return None;
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    let (mut up_sum, mut ref_sum, mut kl) = (0.0f64, 0.0f64, 0.0f64);
+    for &(id, lp_up) in top {
+        if !seen.insert(id) {
+            continue;
+        }
+        let p_up = lp_up.exp();
+        let lp_ref = token_logprob(row, id)? as f64;
+        let p_ref = lp_ref.exp();
+        up_sum += p_up;
+        ref_sum += p_ref;
+        if p_up > 0.0 {
+            kl += p_up * (lp_up - lp_ref);
+        }
+    }
+    let rest_up = (1.0 - up_sum).max(0.0);
+    let rest_ref = (1.0 - ref_sum).max(1e-30);
+    if rest_up > 0.0 {
+        kl += rest_up * (rest_up / rest_ref).ln();
+    }
+    Some(kl.max(0.0))
+}
+
+/// Reference rows predicting `out` after `prompt`: `out.len()` rows.
+fn rows(
+    model: &Model,
+    prompt: &[u32],
+    out: &[u32],
+    threads: &Threads,
+) -> Result<Vec<f32>, AuditError> {
+    let net = model.net();
+    let mut kv = SeqKvStore::new(net.kv_layout());
+    let mut seq = prompt.to_vec();
+    seq.extend_from_slice(out);
+    let fed = &seq[..seq.len() - 1];
+    let split = prompt.len() - 1;
+    if split > 0 {
+        net.forward(
+            &mut kv,
+            &[SeqSpan {
+                seq: 0,
+                start: 0,
+                tokens: &fed[..split],
+                logits: LogitsWanted::None,
+            }],
+            threads,
+        )?;
+    }
+    let mut r = net.forward(
+        &mut kv,
+        &[SeqSpan {
+            seq: 0,
+            start: split,
+            tokens: &fed[split..],
+            logits: LogitsWanted::All,
+        }],
+        threads,
+    )?;
+    Ok(r.remove(0))
+}
+
+/// Σ reference logprob of `out` after `prompt`.
+fn answer_logprob(
+    model: &Model,
+    prompt: &[u32],
+    out: &[u32],
+    threads: &Threads,
+) -> Result<f64, AuditError> {
+    let vocab = model.net().vocab_size();
+    let r = rows(model, prompt, out, threads)?;
+    Ok(out
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| token_logprob(&r[i * vocab..(i + 1) * vocab], t).unwrap_or(f32::NEG_INFINITY) as f64)
+        .sum())
+}
+
+fn shorten(s: &str, n: usize) -> String {
+    let one: String = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    if one.chars().count() <= n {
+        one
+    } else {
+        let mut t: String = one.chars().take(n - 1).collect();
+        t.push('…');
+        t
+    }
+}
+
+/// Everything the traffic says about one request.
+struct Recorded<'a> {
+    id: u64,
+    path: &'a str,
+    body: &'a [u8],
+    status: Option<u16>,
+    chunks: Vec<&'a [u8]>,
+    streamed: bool,
+    end: Option<(&'a Outcome, u32)>,
+}
+
+fn collect(traffic: &TrafficBundle) -> Vec<Recorded<'_>> {
+    let mut by_id: BTreeMap<u64, Recorded<'_>> = BTreeMap::new();
+    for e in &traffic.events {
+        match e {
+            TrafficEvent::Request { id, path, body, .. } => {
+                by_id.entry(*id).or_insert(Recorded {
+                    id: *id,
+                    path,
+                    body,
+                    status: None,
+                    chunks: Vec::new(),
+                    streamed: false,
+                    end: None,
+                });
+            }
+            TrafficEvent::Response {
+                id,
+                status,
+                content_type,
+                ..
+            } => {
+                if let Some(r) = by_id.get_mut(id) {
+                    r.status = Some(*status);
+                    r.streamed = content_type.starts_with("text/event-stream");
+                }
+            }
+            TrafficEvent::Chunk { id, data, .. } => {
+                if let Some(r) = by_id.get_mut(id) {
+                    r.chunks.push(data);
+                }
+            }
+            TrafficEvent::End {
+                id,
+                outcome,
+                chunks_delivered,
+                ..
+            } => {
+                if let Some(r) = by_id.get_mut(id) {
+                    r.end = Some((outcome, *chunks_delivered));
+                }
+            }
+        }
+    }
+    by_id.into_values().collect()
+}
+
+/// Audits `traffic` (read from `name`) on `model`.
+pub fn audit(
+    model: &Model,
+    traffic: &TrafficBundle,
+    name: &str,
+    threads: &Threads,
+    thresholds: Thresholds,
+) -> Result<AuditReport, AuditError> {
+    let renderer = Renderer::new(model).map_err(AuditError::Template)?;
+    let vocab = Vocab::new(model);
+    let vsize = model.net().vocab_size();
+    let context = model.net().context();
+    let mut turns = Vec::new();
+    let mut prev_interrupted = false;
+    for (turn_no, rec) in collect(traffic).into_iter().enumerate() {
+        let chat = rec.path.starts_with("/v1/chat/completions");
+        let mut t = Turn {
+            turn: turn_no,
+            request: rec.id,
+            endpoint: rec.path.split('?').next().unwrap_or("").to_string(),
+            asks: String::new(),
+            temperature: 1.0,
+            interrupted_after_chunks: None,
+            after_interrupt: prev_interrupted,
+            prompt_tokens: 0,
+            upstream_prompt_tokens: None,
+            ids_from: String::new(),
+            answer: String::new(),
+            finish_reason: None,
+            stats: TurnStats::default(),
+            verdict: Verdict::Skipped,
+            why: String::new(),
+            fidelity: None,
+            notes: Vec::new(),
+            tokens: Vec::new(),
+        };
+        let interrupted = matches!(rec.end, Some((Outcome::ClientGone, _)));
+        prev_interrupted = interrupted;
+        let skip = |mut t: Turn, why: String| {
+            t.why = why;
+            t
+        };
+        match rec.end {
+            None => {
+                turns.push(skip(t, "no end recorded (the proxy stopped mid-request)".into()));
+                continue;
+            }
+            Some((Outcome::UpstreamUnreachable { error }, _)) => {
+                turns.push(skip(t, format!("upstream unreachable: {error}")));
+                continue;
+            }
+            Some((Outcome::ClientGone, n)) => t.interrupted_after_chunks = Some(n),
+            Some((Outcome::UpstreamBroken { error }, _)) => {
+                t.notes.push(format!("the upstream's stream broke: {error}"))
+            }
+            Some((Outcome::Complete, _)) => {}
+        }
+        if rec.status.is_some_and(|s| !(200..300).contains(&s)) {
+            let s = rec.status.unwrap_or(0);
+            turns.push(skip(t, format!("the upstream answered {s}")));
+            continue;
+        }
+        // The prompt, as lmrr serve builds it.
+        let (prompt, messages, temperature) = if chat {
+            match api::parse_chat(rec.body) {
+                Ok(req) => {
+                    t.asks = req
+                        .messages
+                        .iter()
+                        .rev()
+                        .find(|m| m.role == "user")
+                        .and_then(|m| m.content.clone())
+                        .unwrap_or_default();
+                    let r = match renderer.render(&req.messages, req.tools.as_ref(), req.tool_choice.as_ref()) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            turns.push(skip(t, format!("the chat template refused the request: {}", e.message)));
+                            continue;
+                        }
+                    };
+                    let p = model.tokenizer.encode(&r.text)?;
+                    (p, Some(req.messages), req.gen.temperature)
+                }
+                Err(e) => {
+                    turns.push(skip(t, format!("request not understood: {}", e.message)));
+                    continue;
+                }
+            }
+        } else {
+            match api::parse_completion(rec.body) {
+                Ok(req) => {
+                    let p = match &req.prompt {
+                        Prompt::Text(s) => {
+                            t.asks = s.clone();
+                            model.tokenizer.encode(s)?
+                        }
+                        Prompt::Tokens(ids) => ids.clone(),
+                    };
+                    (p, None, req.gen.temperature)
+                }
+                Err(e) => {
+                    turns.push(skip(t, format!("request not understood: {}", e.message)));
+                    continue;
+                }
+            }
+        };
+        t.asks = shorten(&t.asks, 48);
+        t.temperature = temperature;
+        t.prompt_tokens = prompt.len();
+        let chunks: &[&[u8]] = match t.interrupted_after_chunks {
+            Some(n) => &rec.chunks[..(n as usize).min(rec.chunks.len())],
+            None => &rec.chunks,
+        };
+        let ans = answer(chat, chunks, rec.streamed);
+        t.notes.extend(ans.notes.iter().cloned());
+        t.answer = ans.text.clone();
+        t.finish_reason = ans.finish_reason.clone();
+        t.upstream_prompt_tokens = ans.prompt_tokens;
+        if let Some(p) = ans.prompt_tokens {
+            if p as usize != prompt.len() {
+                t.notes.push(format!(
+                    "the upstream counted {p} prompt tokens, this model's template and tokenizer give {}: the audit scores the answer after lmrr's prompt",
+                    prompt.len()
+                ));
+            }
+        }
+        // The output token ids.
+        let usable = !ans.entries.is_empty()
+            && ans
+                .entries
+                .iter()
+                .all(|e| e.bytes.is_some() || !(e.text.is_empty() || e.text.contains('\u{FFFD}')));
+        let out: Vec<u32> = if usable {
+            let mut ids = Vec::with_capacity(ans.entries.len());
+            for (i, e) in ans.entries.iter().enumerate() {
+                match vocab.id(&e.text, e.bytes.as_deref()) {
+                    Some(id) => ids.push(id),
+                    None => {
+                        return Err(AuditError::Tokenizer {
+                            turn: turn_no,
+                            request: rec.id,
+                            index: i,
+                            text: e.text.clone(),
+                            bytes: e.bytes.clone().unwrap_or_else(|| e.text.as_bytes().to_vec()),
+                            vocab: vsize,
+                        })
+                    }
+                }
+            }
+            t.ids_from = if ans.entries.iter().all(|e| e.bytes.is_some()) {
+                "logprob bytes".into()
+            } else {
+                "logprob tokens".into()
+            };
+            let joined: Vec<u8> = ids.iter().flat_map(|&i| vocab.bytes[i as usize].clone()).collect();
+            if joined != ans.text.as_bytes() && !ans.text.is_empty() {
+                t.notes.push(format!(
+                    "the logprob entries spell {:?}, the text is {:?}",
+                    shorten(&String::from_utf8_lossy(&joined), 40),
+                    shorten(&ans.text, 40)
+                ));
+            }
+            ids
+        } else {
+            if !ans.entries.is_empty() {
+                t.notes.push("logprob entries without bytes hold partial characters; ids re-derived by tokenizing the text".into());
+            }
+            t.ids_from = "tokenized text".into();
+            let ids = model.tokenizer.encode(&ans.text)?;
+            let back = model.tokenizer.decode(&ids)?;
+            if back != ans.text {
+                return Err(AuditError::RoundTrip {
+                    turn: turn_no,
+                    request: rec.id,
+                    text: shorten(&ans.text, 60),
+                    back: shorten(&back, 60),
+                });
+            }
+            ids
+        };
+        if out.is_empty() {
+            t.verdict = Verdict::Skipped;
+            t.why = "no output tokens".into();
+            turns.push(t);
+            continue;
+        }
+        if prompt.is_empty() || prompt.len() + out.len() > context + 1 {
+            t.why = format!(
+                "{} prompt + {} output tokens do not fit this model's context of {context}",
+                prompt.len(),
+                out.len()
+            );
+            turns.push(t);
+            continue;
+        }
+        // Score every token against the reference.
+        let r = rows(model, &prompt, &out, threads)?;
+        let greedy = temperature == 0.0;
+        let mut kls = Vec::new();
+        for (i, &id) in out.iter().enumerate() {
+            let row = &r[i * vsize..(i + 1) * vsize];
+            let top = top_logprobs(row, 1);
+            let (ref_top, top_lp) = top.first().copied().unwrap_or((0, f32::NAN));
+            let lp = token_logprob(row, id).unwrap_or(f32::NEG_INFINITY);
+            let e = if usable { ans.entries.get(i) } else { None };
+            let up_top: Vec<(u32, f64)> = e
+                .map(|e| {
+                    e.top
+                        .iter()
+                        .filter_map(|(s, b, l)| Some((vocab.id(s, b.as_deref())?, *l)))
+                        .collect()
+                })
+                .unwrap_or_default();
+            let k = kl(row, &up_top);
+            if let Some(k) = k {
+                kls.push(k);
+            }
+            let upstream_logprob = e.and_then(|e| e.logprob);
+            let rk = rank(row, id);
+            let gap = top_lp - lp;
+            let s = &mut t.stats;
+            s.tokens += 1;
+            if let Some(u) = upstream_logprob {
+                s.returned_logprobs += 1;
+                if (u as f32).to_bits() == lp.to_bits() {
+                    s.identical_logprobs += 1;
+                }
+            }
+            let below = rk > thresholds.top_k;
+            if below && s.first_below_top_k.is_none() {
+                s.first_below_top_k = Some(i);
+            }
+            let improbable = if greedy {
+                below && gap > thresholds.near_tie_nats
+            } else {
+                lp < thresholds.improbable_logprob
+            };
+            if improbable {
+                s.improbable += 1;
+                s.first_improbable.get_or_insert(i);
+            } else if rk == 1 {
+                s.rank1 += 1;
+            } else if gap <= thresholds.near_tie_nats {
+                s.near_ties += 1;
+            } else if greedy {
+                s.off += 1;
+            }
+            t.tokens.push(TokenScore {
+                id,
+                text: vocab.text(id),
+                rank: rk,
+                ref_logprob: lp,
+                gap,
+                ref_top,
+                ref_top_text: vocab.text(ref_top),
+                upstream_logprob,
+                kl: k,
+            });
+        }
+        if !kls.is_empty() {
+            t.stats.mean_kl = Some(kls.iter().sum::<f64>() / kls.len() as f64);
+            t.stats.max_kl = kls.iter().copied().reduce(f64::max);
+        }
+        let s = &t.stats;
+        let (verdict, why) = if s.improbable > 0 {
+            let i = s.first_improbable.unwrap_or(0);
+            let tok = &t.tokens[i];
+            (
+                Verdict::Broken,
+                format!(
+                    "token {i} {:?} is improbable under the reference (rank {}, logprob {:.2}; the reference's choice is {:?}){}",
+                    tok.text,
+                    tok.rank,
+                    tok.ref_logprob,
+                    tok.ref_top_text,
+                    if t.after_interrupt { ", right after an interrupted turn" } else { "" }
+                ),
+            )
+        } else if s.off > 0 {
+            (
+                Verdict::Drifted,
+                format!(
+                    "{} greedy choice(s) past a near-tie ({} nats) but within the top-{}",
+                    s.off, thresholds.near_tie_nats, thresholds.top_k
+                ),
+            )
+        } else if s.mean_kl.is_some_and(|k| k > thresholds.kl_drift) {
+            (
+                Verdict::Drifted,
+                format!(
+                    "mean KL {:.3} nats/token above the noise level {}",
+                    s.mean_kl.unwrap_or(0.0),
+                    thresholds.kl_drift
+                ),
+            )
+        } else if s.returned_logprobs == s.tokens && s.identical_logprobs == s.tokens && s.rank1 == s.tokens {
+            (
+                Verdict::Faithful,
+                "bit-faithful: every token the reference's choice, every logprob the reference's bits".into(),
+            )
+        } else {
+            (
+                Verdict::Faithful,
+                format!(
+                    "{} of {} tokens the reference's choice, {} near-ties",
+                    s.rank1, s.tokens, s.near_ties
+                ),
+            )
+        };
+        t.verdict = verdict;
+        t.why = why;
+        // Context fidelity.
+        if let Some(msgs) = messages {
+            let last_user = msgs.iter().rposition(|m| m.role == "user");
+            if let Some(lu) = last_user {
+                let kept: Vec<ChatMessage> = msgs
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, m)| *i >= lu || m.role == "system")
+                    .map(|(_, m)| m.clone())
+                    .collect();
+                let history = msgs.len() - kept.len();
+                if history > 0 {
+                    if let Ok(r) = renderer.render(&kept, None, None) {
+                        let bare = model.tokenizer.encode(&r.text)?;
+                        let with_history: f64 = t.tokens.iter().map(|x| x.ref_logprob as f64).sum();
+                        let without_history = answer_logprob(model, &bare, &out, threads)?;
+                        t.fidelity = Some(Fidelity {
+                            with_history,
+                            without_history,
+                            history_messages: history,
+                            amnesia: without_history > with_history,
+                        });
+                    }
+                }
+            }
+        }
+        turns.push(t);
+    }
+    Ok(AuditReport {
+        traffic: name.to_string(),
+        upstream: traffic.manifest.upstream.clone(),
+        origin: traffic.manifest.origin.clone(),
+        integrity: traffic.integrity.to_string(),
+        model: model.origin.clone(),
+        thresholds,
+        turns,
+    })
+}
+
+impl std::fmt::Display for AuditReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "audit of {} ({}) · upstream {} · reference {}",
+            self.traffic, self.origin, self.upstream, self.model
+        )?;
+        if !self.integrity.starts_with("complete") {
+            writeln!(f, "traffic: {}", self.integrity)?;
+        }
+        writeln!(f)?;
+        writeln!(
+            f,
+            "{:<4} {:<44} {:>6} {:>7} {:>4} {:>4} {:>5} {:>8} {:>9}  verdict",
+            "turn", "request", "tokens", "rank 1", "tie", "off", "impr", "mean KL", "<top-5 at"
+        )?;
+        for t in &self.turns {
+            let mut label = format!("{} \"{}\"", if t.endpoint.contains("chat") { "chat" } else { "cmpl" }, shorten(&t.asks, 30));
+            if let Some(n) = t.interrupted_after_chunks {
+                label = format!("{} [cut@{n}]", shorten(&label, 33));
+            }
+            if t.verdict == Verdict::Skipped {
+                writeln!(f, "{:<4} {:<44} skipped: {}", t.turn, label, t.why)?;
+                continue;
+            }
+            let s = &t.stats;
+            writeln!(
+                f,
+                "{:<4} {:<44} {:>6} {:>7} {:>4} {:>4} {:>5} {:>8} {:>9}  {}{}",
+                t.turn,
+                label,
+                s.tokens,
+                s.rank1,
+                s.near_ties,
+                s.off,
+                s.improbable,
+                s.mean_kl.map_or("-".into(), |k| format!("{k:.4}")),
+                s.first_below_top_k.map_or("-".into(), |i| i.to_string()),
+                t.verdict.as_str(),
+                if t.after_interrupt { " (after an interrupt)" } else { "" }
+            )?;
+        }
+        writeln!(f)?;
+        for t in &self.turns {
+            if t.verdict == Verdict::Skipped {
+                continue;
+            }
+            writeln!(f, "turn {}: {} — {}", t.turn, t.verdict.as_str(), t.why)?;
+            if t.stats.returned_logprobs > 0 {
+                writeln!(
+                    f,
+                    "  logprobs: {} of {} returned have the reference's bits; ids from {}",
+                    t.stats.identical_logprobs, t.stats.returned_logprobs, t.ids_from
+                )?;
+            }
+            if let Some(i) = t.stats.first_below_top_k {
+                let x = &t.tokens[i];
+                writeln!(
+                    f,
+                    "  first choice below the reference's top-{}: token {i} {:?} (rank {}, logprob {:.2}; reference: {:?})",
+                    self.thresholds.top_k, x.text, x.rank, x.ref_logprob, x.ref_top_text
+                )?;
+            }
+            writeln!(f, "  answer: {:?}", shorten(&t.answer, 70))?;
+            for n in &t.notes {
+                writeln!(f, "  note: {n}")?;
+            }
+        }
+        let fid: Vec<&Turn> = self.turns.iter().filter(|t| t.fidelity.is_some()).collect();
+        if !fid.is_empty() {
+            writeln!(f)?;
+            writeln!(f, "context fidelity (reference logprob of the upstream's answer, nats):")?;
+            writeln!(
+                f,
+                "{:<4} {:>7} {:>13} {:>13} {:>9}  ",
+                "turn", "history", "with", "without", "per token"
+            )?;
+            for t in fid {
+                let Some(x) = &t.fidelity else { continue };
+                writeln!(
+                    f,
+                    "{:<4} {:>7} {:>13.2} {:>13.2} {:>+9.3}  {}",
+                    t.turn,
+                    format!("{} msgs", x.history_messages),
+                    x.with_history,
+                    x.without_history,
+                    (x.with_history - x.without_history) / t.stats.tokens.max(1) as f64,
+                    if x.amnesia { "AMNESIA: the answer fits no history better" } else { "uses its history" }
+                )?;
+            }
+        }
+        let count = |v: Verdict| self.turns.iter().filter(|t| t.verdict == v).count();
+        let amnesia = self.turns.iter().filter(|t| t.fidelity.as_ref().is_some_and(|f| f.amnesia)).count();
+        writeln!(f)?;
+        write!(
+            f,
+            "{} turns: {} faithful, {} drifted, {} broken, {} skipped; {} amnesia",
+            self.turns.len(),
+            count(Verdict::Faithful),
+            count(Verdict::Drifted),
+            count(Verdict::Broken),
+            count(Verdict::Skipped),
+            amnesia
+        )
+    }
+}
