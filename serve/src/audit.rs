@@ -213,9 +213,11 @@ pub struct AuditReport {
 }
 
 impl AuditReport {
-    /// Whether every audited turn is faithful and none forgot its history.
+    /// Whether at least one turn was audited, every audited turn is
+    /// faithful, and none forgot its history.
     pub fn all_faithful(&self) -> bool {
-        self.turns.iter().all(|t| {
+        self.turns.iter().any(|t| t.verdict != Verdict::Skipped)
+            && self.turns.iter().all(|t| {
             matches!(t.verdict, Verdict::Faithful | Verdict::Skipped)
                 && !t.fidelity.as_ref().is_some_and(|f| f.amnesia)
         })
