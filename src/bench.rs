@@ -34,6 +34,11 @@ pub struct BenchArgs {
     /// against a peer engine).
     #[arg(long)]
     speed_only: bool,
+    /// Instead: the latency `lmrr proxy` adds per streamed chunk, against a
+    /// local SSE upstream (direct and proxied streams alternate; `--repeats`
+    /// rounds of 200 chunks, one every 2 ms).
+    #[arg(long)]
+    proxy: bool,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -70,6 +75,9 @@ fn bandwidth(th: &Threads, mib: usize, repeats: usize) -> f64 {
 }
 
 pub fn run(a: &BenchArgs) -> Result<()> {
+    if a.proxy {
+        return run_proxy(a.repeats.max(3));
+    }
     let th = crate::threads(a.threads)?;
     let t_load = Instant::now();
     let model = crate::load_model(Some(&a.model))?;
@@ -449,4 +457,27 @@ pub fn recording_overhead(
         read_s,
         events: b.events.len(),
     })
+}
+
+fn run_proxy(rounds: usize) -> Result<()> {
+    let b = lmrr_serve::proxy_bench::bench(rounds, 200, std::time::Duration::from_millis(2))?;
+    println!(
+        "lmrr proxy: {} rounds × {} chunks, one every {} ms, loopback; latency = arrival − upstream write",
+        b.rounds,
+        b.chunks_per_round,
+        b.interval.as_millis()
+    );
+    println!(
+        "  direct    median {:>7.1} µs   p99 {:>7.1} µs   ({} chunks)",
+        b.direct.median_us, b.direct.p99_us, b.direct.chunks
+    );
+    println!(
+        "  proxied   median {:>7.1} µs   p99 {:>7.1} µs   ({} chunks; logprobs stripped, every chunk recorded)",
+        b.proxied.median_us, b.proxied.p99_us, b.proxied.chunks
+    );
+    println!(
+        "  added per chunk: {:.1} µs (median over rounds of the difference of medians; limit 1000 µs)",
+        b.added_median_us
+    );
+    Ok(())
 }

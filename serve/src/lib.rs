@@ -20,6 +20,7 @@ pub mod detok;
 pub mod engine;
 pub mod error;
 pub mod proxy;
+pub mod proxy_bench;
 pub mod record;
 pub mod script;
 pub mod server;
