@@ -56,7 +56,7 @@ pub fn audit_svg(series: &[AuditSeries]) -> Result<String, HtmlError> {
             .margin(8)
             .margin_right(16)
             .caption("reference logprob of each upstream token (nats)", ("sans-serif", 14))
-            .x_label_area_size(22)
+            .x_label_area_size(36)
             .y_label_area_size(54)
             .build_cartesian_2d(0.0..n, lo..0.5)
             .map_err(err)?;
@@ -89,7 +89,7 @@ pub fn audit_svg(series: &[AuditSeries]) -> Result<String, HtmlError> {
             .margin(8)
             .margin_right(16)
             .caption("rank under the reference (1 = its choice; 6+ = below its top-5)", ("sans-serif", 14))
-            .x_label_area_size(22)
+            .x_label_area_size(36)
             .y_label_area_size(54)
             .build_cartesian_2d(0.0..n, (1.0..max_rank * 1.5).log_scale())
             .map_err(err)?;
