@@ -65,7 +65,11 @@ impl Proc {
             if let Some(s) = self.child.try_wait().unwrap() {
                 return s.code();
             }
-            assert!(t0.elapsed() < Duration::from_secs(30), "did not exit: {}", self.log.lock().unwrap());
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "did not exit: {}",
+                self.log.lock().unwrap()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -115,13 +119,20 @@ fn post(port: u16, path: &str, body: &Value) -> (u16, String, String) {
     .unwrap();
     let mut raw = Vec::new();
     let _ = s.read_to_end(&mut raw);
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").expect("headers");
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("headers");
     let headers = String::from_utf8_lossy(&raw[..split]).to_string();
     let mut b = &raw[split + 4..];
     let mut body = Vec::new();
-    if headers.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+    if headers
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
         while let Some(nl) = b.windows(2).position(|w| w == b"\r\n") {
-            let n = usize::from_str_radix(std::str::from_utf8(&b[..nl]).unwrap().trim(), 16).unwrap();
+            let n =
+                usize::from_str_radix(std::str::from_utf8(&b[..nl]).unwrap().trim(), 16).unwrap();
             if n == 0 {
                 break;
             }
@@ -203,7 +214,11 @@ fn chunk(req: &Value, text: &str) -> Vec<u8> {
 fn an_unreachable_upstream_is_a_502_and_is_recorded() {
     let dir = tempfile::tempdir().unwrap();
     // A port nobody listens on: bind, note, close.
-    let dead = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let dead = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let mut p = proxy(&format!("http://127.0.0.1:{dead}"), dir.path());
     let (status, _, body) = post(
         p.port,
@@ -213,11 +228,26 @@ fn an_unreachable_upstream_is_a_502_and_is_recorded() {
     assert_eq!(status, 502, "{body}");
     let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["error"]["type"], "upstream_error");
-    assert!(v["error"]["message"].as_str().unwrap().contains(&dead.to_string()), "{body}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains(&dead.to_string()),
+        "{body}"
+    );
     assert_eq!(p.stop(), Some(0));
     let t = traffic::open(&traffic_file(dir.path())).unwrap();
-    assert!(matches!(t.integrity, lmrr_recorder::Integrity::Complete { .. }));
-    assert!(t.events.iter().any(|e| matches!(e, TrafficEvent::End { outcome: Outcome::UpstreamUnreachable { .. }, .. })));
+    assert!(matches!(
+        t.integrity,
+        lmrr_recorder::Integrity::Complete { .. }
+    ));
+    assert!(t.events.iter().any(|e| matches!(
+        e,
+        TrafficEvent::End {
+            outcome: Outcome::UpstreamUnreachable { .. },
+            ..
+        }
+    )));
 }
 
 #[test]
@@ -233,7 +263,11 @@ fn malformed_sse_is_an_error_event_for_the_client_and_kept_in_the_traffic() {
         v
     });
     let mut p = proxy(&format!("http://127.0.0.1:{up}"), dir.path());
-    for (model, want) in [("not-json", "is not JSON"), ("cut", "inside an event"), ("fine", "")] {
+    for (model, want) in [
+        ("not-json", "is not JSON"),
+        ("cut", "inside an event"),
+        ("fine", ""),
+    ] {
         let (status, _, body) = post(
             p.port,
             "/v1/chat/completions",
@@ -250,11 +284,18 @@ fn malformed_sse_is_an_error_event_for_the_client_and_kept_in_the_traffic() {
             assert_eq!(last, "[DONE]");
         } else {
             let e: Value = serde_json::from_str(last).unwrap();
-            assert!(e["error"]["message"].as_str().unwrap().contains(want), "{body}");
+            assert!(
+                e["error"]["message"].as_str().unwrap().contains(want),
+                "{body}"
+            );
         }
     }
     // The proxy lives on.
-    let (status, _, _) = post(p.port, "/v1/chat/completions", &json!({"model": "fine", "messages": []}));
+    let (status, _, _) = post(
+        p.port,
+        "/v1/chat/completions",
+        &json!({"model": "fine", "messages": []}),
+    );
     assert_eq!(status, 200);
     assert_eq!(p.stop(), Some(0));
     let t = traffic::open(&traffic_file(dir.path())).unwrap();
@@ -268,7 +309,9 @@ fn malformed_sse_is_an_error_event_for_the_client_and_kept_in_the_traffic() {
         .collect();
     assert_eq!(ends.len(), 4);
     assert!(matches!(ends[0], Outcome::UpstreamBroken { error } if error.contains("not JSON")));
-    assert!(matches!(ends[1], Outcome::UpstreamBroken { error } if error.contains("inside an event")));
+    assert!(
+        matches!(ends[1], Outcome::UpstreamBroken { error } if error.contains("inside an event"))
+    );
     assert_eq!(ends[2], &Outcome::Complete);
     // Every byte the upstream sent is in the traffic: the bad chunk, and the
     // logprobs that were stripped for the client.
@@ -276,7 +319,9 @@ fn malformed_sse_is_an_error_event_for_the_client_and_kept_in_the_traffic() {
         .events
         .iter()
         .filter_map(|e| match e {
-            TrafficEvent::Chunk { id: 0, data, .. } => Some(String::from_utf8_lossy(data).into_owned()),
+            TrafficEvent::Chunk { id: 0, data, .. } => {
+                Some(String::from_utf8_lossy(data).into_owned())
+            }
             _ => None,
         })
         .collect();
@@ -285,7 +330,10 @@ fn malformed_sse_is_an_error_event_for_the_client_and_kept_in_the_traffic() {
     assert_eq!(chunks[2], "{\"choices\": [oops");
     // The proxy asked for logprobs on the client's behalf.
     let asked = t.events.iter().find_map(|e| match e {
-        TrafficEvent::Request { upstream_body: Some(b), .. } => Some(serde_json::from_slice::<Value>(b).unwrap()),
+        TrafficEvent::Request {
+            upstream_body: Some(b),
+            ..
+        } => Some(serde_json::from_slice::<Value>(b).unwrap()),
         _ => None,
     });
     assert_eq!(asked.unwrap()["top_logprobs"], 5);
@@ -328,7 +376,11 @@ fn a_client_that_leaves_is_recorded_with_the_chunks_it_was_handed() {
         .events
         .iter()
         .find_map(|e| match e {
-            TrafficEvent::End { outcome, chunks_delivered, .. } => Some((outcome.clone(), *chunks_delivered)),
+            TrafficEvent::End {
+                outcome,
+                chunks_delivered,
+                ..
+            } => Some((outcome.clone(), *chunks_delivered)),
             _ => None,
         })
         .unwrap();
@@ -340,7 +392,18 @@ fn a_client_that_leaves_is_recorded_with_the_chunks_it_was_handed() {
 #[test]
 fn lmrr_serve_as_the_upstream_is_bit_faithful_and_survives_a_resend() {
     let dir = tempfile::tempdir().unwrap();
-    let mut serve = Proc::start(&["serve", "--model", MODEL, "--addr", "127.0.0.1:0", "--threads", "1"], dir.path());
+    let mut serve = Proc::start(
+        &[
+            "serve",
+            "--model",
+            MODEL,
+            "--addr",
+            "127.0.0.1:0",
+            "--threads",
+            "1",
+        ],
+        dir.path(),
+    );
     let mut p = proxy(&format!("http://127.0.0.1:{}", serve.port), dir.path());
     let user = json!({"role": "user", "content": "Tell me about the sea and the sky."});
     let (s1, _, b1) = post(
@@ -351,7 +414,10 @@ fn lmrr_serve_as_the_upstream_is_bit_faithful_and_survives_a_resend() {
     assert_eq!(s1, 200, "{b1}");
     let v: Value = serde_json::from_str(&b1).unwrap();
     assert_eq!(v["choices"][0]["logprobs"], Value::Null, "{b1}");
-    let answer = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let answer = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
     let (s2, _, b2) = post(
         p.port,
         "/v1/chat/completions",
@@ -369,7 +435,15 @@ fn lmrr_serve_as_the_upstream_is_bit_faithful_and_survives_a_resend() {
     assert_eq!(p.stop(), Some(0));
     let file = traffic_file(dir.path());
     let out = Command::new(env!("CARGO_BIN_EXE_lmrr"))
-        .args(["audit", file.to_str().unwrap(), "--model", MODEL, "--threads", "1", "--json"])
+        .args([
+            "audit",
+            file.to_str().unwrap(),
+            "--model",
+            MODEL,
+            "--threads",
+            "1",
+            "--json",
+        ])
         .env_clear()
         .output()
         .unwrap();
@@ -389,7 +463,10 @@ fn lmrr_serve_as_the_upstream_is_bit_faithful_and_survives_a_resend() {
     }
     for t in &turns[..2] {
         assert_eq!(t["stats"]["rank1"], t["stats"]["tokens"], "{t:#}");
-        assert!(t["why"].as_str().unwrap().starts_with("bit-faithful"), "{t:#}");
+        assert!(
+            t["why"].as_str().unwrap().starts_with("bit-faithful"),
+            "{t:#}"
+        );
     }
     // The second turn has history and uses it.
     assert_eq!(turns[1]["fidelity"]["history_messages"], 2);
@@ -397,7 +474,14 @@ fn lmrr_serve_as_the_upstream_is_bit_faithful_and_survives_a_resend() {
 }
 
 fn write_traffic(path: &Path, chunks: &[Value]) {
-    let m = TrafficManifest::new("http://127.0.0.1:1", "127.0.0.1:2", 5, "clients", "test", "none");
+    let m = TrafficManifest::new(
+        "http://127.0.0.1:1",
+        "127.0.0.1:2",
+        5,
+        "clients",
+        "test",
+        "none",
+    );
     let mut w = TrafficWriter::new(std::fs::File::create(path).unwrap(), &m, 1).unwrap();
     let body = json!({"model": "m", "messages": [{"role": "user", "content": "Who are you?"}], "stream": true});
     w.push(TrafficEvent::Request {
@@ -409,13 +493,28 @@ fn write_traffic(path: &Path, chunks: &[Value]) {
         upstream_body: None,
     })
     .unwrap();
-    w.push(TrafficEvent::Response { id: 0, at_us: 1, status: 200, content_type: "text/event-stream".into() })
-        .unwrap();
+    w.push(TrafficEvent::Response {
+        id: 0,
+        at_us: 1,
+        status: 200,
+        content_type: "text/event-stream".into(),
+    })
+    .unwrap();
     for c in chunks {
-        w.push(TrafficEvent::Chunk { id: 0, at_us: 2, data: c.to_string().into_bytes() }).unwrap();
-    }
-    w.push(TrafficEvent::End { id: 0, at_us: 3, outcome: Outcome::Complete, chunks_delivered: chunks.len() as u32 })
+        w.push(TrafficEvent::Chunk {
+            id: 0,
+            at_us: 2,
+            data: c.to_string().into_bytes(),
+        })
         .unwrap();
+    }
+    w.push(TrafficEvent::End {
+        id: 0,
+        at_us: 3,
+        outcome: Outcome::Complete,
+        chunks_delivered: chunks.len() as u32,
+    })
+    .unwrap();
     w.finish().unwrap();
 }
 
@@ -423,26 +522,47 @@ fn write_traffic(path: &Path, chunks: &[Value]) {
 fn traffic_for_another_tokenizer_is_refused_naming_the_first_piece() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.lmrr");
-    let entry = |tok: &str| json!({"choices": [{"index": 0, "delta": {"content": tok},
-        "logprobs": {"content": [{"token": tok, "logprob": -0.1, "bytes": null, "top_logprobs": []}]}}]});
+    let entry = |tok: &str| {
+        json!({"choices": [{"index": 0, "delta": {"content": tok},
+        "logprobs": {"content": [{"token": tok, "logprob": -0.1, "bytes": null, "top_logprobs": []}]}}]})
+    };
     // " t" is a token of the synthetic vocabulary; "Zorblaxium" is not.
     write_traffic(&path, &[entry(" t"), entry("Zorblaxium")]);
     let out = Command::new(env!("CARGO_BIN_EXE_lmrr"))
-        .args(["audit", path.to_str().unwrap(), "--model", MODEL, "--threads", "1"])
+        .args([
+            "audit",
+            path.to_str().unwrap(),
+            "--model",
+            MODEL,
+            "--threads",
+            "1",
+        ])
         .env_clear()
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("\"Zorblaxium\"") && err.contains("output token 1"), "{err}");
-    assert!(err.contains("does not match this model's tokenizer"), "{err}");
+    assert!(
+        err.contains("\"Zorblaxium\"") && err.contains("output token 1"),
+        "{err}"
+    );
+    assert!(
+        err.contains("does not match this model's tokenizer"),
+        "{err}"
+    );
     // A session bundle given to audit says what it is.
     let out = Command::new(env!("CARGO_BIN_EXE_lmrr"))
-        .args(["audit", concat!(env!("CARGO_MANIFEST_DIR"), "/replays/incident.lmrr")])
+        .args([
+            "audit",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/replays/incident.lmrr"),
+        ])
         .env_clear()
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("session bundle") && err.contains("lmrr replay"), "{err}");
+    assert!(
+        err.contains("session bundle") && err.contains("lmrr replay"),
+        "{err}"
+    );
 }

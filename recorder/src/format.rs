@@ -386,10 +386,7 @@ fn next_frame(bytes: &[u8], off: usize, index: usize) -> Result<Next<'_>, Bundle
     let u32_at =
         |i: usize| u32::from_le_bytes([rest[i], rest[i + 1], rest[i + 2], rest[i + 3]]) as usize;
     let kind = rest[0];
-    if !(KIND_MANIFEST..=KIND_LAST).contains(&kind)
-        || rest[1] != 0
-        || rest[2] != 0
-        || rest[3] != 0
+    if !(KIND_MANIFEST..=KIND_LAST).contains(&kind) || rest[1] != 0 || rest[2] != 0 || rest[3] != 0
     {
         return Err(corrupt(format!(
             "bad frame header (kind {kind}, flags {:02x}{:02x}{:02x})",

@@ -4,7 +4,14 @@ use lmrr_recorder::traffic::{self, Outcome, TrafficEvent, TrafficManifest, Traff
 use lmrr_recorder::{BundleError, Integrity};
 
 fn manifest() -> TrafficManifest {
-    TrafficManifest::new("http://127.0.0.1:9", "127.0.0.1:8", 5, "clients", "test", "none")
+    TrafficManifest::new(
+        "http://127.0.0.1:9",
+        "127.0.0.1:8",
+        5,
+        "clients",
+        "test",
+        "none",
+    )
 }
 
 fn events(n: u64) -> Vec<TrafficEvent> {
@@ -34,7 +41,11 @@ fn events(n: u64) -> Vec<TrafficEvent> {
         ev.push(TrafficEvent::End {
             id,
             at_us: id * 10 + 9,
-            outcome: if id == 1 { Outcome::ClientGone } else { Outcome::Complete },
+            outcome: if id == 1 {
+                Outcome::ClientGone
+            } else {
+                Outcome::Complete
+            },
             chunks_delivered: if id == 1 { 2 } else { 3 },
         });
     }
@@ -66,7 +77,10 @@ fn a_killed_proxy_leaves_every_finished_request() {
     // Cut inside the last frames: everything flushed before is still there.
     for cut in [bytes.len() - 1, bytes.len() - 40, bytes.len() / 2] {
         let b = traffic::read(&bytes[..cut]).unwrap();
-        assert!(matches!(b.integrity, Integrity::Truncated { .. }), "cut {cut}");
+        assert!(
+            matches!(b.integrity, Integrity::Truncated { .. }),
+            "cut {cut}"
+        );
         assert_eq!(b.events[..], ev[..b.events.len()]);
     }
 }
@@ -77,12 +91,22 @@ fn the_two_kinds_refuse_each_other_by_name() {
     let e = lmrr_recorder::read(&bytes).unwrap_err();
     assert!(matches!(e, BundleError::WrongKind { .. }), "{e}");
     let msg = e.to_string();
-    assert!(msg.contains("traffic bundle") && msg.contains("lmrr audit"), "{msg}");
+    assert!(
+        msg.contains("traffic bundle") && msg.contains("lmrr audit"),
+        "{msg}"
+    );
 
-    let session = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/../replays/incident.lmrr")).unwrap();
+    let session = std::fs::read(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../replays/incident.lmrr"
+    ))
+    .unwrap();
     let e = traffic::read(&session).unwrap_err();
     let msg = e.to_string();
-    assert!(msg.contains("session bundle") && msg.contains("lmrr replay"), "{msg}");
+    assert!(
+        msg.contains("session bundle") && msg.contains("lmrr replay"),
+        "{msg}"
+    );
 }
 
 #[test]

@@ -219,9 +219,9 @@ impl AuditReport {
     pub fn all_faithful(&self) -> bool {
         self.turns.iter().any(|t| t.verdict != Verdict::Skipped)
             && self.turns.iter().all(|t| {
-            matches!(t.verdict, Verdict::Faithful | Verdict::Skipped)
-                && !t.fidelity.as_ref().is_some_and(|f| f.amnesia)
-        })
+                matches!(t.verdict, Verdict::Faithful | Verdict::Skipped)
+                    && !t.fidelity.as_ref().is_some_and(|f| f.amnesia)
+            })
     }
 }
 
@@ -318,7 +318,8 @@ fn answer(chat: bool, chunks: &[&[u8]], streamed: bool) -> Answer {
         let v: Value = match serde_json::from_slice(data) {
             Ok(v) => v,
             Err(e) => {
-                a.notes.push(format!("chunk {i} is not JSON ({e}); ignored"));
+                a.notes
+                    .push(format!("chunk {i} is not JSON ({e}); ignored"));
                 continue;
             }
         };
@@ -333,15 +334,18 @@ fn answer(chat: bool, chunks: &[&[u8]], streamed: bool) -> Answer {
         {
             a.prompt_tokens = Some(p);
         }
-        let Some(c) = v
-            .get("choices")
-            .and_then(Value::as_array)
-            .and_then(|c| c.iter().find(|c| c.get("index").and_then(Value::as_u64).unwrap_or(0) == 0))
-        else {
+        let Some(c) = v.get("choices").and_then(Value::as_array).and_then(|c| {
+            c.iter()
+                .find(|c| c.get("index").and_then(Value::as_u64).unwrap_or(0) == 0)
+        }) else {
             continue;
         };
         let text = if chat {
-            let m = if streamed { c.get("delta") } else { c.get("message") };
+            let m = if streamed {
+                c.get("delta")
+            } else {
+                c.get("message")
+            };
             m.and_then(|m| m.get("content")).and_then(Value::as_str)
         } else {
             c.get("text").and_then(Value::as_str)
@@ -484,7 +488,9 @@ fn answer_logprob(
     Ok(out
         .iter()
         .enumerate()
-        .map(|(i, &t)| token_logprob(&r[i * vocab..(i + 1) * vocab], t).unwrap_or(f32::NEG_INFINITY) as f64)
+        .map(|(i, &t)| {
+            token_logprob(&r[i * vocab..(i + 1) * vocab], t).unwrap_or(f32::NEG_INFINITY) as f64
+        })
         .sum())
 }
 
@@ -600,7 +606,10 @@ pub fn audit(
         };
         match rec.end {
             None => {
-                turns.push(skip(t, "no end recorded (the proxy stopped mid-request)".into()));
+                turns.push(skip(
+                    t,
+                    "no end recorded (the proxy stopped mid-request)".into(),
+                ));
                 continue;
             }
             Some((Outcome::UpstreamUnreachable { error }, _)) => {
@@ -608,14 +617,25 @@ pub fn audit(
                 continue;
             }
             Some((Outcome::ClientGone, n)) => t.interrupted_after_chunks = Some(n),
-            Some((Outcome::UpstreamBroken { error }, _)) => {
-                t.notes.push(format!("the upstream's stream broke: {error}"))
-            }
+            Some((Outcome::UpstreamBroken { error }, _)) => t
+                .notes
+                .push(format!("the upstream's stream broke: {error}")),
             Some((Outcome::Complete, _)) => {}
         }
         if rec.status.is_some_and(|s| !(200..300).contains(&s)) {
             let s = rec.status.unwrap_or(0);
-            turns.push(skip(t, format!("the upstream answered {s}")));
+            let msg = rec
+                .chunks
+                .first()
+                .and_then(|c| serde_json::from_slice::<Value>(c).ok())
+                .and_then(|v| {
+                    v.pointer("/error/message")
+                        .and_then(Value::as_str)
+                        .map(str::to_string)
+                })
+                .map(|m| format!(": {}", shorten(&m, 120)))
+                .unwrap_or_default();
+            turns.push(skip(t, format!("the upstream answered {s}{msg}")));
             continue;
         }
         // The prompt, as lmrr serve builds it.
@@ -629,10 +649,17 @@ pub fn audit(
                         .find(|m| m.role == "user")
                         .and_then(|m| m.content.clone())
                         .unwrap_or_default();
-                    let r = match renderer.render(&req.messages, req.tools.as_ref(), req.tool_choice.as_ref()) {
+                    let r = match renderer.render(
+                        &req.messages,
+                        req.tools.as_ref(),
+                        req.tool_choice.as_ref(),
+                    ) {
                         Ok(r) => r,
                         Err(e) => {
-                            turns.push(skip(t, format!("the chat template refused the request: {}", e.message)));
+                            turns.push(skip(
+                                t,
+                                format!("the chat template refused the request: {}", e.message),
+                            ));
                             continue;
                         }
                     };
@@ -699,7 +726,10 @@ pub fn audit(
                             request: rec.id,
                             index: i,
                             text: e.text.clone(),
-                            bytes: e.bytes.clone().unwrap_or_else(|| e.text.as_bytes().to_vec()),
+                            bytes: e
+                                .bytes
+                                .clone()
+                                .unwrap_or_else(|| e.text.as_bytes().to_vec()),
                             vocab: vsize,
                         })
                     }
@@ -710,7 +740,10 @@ pub fn audit(
             } else {
                 "logprob tokens".into()
             };
-            let joined: Vec<u8> = ids.iter().flat_map(|&i| vocab.bytes[i as usize].clone()).collect();
+            let joined: Vec<u8> = ids
+                .iter()
+                .flat_map(|&i| vocab.bytes[i as usize].clone())
+                .collect();
             if joined != ans.text.as_bytes() && !ans.text.is_empty() {
                 t.notes.push(format!(
                     "the logprob entries spell {:?}, the text is {:?}",
@@ -851,7 +884,10 @@ pub fn audit(
                     thresholds.kl_drift
                 ),
             )
-        } else if s.returned_logprobs == s.tokens && s.identical_logprobs == s.tokens && s.rank1 == s.tokens {
+        } else if s.returned_logprobs == s.tokens
+            && s.identical_logprobs == s.tokens
+            && s.rank1 == s.tokens
+        {
             (
                 Verdict::Faithful,
                 "bit-faithful: every token the reference's choice, every logprob the reference's bits".into(),
@@ -923,7 +959,15 @@ impl std::fmt::Display for AuditReport {
             "turn", "request", "tokens", "rank 1", "tie", "off", "impr", "mean KL", "<top-5 at"
         )?;
         for t in &self.turns {
-            let mut label = format!("{} \"{}\"", if t.endpoint.contains("chat") { "chat" } else { "cmpl" }, shorten(&t.asks, 30));
+            let mut label = format!(
+                "{} \"{}\"",
+                if t.endpoint.contains("chat") {
+                    "chat"
+                } else {
+                    "cmpl"
+                },
+                shorten(&t.asks, 30)
+            );
             if let Some(n) = t.interrupted_after_chunks {
                 label = format!("{} [cut@{n}]", shorten(&label, 33));
             }
@@ -945,7 +989,11 @@ impl std::fmt::Display for AuditReport {
                 s.mean_kl.map_or("-".into(), |k| format!("{k:.4}")),
                 s.first_below_top_k.map_or("-".into(), |i| i.to_string()),
                 t.verdict.as_str(),
-                if t.after_interrupt { " (after an interrupt)" } else { "" }
+                if t.after_interrupt {
+                    " (after an interrupt)"
+                } else {
+                    ""
+                }
             )?;
         }
         writeln!(f)?;
@@ -977,7 +1025,10 @@ impl std::fmt::Display for AuditReport {
         let fid: Vec<&Turn> = self.turns.iter().filter(|t| t.fidelity.is_some()).collect();
         if !fid.is_empty() {
             writeln!(f)?;
-            writeln!(f, "context fidelity (reference logprob of the upstream's answer, nats):")?;
+            writeln!(
+                f,
+                "context fidelity (reference logprob of the upstream's answer, nats):"
+            )?;
             writeln!(
                 f,
                 "{:<4} {:>7} {:>13} {:>13} {:>9}  ",
@@ -993,12 +1044,20 @@ impl std::fmt::Display for AuditReport {
                     x.with_history,
                     x.without_history,
                     (x.with_history - x.without_history) / t.stats.tokens.max(1) as f64,
-                    if x.amnesia { "AMNESIA: the answer fits no history better" } else { "uses its history" }
+                    if x.amnesia {
+                        "AMNESIA: the answer fits no history better"
+                    } else {
+                        "uses its history"
+                    }
                 )?;
             }
         }
         let count = |v: Verdict| self.turns.iter().filter(|t| t.verdict == v).count();
-        let amnesia = self.turns.iter().filter(|t| t.fidelity.as_ref().is_some_and(|f| f.amnesia)).count();
+        let amnesia = self
+            .turns
+            .iter()
+            .filter(|t| t.fidelity.as_ref().is_some_and(|f| f.amnesia))
+            .count();
         writeln!(f)?;
         write!(
             f,

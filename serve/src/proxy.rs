@@ -535,7 +535,10 @@ async fn forward_recorded(
                     break Outcome::Complete;
                 }
                 Some(Err(e)) => {
-                    let why = format!("reading the stream after {chunks} chunks: {}", error_chain(&e));
+                    let why = format!(
+                        "reading the stream after {chunks} chunks: {}",
+                        error_chain(&e)
+                    );
                     let _ = tx.send((error_event(&why), false)).await;
                     break fail(why);
                 }
@@ -739,7 +742,11 @@ pub fn proxy(cfg: ProxyConfig, resend_from: Option<PathBuf>) -> Result<(PathBuf,
     let out = if let Some(from) = resend_from {
         let traffic = lmrr_recorder::traffic::open(&from)?;
         if !matches!(traffic.integrity, lmrr_recorder::Integrity::Complete { .. }) {
-            eprintln!("lmrr proxy: warning: {}: {}", from.display(), traffic.integrity);
+            eprintln!(
+                "lmrr proxy: warning: {}: {}",
+                from.display(),
+                traffic.integrity
+            );
         }
         eprintln!(
             "lmrr proxy: resending {} ({} requests) to {}",

@@ -58,7 +58,10 @@ async fn upstream(origin: Instant, chunks: usize, interval: Duration) -> Respons
             return None;
         }
         if i == chunks {
-            return Some((Ok::<Bytes, std::convert::Infallible>(Bytes::from_static(b"data: [DONE]\n\n")), i + 1));
+            return Some((
+                Ok::<Bytes, std::convert::Infallible>(Bytes::from_static(b"data: [DONE]\n\n")),
+                i + 1,
+            ));
         }
         tokio::time::sleep(interval).await;
         let t = origin.elapsed().as_micros() as u64;
@@ -138,7 +141,9 @@ pub fn bench(rounds: usize, chunks: usize, interval: Duration) -> Result<ProxyBe
         let dir = std::env::temp_dir().join(format!("lmrr-bench-proxy-{}", std::process::id()));
         let cfg = ProxyConfig {
             upstream: format!("http://127.0.0.1:{up_port}"),
-            listen: "127.0.0.1:0".parse().map_err(|e| ServeError::EngineLoop(format!("{e}")))?,
+            listen: "127.0.0.1:0"
+                .parse()
+                .map_err(|e| ServeError::EngineLoop(format!("{e}")))?,
             record_dir: dir.clone(),
             top_logprobs: 5,
             tool_version: String::new(),

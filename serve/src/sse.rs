@@ -64,9 +64,10 @@ fn event_end(b: &[u8]) -> Option<usize> {
     while i < b.len() {
         match b[i] {
             b'\n' if b.get(i + 1) == Some(&b'\n') => return Some(i + 2),
-            b'\r' if b.get(i + 1) == Some(&b'\n')
-                && b.get(i + 2) == Some(&b'\r')
-                && b.get(i + 3) == Some(&b'\n') =>
+            b'\r'
+                if b.get(i + 1) == Some(&b'\n')
+                    && b.get(i + 2) == Some(&b'\r')
+                    && b.get(i + 3) == Some(&b'\n') =>
             {
                 return Some(i + 4)
             }

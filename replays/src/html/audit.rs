@@ -40,7 +40,12 @@ pub fn audit_svg(series: &[AuditSeries]) -> Result<String, HtmlError> {
     {
         let root = SVGBackend::with_string(&mut svg, (w, h)).into_drawing_area();
         root.fill(&WHITE).map_err(err)?;
-        let n = series.iter().map(|s| s.logprob.len()).max().unwrap_or(0).max(1) as f64;
+        let n = series
+            .iter()
+            .map(|s| s.logprob.len())
+            .max()
+            .unwrap_or(0)
+            .max(1) as f64;
         let lo = series
             .iter()
             .flat_map(|s| s.logprob.iter().copied())
@@ -55,7 +60,10 @@ pub fn audit_svg(series: &[AuditSeries]) -> Result<String, HtmlError> {
         let mut top = ChartBuilder::on(&areas[0])
             .margin(8)
             .margin_right(16)
-            .caption("reference logprob of each upstream token (nats)", ("sans-serif", 14))
+            .caption(
+                "reference logprob of each upstream token (nats)",
+                ("sans-serif", 14),
+            )
             .x_label_area_size(36)
             .y_label_area_size(54)
             .build_cartesian_2d(0.0..n, lo..0.5)
@@ -76,7 +84,9 @@ pub fn audit_svg(series: &[AuditSeries]) -> Result<String, HtmlError> {
             top.draw_series(LineSeries::new(pts, c.stroke_width(1)))
                 .map_err(err)?
                 .label(s.label.clone())
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], c.stroke_width(2)));
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 16, y)], c.stroke_width(2))
+                });
         }
         top.configure_series_labels()
             .position(SeriesLabelPosition::LowerLeft)
@@ -88,7 +98,10 @@ pub fn audit_svg(series: &[AuditSeries]) -> Result<String, HtmlError> {
         let mut bottom = ChartBuilder::on(&areas[1])
             .margin(8)
             .margin_right(16)
-            .caption("rank under the reference (1 = its choice; 6+ = below its top-5)", ("sans-serif", 14))
+            .caption(
+                "rank under the reference (1 = its choice; 6+ = below its top-5)",
+                ("sans-serif", 14),
+            )
             .x_label_area_size(36)
             .y_label_area_size(54)
             .build_cartesian_2d(0.0..n, (1.0..max_rank * 1.5).log_scale())
@@ -101,11 +114,19 @@ pub fn audit_svg(series: &[AuditSeries]) -> Result<String, HtmlError> {
             .draw()
             .map_err(err)?;
         bottom
-            .draw_series(LineSeries::new([(0.0, 5.5), (n, 5.5)], RED.mix(0.5).stroke_width(1)))
+            .draw_series(LineSeries::new(
+                [(0.0, 5.5), (n, 5.5)],
+                RED.mix(0.5).stroke_width(1),
+            ))
             .map_err(err)?;
         for (i, s) in series.iter().enumerate() {
             let c = PALETTE[i % PALETTE.len()];
-            let pts: Vec<(f64, f64)> = s.rank.iter().enumerate().map(|(x, &y)| (x as f64, y)).collect();
+            let pts: Vec<(f64, f64)> = s
+                .rank
+                .iter()
+                .enumerate()
+                .map(|(x, &y)| (x as f64, y))
+                .collect();
             bottom
                 .draw_series(pts.iter().map(|&p| Circle::new(p, 2, c.filled())))
                 .map_err(err)?;
