@@ -446,6 +446,9 @@ fn rows(
     threads: &Threads,
 ) -> Result<Vec<f32>, AuditError> {
     let net = model.net();
+    if prompt.is_empty() || out.is_empty() {
+        return Ok(Vec::new());
+    }
     let mut kv = SeqKvStore::new(net.kv_layout());
     let mut seq = prompt.to_vec();
     seq.extend_from_slice(out);
@@ -489,7 +492,9 @@ fn answer_logprob(
         .iter()
         .enumerate()
         .map(|(i, &t)| {
-            token_logprob(&r[i * vocab..(i + 1) * vocab], t).unwrap_or(f32::NEG_INFINITY) as f64
+            r.get(i * vocab..(i + 1) * vocab)
+                .and_then(|row| token_logprob(row, t))
+                .unwrap_or(f32::NEG_INFINITY) as f64
         })
         .sum())
 }
@@ -679,7 +684,16 @@ pub fn audit(
                             t.asks = s.clone();
                             model.tokenizer.encode(s)?
                         }
-                        Prompt::Tokens(ids) => ids.clone(),
+                        Prompt::Tokens(ids) => {
+                            if let Some(bad) = ids.iter().find(|&&x| x as usize >= vsize) {
+                                turns.push(skip(
+                                    t,
+                                    format!("prompt token {bad} is outside this model's vocabulary of {vsize}"),
+                                ));
+                                continue;
+                            }
+                            ids.clone()
+                        }
                     };
                     (p, None, req.gen.temperature)
                 }
