@@ -10,15 +10,10 @@ use lmrr_serve::audit::{audit, Thresholds, Verdict};
 use proptest::prelude::*;
 use serde_json::json;
 
-fn bundle(
-    requests: Vec<(
-        String,
-        Vec<u8>,
-        Option<u16>,
-        Vec<Vec<u8>>,
-        Option<(Outcome, u32)>,
-    )>,
-) -> traffic::TrafficBundle {
+/// Path, body, status, chunks, end.
+type Req = (String, Vec<u8>, Option<u16>, Vec<Vec<u8>>, Option<(Outcome, u32)>);
+
+fn bundle(requests: Vec<Req>) -> traffic::TrafficBundle {
     let m = TrafficManifest::new("http://127.0.0.1:1", "x", 5, "clients", "t", "t");
     let mut w = TrafficWriter::new(Vec::new(), &m, 1).unwrap();
     for (id, (path, body, status, chunks, end)) in requests.into_iter().enumerate() {
