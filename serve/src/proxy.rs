@@ -62,6 +62,8 @@ pub const BODY_LIMIT: usize = crate::server::BODY_LIMIT;
 pub const UPSTREAM_BODY_LIMIT: usize = 64 << 20;
 /// How long connecting to the upstream may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long open streams may run on after SIGTERM.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// Chunks buffered between the upstream reader and the client.
 const CLIENT_BUFFER: usize = 4;
 
@@ -130,7 +132,7 @@ impl Upstream {
 pub struct Proxy {
     upstream: Upstream,
     client: Client<HttpConnector, Full<Bytes>>,
-    rec: std_mpsc::Sender<TrafficEvent>,
+    rec: std_mpsc::Sender<Msg>,
     next_id: AtomicU64,
     t0: Instant,
     top_logprobs: u32,
@@ -142,14 +144,22 @@ impl Proxy {
     }
 
     fn record(&self, e: TrafficEvent) {
-        // The writer thread only stops once every sender is gone.
-        let _ = self.rec.send(e);
+        // After the writer closed (shutdown past its grace period) events
+        // are dropped: those requests have no `End` in the bundle.
+        let _ = self.rec.send(Msg::Event(e));
     }
+}
+
+/// What the writer thread receives.
+enum Msg {
+    Event(TrafficEvent),
+    /// Finish the bundle now, whoever still holds a sender.
+    Close,
 }
 
 /// The writer thread: events in, a traffic bundle out.
 pub struct Recording {
-    tx: std_mpsc::Sender<TrafficEvent>,
+    tx: std_mpsc::Sender<Msg>,
     join: std::thread::JoinHandle<Result<(PathBuf, u64), ServeError>>,
     pub path: PathBuf,
 }
@@ -181,13 +191,14 @@ impl Recording {
             source,
         })?;
         let mut w = TrafficWriter::new(std::io::BufWriter::new(f), manifest, 1)?;
-        let (tx, rx) = std_mpsc::channel::<TrafficEvent>();
+        let (tx, rx) = std_mpsc::channel::<Msg>();
         let p2 = path.clone();
         let join = std::thread::Builder::new()
             .name("lmrr-traffic".into())
             .spawn(move || {
                 let mut requests = 0;
-                for e in rx {
+                for m in rx {
+                    let Msg::Event(e) = m else { break };
                     if e.ends_request() {
                         requests += 1;
                     }
@@ -203,10 +214,10 @@ impl Recording {
         Ok(Self { tx, join, path })
     }
 
-    /// Closes the bundle once every other sender is gone; returns its path
-    /// and the number of requests recorded.
+    /// Closes the bundle (events sent after this are dropped); returns its
+    /// path and the number of requests recorded.
     pub fn finish(self) -> Result<(PathBuf, u64), ServeError> {
-        drop(self.tx);
+        let _ = self.tx.send(Msg::Close);
         self.join
             .join()
             .map_err(|_| ServeError::EngineLoop("the traffic writer panicked".into()))?
@@ -616,7 +627,7 @@ async fn forward_recorded(
 pub async fn run(
     cfg: &ProxyConfig,
     listener: tokio::net::TcpListener,
-    stop: impl std::future::Future<Output = ()> + Send + 'static,
+    stop: impl std::future::Future<Output = ()>,
 ) -> Result<(PathBuf, u64), ServeError> {
     let upstream = Upstream::parse(&cfg.upstream)?;
     let manifest = TrafficManifest::new(
@@ -629,9 +640,26 @@ pub async fn run(
     );
     let rec = Recording::start(&cfg.record_dir, &manifest)?;
     let p = state(cfg, &rec)?;
-    let served = axum::serve(listener, router(p.clone()))
-        .with_graceful_shutdown(stop)
-        .await;
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let serve = axum::serve(listener, router(p.clone())).with_graceful_shutdown(async {
+        let _ = rx.await;
+    });
+    let mut serve = std::pin::pin!(std::future::IntoFuture::into_future(serve));
+    let served = tokio::select! {
+        r = &mut serve => r,
+        _ = stop => {
+            // Open streams may finish; a client that stopped reading gets a
+            // grace period, not a veto.
+            let _ = tx.send(());
+            match tokio::time::timeout(SHUTDOWN_GRACE, &mut serve).await {
+                Ok(r) => r,
+                Err(_) => {
+                    eprintln!("lmrr proxy: connections still open after {SHUTDOWN_GRACE:?}, closing them");
+                    Ok(())
+                }
+            }
+        }
+    };
     // Streams still being read end with their connections; give their
     // tasks a moment to record their ends.
     let until = Instant::now() + Duration::from_secs(5);
