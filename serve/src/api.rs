@@ -16,12 +16,17 @@
 //! parts, or null for an assistant turn with `tool_calls`), `tools`,
 //! `tool_choice`, `stream`, `stream_options.include_usage`, `max_tokens`,
 //! `max_completion_tokens`, `temperature`, `top_p`, `top_k` and `ignore_eos`
-//! (extensions), `seed`, `stop`, `n` (1 only). Refused with a 400 when set to
-//! something lmrr would silently not honour: `logprobs`, `top_logprobs`,
-//! non-zero `frequency_penalty`/`presence_penalty`, a non-empty `logit_bias`,
-//! a `response_format` other than text, `echo`, `suffix`, `best_of > 1`.
+//! (extensions), `seed`, `stop`, `n` (1 only), and logprobs: on chat
+//! `logprobs` (a boolean) with `top_logprobs` (0 to [`MAX_TOP_LOGPROBS_CHAT`]
+//! alternatives; set above 0 it needs `logprobs: true`), on completions
+//! `logprobs` (an integer, 0 to [`MAX_LOGPROBS_COMPLETIONS`] alternatives;
+//! 0 is the sampled token's logprob alone). Refused with a 400 when set to
+//! something lmrr would silently not honour: non-zero
+//! `frequency_penalty`/`presence_penalty`, a non-empty `logit_bias`, a
+//! `response_format` other than text, `echo`, `suffix`, `best_of > 1`, and
+//! a non-zero `top_logprobs` on completions (its `logprobs` is the count
+//! there).
 //! Anything else (`user`, `metadata`, `parallel_tool_calls`, …) is ignored.
-
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
@@ -34,6 +39,10 @@ pub const MAX_STOP_LEN: usize = 256;
 pub const MAX_TEMPERATURE: f64 = 2.0;
 /// Default `max_tokens` of `/v1/completions` (OpenAI's).
 pub const COMPLETIONS_DEFAULT_MAX_TOKENS: usize = 16;
+/// Most `top_logprobs` on chat (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS_CHAT: usize = 20;
+/// Most `logprobs` on `/v1/completions` (OpenAI's legacy limit).
+pub const MAX_LOGPROBS_COMPLETIONS: usize = 5;
 
 /// Sampling and length parameters common to both endpoints.
 #[derive(Debug, Clone, PartialEq)]
@@ -48,6 +57,9 @@ pub struct GenParams {
     pub seed: Option<u64>,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
+    /// `None`: no logprobs; `Some(k)`: the sampled token's logprob and its
+    /// `k` most likely alternatives, per token.
+    pub logprobs: Option<usize>,
 }
 
 /// One chat message, normalised: text content, and the fields a chat
@@ -173,20 +185,6 @@ fn required_string(m: &Map<String, Value>, k: &str) -> Result<String, ApiError> 
 
 /// Fields that would change the output in ways lmrr does not implement.
 fn refuse_unsupported(m: &Map<String, Value>) -> Result<(), ApiError> {
-    if opt_bool(m, "logprobs")? == Some(true) {
-        return Err(ApiError::invalid(
-            "logprobs",
-            "`logprobs` is not supported by lmrr serve (recordings keep the top-5 logprobs of every token: see `lmrr replay --json`)",
-        ));
-    }
-    if let Some(k) = opt_i64(m, "top_logprobs")? {
-        if k != 0 {
-            return Err(ApiError::invalid(
-                "top_logprobs",
-                format!("`top_logprobs` = {k} is not supported by lmrr serve"),
-            ));
-        }
-    }
     for k in ["frequency_penalty", "presence_penalty"] {
         if let Some(x) = opt_f64(m, k)? {
             if x != 0.0 {
@@ -231,6 +229,55 @@ fn refuse_unsupported(m: &Map<String, Value>) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// A count of logprob alternatives in `0..=max`.
+fn logprob_count(m: &Map<String, Value>, k: &str, max: usize) -> Result<Option<usize>, ApiError> {
+    match opt_i64(m, k)? {
+        None => Ok(None),
+        Some(n) => match usize::try_from(n) {
+            Ok(n) if n <= max => Ok(Some(n)),
+            _ => Err(ApiError::invalid(
+                k,
+                format!("`{k}` = {n} is outside [0, {max}]"),
+            )),
+        },
+    }
+}
+
+/// Chat's `logprobs` (a boolean) and `top_logprobs` (the alternatives).
+/// `top_logprobs: 0` without `logprobs` asks for nothing and is accepted,
+/// as it was before logprobs were served.
+fn chat_logprobs(m: &Map<String, Value>) -> Result<Option<usize>, ApiError> {
+    let on = opt_bool(m, "logprobs")?.unwrap_or(false);
+    let top = logprob_count(m, "top_logprobs", MAX_TOP_LOGPROBS_CHAT)?;
+    match (on, top) {
+        (true, top) => Ok(Some(top.unwrap_or(0))),
+        (false, Some(k)) if k > 0 => Err(ApiError::invalid(
+            "top_logprobs",
+            format!("`top_logprobs` = {k} needs `logprobs: true`"),
+        )),
+        (false, _) => Ok(None),
+    }
+}
+
+/// Completions' `logprobs`: the number of alternatives; null is off.
+fn completion_logprobs(m: &Map<String, Value>) -> Result<Option<usize>, ApiError> {
+    if let Some(v @ Value::Bool(_)) = field(m, "logprobs") {
+        return Err(wrong(
+            "logprobs",
+            &format!("an integer (0 to {MAX_LOGPROBS_COMPLETIONS}) on /v1/completions"),
+            v,
+        ));
+    }
+    // `top_logprobs: 0` asks for nothing (accepted, as it was before).
+    if field(m, "top_logprobs").is_some_and(|v| v.as_u64() != Some(0)) {
+        return Err(ApiError::invalid(
+            "top_logprobs",
+            format!("`top_logprobs` is a chat field: on /v1/completions `logprobs` is the number of alternatives (0 to {MAX_LOGPROBS_COMPLETIONS})"),
+        ));
+    }
+    logprob_count(m, "logprobs", MAX_LOGPROBS_COMPLETIONS)
+}
+
 /// `n`: absent or 1.
 fn check_n(m: &Map<String, Value>, n_name: &str) -> Result<(), ApiError> {
     if let Some(n) = opt_i64(m, n_name)? {
@@ -266,7 +313,11 @@ fn stream_flags(m: &Map<String, Value>) -> Result<(bool, bool), ApiError> {
     Ok((stream, include_usage))
 }
 
-fn gen_params(m: &Map<String, Value>, default_max: Option<usize>) -> Result<GenParams, ApiError> {
+fn gen_params(
+    m: &Map<String, Value>,
+    default_max: Option<usize>,
+    logprobs: Option<usize>,
+) -> Result<GenParams, ApiError> {
     let mut max_tokens = default_max;
     // `max_completion_tokens` (the newer name) wins when both are sent.
     for k in ["max_tokens", "max_completion_tokens"] {
@@ -348,6 +399,7 @@ fn gen_params(m: &Map<String, Value>, default_max: Option<usize>) -> Result<GenP
         seed,
         stop,
         ignore_eos,
+        logprobs,
     })
 }
 
@@ -481,6 +533,7 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
     let messages = messages(&m)?;
     check_n(&m, "n")?;
     refuse_unsupported(&m)?;
+    let logprobs = chat_logprobs(&m)?;
     let (stream, include_usage) = stream_flags(&m)?;
     let tools = match field(&m, "tools") {
         None => None,
@@ -514,7 +567,7 @@ pub fn parse_chat(body: &[u8]) -> Result<ChatRequest, ApiError> {
         messages,
         tools,
         tool_choice,
-        gen: gen_params(&m, None)?,
+        gen: gen_params(&m, None, logprobs)?,
         stream,
         include_usage,
     })
@@ -586,24 +639,13 @@ pub fn parse_completion(body: &[u8]) -> Result<CompletionRequest, ApiError> {
             ))
         }
     }
-    // `logprobs` is an integer on this endpoint.
-    let mut m2 = m.clone();
-    match m2.remove("logprobs") {
-        None | Some(Value::Null) => {}
-        Some(Value::Number(n)) if n.as_u64() == Some(0) => {}
-        Some(_) => {
-            return Err(ApiError::invalid(
-                "logprobs",
-                "`logprobs` is not supported by lmrr serve",
-            ))
-        }
-    }
-    refuse_unsupported(&m2)?;
+    refuse_unsupported(&m)?;
+    let logprobs = completion_logprobs(&m)?;
     let (stream, include_usage) = stream_flags(&m)?;
     Ok(CompletionRequest {
         model,
         prompt,
-        gen: gen_params(&m, Some(COMPLETIONS_DEFAULT_MAX_TOKENS))?,
+        gen: gen_params(&m, Some(COMPLETIONS_DEFAULT_MAX_TOKENS), logprobs)?,
         stream,
         include_usage,
     })
@@ -672,6 +714,123 @@ mod tests {
             let e = chat(body.clone()).unwrap_err();
             assert_eq!(e.status, 400, "{body}");
             assert_eq!(e.param.as_deref(), Some(param), "{body}: {e}");
+        }
+    }
+
+    #[test]
+    fn logprobs_are_parsed_per_endpoint() {
+        let c = |extra: Value| {
+            let mut b =
+                serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
+            for (k, v) in extra.as_object().unwrap() {
+                b[k] = v.clone();
+            }
+            chat(b).map(|r| r.gen.logprobs)
+        };
+        assert_eq!(c(serde_json::json!({})).unwrap(), None);
+        assert_eq!(c(serde_json::json!({"logprobs": false})).unwrap(), None);
+        assert_eq!(c(serde_json::json!({"logprobs": true})).unwrap(), Some(0));
+        assert_eq!(
+            c(serde_json::json!({"logprobs": true, "top_logprobs": 20})).unwrap(),
+            Some(20)
+        );
+        assert_eq!(c(serde_json::json!({"top_logprobs": 0})).unwrap(), None);
+        assert_eq!(
+            c(serde_json::json!({"logprobs": null, "top_logprobs": null})).unwrap(),
+            None
+        );
+        let p = |extra: Value| {
+            let mut b = serde_json::json!({"model": "m", "prompt": "x"});
+            for (k, v) in extra.as_object().unwrap() {
+                b[k] = v.clone();
+            }
+            parse_completion(b.to_string().as_bytes()).map(|r| r.gen.logprobs)
+        };
+        assert_eq!(p(serde_json::json!({})).unwrap(), None);
+        assert_eq!(p(serde_json::json!({"logprobs": null})).unwrap(), None);
+        assert_eq!(p(serde_json::json!({"logprobs": 0})).unwrap(), Some(0));
+        assert_eq!(p(serde_json::json!({"logprobs": 5})).unwrap(), Some(5));
+        assert_eq!(
+            p(serde_json::json!({"logprobs": 2, "top_logprobs": 0})).unwrap(),
+            Some(2)
+        );
+    }
+
+    #[test]
+    fn logprob_errors_name_the_field_the_number_and_the_range() {
+        let chat_with = |extra: Value| {
+            let mut b =
+                serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
+            for (k, v) in extra.as_object().unwrap() {
+                b[k] = v.clone();
+            }
+            chat(b).unwrap_err()
+        };
+        let completion_with = |extra: Value| {
+            let mut b = serde_json::json!({"model": "m", "prompt": "x"});
+            for (k, v) in extra.as_object().unwrap() {
+                b[k] = v.clone();
+            }
+            parse_completion(b.to_string().as_bytes()).unwrap_err()
+        };
+        let cases = [
+            (
+                chat_with(serde_json::json!({"logprobs": true, "top_logprobs": 21})),
+                "top_logprobs",
+                &["21", "[0, 20]"][..],
+            ),
+            (
+                chat_with(serde_json::json!({"logprobs": true, "top_logprobs": -1})),
+                "top_logprobs",
+                &["-1", "[0, 20]"],
+            ),
+            (
+                chat_with(serde_json::json!({"top_logprobs": 3})),
+                "top_logprobs",
+                &["3", "`logprobs: true`"],
+            ),
+            (
+                chat_with(serde_json::json!({"logprobs": false, "top_logprobs": 3})),
+                "top_logprobs",
+                &["3", "`logprobs: true`"],
+            ),
+            (
+                chat_with(serde_json::json!({"logprobs": 5})),
+                "logprobs",
+                &["boolean"],
+            ),
+            (
+                chat_with(serde_json::json!({"logprobs": true, "top_logprobs": 2.5})),
+                "top_logprobs",
+                &["integer", "2.5"],
+            ),
+            (
+                completion_with(serde_json::json!({"logprobs": 6})),
+                "logprobs",
+                &["6", "[0, 5]"],
+            ),
+            (
+                completion_with(serde_json::json!({"logprobs": -2})),
+                "logprobs",
+                &["-2", "[0, 5]"],
+            ),
+            (
+                completion_with(serde_json::json!({"logprobs": true})),
+                "logprobs",
+                &["integer", "0 to 5"],
+            ),
+            (
+                completion_with(serde_json::json!({"logprobs": 1, "top_logprobs": 3})),
+                "top_logprobs",
+                &["chat field"],
+            ),
+        ];
+        for (e, param, words) in cases {
+            assert_eq!(e.status, 400, "{e}");
+            assert_eq!(e.param.as_deref(), Some(param), "{e}");
+            for w in words {
+                assert!(e.message.contains(w), "{w:?} not in {e}");
+            }
         }
     }
 
@@ -768,6 +927,7 @@ mod tests {
             Just("tool_choice"),
             Just("tool_calls"),
             Just("logprobs"),
+            Just("top_logprobs"),
             Just("logit_bias"),
             Just("response_format"),
             Just("echo"),
@@ -796,6 +956,7 @@ mod tests {
                         prop_assert!(g.top_p > 0.0 && g.top_p <= 1.0);
                         prop_assert!(g.max_tokens.is_none_or(|n| n >= 1));
                         prop_assert!(g.stop.len() <= MAX_STOP);
+                        prop_assert!(g.logprobs.is_none_or(|k| k <= MAX_TOP_LOGPROBS_CHAT));
                     }
                     Err(e) => prop_assert_eq!(e.status, 400),
                 }

@@ -24,12 +24,30 @@
 //! times: replaying them re-creates the same batches.
 //!
 //! The loop never blocks on a client: every update is a `try_send` into a
-//! channel sized for the whole request (its `max_tokens` text pieces, the
-//! start and the end), so it cannot be full. A client that stops reading
+//! channel sized for the whole request (at most one text update per sampled
+//! token, the held-back text at the end, the start and the end), so it cannot
+//! be full. A client that stops reading
 //! costs at most that buffer; its request runs to its end like any other and
 //! releases its KV pages then. A client that disconnects is an interrupt at
 //! the next boundary: the scheduler's abort path, the one scripted
 //! `interrupt_after_tokens` takes, and the one the incident went through.
+//!
+//! Logprobs (OpenAI's `logprobs`): when a live request asks for them, the
+//! step keeps its sampled logits rows ([`Scheduler::set_keep_rows`], off
+//! otherwise: a row is a vocabulary of f32 per sequence), and each sampled
+//! token of such a request becomes a [`TokenLogprob`] computed with the
+//! engine's own [`token_logprob`] and [`top_logprobs`] — the bits `lmrr
+//! audit` computes from its reference logits, of the raw logits (before
+//! temperature, top-k, top-p). It travels in the same [`Update::Text`] as
+//! the text of its step, which the detokenizer or the stop matcher may still
+//! hold back: an entry can arrive before its text. Invariant: a request's
+//! entries, concatenated, are its sampled tokens in order, each once, up to
+//! and including the one that completed a stop sequence, except an EOS that
+//! ends the request without text (no text, no entry, as llama.cpp's server).
+//! The detokenizer keeps special tokens, so an EOS that decodes to text
+//! (`<|im_end|>` on ChatML models) is in the response and has its entry:
+//! the entries' bytes, joined, are the response text's bytes. What is recorded is unchanged: the bundle's top-5 logprobs
+//! come from the scheduler's own report, whatever clients ask.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -38,7 +56,7 @@ use std::time::Instant;
 
 use tokio::sync::mpsc;
 
-use lmrr_engine::scheduler::{Request, RequestId, StepReport};
+use lmrr_engine::scheduler::{token_logprob, top_logprobs, Request, RequestId, StepReport};
 use lmrr_engine::{
     EngineConfig, EngineError, FinishReason, Model, ModelFamily, PatchSet, SamplingParams,
     Scheduler,
@@ -80,6 +98,8 @@ pub struct Submission {
     pub stop: Vec<String>,
     /// Whether `max_tokens` was clamped (the finish reason is then `length`).
     pub clamped: bool,
+    /// `Some(k)`: a [`TokenLogprob`] with `k` alternatives per token.
+    pub logprobs: Option<usize>,
     pub updates: mpsc::Sender<Update>,
 }
 
@@ -103,6 +123,17 @@ pub struct Finish {
     pub digest: String,
 }
 
+/// One sampled token's log-probabilities (ids only: the handler turns them
+/// into text and bytes).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    /// [`token_logprob`] of the row; `None` for a row of NaNs.
+    pub logprob: Option<f32>,
+    /// [`top_logprobs`] of the row: the `k` most likely, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
 /// What the engine tells a handler.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Update {
@@ -112,8 +143,12 @@ pub enum Update {
         bundle: Option<String>,
         step: u64,
     },
-    /// More text.
-    Text(String),
+    /// More text (maybe empty when only `logprobs` has news), and the
+    /// logprobs of the tokens sampled since the last update, when asked for.
+    Text {
+        text: String,
+        logprobs: Vec<TokenLogprob>,
+    },
     Finished(Finish),
     Failed(ApiError),
 }
@@ -198,6 +233,7 @@ struct Live {
     prompt_len: usize,
     generated: usize,
     clamped: bool,
+    logprobs: Option<usize>,
     /// Interrupt at the next boundary (a stop sequence completed, or the
     /// channel refused an update).
     end_now: bool,
@@ -373,6 +409,8 @@ fn run(
         if ep.sch.is_idle() {
             continue;
         }
+        let keep_rows = ep.live.values().any(|l| l.logprobs.is_some());
+        ep.sch.set_keep_rows(keep_rows);
         let t0 = Instant::now();
         let stepped = ep.sch.step();
         stats
@@ -525,6 +563,7 @@ fn boundary(
                 prompt_len: req.prompt.len(),
                 generated: 0,
                 clamped: s.clamped,
+                logprobs: s.logprobs,
                 end_now: false,
                 arrived: Instant::now(),
                 first_token: None,
@@ -577,9 +616,26 @@ fn deliver(
         if l.stopper.hit() {
             continue;
         }
+        let mut logprobs = Vec::new();
+        if let Some(k) = l.logprobs {
+            // An EOS that ends the request gets an entry only when it is
+            // part of the text (the decoder keeps special tokens' text).
+            let silent_eos = s.finish == Some(FinishReason::Eos)
+                && model.tokenizer.decode(&[t]).map_or(true, |x| x.is_empty());
+            if !silent_eos {
+                let row = ep.sch.last_rows().iter().find(|(id, _)| *id == s.id);
+                logprobs.push(TokenLogprob {
+                    token: t,
+                    logprob: row.and_then(|(_, r)| token_logprob(r, t)),
+                    top: row.map_or_else(Vec::new, |(_, r)| top_logprobs(r, k)),
+                });
+            }
+        }
         let piece = l.detok.push(&model.tokenizer, t);
         let text = l.stopper.push(&piece);
-        if !text.is_empty() && l.tx.try_send(Update::Text(text)).is_err() {
+        if (!text.is_empty() || !logprobs.is_empty())
+            && l.tx.try_send(Update::Text { text, logprobs }).is_err()
+        {
             // Closed (the client left) or full (cannot happen: the channel
             // holds the whole request): either way, end it.
             l.end_now = true;
@@ -621,7 +677,10 @@ fn deliver(
                 let hit = l.stopper.hit();
                 text += &l.stopper.flush();
                 if !text.is_empty() {
-                    let _ = l.tx.try_send(Update::Text(text));
+                    let _ = l.tx.try_send(Update::Text {
+                        text,
+                        logprobs: Vec::new(),
+                    });
                 }
                 let why = match r {
                     _ if hit => "stop",

@@ -78,6 +78,7 @@ pub fn serve(model: Model, cfg: ServeConfig) -> Result<(), ServeError> {
         value: model.origin.clone(),
         why,
     })?;
+    let token_bytes = model.tokenizer.byte_table();
     let model = Arc::new(model);
     let record = match (&cfg.record_dir, cfg.manifest) {
         (Some(dir), Some(m)) => Some((record::BundleDir::new(dir)?, cfg.rotation.clone(), m)),
@@ -131,6 +132,7 @@ pub fn serve(model: Model, cfg: ServeConfig) -> Result<(), ServeError> {
         started: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
+        token_bytes,
     });
     eprintln!(
         "lmrr serve: listening on http://{local} · model \"{}\" · page size {} · pool {} pages · {} tokens/step",

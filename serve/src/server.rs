@@ -11,6 +11,23 @@
 //! `data: [DONE]\n\n`. An error after the stream started is sent as
 //! `data: {"error": {...}}\n\n` with no `[DONE]`.
 //!
+//! Logprobs, when asked for, are in each choice's `logprobs` (null
+//! otherwise, and in the role chunk): chat's `{"content": [{"token",
+//! "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`,
+//! completions' legacy `{"tokens", "token_logprobs", "top_logprobs": [{token:
+//! logprob}], "text_offset"}`. A token's `token` is its bytes as lossy UTF-8
+//! (a token holding part of a character shows U+FFFD; `bytes` has the truth);
+//! a logprob is the engine's f32 written as the f64 it widens to (a client's
+//! f64 parse, cast back to f32, gives the very bits), −∞ written as OpenAI's
+//! −9999.0 and a NaN row as null. A stream's entries travel with the next
+//! text piece after their token was sampled (the text of a token held back
+//! by the detokenizer or a stop sequence may come a chunk later), and any
+//! left at the end (the token that completed a stop sequence) with the
+//! `finish_reason` chunk; concatenated, they are the response's tokens.
+//! Legacy `top_logprobs` objects are keyed by token text: alternatives with
+//! the same text keep the likeliest; `text_offset` counts the characters
+//! begun before each token in the completion.
+//!
 //! Headers are sent when the engine has taken the request (its arrival), so
 //! a request the engine refuses still gets a proper status. Each response
 //! names its request in the bundle: `x-lmrr-request` and `x-lmrr-bundle`
@@ -36,7 +53,7 @@ use tokio::sync::mpsc;
 use lmrr_engine::{Model, SamplingParams};
 
 use crate::api::{self, GenParams, Prompt};
-use crate::engine::{net, EngineHandle, Finish, Kind, Submission, Update};
+use crate::engine::{net, EngineHandle, Finish, Kind, Submission, TokenLogprob, Update};
 use crate::error::ApiError;
 use crate::template::Renderer;
 
@@ -55,6 +72,9 @@ pub struct App {
     pub fingerprint: String,
     /// Unix time the server started (`created` of `/v1/models`).
     pub started: u64,
+    /// Every token's raw bytes, by id ([`lmrr_engine::Tokenizer::byte_table`],
+    /// built once at start: it walks the vocabulary).
+    pub token_bytes: Vec<Vec<u8>>,
 }
 
 pub fn router(app: Arc<App>) -> Router {
@@ -214,6 +234,7 @@ fn submit(
         stop_at_eos: !gen.ignore_eos,
         stop: gen.stop.clone(),
         clamped: p.clamped,
+        logprobs: gen.logprobs,
         updates: tx,
     })?;
     Ok(rx)
@@ -276,6 +297,7 @@ async fn chat_inner(app: Arc<App>, headers: HeaderMap, body: Body) -> Result<Res
         bundle,
         created: now(),
         kind: Kind::Chat,
+        logprobs: req.gen.logprobs.is_some(),
     };
     if req.stream {
         Ok(meta.stream(rx, req.include_usage))
@@ -338,6 +360,7 @@ async fn completions_inner(
         bundle,
         created: now(),
         kind: Kind::Completion,
+        logprobs: req.gen.logprobs.is_some(),
     };
     if req.stream {
         Ok(meta.stream(rx, req.include_usage))
@@ -353,6 +376,26 @@ struct Meta {
     bundle: Option<String>,
     created: u64,
     kind: Kind,
+    /// Whether the client asked for logprobs.
+    logprobs: bool,
+}
+
+/// OpenAI's floor for a logprob JSON cannot write (−∞).
+const LOGPROB_FLOOR: f64 = -9999.0;
+
+/// A logprob as JSON: the f32 widened to f64 (exact), −∞ as the floor,
+/// NaN or missing as null.
+fn logprob_json(x: Option<f32>) -> Value {
+    match x {
+        Some(x) if x.is_finite() => json!(f64::from(x)),
+        Some(x) if x == f32::NEG_INFINITY => json!(LOGPROB_FLOOR),
+        _ => Value::Null,
+    }
+}
+
+/// Characters begun in `bytes` (UTF-8 lead bytes and invalid ones).
+fn chars_begun(bytes: &[u8]) -> usize {
+    bytes.iter().filter(|&&b| b & 0xC0 != 0x80).count()
 }
 
 fn usage(f: &Finish) -> Value {
@@ -365,6 +408,73 @@ fn usage(f: &Finish) -> Value {
 }
 
 impl Meta {
+    fn bytes(&self, t: u32) -> &[u8] {
+        self.app
+            .token_bytes
+            .get(t as usize)
+            .map_or(&[][..], Vec::as_slice)
+    }
+
+    /// Chat's `{"token", "logprob", "bytes"}`.
+    fn chat_token(&self, t: u32, logprob: Option<f32>) -> Value {
+        let b = self.bytes(t);
+        json!({
+            "token": String::from_utf8_lossy(b),
+            "logprob": logprob_json(logprob),
+            "bytes": b,
+        })
+    }
+
+    /// A choice's `logprobs` for these entries: null unless asked for.
+    /// `offset` is the legacy `text_offset` of the first entry; it moves on.
+    fn logprobs_json(&self, entries: &[TokenLogprob], offset: &mut usize) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        match self.kind {
+            Kind::Chat => {
+                let content: Vec<Value> = entries
+                    .iter()
+                    .map(|e| {
+                        let mut v = self.chat_token(e.token, e.logprob);
+                        v["top_logprobs"] = e
+                            .top
+                            .iter()
+                            .map(|&(t, lp)| self.chat_token(t, Some(lp)))
+                            .collect();
+                        v
+                    })
+                    .collect();
+                json!({"content": content})
+            }
+            Kind::Completion => {
+                let mut tokens = Vec::with_capacity(entries.len());
+                let mut token_logprobs = Vec::with_capacity(entries.len());
+                let mut top = Vec::with_capacity(entries.len());
+                let mut text_offset = Vec::with_capacity(entries.len());
+                for e in entries {
+                    let b = self.bytes(e.token);
+                    tokens.push(Value::String(String::from_utf8_lossy(b).into_owned()));
+                    token_logprobs.push(logprob_json(e.logprob));
+                    let mut alts = serde_json::Map::new();
+                    for &(t, lp) in &e.top {
+                        alts.entry(String::from_utf8_lossy(self.bytes(t)).into_owned())
+                            .or_insert_with(|| logprob_json(Some(lp)));
+                    }
+                    top.push(Value::Object(alts));
+                    text_offset.push(*offset);
+                    *offset += chars_begun(b);
+                }
+                json!({
+                    "tokens": tokens,
+                    "token_logprobs": token_logprobs,
+                    "top_logprobs": top,
+                    "text_offset": text_offset,
+                })
+            }
+        }
+    }
+
     fn object(&self, chunk: bool) -> &'static str {
         match (self.kind, chunk) {
             (Kind::Chat, false) => "chat.completion",
@@ -394,26 +504,31 @@ impl Meta {
     /// A non-streaming response: waits for the end.
     async fn whole(self, mut rx: mpsc::Receiver<Update>) -> Result<Response, ApiError> {
         let mut text = String::new();
+        let mut entries = Vec::new();
         let fin = loop {
             match rx.recv().await {
-                Some(Update::Text(t)) => text.push_str(&t),
+                Some(Update::Text { text: t, logprobs }) => {
+                    text.push_str(&t);
+                    entries.extend(logprobs);
+                }
                 Some(Update::Finished(f)) => break f,
                 Some(Update::Failed(e)) => return Err(e),
                 Some(Update::Started { .. }) => {}
                 None => return Err(ApiError::server("the engine loop stopped")),
             }
         };
+        let logprobs = self.logprobs_json(&entries, &mut 0);
         let choice = match self.kind {
             Kind::Chat => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": fin.reason,
             }),
             Kind::Completion => json!({
                 "index": 0,
                 "text": text,
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": fin.reason,
             }),
         };
@@ -454,7 +569,7 @@ impl Meta {
         c
     }
 
-    fn delta(&self, text: &str, first: bool, finish: Option<&str>) -> Value {
+    fn delta(&self, text: &str, first: bool, finish: Option<&str>, logprobs: Value) -> Value {
         match self.kind {
             Kind::Chat => {
                 let delta = match (first, finish) {
@@ -462,10 +577,10 @@ impl Meta {
                     (true, None) => json!({"role": "assistant", "content": text}),
                     (false, None) => json!({"content": text}),
                 };
-                json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}])
+                json!([{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
             }
             Kind::Completion => {
-                json!([{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}])
+                json!([{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}])
             }
         }
     }
@@ -477,16 +592,22 @@ impl Meta {
             rx: mpsc::Receiver<Update>,
             queue: std::collections::VecDeque<Bytes>,
             done: bool,
+            /// Logprob entries not sent yet, and the legacy `text_offset`.
+            pending: Vec<TokenLogprob>,
+            offset: usize,
         }
         let mut st = St {
             rx,
             queue: Default::default(),
             done: false,
+            pending: Vec::new(),
+            offset: 0,
         };
         // The role chunk goes out with the headers (chat only).
         if self.kind == Kind::Chat {
-            st.queue
-                .push_back(sse(&self.chunk(self.delta("", true, None), include_usage)));
+            st.queue.push_back(sse(
+                &self.chunk(self.delta("", true, None, Value::Null), include_usage)
+            ));
         }
         let meta = Arc::new(self);
         let m2 = meta.clone();
@@ -501,12 +622,24 @@ impl Meta {
                         return None;
                     }
                     match st.rx.recv().await {
-                        Some(Update::Text(t)) => st.queue.push_back(sse(
-                            &meta.chunk(meta.delta(&t, false, None), include_usage)
-                        )),
+                        Some(Update::Text { text, logprobs }) => {
+                            st.pending.extend(logprobs);
+                            if !text.is_empty() {
+                                let lp = meta.logprobs_json(&st.pending, &mut st.offset);
+                                st.pending.clear();
+                                st.queue
+                                    .push_back(sse(&meta
+                                        .chunk(meta.delta(&text, false, None, lp), include_usage)));
+                            }
+                        }
                         Some(Update::Finished(f)) => {
-                            let mut last =
-                                meta.chunk(meta.delta("", false, Some(f.reason)), include_usage);
+                            let lp = if st.pending.is_empty() {
+                                Value::Null
+                            } else {
+                                meta.logprobs_json(&st.pending, &mut st.offset)
+                            };
+                            let mut last = meta
+                                .chunk(meta.delta("", false, Some(f.reason), lp), include_usage);
                             last["lmrr"] = meta.lmrr(&f);
                             st.queue.push_back(sse(&last));
                             if include_usage {
