@@ -369,22 +369,115 @@ fn answer(chat: bool, chunks: &[&[u8]], streamed: bool) -> Answer {
 pub struct Vocab {
     bytes: Vec<Vec<u8>>,
     by_bytes: HashMap<Vec<u8>, u32>,
+    /// Ids by the text a server shows for a token holding part of a UTF-8
+    /// character: invalid bytes replaced by U+FFFD, or dropped (Python's
+    /// `errors="ignore"`, llama-cpp-python's).
+    by_lossy: HashMap<String, Vec<u32>>,
+}
+
+/// A token's text with invalid UTF-8 dropped.
+fn dropped(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).replace('\u{FFFD}', "")
 }
 
 impl Vocab {
     pub fn new(model: &Model) -> Self {
         let bytes = model.tokenizer.byte_table();
         let mut by_bytes = HashMap::with_capacity(bytes.len());
+        let mut by_lossy: HashMap<String, Vec<u32>> = HashMap::new();
         for (i, b) in bytes.iter().enumerate() {
             // The lowest id wins a collision.
             by_bytes.entry(b.clone()).or_insert(i as u32);
+            if std::str::from_utf8(b).is_err() {
+                let replaced = String::from_utf8_lossy(b).into_owned();
+                let gone = dropped(b);
+                by_lossy.entry(replaced).or_default().push(i as u32);
+                by_lossy.entry(gone).or_default().push(i as u32);
+            }
         }
-        Self { bytes, by_bytes }
+        for v in by_lossy.values_mut() {
+            v.dedup();
+        }
+        Self {
+            bytes,
+            by_bytes,
+            by_lossy,
+        }
     }
 
+    /// Every id an entry may stand for: the exact one first, then those a
+    /// lossy text may hide.
+    fn candidates(&self, e: &Entry) -> Vec<u32> {
+        if let Some(b) = &e.bytes {
+            return self.by_bytes.get(b).copied().into_iter().collect();
+        }
+        let mut c: Vec<u32> = self.by_bytes.get(e.text.as_bytes()).copied().into_iter().collect();
+        if let Some(more) = self.by_lossy.get(&e.text) {
+            for &x in more {
+                if !c.contains(&x) {
+                    c.push(x);
+                }
+            }
+        }
+        c
+    }
+
+    /// The ids of `entries` whose bytes spell `text` (a tail past the end of
+    /// `text` is allowed: text still held back by a detokenizer or cut by a
+    /// stop sequence). Depth-first over each entry's candidates, failed
+    /// states remembered, so it is linear in practice.
+    fn align(&self, entries: &[Entry], text: &[u8]) -> Option<Vec<u32>> {
+        let cands: Vec<Vec<u32>> = entries.iter().map(|e| self.candidates(e)).collect();
+        let mut failed = std::collections::HashSet::new();
+        let mut out = Vec::with_capacity(entries.len());
+        fn go(
+            v: &Vocab,
+            cands: &[Vec<u32>],
+            i: usize,
+            p: usize,
+            text: &[u8],
+            failed: &mut std::collections::HashSet<(usize, usize)>,
+            out: &mut Vec<u32>,
+        ) -> bool {
+            if i == cands.len() {
+                return p >= text.len();
+            }
+            if failed.contains(&(i, p)) {
+                return false;
+            }
+            for &id in &cands[i] {
+                let b = &v.bytes[id as usize];
+                let rest = &text[p.min(text.len())..];
+                let fits = if b.len() <= rest.len() {
+                    rest.starts_with(b)
+                } else {
+                    b.starts_with(rest)
+                };
+                if fits {
+                    out.push(id);
+                    if go(v, cands, i + 1, p + b.len(), text, failed, out) {
+                        return true;
+                    }
+                    out.pop();
+                }
+            }
+            failed.insert((i, p));
+            false
+        }
+        go(self, &cands, 0, 0, text, &mut failed, &mut out).then_some(out)
+    }
+
+    /// The id of an alternative: by its bytes, else its text, else the one
+    /// token its lossy text can stand for.
     fn id(&self, text: &str, bytes: Option<&[u8]>) -> Option<u32> {
         let key = bytes.unwrap_or(text.as_bytes());
-        self.by_bytes.get(key).copied()
+        if let Some(&id) = self.by_bytes.get(key) {
+            return Some(id);
+        }
+        match self.by_lossy.get(text).map(Vec::as_slice) {
+            Some([one]) if bytes.is_none() => Some(*one),
+            _ => None,
+        }
     }
 
     fn text(&self, id: u32) -> String {
@@ -410,7 +503,8 @@ fn rank(row: &[f32], t: u32) -> u32 {
     r
 }
 
-/// KL(P_up ‖ P_ref) over the upstream's alternatives and one "rest" bucket.
+/// KL(P_up ‖ P_ref) over the upstream's alternatives and one "rest" bucket,
+/// log-probabilities taken at f32 precision on both sides.
 fn kl(row: &[f32], top: &[(u32, f64)]) -> Option<f64> {
     if top.is_empty() {
         return None;
@@ -421,6 +515,9 @@ fn kl(row: &[f32], top: &[(u32, f64)]) -> Option<f64> {
         if !seen.insert(id) {
             continue;
         }
+        // At f32 precision, the reference's: a value an f32 engine printed
+        // (its shortest decimal) parses back to that f32, not to its f64.
+        let lp_up = lp_up as f32 as f64;
         let p_up = lp_up.exp();
         let lp_ref = token_logprob(row, id)? as f64;
         let p_ref = lp_ref.exp();
@@ -724,52 +821,46 @@ pub fn audit(
             }
         }
         // The output token ids.
-        let usable = !ans.entries.is_empty()
-            && ans
+        let aligned = if ans.entries.is_empty() {
+            None
+        } else {
+            if let Some((i, e)) = ans
                 .entries
                 .iter()
-                .all(|e| e.bytes.is_some() || !(e.text.is_empty() || e.text.contains('\u{FFFD}')));
-        let out: Vec<u32> = if usable {
-            let mut ids = Vec::with_capacity(ans.entries.len());
-            for (i, e) in ans.entries.iter().enumerate() {
-                match vocab.id(&e.text, e.bytes.as_deref()) {
-                    Some(id) => ids.push(id),
-                    None => {
-                        return Err(AuditError::Tokenizer {
-                            turn: turn_no,
-                            request: rec.id,
-                            index: i,
-                            text: e.text.clone(),
-                            bytes: e
-                                .bytes
-                                .clone()
-                                .unwrap_or_else(|| e.text.as_bytes().to_vec()),
-                            vocab: vsize,
-                        })
-                    }
-                }
+                .enumerate()
+                .find(|(_, e)| vocab.candidates(e).is_empty())
+            {
+                return Err(AuditError::Tokenizer {
+                    turn: turn_no,
+                    request: rec.id,
+                    index: i,
+                    text: e.text.clone(),
+                    bytes: e
+                        .bytes
+                        .clone()
+                        .unwrap_or_else(|| e.text.as_bytes().to_vec()),
+                    vocab: vsize,
+                });
             }
+            let a = vocab.align(&ans.entries, ans.text.as_bytes());
+            if a.is_none() {
+                t.notes.push(format!(
+                    "the {} logprob entries do not spell the text {:?}; ids re-derived by tokenizing the text",
+                    ans.entries.len(),
+                    shorten(&ans.text, 40)
+                ));
+            }
+            a
+        };
+        let from_entries = aligned.is_some();
+        let out: Vec<u32> = if let Some(ids) = aligned {
             t.ids_from = if ans.entries.iter().all(|e| e.bytes.is_some()) {
                 "logprob bytes".into()
             } else {
                 "logprob tokens".into()
             };
-            let joined: Vec<u8> = ids
-                .iter()
-                .flat_map(|&i| vocab.bytes[i as usize].clone())
-                .collect();
-            if joined != ans.text.as_bytes() && !ans.text.is_empty() {
-                t.notes.push(format!(
-                    "the logprob entries spell {:?}, the text is {:?}",
-                    shorten(&String::from_utf8_lossy(&joined), 40),
-                    shorten(&ans.text, 40)
-                ));
-            }
             ids
         } else {
-            if !ans.entries.is_empty() {
-                t.notes.push("logprob entries without bytes hold partial characters; ids re-derived by tokenizing the text".into());
-            }
             t.ids_from = "tokenized text".into();
             let ids = model.tokenizer.encode(&ans.text)?;
             let back = model.tokenizer.decode(&ids)?;
@@ -807,7 +898,7 @@ pub fn audit(
             let top = top_logprobs(row, 1);
             let (ref_top, top_lp) = top.first().copied().unwrap_or((0, f32::NAN));
             let lp = token_logprob(row, id).unwrap_or(f32::NEG_INFINITY);
-            let e = if usable { ans.entries.get(i) } else { None };
+            let e = if from_entries { ans.entries.get(i) } else { None };
             let up_top: Vec<(u32, f64)> = e
                 .map(|e| {
                     e.top
