@@ -1,7 +1,8 @@
 """Real clients against `lmrr serve` (run by scripts/serve-test.sh).
 
-    python serve_clients.py clients   # openai (streaming, non-streaming, a
-                                      # cancellation then "to a file") and curl
+    python serve_clients.py clients   # openai (streaming, non-streaming,
+                                      # logprobs, a cancellation then "to a
+                                      # file") and curl
     python serve_clients.py load      # 32 concurrent streaming clients, random
                                       # arrivals and disconnects, <= 2 minutes
     python serve_clients.py bench     # figures for docs/PERFORMANCE.md
@@ -164,6 +165,23 @@ def clients():
           f"usage chunk: {chunks[-1]}")
     check(text == r.choices[0].message.content, "streamed text == non-streamed text")
     names.add(chunks[0].id)
+
+    # Logprobs, streamed: every sampled token once, in order, the top-3 of
+    # each, its logprob its own top-1 (greedy), its bytes joined the text.
+    s = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],
+                                  max_tokens=12, temperature=0, stream=True,
+                                  logprobs=True, top_logprobs=3)
+    chunks = list(s)
+    names.add(chunks[0].id)
+    entries = [e for ch in chunks if ch.choices and ch.choices[0].logprobs
+               for e in ch.choices[0].logprobs.content]
+    lp_text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    check(len(entries) == 12 and all(len(e.top_logprobs) == 3 for e in entries),
+          f"streamed logprobs: 12 entries of top-3 expected, got {entries}")
+    check(all(e.logprob == e.top_logprobs[0].logprob and e.token == e.top_logprobs[0].token
+              for e in entries), "greedy: each token is its own top-1")
+    check(bytes(b for e in entries for b in e.bytes).decode("utf-8", "replace") == lp_text
+          and lp_text == text, "logprob bytes joined are the streamed text")
 
     # Completions, with a stop sequence.
     cr = c.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=40,

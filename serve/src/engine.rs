@@ -36,9 +36,10 @@
 //! step keeps its sampled logits rows ([`Scheduler::set_keep_rows`], off
 //! otherwise: a row is a vocabulary of f32 per sequence), and each sampled
 //! token of such a request becomes a [`TokenLogprob`] computed with the
-//! engine's own [`token_logprob`] and [`top_logprobs`] — the bits `lmrr
-//! audit` computes from its reference logits, of the raw logits (before
-//! temperature, top-k, top-p). It travels in the same [`Update::Text`] as
+//! engine's own [`token_logprob`] and [`top_logprobs`] (the functions
+//! behind the bundle's recorded top-5: the same logits give the same bits
+//! wherever they are computed), of the raw logits (before temperature,
+//! top-k, top-p). It travels in the same [`Update::Text`] as
 //! the text of its step, which the detokenizer or the stop matcher may still
 //! hold back: an entry can arrive before its text. Invariant: a request's
 //! entries, concatenated, are its sampled tokens in order, each once, up to
