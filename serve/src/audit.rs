@@ -48,6 +48,9 @@ use lmrr_recorder::traffic::{Outcome, TrafficBundle, TrafficEvent};
 use crate::api::{self, ChatMessage, Prompt};
 use crate::template::Renderer;
 
+/// Most lossy entries one turn re-settles (each costs a forward pass).
+const MAX_SWAPS: usize = 32;
+
 /// The numbers behind the verdicts.
 #[derive(Debug, Clone, Serialize)]
 pub struct Thresholds {
@@ -422,49 +425,66 @@ impl Vocab {
         c
     }
 
-    /// The ids of `entries` whose bytes spell `text` (a tail past the end of
-    /// `text` is allowed: text still held back by a detokenizer or cut by a
-    /// stop sequence). Depth-first over each entry's candidates, failed
-    /// states remembered, so it is linear in practice.
-    fn align(&self, entries: &[Entry], text: &[u8]) -> Option<Vec<u32>> {
+    /// Whether `ids` decode (as a stream) to `text` or a longer text.
+    fn spells(&self, ids: &[u32], text: &str) -> bool {
+        let acc: Vec<u8> = ids
+            .iter()
+            .flat_map(|&i| self.bytes[i as usize].iter().copied())
+            .collect();
+        String::from_utf8_lossy(&acc).starts_with(text)
+    }
+
+    /// The ids of `entries` (some of whose texts are lossy) whose bytes,
+    /// decoded as a server decodes a stream (invalid bytes as U+FFFD, an
+    /// incomplete character held until it completes), give `text` — or a
+    /// longer text that starts with it (a tail held back or cut by a stop
+    /// sequence). Depth-first over each entry's candidates, exact ones
+    /// first, within a budget of steps; `None` when nothing fits.
+    fn align(&self, entries: &[Entry], text: &str) -> Option<Vec<u32>> {
         let cands: Vec<Vec<u32>> = entries.iter().map(|e| self.candidates(e)).collect();
-        let mut failed = std::collections::HashSet::new();
         let mut out = Vec::with_capacity(entries.len());
+        let mut acc = Vec::new();
+        let mut budget = 100_000usize;
+        fn shown(acc: &[u8]) -> std::borrow::Cow<'_, str> {
+            let cut = match std::str::from_utf8(acc) {
+                Err(e) if e.error_len().is_none() => e.valid_up_to(),
+                _ => acc.len(),
+            };
+            String::from_utf8_lossy(&acc[..cut])
+        }
         fn go(
             v: &Vocab,
             cands: &[Vec<u32>],
             i: usize,
-            p: usize,
-            text: &[u8],
-            failed: &mut std::collections::HashSet<(usize, usize)>,
+            acc: &mut Vec<u8>,
+            text: &str,
             out: &mut Vec<u32>,
+            budget: &mut usize,
         ) -> bool {
             if i == cands.len() {
-                return p >= text.len();
-            }
-            if failed.contains(&(i, p)) {
-                return false;
+                return String::from_utf8_lossy(acc).starts_with(text)
+                    || shown(acc).starts_with(text);
             }
             for &id in &cands[i] {
-                let b = &v.bytes[id as usize];
-                let rest = &text[p.min(text.len())..];
-                let fits = if b.len() <= rest.len() {
-                    rest.starts_with(b)
-                } else {
-                    b.starts_with(rest)
-                };
-                if fits {
+                if *budget == 0 {
+                    return false;
+                }
+                *budget -= 1;
+                let n = acc.len();
+                acc.extend_from_slice(&v.bytes[id as usize]);
+                let s = shown(acc);
+                if text.starts_with(s.as_ref()) || s.starts_with(text) {
                     out.push(id);
-                    if go(v, cands, i + 1, p + b.len(), text, failed, out) {
+                    if go(v, cands, i + 1, acc, text, out, budget) {
                         return true;
                     }
                     out.pop();
                 }
+                acc.truncate(n);
             }
-            failed.insert((i, p));
             false
         }
-        go(self, &cands, 0, 0, text, &mut failed, &mut out).then_some(out)
+        go(self, &cands, 0, &mut acc, text, &mut out, &mut budget).then_some(out)
     }
 
     /// The id of an alternative: by its bytes, else its text, else the one
@@ -842,7 +862,12 @@ pub fn audit(
                     vocab: vsize,
                 });
             }
-            let a = vocab.align(&ans.entries, ans.text.as_bytes());
+            let a = if ans.entries.iter().all(|e| e.bytes.is_some()) {
+                // Exact bytes: the ids are known; the text may be lossy.
+                Some(ans.entries.iter().map(|e| vocab.candidates(e)[0]).collect())
+            } else {
+                vocab.align(&ans.entries, &ans.text)
+            };
             if a.is_none() {
                 t.notes.push(format!(
                     "the {} logprob entries do not spell the text {:?}; ids re-derived by tokenizing the text",
@@ -889,8 +914,47 @@ pub fn audit(
             turns.push(t);
             continue;
         }
-        // Score every token against the reference.
-        let r = rows(model, &prompt, &out, threads)?;
+        // Score every token against the reference. Lossy entries (no bytes,
+        // several tokens show the same text) are settled by the upstream's
+        // own logprob: the candidate whose reference logprob is nearest.
+        let mut out = out;
+        let mut r = rows(model, &prompt, &out, threads)?;
+        if from_entries {
+            let mut swaps = 0;
+            for i in 0..out.len() {
+                let Some(e) = ans.entries.get(i) else { break };
+                let (Some(up), None) = (e.logprob, &e.bytes) else {
+                    continue;
+                };
+                let cands = vocab.candidates(e);
+                if cands.len() < 2 || swaps >= MAX_SWAPS {
+                    continue;
+                }
+                let row = &r[i * vsize..(i + 1) * vsize];
+                let dist = |id: u32| {
+                    token_logprob(row, id).map_or(f64::INFINITY, |l| ((l as f64) - (up as f32 as f64)).abs())
+                };
+                let best = cands
+                    .iter()
+                    .copied()
+                    .filter(|&c| c == out[i] || {
+                        let mut alt = out.clone();
+                        alt[i] = c;
+                        vocab.spells(&alt, &ans.text)
+                    })
+                    .min_by(|&a, &b| dist(a).total_cmp(&dist(b)).then(a.cmp(&b)));
+                if let Some(b) = best.filter(|&b| b != out[i] && dist(b) < dist(out[i])) {
+                    out[i] = b;
+                    swaps += 1;
+                    r = rows(model, &prompt, &out, threads)?;
+                }
+            }
+            if swaps > 0 {
+                t.notes.push(format!(
+                    "{swaps} lossy logprob entries (no bytes) matched several tokens; settled by the upstream's logprob"
+                ));
+            }
+        }
         let greedy = temperature == 0.0;
         let mut kls = Vec::new();
         for (i, &id) in out.iter().enumerate() {
