@@ -9,15 +9,11 @@ use plotters::prelude::*;
 
 use super::HtmlError;
 
-const PALETTE: [RGBColor; 7] = [
-    RGBColor(31, 119, 180),
-    RGBColor(255, 127, 14),
-    RGBColor(44, 160, 44),
-    RGBColor(214, 39, 40),
-    RGBColor(148, 103, 189),
-    RGBColor(140, 86, 75),
-    RGBColor(227, 119, 194),
-];
+/// The drift plot's colours, its grey (the reference's line there) left out.
+fn colour(i: usize) -> RGBColor {
+    let p = &super::plot::PALETTE[1..];
+    p[i % p.len()]
+}
 
 /// One audited turn's line.
 #[derive(Debug, Clone)]
@@ -74,7 +70,7 @@ pub fn audit_svg(series: &[AuditSeries]) -> Result<String, HtmlError> {
             .draw()
             .map_err(err)?;
         for (i, s) in series.iter().enumerate() {
-            let c = PALETTE[i % PALETTE.len()];
+            let c = colour(i);
             let pts: Vec<(f64, f64)> = s
                 .logprob
                 .iter()
@@ -120,7 +116,7 @@ pub fn audit_svg(series: &[AuditSeries]) -> Result<String, HtmlError> {
             ))
             .map_err(err)?;
         for (i, s) in series.iter().enumerate() {
-            let c = PALETTE[i % PALETTE.len()];
+            let c = colour(i);
             let pts: Vec<(f64, f64)> = s
                 .rank
                 .iter()

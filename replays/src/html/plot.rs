@@ -19,7 +19,7 @@ pub const SVG_WIDTH: u32 = 720;
 pub const PAGE_WIDTH: u32 = 1100;
 const PANEL_H: u32 = 170;
 
-const PALETTE: [RGBColor; 7] = [
+pub(crate) const PALETTE: [RGBColor; 7] = [
     RGBColor(90, 90, 90),
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
