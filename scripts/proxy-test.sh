@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `lmrr proxy` + `lmrr audit` against a real peer server (run by .ci/run):
 # llama.cpp's own OpenAI-compatible server (`llama-cpp-python[server]`, built
-# from PyPI: ~10-30 min on 2 cores, cached in a virtual environment under
-# target/) serving the SmolLM2 GGUF that lmrr imports. The incident's
+# from PyPI — 249 s on 2 idle cores with LLaVA left out, measured with
+# `pip install --no-cache-dir`; kept in a virtual environment under target/)
+# serving the SmolLM2 GGUF that lmrr imports. The incident's
 # conversation (scripts/proxy_clients.py: a poem cancelled after 30 chunks,
 # then "to a file", then a recall question) goes through the proxy with the
 # `openai` client; then the same traffic is re-sent (`lmrr proxy --resend`)
