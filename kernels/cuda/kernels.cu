@@ -92,6 +92,45 @@ extern "C" __global__ void matmul(int kind, const float* x, const unsigned char*
     y[(long long)t * rows + o] = dot_canon(kind, x + (long long)t * k, w + o * row_bytes, k);
 }
 
+// matmul, one warp per output: the same canonical order spread over the
+// warp. Thread (g = lane / 8, j = lane % 8) runs lane j's FMA chain of chunk
+// 4q + g; the lane tree is three xor-shuffles whose pairs are the tree's own
+// ((0,4) (1,5) (2,6) (3,7), then (0,2) (1,3), then (0,1): IEEE addition is
+// commutative, so either side of a pair gets the same bits); lane 0 adds the
+// chunk partials in chunk order. Bit-identical to `matmul` (gpu_check).
+extern "C" __global__ void matmul_warp(int kind, const float* x, const unsigned char* w, float* y,
+                                       int n, int rows, int k, long long row_bytes) {
+    long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (warp >= (long long)n * rows) return;  // uniform over the warp
+    int o = (int)(warp % rows), t = (int)(warp / rows);
+    const float* xr = x + (long long)t * k;
+    const unsigned char* wr = w + o * row_bytes;
+    int g = lane >> 3, j = lane & 7;
+    int chunks = (k + CHUNK - 1) / CHUNK;
+    float total = 0.0f;
+    for (int q = 0; q < chunks; q += 4) {
+        int c = q + g;
+        float l = 0.0f;
+        if (c < chunks) {
+            int cend = min(c * CHUNK + CHUNK, k);
+            for (int i = c * CHUNK + j; i < cend; i += LANES) l = fmaf(xr[i], weight(kind, wr, i), l);
+        }
+        l = l + __shfl_xor_sync(0xffffffffu, l, 4);
+        l = l + __shfl_xor_sync(0xffffffffu, l, 2);
+        l = l + __shfl_xor_sync(0xffffffffu, l, 1);
+        float p0 = __shfl_sync(0xffffffffu, l, 0);
+        float p1 = __shfl_sync(0xffffffffu, l, 8);
+        float p2 = __shfl_sync(0xffffffffu, l, 16);
+        float p3 = __shfl_sync(0xffffffffu, l, 24);
+        total = total + p0;
+        if (q + 1 < chunks) total = total + p1;
+        if (q + 2 < chunks) total = total + p2;
+        if (q + 3 < chunks) total = total + p3;
+    }
+    if (lane == 0) y[(long long)t * rows + o] = total;
+}
+
 // out = (x * inv_rms(x)) * w per row of d elements.
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int rows, int d, float eps) {
     int r = blockIdx.x * blockDim.x + threadIdx.x;

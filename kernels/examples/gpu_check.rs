@@ -7,7 +7,7 @@
 //! Prints one line per case and a summary; exits 1 on any differing bit, 2
 //! when no device can be opened.
 
-use lmrr_kernels::cuda::{Gpu, SOURCE};
+use lmrr_kernels::cuda::{Gpu, MatmulKernel, SOURCE};
 use lmrr_kernels::*;
 
 type Rng = SplitMix64;
@@ -162,15 +162,20 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
     let q41 = blocks(&mut r, QuantKind::Q4_1, rows * cols / 32);
     let wf = r.uniform_vec(rows * cols, 0.5);
     let mut out = Vec::new();
-    let mut mm = 0;
+    let (mut mm, mut warp) = (0, 0);
     for w in [Weights::F32(&wf), Weights::Quant(QuantKind::Q4_1, &q41)] {
         let m = Matrix::new(w, rows, cols).expect("shape");
         let (mut cpu, mut dev) = (vec![0.0; n * rows], vec![0.0; n * rows]);
         matmul(&th, &x, n, &m, &mut cpu);
-        gpu.matmul(&x, n, &m, &mut dev).expect("gpu matmul");
+        gpu.matmul_with(MatmulKernel::Thread, &x, n, &m, &mut dev, 1)
+            .expect("gpu matmul");
         mm += diff(&cpu, &dev);
+        gpu.matmul_with(MatmulKernel::Warp, &x, n, &m, &mut dev, 1)
+            .expect("gpu matmul_warp");
+        warp += diff(&cpu, &dev);
     }
     out.push(("matmul", mm));
+    out.push(("matmul_warp", warp));
     let w = r.uniform_vec(cols, 1.5);
     let (mut cpu, mut dev) = (vec![0.0; x.len()], vec![0.0; x.len()]);
     rms_norm(&x, &w, 1e-5, &mut cpu);
@@ -213,6 +218,16 @@ fn main() {
             "lane tree (l0+l1)+(l2+l3)…",
             "float t0 = l[0] + l[4], t1 = l[1] + l[5], t2 = l[2] + l[6], t3 = l[3] + l[7];",
             "float t0 = l[0] + l[1], t1 = l[4] + l[5], t2 = l[2] + l[3], t3 = l[6] + l[7];",
+        ),
+        mutate(
+            "matmul_warp lane tree xor 1 before xor 4",
+            "l = l + __shfl_xor_sync(0xffffffffu, l, 4);\n        l = l + __shfl_xor_sync(0xffffffffu, l, 2);\n        l = l + __shfl_xor_sync(0xffffffffu, l, 1);",
+            "l = l + __shfl_xor_sync(0xffffffffu, l, 1);\n        l = l + __shfl_xor_sync(0xffffffffu, l, 2);\n        l = l + __shfl_xor_sync(0xffffffffu, l, 4);",
+        ),
+        mutate(
+            "matmul_warp chunk partials summed as a tree",
+            "total = total + p0;\n        if (q + 1 < chunks) total = total + p1;",
+            "total = total + (q + 1 < chunks ? p0 + p1 : p0);\n        if (false) total = total + p1;",
         ),
         mutate(
             "sigmoid through expf",
@@ -319,10 +334,19 @@ fn main() {
             let mut cpu = vec![0.0; n * rows];
             matmul(&th, &x, n, &m, &mut cpu);
             let mut dev = vec![f32::NAN; n * rows];
-            gpu.matmul(&x, n, &m, &mut dev).expect("gpu matmul");
+            gpu.matmul_with(MatmulKernel::Thread, &x, n, &m, &mut dev, 1)
+                .expect("gpu matmul");
             report(
                 format!("matmul {label} {n}×{cols} · {cols}×{rows}"),
                 diff(&cpu, &dev),
+                cpu.len(),
+            );
+            let mut warp = vec![f32::NAN; n * rows];
+            gpu.matmul_with(MatmulKernel::Warp, &x, n, &m, &mut warp, 1)
+                .expect("gpu matmul_warp");
+            report(
+                format!("matmul_warp {label} {n}×{cols} · {cols}×{rows}"),
+                diff(&cpu, &warp),
                 cpu.len(),
             );
         }
@@ -612,6 +636,43 @@ fn main() {
             diff(&c, &g),
             c.len(),
         );
+    }
+    // Kernel timings on resident operands: the reference kernel (one
+    // thread per output) against the warp kernel, same bits. Figures, not
+    // checks: the device is shared.
+    println!("matmul kernel time per launch (operands resident, 50 launches, f32 and Q4_1):");
+    for &(rows, cols, n, what) in &[
+        (1536usize, 576usize, 1usize, "b1 gate/up (small)"),
+        (576, 1536, 1, "b1 down (small)"),
+        (49152, 576, 1, "b1 lm head (small)"),
+        (1536, 576, 64, "b64 gate/up (small)"),
+    ] {
+        let x = r.uniform_vec(n * cols, 2.0);
+        let wf = r.uniform_vec(rows * cols, 0.5);
+        let q41 = blocks(&mut r, QuantKind::Q4_1, rows * cols / 32);
+        for (label, w, bytes) in [
+            ("f32", Weights::F32(&wf), rows * cols * 4),
+            ("Q4_1", Weights::Quant(QuantKind::Q4_1, &q41), q41.len()),
+        ] {
+            let m = Matrix::new(w, rows, cols).expect("shape");
+            let mut y = vec![0.0; n * rows];
+            let reps = 50;
+            let t = gpu
+                .matmul_with(MatmulKernel::Thread, &x, n, &m, &mut y, reps)
+                .expect("time thread")
+                / reps as f64;
+            let tw = gpu
+                .matmul_with(MatmulKernel::Warp, &x, n, &m, &mut y, reps)
+                .expect("time warp")
+                / reps as f64;
+            println!(
+                "  {what:<22} {label:<5} {n:>2}×{cols}·{cols}×{rows}: thread {:>8.1} µs, warp {:>7.1} µs ({:>5.1}×), warp reads weights at {:>6.0} GB/s",
+                t * 1e6,
+                tw * 1e6,
+                t / tw,
+                bytes as f64 / tw / 1e9
+            );
+        }
     }
     println!(
         "summary: {} of {cases} cases bit-identical (CPU ISA {:?} vs {})",

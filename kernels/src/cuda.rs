@@ -53,6 +53,7 @@ pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     matmul: CudaFunction,
+    matmul_warp: CudaFunction,
     rms_norm: CudaFunction,
     exp_slice: CudaFunction,
     swiglu: CudaFunction,
@@ -63,6 +64,14 @@ pub struct Gpu {
     hc_post: CudaFunction,
     moe_combine: CudaFunction,
     index_scores: CudaFunction,
+}
+
+/// Which matmul kernel: the one-thread-per-output reference, or the fast
+/// one-warp-per-output kernel in the same canonical order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatmulKernel {
+    Thread,
+    Warp,
 }
 
 fn grid(n: usize) -> LaunchConfig {
@@ -114,6 +123,7 @@ impl Gpu {
         Ok(Self {
             stream: ctx.default_stream(),
             matmul: f("matmul")?,
+            matmul_warp: f("matmul_warp")?,
             rms_norm: f("rms_norm")?,
             exp_slice: f("exp_slice")?,
             swiglu: f("swiglu")?,
@@ -135,8 +145,25 @@ impl Gpu {
             .unwrap_or_else(|e| format!("unknown ({e:?})"))
     }
 
-    /// [`crate::matmul`] on the device (weights uploaded for this call).
+    /// [`crate::matmul`] on the device (weights uploaded for this call), by
+    /// the warp kernel; the one-thread-per-output kernel stays as the
+    /// reference `gpu_check` holds it to ([`Gpu::matmul_with`]).
     pub fn matmul(&self, x: &[f32], n: usize, w: &Matrix, y: &mut [f32]) -> Result<(), GpuError> {
+        self.matmul_with(MatmulKernel::Warp, x, n, w, y, 1).map(|_| ())
+    }
+
+    /// [`Gpu::matmul`] with the kernel chosen, launched `reps` times on
+    /// operands uploaded once; returns the seconds the launches took
+    /// (synchronized), for `gpu_check`'s kernel timings.
+    pub fn matmul_with(
+        &self,
+        kernel: MatmulKernel,
+        x: &[f32],
+        n: usize,
+        w: &Matrix,
+        y: &mut [f32],
+        reps: usize,
+    ) -> Result<f64, GpuError> {
         if x.len() != n * w.cols || y.len() != n * w.rows {
             return Err(GpuError::Shape {
                 what: "matmul",
@@ -150,7 +177,7 @@ impl Gpu {
             });
         }
         if y.is_empty() {
-            return Ok(());
+            return Ok(0.0);
         }
         let (kind, bytes): (i32, Vec<u8>) = match w.w {
             Weights::F32(s) => (0, s.iter().flat_map(|v| v.to_le_bytes()).collect()),
@@ -174,21 +201,32 @@ impl Gpu {
             as_i32("matmul", w.rows)?,
             as_i32("matmul", w.cols)?,
         );
-        as_i32("matmul", n * w.rows)?; // the launch grid counts outputs in 32 bits
-        let mut b = s.launch_builder(&self.matmul);
-        b.arg(&kind)
-            .arg(&dx)
-            .arg(&dw)
-            .arg(&mut dy)
-            .arg(&ni)
-            .arg(&ri)
-            .arg(&ki)
-            .arg(&row_bytes);
-        // SAFETY: the argument list matches `matmul` in kernels.cu; every
-        // index the kernel forms is below n·rows, n·k or rows·row_bytes.
-        unsafe { b.launch(grid(n * w.rows)) }.map_err(drv)?;
+        let (f, threads) = match kernel {
+            MatmulKernel::Thread => (&self.matmul, n * w.rows),
+            MatmulKernel::Warp => (&self.matmul_warp, n * w.rows * 32),
+        };
+        as_i32("matmul", threads)?; // the launch grid counts threads in 32 bits
+        s.synchronize().map_err(drv)?;
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps.max(1) {
+            let mut b = s.launch_builder(f);
+            b.arg(&kind)
+                .arg(&dx)
+                .arg(&dw)
+                .arg(&mut dy)
+                .arg(&ni)
+                .arg(&ri)
+                .arg(&ki)
+                .arg(&row_bytes);
+            // SAFETY: the argument list matches `matmul` and `matmul_warp` in
+            // kernels.cu; every index they form is below n·rows, n·k or
+            // rows·row_bytes.
+            unsafe { b.launch(grid(threads)) }.map_err(drv)?;
+        }
+        s.synchronize().map_err(drv)?;
+        let secs = t0.elapsed().as_secs_f64();
         s.memcpy_dtoh(&dy, y).map_err(drv)?;
-        Ok(())
+        Ok(secs)
     }
 
     /// [`crate::rms_norm`] on the device.
