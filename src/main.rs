@@ -3,9 +3,9 @@
 
 mod bench;
 mod demo;
+mod proxy;
 mod replay;
 mod rerecord;
-mod proxy;
 mod serve;
 
 use std::io::Write;

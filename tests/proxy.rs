@@ -460,7 +460,11 @@ fn lmrr_serve_as_the_upstream_is_bit_faithful_and_survives_a_resend() {
         assert_eq!(s["identical_logprobs"], s["tokens"], "{t:#}");
         // Chat entries carry `bytes`; the legacy completions shape has only
         // (lossy) texts, settled against the text and the logprobs.
-        let from = if t["endpoint"] == "/v1/completions" { "logprob tokens" } else { "logprob bytes" };
+        let from = if t["endpoint"] == "/v1/completions" {
+            "logprob tokens"
+        } else {
+            "logprob bytes"
+        };
         assert_eq!(t["ids_from"], from, "{t:#}");
         assert_eq!(s["mean_kl"], 0.0);
     }

@@ -149,7 +149,8 @@ impl Gpu {
     /// the warp kernel; the one-thread-per-output kernel stays as the
     /// reference `gpu_check` holds it to ([`Gpu::matmul_with`]).
     pub fn matmul(&self, x: &[f32], n: usize, w: &Matrix, y: &mut [f32]) -> Result<(), GpuError> {
-        self.matmul_with(MatmulKernel::Warp, x, n, w, y, 1).map(|_| ())
+        self.matmul_with(MatmulKernel::Warp, x, n, w, y, 1)
+            .map(|_| ())
     }
 
     /// [`Gpu::matmul`] with the kernel chosen, launched `reps` times on

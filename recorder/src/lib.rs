@@ -22,7 +22,9 @@ pub mod schema;
 pub mod summary;
 pub mod traffic;
 
-pub use format::{open, read, Bundle, BundleError, BundleOf, BundleWriter, Integrity, Kind, Writer};
+pub use format::{
+    open, read, Bundle, BundleError, BundleOf, BundleWriter, Integrity, Kind, Writer,
+};
 pub use record::Recorder;
 pub use schema::{Event, HostInfo, Manifest, ModelInfo, SessionSource, Trailer, FORMAT_VERSION};
 pub use summary::Summary;

@@ -414,7 +414,12 @@ impl Vocab {
         if let Some(b) = &e.bytes {
             return self.by_bytes.get(b).copied().into_iter().collect();
         }
-        let mut c: Vec<u32> = self.by_bytes.get(e.text.as_bytes()).copied().into_iter().collect();
+        let mut c: Vec<u32> = self
+            .by_bytes
+            .get(e.text.as_bytes())
+            .copied()
+            .into_iter()
+            .collect();
         if let Some(more) = self.by_lossy.get(&e.text) {
             for &x in more {
                 if !c.contains(&x) {
@@ -932,15 +937,18 @@ pub fn audit(
                 }
                 let row = &r[i * vsize..(i + 1) * vsize];
                 let dist = |id: u32| {
-                    token_logprob(row, id).map_or(f64::INFINITY, |l| ((l as f64) - (up as f32 as f64)).abs())
+                    token_logprob(row, id)
+                        .map_or(f64::INFINITY, |l| ((l as f64) - (up as f32 as f64)).abs())
                 };
                 let best = cands
                     .iter()
                     .copied()
-                    .filter(|&c| c == out[i] || {
-                        let mut alt = out.clone();
-                        alt[i] = c;
-                        vocab.spells(&alt, &ans.text)
+                    .filter(|&c| {
+                        c == out[i] || {
+                            let mut alt = out.clone();
+                            alt[i] = c;
+                            vocab.spells(&alt, &ans.text)
+                        }
                     })
                     .min_by(|&a, &b| dist(a).total_cmp(&dist(b)).then(a.cmp(&b)));
                 if let Some(b) = best.filter(|&b| b != out[i] && dist(b) < dist(out[i])) {
@@ -962,7 +970,11 @@ pub fn audit(
             let top = top_logprobs(row, 1);
             let (ref_top, top_lp) = top.first().copied().unwrap_or((0, f32::NAN));
             let lp = token_logprob(row, id).unwrap_or(f32::NEG_INFINITY);
-            let e = if from_entries { ans.entries.get(i) } else { None };
+            let e = if from_entries {
+                ans.entries.get(i)
+            } else {
+                None
+            };
             let up_top: Vec<(u32, f64)> = e
                 .map(|e| {
                     e.top

@@ -11,7 +11,13 @@ use proptest::prelude::*;
 use serde_json::json;
 
 /// Path, body, status, chunks, end.
-type Req = (String, Vec<u8>, Option<u16>, Vec<Vec<u8>>, Option<(Outcome, u32)>);
+type Req = (
+    String,
+    Vec<u8>,
+    Option<u16>,
+    Vec<Vec<u8>>,
+    Option<(Outcome, u32)>,
+);
 
 fn bundle(requests: Vec<Req>) -> traffic::TrafficBundle {
     let m = TrafficManifest::new("http://127.0.0.1:1", "x", 5, "clients", "t", "t");

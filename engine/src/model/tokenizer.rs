@@ -197,9 +197,14 @@ mod byte_table_tests {
         // a fragment of a character, not valid UTF-8 alone.
         let text = "Zorblax likes teal — 🌊 über <|im_end|> done";
         let ids = tok.encode(text).unwrap();
-        let joined: Vec<u8> = ids.iter().flat_map(|&i| table[i as usize].clone()).collect();
+        let joined: Vec<u8> = ids
+            .iter()
+            .flat_map(|&i| table[i as usize].clone())
+            .collect();
         assert_eq!(joined, text.as_bytes());
-        assert!(ids.iter().any(|&i| std::str::from_utf8(&table[i as usize]).is_err()));
+        assert!(ids
+            .iter()
+            .any(|&i| std::str::from_utf8(&table[i as usize]).is_err()));
         assert_eq!(table[2], b"<|im_end|>".to_vec());
     }
 }

@@ -19,8 +19,8 @@
 //! - [`plot`]: drift plots, drawn with plotters' SVG backend.
 //! - [`page`]: the HTML around them.
 
-mod page;
 pub mod audit;
+mod page;
 pub mod plot;
 pub mod timeline;
 
