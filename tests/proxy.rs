@@ -9,12 +9,15 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lmrr_recorder::traffic::{self, Outcome, TrafficEvent, TrafficManifest, TrafficWriter};
 use serde_json::{json, Value};
+
+#[path = "common/listening.rs"]
+mod listening;
 
 const MODEL: &str = "synthetic:tiny:seed0";
 
@@ -27,31 +30,7 @@ struct Proc {
 
 impl Proc {
     fn start(args: &[&str], cwd: &Path) -> Proc {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_lmrr"))
-            .args(args)
-            .current_dir(cwd)
-            .env_clear()
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let log = Arc::new(Mutex::new(String::new()));
-        let (tx, rx) = std::sync::mpsc::channel();
-        let stderr = child.stderr.take().unwrap();
-        let l2 = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                if let Some(rest) = line.split("on http://127.0.0.1:").nth(1) {
-                    let port: u16 = rest.split(' ').next().unwrap().parse().unwrap();
-                    let _ = tx.send(port);
-                }
-                l2.lock().unwrap().push_str(&(line + "\n"));
-            }
-        });
-        let port = rx
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|_| panic!("did not start: {}", log.lock().unwrap()));
+        let (child, port, log) = listening::spawn(args, cwd);
         Proc { child, port, log }
     }
 

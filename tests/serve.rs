@@ -8,11 +8,14 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+
+#[path = "common/listening.rs"]
+mod listening;
 
 const MODEL: &str = "synthetic:tiny:seed0";
 
@@ -28,31 +31,7 @@ impl Server {
         let dir = tempfile::tempdir().unwrap();
         let mut args = vec!["serve", "--addr", "127.0.0.1:0", "--threads", "1"];
         args.extend(extra);
-        let mut child = Command::new(env!("CARGO_BIN_EXE_lmrr"))
-            .args(&args)
-            .current_dir(dir.path())
-            .env_clear()
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let log = Arc::new(Mutex::new(String::new()));
-        let (tx, rx) = std::sync::mpsc::channel();
-        let stderr = child.stderr.take().unwrap();
-        let l2 = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                if let Some(rest) = line.split("http://127.0.0.1:").nth(1) {
-                    let port: u16 = rest.split(' ').next().unwrap().parse().unwrap();
-                    let _ = tx.send(port);
-                }
-                l2.lock().unwrap().push_str(&(line + "\n"));
-            }
-        });
-        let port = rx
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|_| panic!("server did not start: {}", log.lock().unwrap()));
+        let (child, port, log) = listening::spawn(&args, dir.path());
         Server {
             child,
             port,
