@@ -39,9 +39,40 @@ for b in replays/*.lmrr; do
   [ $rc = 0 ] || fail=1
 done
 tmp=$(mktemp -d)
-"$bin/lmrr" run --script examples/incident.toml --device cuda --record "$tmp/gpu.lmrr" >/dev/null 2>&1 || fail=1
-out=$("$bin/lmrr" replay "$tmp/gpu.lmrr" --device cpu 2>&1); rc=$?
-printf 'record on cuda, replay on cpu: exit %s  %s\n' "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
+# Every llama example session, recorded on the GPU (resident path: weights and
+# KV pages on the device, decode steps as CUDA graphs), replays bit-exactly
+# on the CPU.
+for s in incident long-recall multi-user sampled; do
+  rm -f "$tmp/gpu.lmrr"
+  "$bin/lmrr" run --script "examples/$s.toml" --device cuda --record "$tmp/gpu.lmrr" >/dev/null 2>&1 || fail=1
+  out=$("$bin/lmrr" replay "$tmp/gpu.lmrr" --device cpu 2>&1); rc=$?
+  printf 'record examples/%s.toml on cuda, replay on cpu: exit %s  %s\n' "$s" "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
+  [ $rc = 0 ] || fail=1
+done
+# Page-size, batch, chunk and cache invariance on the resident path: the
+# incident recorded on the GPU under other page sizes (device pages of 1, 7,
+# 64 positions), step budgets (chunked prefill, smaller batches) and with the
+# prefix cache off replays bit-exactly on the CPU, and the recompute oracle,
+# run on the GPU, finds every sampled token's logits equal to a cache-off,
+# batch-of-one recomputation there; graphs off gives the same bundle bits.
+for cfg in "--page-size 1" "--page-size 7 --max-batch-tokens 40" "--page-size 64 --max-batch-tokens 9" "--no-prefix-cache" "--max-batch-tokens 3"; do
+  rm -f "$tmp/inv.lmrr"
+  "$bin/lmrr" run --script examples/multi-user.toml --device cuda $cfg --record "$tmp/inv.lmrr" >/dev/null 2>&1 || fail=1
+  out=$("$bin/lmrr" replay "$tmp/inv.lmrr" --device cpu 2>&1); rc=$?
+  printf 'multi-user on cuda %-36s replay on cpu: exit %s  %s\n' "$cfg," "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
+  [ $rc = 0 ] || fail=1
+  out=$("$bin/lmrr" replay "$tmp/inv.lmrr" --device cuda --oracle recompute 2>&1); rc=$?
+  printf 'multi-user on cuda %-36s oracle on cuda: exit %s  %s\n' "$cfg," "$rc" "$(echo "$out" | grep -m1 -iE 'agree|match|mismatch|DIVERGED|error|oracle')"
+  [ $rc = 0 ] || fail=1
+done
+rm -f "$tmp/g1.lmrr" "$tmp/g0.lmrr"
+"$bin/lmrr" run --script examples/incident.toml --device cuda --record "$tmp/g1.lmrr" >/dev/null 2>&1 || fail=1
+LMRR_CUDA_GRAPHS=0 "$bin/lmrr" run --script examples/incident.toml --device cuda --record "$tmp/g0.lmrr" >/dev/null 2>&1 || fail=1
+out=$("$bin/lmrr" replay "$tmp/g1.lmrr" --device cuda 2>&1); rc=$?
+printf 'incident on cuda, graphs on, replayed with graphs on: exit %s  %s\n' "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
+[ $rc = 0 ] || fail=1
+out=$(LMRR_CUDA_GRAPHS=0 "$bin/lmrr" replay "$tmp/g1.lmrr" --device cuda 2>&1); rc=$?
+printf 'incident on cuda, graphs on, replayed with graphs off: exit %s  %s\n' "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
 [ $rc = 0 ] || fail=1
 # mini-v4 (no example session of its own): a long turn that goes sparse, a
 # follow-up served from the prefix cache, a sampled request; recorded on the

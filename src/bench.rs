@@ -34,6 +34,14 @@ pub struct BenchArgs {
     /// against a peer engine).
     #[arg(long)]
     speed_only: bool,
+    /// Where the kernels run: `cpu`, or `cuda` (the resident path: then the
+    /// device's copy bandwidth and FP32 FMA rate are measured instead of the
+    /// host's, and each figure is given against them).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Batch sizes for prefill and decode (default 1,8; with `--speed-only`, 1).
+    #[arg(long, value_delimiter = ',')]
+    batches: Option<Vec<usize>>,
     /// Instead: the latency `lmrr proxy` adds per streamed chunk, against a
     /// local SSE upstream (direct and proxied streams alternate; `--repeats`
     /// rounds of 200 chunks, one every 2 ms).
@@ -80,8 +88,12 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     }
     let th = crate::threads(a.threads)?;
     let t_load = Instant::now();
-    let model = crate::load_model(Some(&a.model))?;
+    let mut model = crate::load_model(Some(&a.model))?;
     let load_s = t_load.elapsed().as_secs_f64();
+    let t_dev = Instant::now();
+    crate::set_device(&mut model, &a.device)?;
+    let dev_s = t_dev.elapsed().as_secs_f64();
+    let on_gpu = a.device != "cpu";
     let m = model.net();
     let r = a.repeats;
     let (layers, vocab) = (m.kv_layout().layers, m.vocab_size());
@@ -96,10 +108,29 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         lmrr_kernels::isa()
     );
     println!("model built/loaded in {load_s:.2}s");
+    if on_gpu {
+        println!(
+            "moved to {:?} in {dev_s:.2}s (weights uploaded once)",
+            m.device()
+        );
+    }
 
-    let bw = bandwidth(&th, a.bandwidth_mib, r);
+    // The physical limits: the host's read bandwidth, or on the device its
+    // copy bandwidth and its FP32 FMA rate, measured in this run.
+    let (bw, peak) = if on_gpu {
+        device_limits(m, a.bandwidth_mib, r)?
+    } else {
+        (bandwidth(&th, a.bandwidth_mib, r), None)
+    };
     let wbytes = m.weight_bytes_per_step() as f64;
     let floor = wbytes / bw;
+    // FLOPs per prefill token in the matmuls of the layers (the output head
+    // runs for one row per sequence only).
+    let head_params = model.llama().map_or(0, |l| {
+        let c = l.config();
+        c.vocab_size * c.hidden_size * (1 + usize::from(!c.tie_word_embeddings))
+    });
+    let flops_per_token = 2.0 * m.param_count().saturating_sub(head_params) as f64;
 
     // Matmul GFLOP/s on an MLP-shaped matrix, 64 tokens, f32 and bf16.
     // (A mini-v4 model has no dense MLP: its shared expert's shape stands in.)
@@ -119,7 +150,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let mut y = vec![0.0; n * rows];
     let flops = 2.0 * (n * rows * cols) as f64;
     let mut gflops = Vec::new();
-    let kernel_rows = if a.speed_only {
+    let kernel_rows = if a.speed_only || on_gpu {
         Vec::new()
     } else {
         vec![("f32", Weights::F32(&wf)), ("bf16", Weights::Bf16(&wb))]
@@ -153,7 +184,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         ("Q4_1", Weights::Quant(QuantKind::Q4_1, &q41)),
         ("Q8_0", Weights::Quant(QuantKind::Q8_0, &q80)),
     ];
-    for (label, w) in storages.into_iter().filter(|_| !a.speed_only) {
+    for (label, w) in storages.into_iter().filter(|_| !a.speed_only && !on_gpu) {
         let mm = Matrix::new(w, rows, cols).expect("shape");
         let reps = 20;
         let s = time(r + 4, || {
@@ -174,13 +205,21 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             .map(|i| ((i * 7919 + s * 104_729) % (vocab as u64 - 3)) as u32 + 3)
             .collect()
     };
-    let prompts: Vec<Vec<u32>> = (0..8).map(prompt).collect();
+    let default_batches: &[usize] = if a.speed_only { &[1] } else { &[1, 8] };
+    let batches = a.batches.clone().unwrap_or_else(|| default_batches.to_vec());
+    if let Some(&b) = batches.iter().find(|&&b| b == 0 || b > 4096) {
+        anyhow::bail!("--batches {b}: each batch size must be 1..=4096");
+    }
+    let most = batches.iter().copied().max().unwrap_or(1) as u64;
+    let prompts: Vec<Vec<u32>> = (0..most).map(prompt).collect();
     let mut rows_out = Vec::new();
     // Per batch, the family's breakdown of prefill and decode time.
     let mut parts_out = Vec::new();
     m.reset_profile();
-    let batches: &[usize] = if a.speed_only { &[1] } else { &[1, 8] };
-    for &batch in batches {
+    // On the device, batch-1 decode is also measured with graphs off: what
+    // capturing the step saves over launching its kernels one by one.
+    let mut graphs_off = None;
+    for &batch in &batches {
         // Prefill: `batch` prompts in one step.
         let mut kv = new_kv();
         let mut pre = Vec::new();
@@ -221,6 +260,25 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             steps.push(t.elapsed().as_secs_f64());
         }
         let step_s = median(steps);
+        if on_gpu && batch == 1 {
+            if let Some(l) = model.llama() {
+                l.set_cuda_graphs(false);
+                let mut off = Vec::new();
+                for _ in 0..a.decode_steps {
+                    let spans = [SeqSpan {
+                        seq: 0,
+                        start: kv.len(0),
+                        tokens: std::slice::from_ref(&toks[0]),
+                        logits: LogitsWanted::Last,
+                    }];
+                    let t = Instant::now();
+                    m.forward(&mut kv, &spans, &th)?;
+                    off.push(t.elapsed().as_secs_f64());
+                }
+                l.set_cuda_graphs(true);
+                graphs_off = Some(median(off));
+            }
+        }
         let decode_parts = m.profile();
         m.reset_profile();
         rows_out.push((
@@ -232,7 +290,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         parts_out.push((batch, prefill_parts, decode_parts));
     }
 
-    let extras = if a.speed_only {
+    let extras = if a.speed_only || on_gpu {
         None
     } else {
         Some((
@@ -244,11 +302,28 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     println!();
     println!("| measurement | value |");
     println!("|---|---|");
-    println!(
-        "| memory read bandwidth ({} MiB buffer) | {:.2} GB/s |",
-        a.bandwidth_mib,
-        bw / 1e9
-    );
+    if on_gpu {
+        println!(
+            "| device copy bandwidth ({} MiB, device to device, read + write) | {:.0} GB/s |",
+            a.bandwidth_mib,
+            bw / 1e9
+        );
+        if let Some(p) = peak {
+            println!("| device FP32 FMA rate (CUDA cores, measured) | {:.1} TFLOP/s |", p / 1e12);
+        }
+        if let Some((w, pages, up)) = model.llama().and_then(|l| l.device_stats()) {
+            println!(
+                "| resident on the device | {:.1} MB of weights; {pages} KV pages held, {up} uploaded |",
+                w as f64 / 1e6
+            );
+        }
+    } else {
+        println!(
+            "| memory read bandwidth ({} MiB buffer) | {:.2} GB/s |",
+            a.bandwidth_mib,
+            bw / 1e9
+        );
+    }
     println!(
         "| weights streamed per decode step | {:.1} MB |",
         wbytes / 1e6
@@ -266,8 +341,11 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         );
     }
     for (batch, pre, dec, step) in &rows_out {
+        let of_peak = peak.map_or(String::new(), |p| {
+            format!(" ({:.2}% of the FP32 rate)", 100.0 * pre * flops_per_token / p)
+        });
         println!(
-            "| prefill, batch {batch} × {} tokens | {pre:.1} tok/s |",
+            "| prefill, batch {batch} × {} tokens | {pre:.1} tok/s{of_peak} |",
             a.prompt_len
         );
         println!(
@@ -275,6 +353,14 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             a.prompt_len,
             step * 1e3,
             step / floor
+        );
+    }
+    if let Some(off) = graphs_off {
+        println!(
+            "| decode, batch 1, CUDA graphs off (kernels launched one by one) | {:.1} tok/s ({:.2} ms/step, {:.2}× the floor) |",
+            1.0 / off,
+            off * 1e3,
+            off / floor
         );
     }
     for (batch, pre, dec) in &parts_out {
@@ -337,6 +423,30 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         rf.read_s * 1e3
     );
     Ok(())
+}
+
+/// The device's copy bandwidth and FP32 FMA rate (`--device cuda`).
+#[cfg(feature = "cuda")]
+fn device_limits(
+    m: &dyn lmrr_engine::ModelFamily,
+    mib: usize,
+    repeats: usize,
+) -> Result<(f64, Option<f64>)> {
+    let lmrr_engine::Device::Cuda(g) = m.device() else {
+        anyhow::bail!("the model is not on a CUDA device");
+    };
+    let bw = g.copy_bandwidth(mib << 20, repeats + 4)?;
+    let peak = g.fma_peak(repeats + 2)?;
+    Ok((bw, Some(peak)))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn device_limits(
+    _m: &dyn lmrr_engine::ModelFamily,
+    _mib: usize,
+    _repeats: usize,
+) -> Result<(f64, Option<f64>)> {
+    anyhow::bail!("this lmrr was built without CUDA support")
 }
 
 /// A serving session on the benchmark model: `n` requests sharing a prefix,

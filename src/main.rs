@@ -318,7 +318,8 @@ pub(crate) fn set_device(model: &mut Model, device: &str) -> Result<()> {
             eprintln!("device: {}", gpu.name());
             model
                 .net
-                .set_device(lmrr_engine::Device::Cuda(std::sync::Arc::new(gpu)));
+                .set_device(lmrr_engine::Device::Cuda(std::sync::Arc::new(gpu)))
+                .context("moving the model to the GPU")?;
             Ok(())
         }
         #[cfg(not(feature = "cuda"))]

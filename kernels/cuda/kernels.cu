@@ -341,3 +341,280 @@ extern "C" __global__ void index_scores(const float* q, const float* w, const fl
     }
     out[s] = acc;
 }
+
+// ---- Resident path: kernels over device-resident weights, activations and
+// paged KV (kernels/src/cuda/resident.rs). Same canonical orders as above;
+// each is checked against the one-thread references by gpu_check.
+
+// The canonical dot of x (k floats) with a weight row, on a whole warp, in
+// matmul_warp's order; every lane returns the same total.
+__device__ __forceinline__ float warp_dot(int kind, const float* x, const void* row, int k) {
+    int lane = threadIdx.x & 31;
+    int g = lane >> 3, j = lane & 7;
+    int chunks = (k + CHUNK - 1) / CHUNK;
+    float total = 0.0f;
+    for (int q = 0; q < chunks; q += 4) {
+        int c = q + g;
+        float l = 0.0f;
+        if (c < chunks) {
+            int cend = min(c * CHUNK + CHUNK, k);
+            for (int i = c * CHUNK + j; i < cend; i += LANES) l = fmaf(x[i], weight(kind, row, i), l);
+        }
+        l = l + __shfl_xor_sync(0xffffffffu, l, 4);
+        l = l + __shfl_xor_sync(0xffffffffu, l, 2);
+        l = l + __shfl_xor_sync(0xffffffffu, l, 1);
+        float p0 = __shfl_sync(0xffffffffu, l, 0);
+        float p1 = __shfl_sync(0xffffffffu, l, 8);
+        float p2 = __shfl_sync(0xffffffffu, l, 16);
+        float p3 = __shfl_sync(0xffffffffu, l, 24);
+        total = total + p0;
+        if (q + 1 < chunks) total = total + p1;
+        if (q + 2 < chunks) total = total + p2;
+        if (q + 3 < chunks) total = total + p3;
+    }
+    return total;
+}
+
+#define MM_TOKENS 8
+
+// matmul over tiles of MM_TOKENS tokens: one warp per (output row, token
+// tile). The warp loads its lanes' weights of four chunks once into
+// registers and runs every token of the tile against them, each token in
+// matmul_warp's exact order (lane j's FMA chain of chunk 4q + g, the
+// xor-shuffle tree, chunk partials in chunk order): a weight row is read
+// once per tile instead of once per token. Warps are ordered row-fastest, so
+// neighbouring warps stream neighbouring rows.
+extern "C" __global__ void matmul_tile(int kind, const float* x, const unsigned char* w, float* y,
+                                       int n, int rows, int k, long long row_bytes) {
+    long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    int tiles = (n + MM_TOKENS - 1) / MM_TOKENS;
+    if (warp >= (long long)rows * tiles) return;  // uniform over the warp
+    int o = (int)(warp % rows), t0 = (int)(warp / rows) * MM_TOKENS;
+    int tn = min(MM_TOKENS, n - t0);
+    const unsigned char* wr = w + o * row_bytes;
+    int g = lane >> 3, j = lane & 7;
+    int chunks = (k + CHUNK - 1) / CHUNK;
+    float total[MM_TOKENS];
+    #pragma unroll
+    for (int tt = 0; tt < MM_TOKENS; ++tt) total[tt] = 0.0f;
+    for (int q = 0; q < chunks; q += 4) {
+        int c = q + g;
+        int base = c * CHUNK + j;
+        int cend = c < chunks ? min(c * CHUNK + CHUNK, k) : 0;
+        float wv[CHUNK / LANES];
+        #pragma unroll
+        for (int s = 0; s < CHUNK / LANES; ++s) {
+            int i = base + s * LANES;
+            wv[s] = i < cend ? weight(kind, wr, i) : 0.0f;
+        }
+        #pragma unroll
+        for (int tt = 0; tt < MM_TOKENS; ++tt) {
+            if (tt < tn) {  // uniform over the warp
+                const float* xr = x + (long long)(t0 + tt) * k;
+                float l = 0.0f;
+                #pragma unroll
+                for (int s = 0; s < CHUNK / LANES; ++s) {
+                    int i = base + s * LANES;
+                    if (i < cend) l = fmaf(xr[i], wv[s], l);
+                }
+                l = l + __shfl_xor_sync(0xffffffffu, l, 4);
+                l = l + __shfl_xor_sync(0xffffffffu, l, 2);
+                l = l + __shfl_xor_sync(0xffffffffu, l, 1);
+                float p0 = __shfl_sync(0xffffffffu, l, 0);
+                float p1 = __shfl_sync(0xffffffffu, l, 8);
+                float p2 = __shfl_sync(0xffffffffu, l, 16);
+                float p3 = __shfl_sync(0xffffffffu, l, 24);
+                float tot = total[tt] + p0;
+                if (q + 1 < chunks) tot = tot + p1;
+                if (q + 2 < chunks) tot = tot + p2;
+                if (q + 3 < chunks) tot = tot + p3;
+                total[tt] = tot;
+            }
+        }
+    }
+    if (lane == 0) {
+        #pragma unroll
+        for (int tt = 0; tt < MM_TOKENS; ++tt)
+            if (tt < tn) y[(long long)(t0 + tt) * rows + o] = total[tt];
+    }
+}
+
+// rms_norm with one warp per row (the sum of squares by warp_dot).
+extern "C" __global__ void rms_norm_warp(const float* x, const float* w, float* out, int rows, int d, float eps) {
+    long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (r >= rows) return;
+    const float* xr = x + r * d;
+    float ss = warp_dot(0, xr, xr, d);
+    float inv = 1.0f / sqrtf(ss / (float)d + eps);
+    for (int i = lane; i < d; i += 32) out[r * d + i] = (xr[i] * inv) * w[i];
+}
+
+// Embedding rows: out[t][c] = widened weight c of row ids[t].
+extern "C" __global__ void embed_rows(int kind, const unsigned char* w, const unsigned long long* ids,
+                                      float* out, int n, int d, long long row_bytes) {
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)n * d) return;
+    long long t = idx / d;
+    int c = (int)(idx % d);
+    out[idx] = weight(kind, w + (long long)ids[t] * row_bytes, c);
+}
+
+// RoPE of n query rows (width qd) and n key rows (width kvd) at positions
+// pos[t], from the whole resident table (cos/sin rows of d/2 values).
+extern "C" __global__ void rope_rows(float* q, float* k, const float* cos_t, const float* sin_t,
+                                     const unsigned long long* pos, int n, int qd, int kvd, int d) {
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    int h = d / 2;
+    int per = (qd + kvd) / 2;
+    if (idx >= (long long)n * per) return;
+    long long t = idx / per;
+    int r = (int)(idx % per);
+    float* row;
+    if (r < qd / 2) {
+        row = q + t * qd;
+    } else {
+        r -= qd / 2;
+        row = k + t * kvd;
+    }
+    int head = r / h, i = r % h;
+    float* p = row + head * d;
+    const float* c = cos_t + (long long)pos[t] * h;
+    const float* s = sin_t + (long long)pos[t] * h;
+    float a = p[i], b = p[i + h];
+    p[i] = a * c[i] - b * s[i];
+    p[i + h] = b * c[i] + a * s[i];
+}
+
+// x[i] += y[i].
+extern "C" __global__ void add_rows(float* x, const float* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = x[i] + y[i];
+}
+
+// out[j] = x[rows[j]] (rows of d floats).
+extern "C" __global__ void gather_rows(const float* x, const unsigned long long* rows, float* out, int m, int d) {
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)m * d) return;
+    long long j = idx / d;
+    int c = (int)(idx % d);
+    out[idx] = x[(long long)rows[j] * d + c];
+}
+
+// A paged KV page on the device: per layer, page_len K rows then page_len V
+// rows (kv_dim floats each) then page_len auxiliary rows (aux floats), at
+// the device address the page table holds.
+__device__ __forceinline__ float* kv_row(unsigned long long page, int layer, int page_len, int kvd, int aux,
+                                         int slot, int which) {
+    long long layer_stride = (long long)page_len * (2 * kvd + aux);
+    return (float*)page + layer * layer_stride + (long long)which * page_len * kvd + (long long)slot * kvd;
+}
+
+// Writes token t's K and V rows of `layer` into its page dst[t], slot slot[t].
+extern "C" __global__ void kv_write(const float* k, const float* v, const unsigned long long* dst,
+                                    const unsigned long long* slot, int n, int layer, int page_len,
+                                    int kvd, int aux) {
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)n * kvd) return;
+    long long t = idx / kvd;
+    int c = (int)(idx % kvd);
+    int s = (int)slot[t];
+    kv_row(dst[t], layer, page_len, kvd, aux, s, 0)[c] = k[idx];
+    kv_row(dst[t], layer, page_len, kvd, aux, s, 1)[c] = v[idx];
+}
+
+#define ATTN_THREADS 256
+
+// Paged attention, one block of ATTN_THREADS per (token, head), in
+// `attention`'s order: per tile of ATTN_TILE absolute positions, groups of
+// 8 threads compute the tile's scores (lane j's FMA chain of each chunk, the
+// xor-shuffle tree, chunk partials in order: dot_canon's bits), every thread
+// takes the tile max and the sequential sum of p in index order, thread d
+// runs dimension d's fmaf P·V chain, and tiles merge in order. Token t reads
+// pages pages[seq_off[t] ..] (page_len positions each) up to pos[t].
+extern "C" __global__ void attention_paged(const float* q, const unsigned long long* pages,
+                                           const unsigned long long* seq_off,
+                                           const unsigned long long* pos, float* out,
+                                           int n_heads, int n_kv_heads, int head_dim, int layer,
+                                           int page_len, int aux, float scale) {
+    int t = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
+    int tid = threadIdx.x;
+    int hd = head_dim, kvd = n_kv_heads * head_dim, qd = n_heads * head_dim;
+    int kvh = h / (n_heads / n_kv_heads);
+    __shared__ float qs[MAX_HEAD_DIM];
+    __shared__ float ss[ATTN_TILE];
+    __shared__ float ps[ATTN_TILE];
+    for (int d = tid; d < hd; d += ATTN_THREADS) qs[d] = q[(long long)t * qd + h * hd + d];
+    __syncthreads();
+    const unsigned long long* pt = pages + seq_off[t];
+    int p_end = (int)pos[t];
+    float m = __int_as_float(0xff800000);  // -inf
+    float l = 0.0f;
+    float acc = 0.0f;  // dimension tid (tid < hd; MAX_HEAD_DIM == ATTN_THREADS)
+    int jj = tid >> 3, lane8 = tid & 7;
+    int chunks = (hd + CHUNK - 1) / CHUNK;
+    for (int j0 = 0; j0 <= p_end; j0 += ATTN_TILE) {
+        int cnt = min(ATTN_TILE, p_end + 1 - j0);
+        // Scores: 32 groups of 8 threads, group jj for position j0 + jj.
+        {
+            int j = j0 + jj;
+            bool live = jj < cnt;
+            const float* kr = live ? kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 0) + kvh * hd
+                                   : qs;
+            float total = 0.0f;
+            for (int c = 0; c < chunks; ++c) {
+                int cend = min(c * CHUNK + CHUNK, hd);
+                float lv = 0.0f;
+                for (int i = c * CHUNK + lane8; i < cend; i += LANES) lv = fmaf(qs[i], kr[i], lv);
+                lv = lv + __shfl_xor_sync(0xffffffffu, lv, 4);
+                lv = lv + __shfl_xor_sync(0xffffffffu, lv, 2);
+                lv = lv + __shfl_xor_sync(0xffffffffu, lv, 1);
+                total = total + lv;
+            }
+            if (live && lane8 == 0) ss[jj] = total * scale;
+        }
+        __syncthreads();
+        float mt = __int_as_float(0xff800000);
+        for (int i = 0; i < cnt; ++i) {
+            float sv = ss[i];
+            if (sv > mt) mt = sv;
+        }
+        float m_new = mt > m ? mt : m;
+        float alpha = det_exp(m - m_new);
+        if (tid < cnt) ps[tid] = det_exp(ss[tid] - m_new);
+        __syncthreads();
+        float lt = 0.0f;
+        for (int i = 0; i < cnt; ++i) lt = lt + ps[i];
+        if (tid < hd) {
+            float at = 0.0f;
+            for (int i = 0; i < cnt; ++i) {
+                int j = j0 + i;
+                const float* vr = kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 1) + kvh * hd;
+                at = fmaf(ps[i], vr[tid], at);
+            }
+            acc = acc * alpha + at;
+        }
+        l = l * alpha + lt;
+        m = m_new;
+        __syncthreads();
+    }
+    if (tid < hd) out[(long long)t * qd + h * hd + tid] = acc / l;
+}
+
+// The device's FP32 FMA rate, for `lmrr bench`: 8 independent fmaf chains
+// of `iters` steps per thread (2 FLOPs each); the sums are written so that
+// nothing is optimised away.
+extern "C" __global__ void fma_peak(float* out, int iters, float a, float b) {
+    float acc[8];
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] = (float)(threadIdx.x + j);
+    for (int i = 0; i < iters; ++i) {
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = fmaf(acc[j], a, b);
+    }
+    float s = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) s = s + acc[j];
+    out[blockIdx.x * blockDim.x + threadIdx.x] = s;
+}

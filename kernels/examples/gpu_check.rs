@@ -162,7 +162,7 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
     let q41 = blocks(&mut r, QuantKind::Q4_1, rows * cols / 32);
     let wf = r.uniform_vec(rows * cols, 0.5);
     let mut out = Vec::new();
-    let (mut mm, mut warp) = (0, 0);
+    let (mut mm, mut warp, mut tile) = (0, 0, 0);
     for w in [Weights::F32(&wf), Weights::Quant(QuantKind::Q4_1, &q41)] {
         let m = Matrix::new(w, rows, cols).expect("shape");
         let (mut cpu, mut dev) = (vec![0.0; n * rows], vec![0.0; n * rows]);
@@ -173,14 +173,46 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
         gpu.matmul_with(MatmulKernel::Warp, &x, n, &m, &mut dev, 1)
             .expect("gpu matmul_warp");
         warp += diff(&cpu, &dev);
+        gpu.matmul_with(MatmulKernel::Tile, &x, n, &m, &mut dev, 1)
+            .expect("gpu matmul_tile");
+        tile += diff(&cpu, &dev);
     }
     out.push(("matmul", mm));
     out.push(("matmul_warp", warp));
+    out.push(("matmul_tile", tile));
     let w = r.uniform_vec(cols, 1.5);
     let (mut cpu, mut dev) = (vec![0.0; x.len()], vec![0.0; x.len()]);
     rms_norm(&x, &w, 1e-5, &mut cpu);
     gpu.rms_norm(&x, &w, 1e-5, &mut dev).expect("gpu rms_norm");
     out.push(("rms_norm", diff(&cpu, &dev)));
+    gpu.rms_norm_resident(&x, &w, 1e-5, &mut dev)
+        .expect("gpu rms_norm_warp");
+    out.push(("rms_norm_warp", diff(&cpu, &dev)));
+    {
+        let shape = AttnShape {
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 64,
+        };
+        let kb = r.uniform_vec(80 * shape.kv_dim(), 3.0);
+        let vb = r.uniform_vec(80 * shape.kv_dim(), 1.0);
+        let view = KvView {
+            block_len: 80,
+            k: vec![&kb],
+            v: vec![&vb],
+        };
+        let q = r.uniform_vec(shape.q_dim(), 2.0);
+        let tasks = [AttnTask {
+            q: &q,
+            kv: &view,
+            pos: 70,
+        }];
+        let (mut cpu, mut dev) = (vec![0.0; shape.q_dim()], vec![0.0; shape.q_dim()]);
+        attention(&th, &tasks, &shape, 0.125, &mut cpu);
+        gpu.attention_resident(&tasks, &shape, 0.125, 16, &mut dev)
+            .expect("gpu attention_paged");
+        out.push(("attention_paged", diff(&cpu, &dev)));
+    }
     let table = RopeTable::new(64, 100_000.0, 1024);
     let (mut cpu, mut dev) = (x[..576].to_vec(), x[..576].to_vec());
     rope(&table, &mut cpu, 777);
@@ -228,6 +260,21 @@ fn main() {
             "matmul_warp chunk partials summed as a tree",
             "total = total + p0;\n        if (q + 1 < chunks) total = total + p1;",
             "total = total + (q + 1 < chunks ? p0 + p1 : p0);\n        if (false) total = total + p1;",
+        ),
+        mutate(
+            "matmul_tile chunk partials summed as a tree",
+            "float tot = total[tt] + p0;\n                if (q + 1 < chunks) tot = tot + p1;",
+            "float tot = total[tt] + (q + 1 < chunks ? p0 + p1 : p0);\n                if (false) tot = tot + p1;",
+        ),
+        mutate(
+            "attention_paged P·V as mul + add",
+            "at = fmaf(ps[i], vr[tid], at);",
+            "at = ps[i] * vr[tid] + at;",
+        ),
+        mutate(
+            "attention_paged softmax sum in reverse",
+            "for (int i = 0; i < cnt; ++i) lt = lt + ps[i];",
+            "for (int i = cnt - 1; i >= 0; --i) lt = lt + ps[i];",
         ),
         mutate(
             "sigmoid through expf",
@@ -314,6 +361,9 @@ fn main() {
         (1536, 576, 2),
         (576, 1536, 1),
         (64, 2048, 9),
+        (1536, 576, 64),
+        (576, 1536, 17),
+        (100, 4096, 8),
     ];
     for &(rows, cols, n) in &shapes {
         let x = r.uniform_vec(n * cols, 2.0);
@@ -349,6 +399,14 @@ fn main() {
                 diff(&cpu, &warp),
                 cpu.len(),
             );
+            let mut tile = vec![f32::NAN; n * rows];
+            gpu.matmul_with(MatmulKernel::Tile, &x, n, &m, &mut tile, 1)
+                .expect("gpu matmul_tile");
+            report(
+                format!("matmul_tile {label} {n}×{cols} · {cols}×{rows}"),
+                diff(&cpu, &tile),
+                cpu.len(),
+            );
         }
     }
     // Empty batches (a prefill chunk that wants no logits) are no-ops.
@@ -371,6 +429,14 @@ fn main() {
         let mut dev = vec![0.0; x.len()];
         gpu.rms_norm(&x, &w, 1e-5, &mut dev).expect("gpu rms_norm");
         report(format!("rms_norm {rows}×{d}"), diff(&cpu, &dev), cpu.len());
+        let mut warp = vec![0.0; x.len()];
+        gpu.rms_norm_resident(&x, &w, 1e-5, &mut warp)
+            .expect("gpu rms_norm_warp");
+        report(
+            format!("rms_norm_warp {rows}×{d}"),
+            diff(&cpu, &warp),
+            cpu.len(),
+        );
     }
     // det_exp over a wide range and the special values.
     let mut x: Vec<f32> = (0..200_000).map(|i| -100.0 + i as f32 * 0.001).collect();
@@ -459,6 +525,48 @@ fn main() {
         report(
             format!("attention 9/3 heads × 64, positions {positions:?}"),
             diff(&cpu, &dev),
+            cpu.len(),
+        );
+        for page_len in [1usize, 7, 16, 64] {
+            let mut paged = vec![f32::NAN; cpu.len()];
+            gpu.attention_resident(&tasks, &shape, 0.125, page_len, &mut paged)
+                .expect("gpu attention_paged");
+            report(
+                format!("attention_paged pages of {page_len}, positions {positions:?}"),
+                diff(&cpu, &paged),
+                cpu.len(),
+            );
+        }
+    }
+    // Paged attention with head_dim 128 and 256 (two chunks and more per
+    // score) and MHA.
+    for &(nh, nkv, hd, pos) in &[(4usize, 4usize, 128usize, 200usize), (2, 1, 256, 40), (3, 3, 80, 95)] {
+        let shape = AttnShape {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+        };
+        let kb = r.uniform_vec((pos + 1) * shape.kv_dim(), 3.0);
+        let vb = r.uniform_vec((pos + 1) * shape.kv_dim(), 1.0);
+        let view = KvView {
+            block_len: pos + 1,
+            k: vec![&kb],
+            v: vec![&vb],
+        };
+        let q = r.uniform_vec(shape.q_dim(), 2.0);
+        let tasks = [AttnTask {
+            q: &q,
+            kv: &view,
+            pos,
+        }];
+        let mut cpu = vec![0.0; shape.q_dim()];
+        attention(&th, &tasks, &shape, 0.088, &mut cpu);
+        let mut paged = vec![f32::NAN; cpu.len()];
+        gpu.attention_resident(&tasks, &shape, 0.088, 16, &mut paged)
+            .expect("gpu attention_paged");
+        report(
+            format!("attention_paged {nh}/{nkv} heads × {hd}, position {pos}"),
+            diff(&cpu, &paged),
             cpu.len(),
         );
     }
@@ -646,6 +754,7 @@ fn main() {
         (576, 1536, 1, "b1 down (small)"),
         (49152, 576, 1, "b1 lm head (small)"),
         (1536, 576, 64, "b64 gate/up (small)"),
+        (1536, 576, 512, "prefill 512 gate/up"),
     ] {
         let x = r.uniform_vec(n * cols, 2.0);
         let wf = r.uniform_vec(rows * cols, 0.5);
@@ -665,12 +774,18 @@ fn main() {
                 .matmul_with(MatmulKernel::Warp, &x, n, &m, &mut y, reps)
                 .expect("time warp")
                 / reps as f64;
+            let tt = gpu
+                .matmul_with(MatmulKernel::Tile, &x, n, &m, &mut y, reps)
+                .expect("time tile")
+                / reps as f64;
             println!(
-                "  {what:<22} {label:<5} {n:>2}×{cols}·{cols}×{rows}: thread {:>8.1} µs, warp {:>7.1} µs ({:>5.1}×), warp reads weights at {:>6.0} GB/s",
+                "  {what:<22} {label:<5} {n:>2}×{cols}·{cols}×{rows}: thread {:>8.1} µs, warp {:>7.1} µs ({:>5.1}×), tile {:>7.1} µs ({:>5.1}×); tile reads weights at {:>6.0} GB/s",
                 t * 1e6,
                 tw * 1e6,
                 t / tw,
-                bytes as f64 / tw / 1e9
+                tt * 1e6,
+                t / tt,
+                bytes as f64 / tt / 1e9
             );
         }
     }

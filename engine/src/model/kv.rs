@@ -7,9 +7,13 @@
 //! [`crate::model::KvLayout`]). The forward pass calls [`KvCache::prepare`] for each span
 //! (the span must start exactly at `len`), writes rows, then reads them back
 //! through [`KvCache::view`] as fixed-length blocks — so a paged pool plugs in
-//! behind the same trait without touching the model.
+//! behind the same trait without touching the model. A device mirror of the
+//! store (the CUDA resident path) finds and checks rows through
+//! [`KvCache::blocks`]: keys and write versions that say, without comparing
+//! any row, whether its copy of a block is still the host's.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use lmrr_kernels::KvView;
 
@@ -33,7 +37,45 @@ pub trait KvCache: Send {
     fn write_aux(&mut self, seq: SeqId, layer: usize, pos: usize, row: &[f32]);
     /// Blocks covering the auxiliary rows of positions `0..len(seq)` of `layer`.
     fn aux_view(&self, seq: SeqId, layer: usize) -> RowView<'_>;
+    /// The blocks holding positions `0..len(seq)` as a device mirror tracks
+    /// them (see [`KvBlocks`]).
+    fn blocks(&self, seq: SeqId) -> KvBlocks;
+    /// Block `block` of `seq` in `layer`, for a device mirror to upload.
+    fn block_rows(&self, seq: SeqId, block: usize, layer: usize) -> BlockRows<'_>;
 }
+
+/// A sequence's storage as a device mirror sees it: blocks of `block_len`
+/// positions covering `0..len`, each `(key, version)`. The key names the
+/// block's storage for as long as it lives (a page id, a sequence's block);
+/// the version is taken from one process-wide clock ([`next_version`]) at
+/// each write to any row of the block, so two blocks never share a version
+/// and a version never returns: a mirror that holds a block at version `v`
+/// holds exactly the host's rows whenever the host's version is still `v`.
+/// Version 0: never written (nothing in it is read before it is written).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KvBlocks {
+    pub block_len: usize,
+    pub blocks: Vec<(u64, u64)>,
+}
+
+/// One block's rows in one layer: K, V and auxiliary rows of up to
+/// `block_len` positions (fewer where the store's buffer ends).
+#[derive(Debug, Clone, Copy)]
+pub struct BlockRows<'a> {
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub aux: &'a [f32],
+}
+
+static CLOCK: AtomicU64 = AtomicU64::new(1);
+
+/// A fresh write version (see [`KvBlocks`]); also hands out store ids.
+pub fn next_version() -> u64 {
+    CLOCK.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Positions per mirror block of a [`SeqKvStore`].
+pub const SEQ_BLOCK: usize = 64;
 
 /// Rows of one sequence in one layer: block `b` holds positions
 /// `[b·block_len, (b+1)·block_len)`, each a row of `width` floats.
@@ -64,6 +106,10 @@ pub struct SeqKvStore {
 
 #[derive(Debug, Default)]
 struct SeqKv {
+    /// Process-unique id of this sequence's storage (mirror keys).
+    uid: u64,
+    /// Per [`SEQ_BLOCK`] positions, the version of its last write.
+    versions: Vec<u64>,
     len: usize,
     cap: usize,
     /// Per layer, `(cap, kv_dim)`.
@@ -105,6 +151,7 @@ impl KvCache for SeqKvStore {
     fn prepare(&mut self, seq: SeqId, start: usize, n: usize) -> Result<(), EngineError> {
         let (layers, kv_dim, aux_dim) = (self.layers, self.kv_dim, self.aux_dim);
         let s = self.seqs.entry(seq).or_insert_with(|| SeqKv {
+            uid: next_version(),
             k: vec![Vec::new(); layers],
             v: vec![Vec::new(); layers],
             aux: vec![Vec::new(); layers],
@@ -129,6 +176,7 @@ impl KvCache for SeqKvStore {
             s.cap = cap;
         }
         s.len = need;
+        s.versions.resize(need.div_ceil(SEQ_BLOCK), 0);
         Ok(())
     }
 
@@ -137,6 +185,7 @@ impl KvCache for SeqKvStore {
         let s = self.seqs.get_mut(&seq).expect("write after prepare");
         s.k[layer][pos * d..(pos + 1) * d].copy_from_slice(k);
         s.v[layer][pos * d..(pos + 1) * d].copy_from_slice(v);
+        s.versions[pos / SEQ_BLOCK] = next_version();
     }
 
     fn view(&self, seq: SeqId, layer: usize) -> KvView<'_> {
@@ -158,6 +207,7 @@ impl KvCache for SeqKvStore {
         let d = self.aux_dim;
         let s = self.seqs.get_mut(&seq).expect("write after prepare");
         s.aux[layer][pos * d..(pos + 1) * d].copy_from_slice(row);
+        s.versions[pos / SEQ_BLOCK] = next_version();
     }
 
     fn aux_view(&self, seq: SeqId, layer: usize) -> RowView<'_> {
@@ -171,6 +221,44 @@ impl KvCache for SeqKvStore {
                 block_len: 1,
                 width: self.aux_dim,
                 blocks: Vec::new(),
+            },
+        }
+    }
+
+    fn blocks(&self, seq: SeqId) -> KvBlocks {
+        let Some(s) = self.seqs.get(&seq) else {
+            return KvBlocks {
+                block_len: SEQ_BLOCK,
+                blocks: Vec::new(),
+            };
+        };
+        KvBlocks {
+            block_len: SEQ_BLOCK,
+            blocks: s
+                .versions
+                .iter()
+                .enumerate()
+                .map(|(b, &v)| ((s.uid << 24) | b as u64, v))
+                .collect(),
+        }
+    }
+
+    fn block_rows(&self, seq: SeqId, block: usize, layer: usize) -> BlockRows<'_> {
+        fn rows(buf: &[f32], w: usize, block: usize) -> &[f32] {
+            let a = (block * SEQ_BLOCK * w).min(buf.len());
+            let b = ((block + 1) * SEQ_BLOCK * w).min(buf.len());
+            &buf[a..b]
+        }
+        match self.seqs.get(&seq) {
+            Some(s) => BlockRows {
+                k: rows(&s.k[layer], self.kv_dim, block),
+                v: rows(&s.v[layer], self.kv_dim, block),
+                aux: rows(&s.aux[layer], self.aux_dim, block),
+            },
+            None => BlockRows {
+                k: &[],
+                v: &[],
+                aux: &[],
             },
         }
     }

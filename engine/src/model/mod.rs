@@ -14,6 +14,8 @@
 //! page hashes cover it.
 
 pub mod chat;
+#[cfg(feature = "cuda")]
+pub(crate) mod device_kv;
 pub mod gguf;
 pub mod identity;
 pub mod kv;
@@ -185,8 +187,9 @@ pub trait ModelFamily: Send + Sync {
     /// Every tensor the forward pass reads, by HF name (for [`identity`]).
     fn named_tensors(&self) -> Vec<NamedTensor<'_>>;
 
-    /// Runs the kernels on `device` from now on.
-    fn set_device(&mut self, device: Device);
+    /// Runs the kernels on `device` from now on (uploading what the family
+    /// keeps resident there; out of device memory is an error with the sizes).
+    fn set_device(&mut self, device: Device) -> Result<(), EngineError>;
 
     /// Where the kernels run.
     fn device(&self) -> &Device;

@@ -23,7 +23,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use lmrr_kernels::KvView;
 use sha2::{Digest, Sha256};
 
-use crate::kv::{KvCache, RowView, SeqId};
+use crate::kv::{next_version, BlockRows, KvBlocks, KvCache, RowView, SeqId};
 use crate::model::KvLayout;
 use crate::EngineError;
 
@@ -58,6 +58,10 @@ pub struct PagePool {
     slot_digest: Vec<Hash>,
     /// `(used,)` page content hashes.
     page_hash: Vec<Hash>,
+    /// Process-unique id of this pool (device mirror keys).
+    id: u64,
+    /// `(used,)` write versions ([`KvBlocks`]).
+    version: Vec<u64>,
 }
 
 impl PagePool {
@@ -109,6 +113,8 @@ impl PagePool {
             filled: Vec::new(),
             slot_digest: Vec::new(),
             page_hash: Vec::new(),
+            id: next_version(),
+            version: Vec::new(),
         })
     }
 
@@ -155,6 +161,7 @@ impl PagePool {
         self.refs.push(0);
         self.filled.push(0);
         self.page_hash.push([0; 32]);
+        self.version.push(0);
         self.used += 1;
         Ok(())
     }
@@ -367,6 +374,7 @@ impl KvCache for PagedKv {
         let d = self.pool.kv_dim;
         self.pool.k[layer][off..off + d].copy_from_slice(k);
         self.pool.v[layer][off..off + d].copy_from_slice(v);
+        self.pool.version[p as usize] = next_version();
         self.written.insert((p, pos % ps));
     }
 
@@ -397,6 +405,7 @@ impl KvCache for PagedKv {
         let d = self.pool.aux_dim;
         let off = (p as usize * ps + pos % ps) * d;
         self.pool.aux[layer][off..off + d].copy_from_slice(row);
+        self.pool.version[p as usize] = next_version();
         self.written.insert((p, pos % ps));
     }
 
@@ -415,6 +424,39 @@ impl KvCache for PagedKv {
                 .iter()
                 .map(|&p| &self.pool.aux[layer][p as usize * span..(p as usize + 1) * span])
                 .collect(),
+        }
+    }
+
+    fn blocks(&self, seq: SeqId) -> KvBlocks {
+        let pages = self
+            .tables
+            .get(&seq)
+            .map(|t| t.pages.as_slice())
+            .unwrap_or(&[]);
+        let (ps, len) = (self.pool.page_size, self.len(seq));
+        KvBlocks {
+            block_len: ps,
+            blocks: pages[..len.div_ceil(ps).min(pages.len())]
+                .iter()
+                .map(|&p| ((self.pool.id << 32) | p as u64, self.pool.version[p as usize]))
+                .collect(),
+        }
+    }
+
+    fn block_rows(&self, seq: SeqId, block: usize, layer: usize) -> BlockRows<'_> {
+        let Some(&p) = self.tables.get(&seq).and_then(|t| t.pages.get(block)) else {
+            return BlockRows {
+                k: &[],
+                v: &[],
+                aux: &[],
+            };
+        };
+        let (ps, p) = (self.pool.page_size, p as usize);
+        let (kvs, auxs) = (ps * self.pool.kv_dim, ps * self.pool.aux_dim);
+        BlockRows {
+            k: &self.pool.k[layer][p * kvs..(p + 1) * kvs],
+            v: &self.pool.v[layer][p * kvs..(p + 1) * kvs],
+            aux: &self.pool.aux[layer][p * auxs..(p + 1) * auxs],
         }
     }
 }

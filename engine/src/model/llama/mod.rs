@@ -9,6 +9,8 @@
 //! (contract invariant I2) or on how its prompt was chunked (I3).
 
 pub mod config;
+#[cfg(feature = "cuda")]
+mod cuda;
 
 use lmrr_kernels::{AttnShape, AttnTask, RopeTable, Threads};
 
@@ -45,6 +47,9 @@ pub struct Llama {
     rope: RopeTable,
     shape: AttnShape,
     device: Device,
+    /// Weights and KV pages on the device, when `device` is CUDA.
+    #[cfg(feature = "cuda")]
+    resident: Option<cuda::Resident>,
 }
 
 /// Per-step scratch, `(n, width)` each.
@@ -106,6 +111,8 @@ impl Llama {
             rope,
             shape,
             device: Device::Cpu,
+            #[cfg(feature = "cuda")]
+            resident: None,
         })
     }
 
@@ -132,6 +139,28 @@ impl Llama {
 
     pub fn config(&self) -> &LlamaConfig {
         &self.cfg
+    }
+
+    /// Turns the resident path's decode-step CUDA graphs on or off (a
+    /// measurement switch: the bits are the same either way); nothing off
+    /// the device.
+    pub fn set_cuda_graphs(&self, on: bool) {
+        #[cfg(feature = "cuda")]
+        if let Some(r) = &self.resident {
+            r.set_graphs(on);
+        }
+        let _ = on;
+    }
+
+    /// On the resident path: device bytes of weights, KV pages held on the
+    /// device, and pages uploaded to it so far.
+    pub fn device_stats(&self) -> Option<(usize, usize, u64)> {
+        #[cfg(feature = "cuda")]
+        if let Some(r) = &self.resident {
+            let (pages, uploads) = r.kv_stats();
+            return Some((r.weight_bytes(), pages, uploads));
+        }
+        None
     }
 
     pub fn attn_shape(&self) -> AttnShape {
@@ -198,6 +227,15 @@ impl Llama {
         }
         let tok = stacked_tokens(spans);
         let n = tok.len();
+        #[cfg(feature = "cuda")]
+        if let Some(r) = &self.resident {
+            if n == 0 {
+                return Ok(split_rows(spans, &[], vocab));
+            }
+            let rows = wanted_rows(spans);
+            let logits = r.forward(self, kv, spans, &tok, &rows)?;
+            return Ok(split_rows(spans, &logits, vocab));
+        }
         let mut sc = Scratch {
             x: vec![0.0; n * d],
             h: vec![0.0; n * d],
@@ -331,8 +369,16 @@ impl ModelFamily for Llama {
         self.tensors()
     }
 
-    fn set_device(&mut self, device: Device) {
+    fn set_device(&mut self, device: Device) -> Result<(), EngineError> {
+        #[cfg(feature = "cuda")]
+        {
+            self.resident = None;
+            if let Device::Cuda(g) = &device {
+                self.resident = Some(cuda::Resident::new(g.clone(), self)?);
+            }
+        }
         self.device = device;
+        Ok(())
     }
 
     fn device(&self) -> &Device {

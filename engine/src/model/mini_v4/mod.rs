@@ -697,8 +697,9 @@ impl ModelFamily for MiniV4 {
         self.tensors()
     }
 
-    fn set_device(&mut self, device: Device) {
+    fn set_device(&mut self, device: Device) -> Result<(), EngineError> {
         self.device = device;
+        Ok(())
     }
 
     fn device(&self) -> &Device {

@@ -23,11 +23,13 @@ use crate::matmul::{Matrix, Weights};
 use crate::quant::QuantKind;
 use crate::{AttnShape, AttnTask, RopeTable};
 
+pub mod resident;
+
 /// Largest head dimension the attention kernel's per-thread arrays hold.
 pub const MAX_HEAD_DIM: usize = 256;
 
 /// The kernels' source, compiled at [`Gpu::open`].
-pub const SOURCE: &str = include_str!("../cuda/kernels.cu");
+pub const SOURCE: &str = include_str!("../../cuda/kernels.cu");
 
 /// Why the device path is unavailable or failed.
 #[derive(Debug, thiserror::Error)]
@@ -42,16 +44,25 @@ pub enum GpuError {
     Compile(String),
     #[error("{what}: sizes do not match ({detail})")]
     Shape { what: &'static str, detail: String },
+    #[error("out of device memory for {what}: needed {needed} bytes, {free} bytes free ({detail})")]
+    OutOfMemory {
+        what: String,
+        needed: usize,
+        free: usize,
+        detail: String,
+    },
 }
 
-fn drv<E: std::fmt::Debug>(e: E) -> GpuError {
+pub(crate) fn drv<E: std::fmt::Debug>(e: E) -> GpuError {
     GpuError::Driver(format!("{e:?}"))
 }
 
 /// An open device with the kernels loaded.
 pub struct Gpu {
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    /// The resident path's kernels ([`resident`]).
+    pub(crate) res: resident::Kernels,
     matmul: CudaFunction,
     matmul_warp: CudaFunction,
     rms_norm: CudaFunction,
@@ -72,9 +83,12 @@ pub struct Gpu {
 pub enum MatmulKernel {
     Thread,
     Warp,
+    /// One warp per (row, tile of [`resident::MM_TOKENS`] tokens): the
+    /// resident path's matmul.
+    Tile,
 }
 
-fn grid(n: usize) -> LaunchConfig {
+pub(crate) fn grid(n: usize) -> LaunchConfig {
     let threads = 128u32;
     LaunchConfig {
         grid_dim: ((n as u32).div_ceil(threads).max(1), 1, 1),
@@ -83,7 +97,7 @@ fn grid(n: usize) -> LaunchConfig {
     }
 }
 
-fn as_i32(what: &'static str, v: usize) -> Result<i32, GpuError> {
+pub(crate) fn as_i32(what: &'static str, v: usize) -> Result<i32, GpuError> {
     i32::try_from(v).map_err(|_| GpuError::Shape {
         what,
         detail: format!("{v} does not fit the kernel's 32-bit index"),
@@ -108,6 +122,10 @@ impl Gpu {
             return Err(GpuError::NoNvrtc);
         }
         let ctx = CudaContext::new(ordinal).map_err(drv)?;
+        // One stream does everything, so cudarc's cross-stream event tracking
+        // only costs time (and events cannot be recorded in a graph capture).
+        // SAFETY: no slice is ever used on another stream.
+        unsafe { ctx.disable_event_tracking() };
         let opts = cudarc::nvrtc::CompileOptions {
             fmad: Some(fmad),
             prec_div: Some(true),
@@ -120,8 +138,12 @@ impl Gpu {
             .map_err(|e| GpuError::Compile(format!("{e:?}")))?;
         let module = ctx.load_module(ptx).map_err(drv)?;
         let f = |name: &str| module.load_function(name).map_err(drv);
+        // A created stream, not the legacy default one: decode steps are
+        // captured as CUDA graphs, which the default stream cannot do.
+        let stream = ctx.new_stream().map_err(drv)?;
         Ok(Self {
-            stream: ctx.default_stream(),
+            res: resident::Kernels::load(&module)?,
+            stream,
             matmul: f("matmul")?,
             matmul_warp: f("matmul_warp")?,
             rms_norm: f("rms_norm")?,
@@ -205,6 +227,10 @@ impl Gpu {
         let (f, threads) = match kernel {
             MatmulKernel::Thread => (&self.matmul, n * w.rows),
             MatmulKernel::Warp => (&self.matmul_warp, n * w.rows * 32),
+            MatmulKernel::Tile => (
+                &self.res.matmul_tile,
+                n.div_ceil(resident::MM_TOKENS) * w.rows * 32,
+            ),
         };
         as_i32("matmul", threads)?; // the launch grid counts threads in 32 bits
         s.synchronize().map_err(drv)?;

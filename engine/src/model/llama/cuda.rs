@@ -1,0 +1,470 @@
+//! The llama forward pass on the CUDA resident path (feature `cuda`).
+//!
+//! Weights are uploaded once, in their stored form, when the model moves to
+//! the device; the KV pages live in the device mirror ([`KvMirror`]). A step
+//! uploads one small array (token ids, positions, page tables, wanted rows),
+//! runs every kernel of every layer on the device with no host round trip,
+//! and brings back what sampling and recording need: the wanted logits rows
+//! and the step's new K/V rows, which go into the host store so that its
+//! slot digests and page hashes are the CPU's.
+//!
+//! Decode steps (every span one token) are captured as CUDA graphs on the
+//! second step of a shape and replayed from then on: the step's inputs sit at
+//! fixed device addresses, so the same graph serves every later step of that
+//! shape. Graphs change no bit: they replay the very launches captured.
+//!
+//! Invariant: every kernel is the canonical order's (kernels.cu), so the
+//! logits and K/V rows are the CPU path's bits whatever the batch, the
+//! chunking, the page size, the prefix cache or graphs on or off.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use lmrr_kernels::cuda::resident::{DevBuf, DevMatrix, Graph, PageLayout, PageTable};
+use lmrr_kernels::cuda::Gpu;
+
+use crate::kv::KvCache;
+use crate::model::device_kv::KvMirror;
+use crate::model::{gpu_err, SeqSpan};
+use crate::weights::Tensor;
+use crate::EngineError;
+
+use super::Llama;
+
+struct DevLayer {
+    attn_norm: DevBuf,
+    q: DevMatrix,
+    k: DevMatrix,
+    v: DevMatrix,
+    o: DevMatrix,
+    mlp_norm: DevBuf,
+    gate: DevMatrix,
+    up: DevMatrix,
+    down: DevMatrix,
+}
+
+/// Shapes a step's device buffers are laid out for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct StepShape {
+    n: usize,
+    m: usize,
+}
+
+/// Device addresses of one step's activations, for `n` tokens and `m`
+/// wanted rows.
+struct Addrs {
+    x: u64,
+    h: u64,
+    q: u64,
+    k: u64,
+    v: u64,
+    att: u64,
+    o: u64,
+    g: u64,
+    u: u64,
+    a: u64,
+    hx: u64,
+    hn: u64,
+    logits: u64,
+}
+
+struct State {
+    mirror: Option<KvMirror>,
+    /// Activations, sized for `cap`.
+    scratch: Option<(DevBuf, StepShape)>,
+    /// The step's inputs (u64), and how many it holds.
+    inputs: Option<(DevBuf, usize)>,
+    graphs: HashMap<StepShape, Graph>,
+    /// Decode shapes seen once (captured on the second sight).
+    seen: HashMap<StepShape, u32>,
+    host_in: Vec<u64>,
+    host_logits: Vec<f32>,
+    host_kv: Vec<f32>,
+}
+
+/// The resident device state of a llama model.
+pub(crate) struct Resident {
+    gpu: Arc<Gpu>,
+    embed: DevMatrix,
+    head: Option<DevMatrix>,
+    norm: DevBuf,
+    layers: Vec<DevLayer>,
+    rope: (DevBuf, DevBuf),
+    graphs_on: AtomicBool,
+    state: Mutex<State>,
+}
+
+fn up(gpu: &Gpu, t: &Tensor) -> Result<DevMatrix, EngineError> {
+    gpu.upload_matrix(&t.matrix(), &t.name).map_err(gpu_err)
+}
+
+fn upv(gpu: &Gpu, v: &[f32], what: &str) -> Result<DevBuf, EngineError> {
+    gpu.upload(v, what).map_err(gpu_err)
+}
+
+/// Graph capture can be turned off (`LMRR_CUDA_GRAPHS=0`) to compare.
+fn graphs_default() -> bool {
+    std::env::var("LMRR_CUDA_GRAPHS").map_or(true, |v| v != "0")
+}
+
+impl Resident {
+    /// Uploads every weight of `m`.
+    pub(crate) fn new(gpu: Arc<Gpu>, m: &Llama) -> Result<Self, EngineError> {
+        let g = &gpu;
+        let mut layers = Vec::with_capacity(m.layers.len());
+        for (i, l) in m.layers.iter().enumerate() {
+            layers.push(DevLayer {
+                attn_norm: upv(g, &l.attn_norm, &format!("layer {i} input_layernorm"))?,
+                q: up(g, &l.q)?,
+                k: up(g, &l.k)?,
+                v: up(g, &l.v)?,
+                o: up(g, &l.o)?,
+                mlp_norm: upv(g, &l.mlp_norm, &format!("layer {i} post_attention_layernorm"))?,
+                gate: up(g, &l.gate)?,
+                up: up(g, &l.up)?,
+                down: up(g, &l.down)?,
+            });
+        }
+        let (cos, sin) = m.rope.tables();
+        Ok(Self {
+            embed: up(g, &m.embed)?,
+            head: m.lm_head.as_ref().map(|t| up(g, t)).transpose()?,
+            norm: upv(g, &m.norm, "model.norm")?,
+            rope: (upv(g, cos, "RoPE cos")?, upv(g, sin, "RoPE sin")?),
+            layers,
+            graphs_on: AtomicBool::new(graphs_default()),
+            state: Mutex::new(State {
+                mirror: None,
+                scratch: None,
+                inputs: None,
+                graphs: HashMap::new(),
+                seen: HashMap::new(),
+                host_in: Vec::new(),
+                host_logits: Vec::new(),
+                host_kv: Vec::new(),
+            }),
+            gpu,
+        })
+    }
+
+    /// Turns decode-step graphs on or off (for measurement; bits are equal).
+    pub(crate) fn set_graphs(&self, on: bool) {
+        self.graphs_on.store(on, Ordering::Relaxed);
+        if let Ok(mut st) = self.state.lock() {
+            st.graphs.clear();
+            st.seen.clear();
+        }
+    }
+
+    /// Device bytes of weights held.
+    pub(crate) fn weight_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
+                    .iter()
+                    .map(|t| t.bytes())
+                    .sum::<usize>()
+            })
+            .sum();
+        layers + self.embed.bytes() + self.head.as_ref().map_or(0, |h| h.bytes())
+    }
+
+    /// KV pages the device mirror holds, and pages uploaded so far.
+    pub(crate) fn kv_stats(&self) -> (usize, u64) {
+        self.state
+            .lock()
+            .ok()
+            .and_then(|st| st.mirror.as_ref().map(|m| (m.pages(), m.uploads)))
+            .unwrap_or((0, 0))
+    }
+
+    fn floats(m: &Llama, s: StepShape) -> [usize; 13] {
+        let c = &m.cfg;
+        let (d, ff, vocab) = (c.hidden_size, c.intermediate_size, c.vocab_size);
+        let (qd, kvd, layers) = (m.shape.q_dim(), m.shape.kv_dim(), m.layers.len());
+        let StepShape { n, m: w } = s;
+        [
+            n * d,
+            n * d,
+            n * qd,
+            layers * n * kvd,
+            layers * n * kvd,
+            n * qd,
+            n * d,
+            n * ff,
+            n * ff,
+            n * ff,
+            w * d,
+            w * d,
+            w * vocab,
+        ]
+    }
+
+    fn addrs(m: &Llama, base: u64, s: StepShape) -> Addrs {
+        let f = Self::floats(m, s);
+        let mut at = [0u64; 13];
+        let mut off = 0u64;
+        for (a, &n) in at.iter_mut().zip(&f) {
+            *a = base + off;
+            // 256-byte aligned regions.
+            off += ((n * 4) as u64).div_ceil(256) * 256;
+        }
+        Addrs {
+            x: at[0],
+            h: at[1],
+            q: at[2],
+            k: at[3],
+            v: at[4],
+            att: at[5],
+            o: at[6],
+            g: at[7],
+            u: at[8],
+            a: at[9],
+            hx: at[10],
+            hn: at[11],
+            logits: at[12],
+        }
+    }
+
+    fn scratch_bytes(m: &Llama, s: StepShape) -> usize {
+        Self::floats(m, s)
+            .iter()
+            .map(|&n| (n * 4).div_ceil(256) * 256)
+            .sum()
+    }
+
+    /// One step over `spans` (already checked and prepared in `kv`):
+    /// `tok[i]` is stacked token i's (span, position), `rows` the stacked
+    /// indices of the wanted logits rows. Returns the logits rows, stacked.
+    pub(crate) fn forward(
+        &self,
+        m: &Llama,
+        kv: &mut dyn KvCache,
+        spans: &[SeqSpan],
+        tok: &[(usize, usize)],
+        rows: &[usize],
+    ) -> Result<Vec<f32>, EngineError> {
+        let mut guard = self
+            .state
+            .lock()
+            .map_err(|_| EngineError::Device("the device state lock was poisoned".into()))?;
+        let st = &mut *guard;
+        self.gpu.bind().map_err(gpu_err)?;
+        let out = self.step(m, st, kv, spans, tok, rows);
+        if out.is_err() {
+            // The device pages may hold rows the host never got.
+            if let Some(mi) = st.mirror.as_mut() {
+                mi.clear();
+            }
+            st.graphs.clear();
+            let _ = self.gpu.sync();
+        }
+        out
+    }
+
+    fn step(
+        &self,
+        m: &Llama,
+        st: &mut State,
+        kv: &mut dyn KvCache,
+        spans: &[SeqSpan],
+        tok: &[(usize, usize)],
+        rows: &[usize],
+    ) -> Result<Vec<f32>, EngineError> {
+        let gpu = &*self.gpu;
+        let (n, w) = (tok.len(), rows.len());
+        let shape = StepShape { n, m: w };
+        let vocab = m.cfg.vocab_size;
+        let (kvd, layers) = (m.shape.kv_dim(), m.layers.len());
+        let block_len = spans
+            .first()
+            .map_or(1, |s| kv.blocks(s.seq).block_len.max(1));
+        let layout = PageLayout {
+            page_len: block_len,
+            layers,
+            kv_dim: kvd,
+            aux_dim: 0,
+        };
+        if st.mirror.as_ref().map(|mi| mi.layout()) != Some(layout) {
+            st.mirror = None;
+            st.graphs.clear();
+            st.mirror = Some(KvMirror::new(gpu, layout)?);
+        }
+        let mirror = st.mirror.as_mut().ok_or(EngineError::Device("no mirror".into()))?;
+        mirror.begin_step();
+
+        // Inputs: ids, pos, seq_off, dst, slot (n each), rows (m), pages.
+        let mut pages: Vec<u64> = Vec::new();
+        let mut span_off = Vec::with_capacity(spans.len());
+        for s in spans {
+            span_off.push(pages.len());
+            pages.extend(mirror.sync_seq(gpu, kv, s.seq)?);
+        }
+        let hin = &mut st.host_in;
+        hin.clear();
+        hin.extend(spans.iter().flat_map(|s| s.tokens.iter().map(|&t| t as u64)));
+        hin.extend(tok.iter().map(|&(_, p)| p as u64));
+        hin.extend(tok.iter().map(|&(si, _)| span_off[si] as u64));
+        let dst: Vec<(u64, u64)> = tok
+            .iter()
+            .map(|&(si, p)| (pages[span_off[si] + p / block_len], (p % block_len) as u64))
+            .collect();
+        // A slot written twice in one step keeps the last token's rows.
+        let mut seen = std::collections::HashSet::new();
+        let mut dst_ptr = vec![0u64; n];
+        for (i, &(page, slot)) in dst.iter().enumerate().rev() {
+            dst_ptr[i] = if seen.insert((page, slot)) {
+                page
+            } else {
+                mirror.sink()
+            };
+        }
+        hin.extend(&dst_ptr);
+        hin.extend(dst.iter().map(|&(_, s)| s));
+        hin.extend(rows.iter().map(|&r| r as u64));
+        let fixed = hin.len();
+        hin.extend(&pages);
+
+        // Buffers: grow (and drop the graphs that name the old ones).
+        let need_in = hin.len();
+        if st.inputs.as_ref().is_none_or(|(_, cap)| *cap < need_in) {
+            st.graphs.clear();
+            st.inputs = None;
+            let cap = need_in.next_power_of_two().max(1024);
+            let b = gpu.alloc(cap * 8, "the step's inputs").map_err(gpu_err)?;
+            st.inputs = Some((b, cap));
+        }
+        let fits = st
+            .scratch
+            .as_ref()
+            .is_some_and(|(_, c)| c.n >= n && c.m >= w);
+        if !fits {
+            st.graphs.clear();
+            st.scratch = None;
+            let cap = StepShape {
+                n: n.next_power_of_two().max(8),
+                m: w.next_power_of_two().max(8),
+            };
+            let b = gpu
+                .alloc(Self::scratch_bytes(m, cap), &format!("activations of a {}-token step", cap.n))
+                .map_err(gpu_err)?;
+            st.scratch = Some((b, cap));
+        }
+        let inb = st.inputs.as_ref().map(|(b, _)| b.ptr()).unwrap_or(0);
+        let sb = st.scratch.as_ref().map(|(b, _)| b.ptr()).unwrap_or(0);
+        gpu.htod(&st.host_in, inb).map_err(gpu_err)?;
+        let at = |i: usize| inb + 8 * (i as u64);
+        let ids = at(0);
+        let table = PageTable {
+            pages: at(fixed),
+            seq_off: at(2 * n),
+            pos: at(n),
+        };
+        let (dstp, slotp, rowp) = (at(3 * n), at(4 * n), at(5 * n));
+        let a = Self::addrs(m, sb, shape);
+
+        let decode = spans.iter().all(|s| s.tokens.len() == 1);
+        let graphs = self.graphs_on.load(Ordering::Relaxed) && decode;
+        if graphs && !st.graphs.contains_key(&shape) {
+            let seen = st.seen.entry(shape).or_insert(0);
+            *seen += 1;
+            if *seen >= 2 && st.graphs.len() < 64 {
+                gpu.begin_capture().map_err(gpu_err)?;
+                let r = self.launch(m, &a, ids, table, dstp, slotp, rowp, layout, n, w);
+                let g = gpu.end_capture().map_err(gpu_err)?;
+                r?;
+                if let Some(g) = g {
+                    st.graphs.insert(shape, g);
+                }
+            }
+        }
+        match st.graphs.get(&shape).filter(|_| graphs) {
+            Some(g) => g.launch().map_err(gpu_err)?,
+            None => self.launch(m, &a, ids, table, dstp, slotp, rowp, layout, n, w)?,
+        }
+
+        // Back: logits rows and the step's K/V rows.
+        st.host_logits.resize(w * vocab, 0.0);
+        gpu.dtoh(a.logits, &mut st.host_logits).map_err(gpu_err)?;
+        let per = layers * n * kvd;
+        st.host_kv.resize(2 * per, 0.0);
+        let (hk, hv) = st.host_kv.split_at_mut(per);
+        gpu.dtoh(a.k, hk).map_err(gpu_err)?;
+        gpu.dtoh(a.v, hv).map_err(gpu_err)?;
+        for (i, &(si, pos)) in tok.iter().enumerate() {
+            for l in 0..layers {
+                let r = (l * n + i) * kvd..(l * n + i + 1) * kvd;
+                kv.write(spans[si].seq, l, pos, &hk[r.clone()], &hv[r]);
+            }
+        }
+        let mirror = st.mirror.as_mut().ok_or(EngineError::Device("no mirror".into()))?;
+        for s in spans {
+            mirror.mark_written(kv, s.seq);
+        }
+        Ok(std::mem::take(&mut st.host_logits))
+    }
+
+    /// Every kernel of one step, queued on the stream.
+    #[allow(clippy::too_many_arguments)]
+    fn launch(
+        &self,
+        m: &Llama,
+        a: &Addrs,
+        ids: u64,
+        table: PageTable,
+        dst: u64,
+        slot: u64,
+        rows: u64,
+        layout: PageLayout,
+        n: usize,
+        w: usize,
+    ) -> Result<(), EngineError> {
+        let g = &*self.gpu;
+        let c = &m.cfg;
+        let (d, ff, eps) = (c.hidden_size, c.intermediate_size, c.rms_norm_eps);
+        let (qd, kvd) = (m.shape.q_dim(), m.shape.kv_dim());
+        let scale = 1.0 / (m.shape.head_dim as f32).sqrt();
+        let e = gpu_err;
+        g.embed(&self.embed, ids, n, a.x).map_err(e)?;
+        for (li, l) in self.layers.iter().enumerate() {
+            let (k, v) = (
+                a.k + 4 * (li * n * kvd) as u64,
+                a.v + 4 * (li * n * kvd) as u64,
+            );
+            g.norm_rows(a.x, &l.attn_norm, n, d, eps, a.h).map_err(e)?;
+            g.mm(a.h, n, &l.q, a.q).map_err(e)?;
+            g.mm(a.h, n, &l.k, k).map_err(e)?;
+            g.mm(a.h, n, &l.v, v).map_err(e)?;
+            g.rope_rows(
+                a.q,
+                k,
+                (&self.rope.0, &self.rope.1),
+                table.pos,
+                n,
+                qd,
+                kvd,
+                m.shape.head_dim,
+            )
+            .map_err(e)?;
+            g.kv_write(k, v, dst, slot, n, layout, li).map_err(e)?;
+            g.attention_paged(a.q, table, n, &m.shape, layout, li, scale, a.att)
+                .map_err(e)?;
+            g.mm(a.att, n, &l.o, a.o).map_err(e)?;
+            g.add(a.x, a.o, n * d).map_err(e)?;
+            g.norm_rows(a.x, &l.mlp_norm, n, d, eps, a.h).map_err(e)?;
+            g.mm(a.h, n, &l.gate, a.g).map_err(e)?;
+            g.mm(a.h, n, &l.up, a.u).map_err(e)?;
+            g.swiglu_dev(a.g, a.u, a.a, n * ff).map_err(e)?;
+            g.mm(a.a, n, &l.down, a.o).map_err(e)?;
+            g.add(a.x, a.o, n * d).map_err(e)?;
+        }
+        g.gather(a.x, rows, w, d, a.hx).map_err(e)?;
+        g.norm_rows(a.hx, &self.norm, w, d, eps, a.hn).map_err(e)?;
+        let head = self.head.as_ref().unwrap_or(&self.embed);
+        g.mm(a.hn, w, head, a.logits).map_err(e)?;
+        Ok(())
+    }
+}

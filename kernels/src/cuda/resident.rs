@@ -1,0 +1,704 @@
+//! The resident device path: device memory the caller keeps across steps
+//! (weights uploaded once, activations, paged KV) and the kernels that run
+//! over it, launched asynchronously on the [`Gpu`]'s one stream with no host
+//! round trip between them.
+//!
+//! Owns: [`DevBuf`] (raw device memory, freed on drop), [`DevMatrix`] (a
+//! weight matrix in its stored form: f32, bf16 or GGUF blocks, widened in the
+//! kernels exactly as on the CPU), the launch wrappers, and [`Graph`]
+//! (a captured sequence of launches, replayed as one).
+//!
+//! Invariants: every kernel here computes each output in the canonical order
+//! of the CPU fast path (the `kernels.cu` comments say how), so a step on the
+//! resident path gives the CPU's bits; `gpu_check` holds each one to the
+//! one-thread references. Addresses are raw device pointers (`u64`): a
+//! wrapper's caller guarantees that every buffer it names holds the extent the
+//! shapes imply; each wrapper checks that its sizes fit the kernel's 32-bit
+//! indices and returns an error, never a launch, when they do not.
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    result, sys, CudaContext, CudaFunction, CudaModule, LaunchConfig, PushKernelArg,
+};
+
+use super::{as_i32, drv, Gpu, GpuError, MAX_HEAD_DIM};
+use crate::matmul::{Matrix, Weights};
+use crate::quant::QuantKind;
+
+/// Tokens per warp of `matmul_tile` (`MM_TOKENS` in kernels.cu).
+pub const MM_TOKENS: usize = 8;
+/// Threads per block of `attention_paged` (`ATTN_THREADS` in kernels.cu).
+const ATTN_THREADS: u32 = 256;
+
+/// The resident kernels, loaded with the module.
+pub(crate) struct Kernels {
+    pub(crate) matmul_tile: CudaFunction,
+    rms_norm_warp: CudaFunction,
+    embed_rows: CudaFunction,
+    rope_rows: CudaFunction,
+    add_rows: CudaFunction,
+    gather_rows: CudaFunction,
+    kv_write: CudaFunction,
+    attention_paged: CudaFunction,
+    swiglu: CudaFunction,
+    fma_peak: CudaFunction,
+}
+
+impl Kernels {
+    pub(crate) fn load(m: &Arc<CudaModule>) -> Result<Self, GpuError> {
+        let f = |name: &str| m.load_function(name).map_err(drv);
+        Ok(Self {
+            matmul_tile: f("matmul_tile")?,
+            rms_norm_warp: f("rms_norm_warp")?,
+            embed_rows: f("embed_rows")?,
+            rope_rows: f("rope_rows")?,
+            add_rows: f("add_rows")?,
+            gather_rows: f("gather_rows")?,
+            kv_write: f("kv_write")?,
+            attention_paged: f("attention_paged")?,
+            swiglu: f("swiglu")?,
+            fma_peak: f("fma_peak")?,
+        })
+    }
+}
+
+/// Raw device memory, freed when dropped.
+pub struct DevBuf {
+    ptr: u64,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl DevBuf {
+    /// Device address of byte 0.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    /// Device address of f32 element `i`.
+    pub fn f32_at(&self, i: usize) -> u64 {
+        self.ptr + 4 * i as u64
+    }
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from cuMemAlloc in this context and is freed
+            // once; the stream is synchronized before buffers are dropped by
+            // their owners (a pending kernel never reads freed memory).
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// A weight matrix resident on the device, in its stored form.
+pub struct DevMatrix {
+    kind: i32,
+    pub rows: usize,
+    pub cols: usize,
+    row_bytes: i64,
+    buf: DevBuf,
+}
+
+impl DevMatrix {
+    /// Device bytes it holds (what a pass over it streams).
+    pub fn bytes(&self) -> usize {
+        self.buf.bytes
+    }
+}
+
+fn warps(n: usize) -> Result<LaunchConfig, GpuError> {
+    let threads = n
+        .checked_mul(32)
+        .filter(|&t| t <= i32::MAX as usize)
+        .ok_or_else(|| GpuError::Shape {
+            what: "launch",
+            detail: format!("{n} warps do not fit a 32-bit grid"),
+        })?;
+    Ok(super::grid(threads))
+}
+
+fn elems(n: usize, what: &'static str) -> Result<LaunchConfig, GpuError> {
+    as_i32(what, n)?;
+    Ok(super::grid(n))
+}
+
+/// A captured sequence of launches on the [`Gpu`]'s stream, replayed as one
+/// (CUDA graph): the same kernels, arguments and addresses as when captured.
+pub struct Graph(cudarc::driver::CudaGraph);
+
+// SAFETY: CUDA graph objects may be used from any thread as long as no two
+// threads use one at the same time; `Graph` is `Send` but not `Sync`, so
+// shared use needs a lock (the engine keeps its graphs behind a `Mutex`).
+unsafe impl Send for Graph {}
+
+impl Graph {
+    /// Replays the launches (asynchronously, on the stream).
+    pub fn launch(&self) -> Result<(), GpuError> {
+        self.0.launch().map_err(drv)
+    }
+}
+
+impl Gpu {
+    /// Makes the device current on the calling thread (the serving loop may
+    /// run on another thread than the one that opened it).
+    pub fn bind(&self) -> Result<(), GpuError> {
+        self.ctx.bind_to_thread().map_err(drv)
+    }
+
+    /// `(free, total)` device memory, bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize), GpuError> {
+        self.bind()?;
+        result::mem_get_info().map_err(drv)
+    }
+
+    /// `bytes` of device memory for `what`; out of memory is an error naming
+    /// the bytes wanted and the bytes free.
+    pub fn alloc(&self, bytes: usize, what: &str) -> Result<DevBuf, GpuError> {
+        self.bind()?;
+        let bytes = bytes.max(4);
+        // SAFETY: a plain allocation in the bound context.
+        match unsafe { result::malloc_sync(bytes) } {
+            Ok(ptr) => Ok(DevBuf {
+                ptr,
+                bytes,
+                ctx: self.ctx.clone(),
+            }),
+            Err(e) => {
+                let free = result::mem_get_info().map(|m| m.0).unwrap_or(0);
+                Err(GpuError::OutOfMemory {
+                    what: what.to_string(),
+                    needed: bytes,
+                    free,
+                    detail: format!("{e:?}"),
+                })
+            }
+        }
+    }
+
+    /// A new buffer holding `host`.
+    pub fn upload<T: Copy>(&self, host: &[T], what: &str) -> Result<DevBuf, GpuError> {
+        let b = self.alloc(std::mem::size_of_val(host), what)?;
+        self.htod(host, b.ptr)?;
+        Ok(b)
+    }
+
+    /// Copies `host` to device address `dst` (ordered on the stream; the host
+    /// slice may be reused as soon as this returns).
+    pub fn htod<T: Copy>(&self, host: &[T], dst: u64) -> Result<(), GpuError> {
+        if host.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the caller's buffer at `dst` holds `host`'s bytes; a copy
+        // from pageable memory is staged before the call returns.
+        unsafe { result::memcpy_htod_async(dst, host, self.stream.cu_stream()) }.map_err(drv)
+    }
+
+    /// Copies device address `src` into `host`, waiting for the stream.
+    pub fn dtoh<T: Copy>(&self, src: u64, host: &mut [T]) -> Result<(), GpuError> {
+        if host.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the caller's buffer at `src` holds `host`'s bytes.
+        unsafe { result::memcpy_dtoh_async(host, src, self.stream.cu_stream()) }.map_err(drv)?;
+        self.sync()
+    }
+
+    /// Device-to-device copy of `bytes` (ordered on the stream).
+    pub fn dtod(&self, src: u64, dst: u64, bytes: usize) -> Result<(), GpuError> {
+        // SAFETY: both buffers hold `bytes` bytes.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }.map_err(drv)
+    }
+
+    /// Waits for everything queued on the stream.
+    pub fn sync(&self) -> Result<(), GpuError> {
+        self.stream.synchronize().map_err(drv)
+    }
+
+    /// Uploads a weight matrix in its stored form.
+    pub fn upload_matrix(&self, w: &Matrix, what: &str) -> Result<DevMatrix, GpuError> {
+        let (kind, buf) = match w.w {
+            Weights::F32(s) => (0, self.upload(s, what)?),
+            Weights::Bf16(s) => (1, self.upload(s, what)?),
+            Weights::Quant(q, s) => (
+                match q {
+                    QuantKind::Q4_0 => 2,
+                    QuantKind::Q4_1 => 3,
+                    QuantKind::Q8_0 => 4,
+                },
+                self.upload(s, what)?,
+            ),
+        };
+        as_i32("matrix", w.rows)?;
+        as_i32("matrix", w.cols)?;
+        Ok(DevMatrix {
+            kind,
+            rows: w.rows,
+            cols: w.cols,
+            row_bytes: (buf.bytes / w.rows.max(1)) as i64,
+            buf,
+        })
+    }
+
+    /// Starts capturing the stream's launches into a [`Graph`].
+    pub fn begin_capture(&self) -> Result<(), GpuError> {
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(drv)
+    }
+
+    /// Ends a capture; `None` when nothing was captured.
+    pub fn end_capture(&self) -> Result<Option<Graph>, GpuError> {
+        let g = self
+            .stream
+            .end_capture(
+                sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+            )
+            .map_err(drv)?;
+        Ok(g.map(Graph))
+    }
+
+    /// `y (n, rows) = x (n, cols) · Wᵀ` by `matmul_tile`.
+    pub fn mm(&self, x: u64, n: usize, w: &DevMatrix, y: u64) -> Result<(), GpuError> {
+        if n == 0 || w.rows == 0 {
+            return Ok(());
+        }
+        let cfg = warps(w.rows * n.div_ceil(MM_TOKENS))?;
+        let (ni, ri, ki) = (
+            as_i32("matmul", n)?,
+            as_i32("matmul", w.rows)?,
+            as_i32("matmul", w.cols)?,
+        );
+        as_i32("matmul", n * w.cols)?;
+        let mut b = self.stream.launch_builder(&self.res.matmul_tile);
+        b.arg(&w.kind)
+            .arg(&x)
+            .arg(&w.buf.ptr)
+            .arg(&y)
+            .arg(&ni)
+            .arg(&ri)
+            .arg(&ki)
+            .arg(&w.row_bytes);
+        // SAFETY: matches `matmul_tile`; x holds n·cols, y n·rows floats.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+    }
+
+    /// Row-wise RMSNorm of `rows` rows of `d` by `rms_norm_warp`.
+    pub fn norm_rows(
+        &self,
+        x: u64,
+        w: &DevBuf,
+        rows: usize,
+        d: usize,
+        eps: f32,
+        out: u64,
+    ) -> Result<(), GpuError> {
+        if rows == 0 {
+            return Ok(());
+        }
+        let (ri, di) = (as_i32("rms_norm", rows)?, as_i32("rms_norm", d)?);
+        as_i32("rms_norm", rows * d)?;
+        let mut b = self.stream.launch_builder(&self.res.rms_norm_warp);
+        b.arg(&x)
+            .arg(&w.ptr)
+            .arg(&out)
+            .arg(&ri)
+            .arg(&di)
+            .arg(&eps);
+        // SAFETY: matches `rms_norm_warp`; x and out hold rows·d floats, w d.
+        unsafe { b.launch(warps(rows)?) }.map(|_| ()).map_err(drv)
+    }
+
+    /// `out[t] = ` row `ids[t]` of `w`, widened (`ids`: n u64 on the device).
+    pub fn embed(&self, w: &DevMatrix, ids: u64, n: usize, out: u64) -> Result<(), GpuError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let (ni, di) = (as_i32("embed", n)?, as_i32("embed", w.cols)?);
+        let mut b = self.stream.launch_builder(&self.res.embed_rows);
+        b.arg(&w.kind)
+            .arg(&w.buf.ptr)
+            .arg(&ids)
+            .arg(&out)
+            .arg(&ni)
+            .arg(&di)
+            .arg(&w.row_bytes);
+        // SAFETY: matches `embed_rows`; every id is below w.rows (the caller
+        // checked tokens against the vocabulary).
+        unsafe { b.launch(elems(n * w.cols, "embed")?) }
+            .map(|_| ())
+            .map_err(drv)
+    }
+
+    /// RoPE of `n` query rows (`qd`) and key rows (`kvd`) at positions
+    /// `pos` (n u64), from resident `(cos, sin)` tables of `head_dim / 2`
+    /// values per position.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_rows(
+        &self,
+        q: u64,
+        k: u64,
+        tables: (&DevBuf, &DevBuf),
+        pos: u64,
+        n: usize,
+        qd: usize,
+        kvd: usize,
+        head_dim: usize,
+    ) -> Result<(), GpuError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let per = (qd + kvd) / 2;
+        let (ni, qi, ki, di) = (
+            as_i32("rope", n)?,
+            as_i32("rope", qd)?,
+            as_i32("rope", kvd)?,
+            as_i32("rope", head_dim)?,
+        );
+        let mut b = self.stream.launch_builder(&self.res.rope_rows);
+        b.arg(&q)
+            .arg(&k)
+            .arg(&tables.0.ptr)
+            .arg(&tables.1.ptr)
+            .arg(&pos)
+            .arg(&ni)
+            .arg(&qi)
+            .arg(&ki)
+            .arg(&di);
+        // SAFETY: matches `rope_rows`; every position is inside the tables
+        // (the caller checked them against the context).
+        unsafe { b.launch(elems(n * per, "rope")?) }
+            .map(|_| ())
+            .map_err(drv)
+    }
+
+    /// `x[i] += y[i]` for `n` floats.
+    pub fn add(&self, x: u64, y: u64, n: usize) -> Result<(), GpuError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let ni = as_i32("add", n)?;
+        let mut b = self.stream.launch_builder(&self.res.add_rows);
+        b.arg(&x).arg(&y).arg(&ni);
+        // SAFETY: matches `add_rows`; both hold n floats.
+        unsafe { b.launch(elems(n, "add")?) }
+            .map(|_| ())
+            .map_err(drv)
+    }
+
+    /// `out = silu(g) · u` for `n` floats.
+    pub fn swiglu_dev(&self, g: u64, u: u64, out: u64, n: usize) -> Result<(), GpuError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let ni = as_i32("swiglu", n)?;
+        let mut b = self.stream.launch_builder(&self.res.swiglu);
+        b.arg(&g).arg(&u).arg(&out).arg(&ni);
+        // SAFETY: matches `swiglu`; all hold n floats.
+        unsafe { b.launch(elems(n, "swiglu")?) }
+            .map(|_| ())
+            .map_err(drv)
+    }
+
+    /// `out[j] = x[rows[j]]`, `m` rows of `d` (`rows`: m u64 on the device).
+    pub fn gather(&self, x: u64, rows: u64, m: usize, d: usize, out: u64) -> Result<(), GpuError> {
+        if m == 0 {
+            return Ok(());
+        }
+        let (mi, di) = (as_i32("gather", m)?, as_i32("gather", d)?);
+        let mut b = self.stream.launch_builder(&self.res.gather_rows);
+        b.arg(&x).arg(&rows).arg(&out).arg(&mi).arg(&di);
+        // SAFETY: matches `gather_rows`; every row index is below x's rows.
+        unsafe { b.launch(elems(m * d, "gather")?) }
+            .map(|_| ())
+            .map_err(drv)
+    }
+
+    /// Writes `n` tokens' K and V rows (`kvd` each) of `layer` into their
+    /// pages: token t into page address `dst[t]`, slot `slot[t]` (n u64 each).
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_write(
+        &self,
+        k: u64,
+        v: u64,
+        dst: u64,
+        slot: u64,
+        n: usize,
+        layout: PageLayout,
+        layer: usize,
+    ) -> Result<(), GpuError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let (ni, li) = (as_i32("kv_write", n)?, as_i32("kv_write", layer)?);
+        let (pl, kvd, aux) = layout.args()?;
+        let mut b = self.stream.launch_builder(&self.res.kv_write);
+        b.arg(&k)
+            .arg(&v)
+            .arg(&dst)
+            .arg(&slot)
+            .arg(&ni)
+            .arg(&li)
+            .arg(&pl)
+            .arg(&kvd)
+            .arg(&aux);
+        // SAFETY: matches `kv_write`; every page address holds a whole page
+        // of `layout`, every slot is below page_len.
+        unsafe { b.launch(elems(n * layout.kv_dim, "kv_write")?) }
+            .map(|_| ())
+            .map_err(drv)
+    }
+
+    /// Paged causal attention of `n` query rows: token t attends positions
+    /// `0..=pos[t]` through page addresses `pages[seq_off[t]..]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_paged(
+        &self,
+        q: u64,
+        table: PageTable,
+        n: usize,
+        shape: &crate::AttnShape,
+        layout: PageLayout,
+        layer: usize,
+        scale: f32,
+        out: u64,
+    ) -> Result<(), GpuError> {
+        if n == 0 {
+            return Ok(());
+        }
+        if shape.n_kv_heads == 0
+            || shape.n_heads % shape.n_kv_heads != 0
+            || shape.head_dim > MAX_HEAD_DIM
+            || shape.kv_dim() != layout.kv_dim
+        {
+            return Err(GpuError::Shape {
+                what: "attention",
+                detail: format!(
+                    "heads {}/{} × {} (head_dim ≤ {MAX_HEAD_DIM}), pages of kv_dim {}",
+                    shape.n_heads, shape.n_kv_heads, shape.head_dim, layout.kv_dim
+                ),
+            });
+        }
+        let blocks = n * shape.n_heads;
+        let (nh, nkv, hd) = (
+            as_i32("attention", shape.n_heads)?,
+            as_i32("attention", shape.n_kv_heads)?,
+            as_i32("attention", shape.head_dim)?,
+        );
+        let li = as_i32("attention", layer)?;
+        let (pl, _, aux) = layout.args()?;
+        let cfg = LaunchConfig {
+            grid_dim: (as_i32("attention", blocks)? as u32, 1, 1),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.res.attention_paged);
+        b.arg(&q)
+            .arg(&table.pages)
+            .arg(&table.seq_off)
+            .arg(&table.pos)
+            .arg(&out)
+            .arg(&nh)
+            .arg(&nkv)
+            .arg(&hd)
+            .arg(&li)
+            .arg(&pl)
+            .arg(&aux)
+            .arg(&scale);
+        // SAFETY: matches `attention_paged`; token t's page list covers
+        // positions 0..=pos[t], each entry the address of a whole page.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+    }
+}
+
+/// Physical limits measured on the device, for `lmrr bench`.
+impl Gpu {
+    /// Device-to-device copy bandwidth over a `bytes` buffer: bytes moved
+    /// (read plus written) per second, median of `repeats`.
+    pub fn copy_bandwidth(&self, bytes: usize, repeats: usize) -> Result<f64, GpuError> {
+        let (a, b) = (self.alloc(bytes, "bandwidth source")?, self.alloc(bytes, "bandwidth target")?);
+        self.dtod(a.ptr, b.ptr, bytes)?;
+        self.sync()?;
+        let mut t: Vec<f64> = (0..repeats.max(1))
+            .map(|_| {
+                let t0 = std::time::Instant::now();
+                self.dtod(a.ptr, b.ptr, bytes)?;
+                self.sync()?;
+                Ok(t0.elapsed().as_secs_f64())
+            })
+            .collect::<Result<_, GpuError>>()?;
+        t.sort_by(f64::total_cmp);
+        Ok(2.0 * bytes as f64 / t[t.len() / 2])
+    }
+
+    /// FP32 FMA rate in FLOP/s (CUDA cores; 2 FLOPs per fma), median of
+    /// `repeats` launches filling the device many times over.
+    pub fn fma_peak(&self, repeats: usize) -> Result<f64, GpuError> {
+        let (blocks, threads, iters) = (132 * 64u32, 256u32, 4096i32);
+        let out = self.alloc((blocks * threads) as usize * 4, "fma_peak")?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let run = || -> Result<f64, GpuError> {
+            let t0 = std::time::Instant::now();
+            let mut b = self.stream.launch_builder(&self.res.fma_peak);
+            let (a, c) = (0.999_f32, 0.001_f32);
+            b.arg(&out.ptr).arg(&iters).arg(&a).arg(&c);
+            // SAFETY: matches `fma_peak`; out holds blocks·threads floats.
+            unsafe { b.launch(cfg) }.map_err(drv)?;
+            self.sync()?;
+            Ok(t0.elapsed().as_secs_f64())
+        };
+        run()?;
+        let mut t: Vec<f64> = (0..repeats.max(1)).map(|_| run()).collect::<Result<_, _>>()?;
+        t.sort_by(f64::total_cmp);
+        let flops = 2.0 * 8.0 * iters as f64 * (blocks * threads) as f64;
+        Ok(flops / t[t.len() / 2])
+    }
+}
+
+/// Per-call forms of the resident kernels for `gpu_check`: operands
+/// uploaded, the kernel run, the result copied back.
+impl Gpu {
+    /// [`crate::rms_norm`] by `rms_norm_warp`.
+    pub fn rms_norm_resident(
+        &self,
+        x: &[f32],
+        w: &[f32],
+        eps: f32,
+        out: &mut [f32],
+    ) -> Result<(), GpuError> {
+        if w.is_empty() || x.len() % w.len() != 0 || out.len() != x.len() {
+            return Err(GpuError::Shape {
+                what: "rms_norm",
+                detail: format!("x {}, w {}, out {}", x.len(), w.len(), out.len()),
+            });
+        }
+        let (dx, dw) = (self.upload(x, "x")?, self.upload(w, "w")?);
+        let dout = self.alloc(out.len() * 4, "out")?;
+        self.norm_rows(dx.ptr, &dw, x.len() / w.len(), w.len(), eps, dout.ptr)?;
+        self.dtoh(dout.ptr, out)
+    }
+
+    /// [`crate::attention`] by `attention_paged`: each task's keys and
+    /// values are copied into device pages of `page_len` positions (layer 0
+    /// of a one-layer layout), in a page order other than the positions'
+    /// (the table, not the memory order, must decide).
+    pub fn attention_resident(
+        &self,
+        tasks: &[crate::AttnTask],
+        shape: &crate::AttnShape,
+        scale: f32,
+        page_len: usize,
+        out: &mut [f32],
+    ) -> Result<(), GpuError> {
+        let (qd, kvd) = (shape.q_dim(), shape.kv_dim());
+        if out.len() != tasks.len() * qd || tasks.iter().any(|t| t.q.len() != qd) || page_len == 0 {
+            return Err(GpuError::Shape {
+                what: "attention",
+                detail: format!("{} tasks, out {}", tasks.len(), out.len()),
+            });
+        }
+        let layout = PageLayout {
+            page_len,
+            layers: 1,
+            kv_dim: kvd,
+            aux_dim: 0,
+        };
+        let pf = layout.page_floats();
+        // Pages of all tasks, stored in reverse order of need.
+        let counts: Vec<usize> = tasks.iter().map(|t| (t.pos + 1).div_ceil(page_len)).collect();
+        let total: usize = counts.iter().sum();
+        let mut host = vec![0.0f32; total.max(1) * pf];
+        let mut page_of = Vec::with_capacity(total);
+        let mut next = total;
+        for t in tasks {
+            for b in 0..(t.pos + 1).div_ceil(page_len) {
+                next -= 1;
+                page_of.push(next);
+                let page = &mut host[next * pf..(next + 1) * pf];
+                for s in 0..page_len {
+                    let j = b * page_len + s;
+                    if j > t.pos {
+                        break;
+                    }
+                    page[s * kvd..(s + 1) * kvd].copy_from_slice(t.kv.key(j, kvd));
+                    page[(page_len + s) * kvd..(page_len + s + 1) * kvd]
+                        .copy_from_slice(t.kv.value(j, kvd));
+                }
+            }
+        }
+        let dpages = self.upload(&host, "pages")?;
+        let mut ins: Vec<u64> = page_of
+            .iter()
+            .map(|&p| dpages.ptr + (p * pf * 4) as u64)
+            .collect();
+        let mut off = 0;
+        let seq_off: Vec<u64> = counts
+            .iter()
+            .map(|&c| {
+                off += c;
+                (off - c) as u64
+            })
+            .collect();
+        let pages_len = ins.len();
+        ins.extend(&seq_off);
+        ins.extend(tasks.iter().map(|t| t.pos as u64));
+        let q: Vec<f32> = tasks.iter().flat_map(|t| t.q.iter().copied()).collect();
+        let (din, dq) = (self.upload(&ins, "table")?, self.upload(&q, "q")?);
+        let dout = self.alloc(out.len() * 4, "out")?;
+        let at = |i: usize| din.ptr + 8 * i as u64;
+        let table = PageTable {
+            pages: at(0),
+            seq_off: at(pages_len),
+            pos: at(pages_len + tasks.len()),
+        };
+        self.attention_paged(dq.ptr, table, tasks.len(), shape, layout, 0, scale, dout.ptr)?;
+        self.dtoh(dout.ptr, out)
+    }
+}
+
+/// The shape of one device KV page: per layer, `page_len` K rows, then
+/// `page_len` V rows (`kv_dim` floats each), then `page_len` auxiliary rows
+/// (`aux_dim` floats).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageLayout {
+    pub page_len: usize,
+    pub layers: usize,
+    pub kv_dim: usize,
+    pub aux_dim: usize,
+}
+
+impl PageLayout {
+    /// Floats of one layer of a page.
+    pub fn layer_floats(&self) -> usize {
+        self.page_len * (2 * self.kv_dim + self.aux_dim)
+    }
+    /// Floats of a whole page.
+    pub fn page_floats(&self) -> usize {
+        self.layers * self.layer_floats()
+    }
+    fn args(&self) -> Result<(i32, i32, i32), GpuError> {
+        as_i32("kv page", self.page_floats())?;
+        Ok((
+            as_i32("kv page", self.page_len)?,
+            as_i32("kv page", self.kv_dim)?,
+            as_i32("kv page", self.aux_dim)?,
+        ))
+    }
+}
+
+/// Device addresses of a step's page table (u64 arrays): every sequence's
+/// page addresses, each token's offset into them, and each token's position.
+#[derive(Debug, Clone, Copy)]
+pub struct PageTable {
+    pub pages: u64,
+    pub seq_off: u64,
+    pub pos: u64,
+}

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# GPU speed on the resident path, side by side with the anchors, in one run
+# on the device machine (docs/PERFORMANCE.md quotes its table):
+#
+#   scripts/device-bench.sh .gpu [ANCHORS_DIR]   # ANCHORS_DIR: the HF anchors (optional)
+#
+# The `small` preset (SmolLM2-135M's shape) in f32 and bf16: decode after a
+# 64-token prompt at batch 1, 8 and 64 (batch 1 with CUDA graphs on and off),
+# prefill of a 512-token prompt, each against the device's copy bandwidth and
+# FP32 FMA rate measured in the same run. Then the anchors on the same
+# models: HF eager with and without batch-invariant ops, HF compiled.
+set -uo pipefail
+bin=${1:-.gpu}
+anchors=${2:-}
+tmp=$(mktemp -d)
+for dt in f32 bf16; do
+  "$bin/lmrr" gen-model --preset small --dtype $dt --out "$tmp/small-$dt" >/dev/null || exit 1
+done
+for dt in f32 bf16; do
+  echo "## lmrr bench --device cuda, small $dt, decode after 64 tokens"
+  "$bin/lmrr" bench --device cuda --model "$tmp/small-$dt" --prompt-len 64 --batches 1,8,64 --decode-steps 32 --repeats 5
+  echo "## lmrr bench --device cuda, small $dt, prefill of 512 tokens"
+  "$bin/lmrr" bench --device cuda --model "$tmp/small-$dt" --prompt-len 512 --batches 1 --decode-steps 8 --repeats 5
+done
+if [ -n "$anchors" ] && [ -d "$anchors" ]; then
+  for dt in f32; do
+    echo "## anchors on small $dt"
+    PYTHONUNBUFFERED=1 python3 "$anchors/hf_decode_anchor.py" "$tmp/small-$dt" 2>&1 | grep -v Warning
+    PYTHONUNBUFFERED=1 python3 "$anchors/hf_compiled_anchor.py" "$tmp/small-$dt" 2>&1 | grep -v Warning
+  done
+fi
