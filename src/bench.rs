@@ -206,7 +206,10 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             .collect()
     };
     let default_batches: &[usize] = if a.speed_only { &[1] } else { &[1, 8] };
-    let batches = a.batches.clone().unwrap_or_else(|| default_batches.to_vec());
+    let batches = a
+        .batches
+        .clone()
+        .unwrap_or_else(|| default_batches.to_vec());
     if let Some(&b) = batches.iter().find(|&&b| b == 0 || b > 4096) {
         anyhow::bail!("--batches {b}: each batch size must be 1..=4096");
     }
@@ -309,7 +312,10 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             bw / 1e9
         );
         if let Some(p) = peak {
-            println!("| device FP32 FMA rate (CUDA cores, measured) | {:.1} TFLOP/s |", p / 1e12);
+            println!(
+                "| device FP32 FMA rate (CUDA cores, measured) | {:.1} TFLOP/s |",
+                p / 1e12
+            );
         }
         if let Some((w, pages, up)) = model.llama().and_then(|l| l.device_stats()) {
             println!(
@@ -342,7 +348,10 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     }
     for (batch, pre, dec, step) in &rows_out {
         let of_peak = peak.map_or(String::new(), |p| {
-            format!(" ({:.2}% of the FP32 rate)", 100.0 * pre * flops_per_token / p)
+            format!(
+                " ({:.2}% of the FP32 rate)",
+                100.0 * pre * flops_per_token / p
+            )
         });
         println!(
             "| prefill, batch {batch} × {} tokens | {pre:.1} tok/s{of_peak} |",

@@ -376,14 +376,16 @@ __device__ __forceinline__ float warp_dot(int kind, const float* x, const void* 
 }
 
 #define MM_TOKENS 8
+#define MM_GROUPS 1
 
 // matmul over tiles of MM_TOKENS tokens: one warp per (output row, token
-// tile). The warp loads its lanes' weights of four chunks once into
-// registers and runs every token of the tile against them, each token in
-// matmul_warp's exact order (lane j's FMA chain of chunk 4q + g, the
-// xor-shuffle tree, chunk partials in chunk order): a weight row is read
-// once per tile instead of once per token. Warps are ordered row-fastest, so
-// neighbouring warps stream neighbouring rows.
+// tile). The warp loads its lanes' weights of MM_GROUPS groups of four
+// chunks at once into registers (so that many loads are in flight) and runs
+// every token of the tile against them, each token in matmul_warp's exact
+// order (lane j's FMA chain of chunk 4q + g, the xor-shuffle tree, chunk
+// partials in chunk order): a weight row is read once per tile instead of
+// once per token. Warps are ordered row-fastest, so neighbouring warps
+// stream neighbouring rows.
 extern "C" __global__ void matmul_tile(int kind, const float* x, const unsigned char* w, float* y,
                                        int n, int rows, int k, long long row_bytes) {
     long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -398,8 +400,75 @@ extern "C" __global__ void matmul_tile(int kind, const float* x, const unsigned 
     float total[MM_TOKENS];
     #pragma unroll
     for (int tt = 0; tt < MM_TOKENS; ++tt) total[tt] = 0.0f;
-    for (int q = 0; q < chunks; q += 4) {
-        int c = q + g;
+    for (int q0 = 0; q0 < chunks; q0 += 4 * MM_GROUPS) {
+        float wv[MM_GROUPS][CHUNK / LANES];
+        #pragma unroll
+        for (int gq = 0; gq < MM_GROUPS; ++gq) {
+            int c = q0 + 4 * gq + g;
+            int base = c * CHUNK + j;
+            int cend = c < chunks ? min(c * CHUNK + CHUNK, k) : 0;
+            #pragma unroll
+            for (int s = 0; s < CHUNK / LANES; ++s) {
+                int i = base + s * LANES;
+                wv[gq][s] = i < cend ? weight(kind, wr, i) : 0.0f;
+            }
+        }
+        #pragma unroll
+        for (int tt = 0; tt < MM_TOKENS; ++tt) {
+            if (tt < tn) {  // uniform over the warp
+                const float* xr = x + (long long)(t0 + tt) * k;
+                float tot = total[tt];
+                #pragma unroll
+                for (int gq = 0; gq < MM_GROUPS; ++gq) {
+                    int q = q0 + 4 * gq;
+                    if (q < chunks) {  // uniform over the warp
+                        int c = q + g;
+                        int base = c * CHUNK + j;
+                        int cend = c < chunks ? min(c * CHUNK + CHUNK, k) : 0;
+                        float l = 0.0f;
+                        #pragma unroll
+                        for (int s = 0; s < CHUNK / LANES; ++s) {
+                            int i = base + s * LANES;
+                            if (i < cend) l = fmaf(xr[i], wv[gq][s], l);
+                        }
+                        l = l + __shfl_xor_sync(0xffffffffu, l, 4);
+                        l = l + __shfl_xor_sync(0xffffffffu, l, 2);
+                        l = l + __shfl_xor_sync(0xffffffffu, l, 1);
+                        float p0 = __shfl_sync(0xffffffffu, l, 0);
+                        float p1 = __shfl_sync(0xffffffffu, l, 8);
+                        float p2 = __shfl_sync(0xffffffffu, l, 16);
+                        float p3 = __shfl_sync(0xffffffffu, l, 24);
+                        tot = tot + p0;
+                        if (q + 1 < chunks) tot = tot + p1;
+                        if (q + 2 < chunks) tot = tot + p2;
+                        if (q + 3 < chunks) tot = tot + p3;
+                    }
+                }
+                total[tt] = tot;
+            }
+        }
+    }
+    if (lane == 0) {
+        #pragma unroll
+        for (int tt = 0; tt < MM_TOKENS; ++tt)
+            if (tt < tn) y[(long long)(t0 + tt) * rows + o] = total[tt];
+    }
+}
+
+#define MR_GROUPS 16
+#define MR_MAX_CHUNKS 256
+
+// The body of matmul_rows for one (row o of W, token tile t0).
+__device__ __forceinline__ void mm_rows_block(int kind, const float* x, const unsigned char* w, float* y,
+                                              int n, int rows, int k, long long row_bytes, int o, int t0) {
+    __shared__ float part[MM_TOKENS][MR_MAX_CHUNKS];
+    int tn = min(MM_TOKENS, n - t0);
+    int g = threadIdx.x >> 3, j = threadIdx.x & 7;
+    const unsigned char* wr = w + o * row_bytes;
+    int chunks = (k + CHUNK - 1) / CHUNK;
+    // The loop is uniform over each warp (shuffles need all its lanes).
+    for (int cb = 0; cb < chunks; cb += MR_GROUPS) {
+        int c = cb + g;
         int base = c * CHUNK + j;
         int cend = c < chunks ? min(c * CHUNK + CHUNK, k) : 0;
         float wv[CHUNK / LANES];
@@ -410,7 +479,7 @@ extern "C" __global__ void matmul_tile(int kind, const float* x, const unsigned 
         }
         #pragma unroll
         for (int tt = 0; tt < MM_TOKENS; ++tt) {
-            if (tt < tn) {  // uniform over the warp
+            if (tt < tn) {  // uniform over the block
                 const float* xr = x + (long long)(t0 + tt) * k;
                 float l = 0.0f;
                 #pragma unroll
@@ -421,22 +490,168 @@ extern "C" __global__ void matmul_tile(int kind, const float* x, const unsigned 
                 l = l + __shfl_xor_sync(0xffffffffu, l, 4);
                 l = l + __shfl_xor_sync(0xffffffffu, l, 2);
                 l = l + __shfl_xor_sync(0xffffffffu, l, 1);
-                float p0 = __shfl_sync(0xffffffffu, l, 0);
-                float p1 = __shfl_sync(0xffffffffu, l, 8);
-                float p2 = __shfl_sync(0xffffffffu, l, 16);
-                float p3 = __shfl_sync(0xffffffffu, l, 24);
-                float tot = total[tt] + p0;
-                if (q + 1 < chunks) tot = tot + p1;
-                if (q + 2 < chunks) tot = tot + p2;
-                if (q + 3 < chunks) tot = tot + p3;
-                total[tt] = tot;
+                if (j == 0 && c < chunks) part[tt][c] = l;
             }
         }
     }
-    if (lane == 0) {
+    __syncthreads();
+    if (threadIdx.x < tn) {
+        int tt = threadIdx.x;
+        float total = 0.0f;
+        for (int c = 0; c < chunks; ++c) total = total + part[tt][c];
+        y[(long long)(t0 + tt) * rows + o] = total;
+    }
+}
+
+// matmul with one block of MR_GROUPS groups of 8 threads per (output row,
+// tile of MM_TOKENS tokens): group g computes the partials of chunks g,
+// g + MR_GROUPS, ... (lane j's FMA chain, the xor-shuffle tree inside the
+// group), each chunk's weights loaded once into registers and run against
+// every token of the tile; then thread tt adds token tt's chunk partials in
+// chunk order from +0.0. The same bits as matmul_warp with the chunks of a
+// row in flight at once (decode latency), for k up to 64 * MR_MAX_CHUNKS.
+extern "C" __global__ void matmul_rows(int kind, const float* x, const unsigned char* w, float* y,
+                                       int n, int rows, int k, long long row_bytes) {
+    mm_rows_block(kind, x, w, y, n, rows, k, row_bytes, blockIdx.x % rows, (blockIdx.x / rows) * MM_TOKENS);
+}
+
+// Up to three matmuls of one input in one launch (q, k, v; gate, up): blocks
+// 0 .. rows0·tiles are matrix 0's, then matrix 1's, then matrix 2's; each
+// output as matmul_rows computes it.
+extern "C" __global__ void matmul_multi(int kind, const float* x, int n, int k,
+                                        const unsigned char* w0, float* y0, int rows0, long long rb0,
+                                        const unsigned char* w1, float* y1, int rows1, long long rb1,
+                                        const unsigned char* w2, float* y2, int rows2, long long rb2) {
+    int tiles = (n + MM_TOKENS - 1) / MM_TOKENS;
+    int b = blockIdx.x;
+    if (b < rows0 * tiles) {
+        mm_rows_block(kind, x, w0, y0, n, rows0, k, rb0, b % rows0, (b / rows0) * MM_TOKENS);
+        return;
+    }
+    b -= rows0 * tiles;
+    if (b < rows1 * tiles) {
+        mm_rows_block(kind, x, w1, y1, n, rows1, k, rb1, b % rows1, (b / rows1) * MM_TOKENS);
+        return;
+    }
+    b -= rows1 * tiles;
+    mm_rows_block(kind, x, w2, y2, n, rows2, k, rb2, b % rows2, (b / rows2) * MM_TOKENS);
+}
+
+// x += y, then out = rms_norm(x) * w, one warp per row (the residual add
+// and the next block's norm in one launch; each value as the two kernels
+// compute it).
+extern "C" __global__ void add_norm(float* x, const float* y, const float* w, float* out, int rows, int d, float eps) {
+    long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (r >= rows) return;
+    float* xr = x + r * d;
+    for (int i = lane; i < d; i += 32) xr[i] = xr[i] + y[r * d + i];
+    __syncwarp();
+    float ss = warp_dot(0, xr, xr, d);
+    float inv = 1.0f / sqrtf(ss / (float)d + eps);
+    for (int i = lane; i < d; i += 32) out[r * d + i] = (xr[i] * inv) * w[i];
+}
+
+#define GM_GR 4
+#define GM_GT 2
+#define GM_ROWS (8 * GM_GR)
+#define GM_TOKS (8 * GM_GT)
+#define GM_THREADS (64 * GM_GR * GM_GT / 8)
+
+// The lane tree of 8 lanes over 8 outputs at once: lane j holds its lane's
+// partial of outputs 0..7 in v; three exchange steps (xor 4, 2, 1), each
+// keeping half the outputs and adding the partner's half, leave lane j with
+// output j's tree. Every add is one of the canonical tree's pairs
+// ((0,4) (1,5) (2,6) (3,7), then (0,2) (1,3), then (0,1)), with its operands
+// possibly swapped (IEEE addition is commutative).
+__device__ __forceinline__ float tree8_transpose(const float v[8], int j) {
+    int b4 = (j >> 2) & 1, b2 = (j >> 1) & 1, b1 = j & 1;
+    float w4[4];
+    #pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        float keep = b4 ? v[k + 4] : v[k];
+        float send = b4 ? v[k] : v[k + 4];
+        w4[k] = keep + __shfl_xor_sync(0xffffffffu, send, 4);
+    }
+    float w2[2];
+    #pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        float keep = b2 ? w4[k + 2] : w4[k];
+        float send = b2 ? w4[k] : w4[k + 2];
+        w2[k] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
+    }
+    float keep = b1 ? w2[1] : w2[0];
+    float send = b1 ? w2[0] : w2[1];
+    return keep + __shfl_xor_sync(0xffffffffu, send, 1);
+}
+
+// matmul for many tokens (prefill, batched decode): one block of GM_THREADS
+// per GM_ROWS rows × GM_TOKS tokens. Per chunk, the block stages the chunk's
+// widened weights of its rows and its tokens' inputs in shared memory; group
+// (ri, ti) of 8 threads owns 8 rows × 8 tokens, thread j of it running lane
+// j's FMA chain (elements 64c + j + 8s, s ascending) of all 64 outputs, so
+// each staged value feeds 8 FMAs. The lane trees are taken 8 outputs at a
+// time by tree8_transpose, and thread j adds row j's chunk partial to its 8
+// tokens' totals in chunk order from +0.0: matmul_warp's bits.
+extern "C" __global__ void matmul_gemm(int kind, const float* x, const unsigned char* w, float* y,
+                                       int n, int rows, int k, long long row_bytes) {
+    __shared__ float ws[GM_ROWS][CHUNK + 1];
+    __shared__ float xs[GM_TOKS][CHUNK];
+    int row_blocks = (rows + GM_ROWS - 1) / GM_ROWS;
+    int o0 = (blockIdx.x % row_blocks) * GM_ROWS, t0 = (blockIdx.x / row_blocks) * GM_TOKS;
+    int tid = threadIdx.x;
+    int gi = tid >> 3, j = tid & 7;
+    int ri = gi % GM_GR, ti = gi / GM_GR;
+    int chunks = (k + CHUNK - 1) / CHUNK;
+    float total[8];
+    #pragma unroll
+    for (int tt = 0; tt < 8; ++tt) total[tt] = 0.0f;
+    for (int c = 0; c < chunks; ++c) {
+        int c0 = c * CHUNK, cend = min(c0 + CHUNK, k);
+        for (int e = tid; e < GM_ROWS * CHUNK; e += GM_THREADS) {
+            int r = e / CHUNK, col = e % CHUNK;
+            int o = o0 + r, i = c0 + col;
+            ws[r][col] = (o < rows && i < cend) ? weight(kind, w + o * row_bytes, i) : 0.0f;
+        }
+        for (int e = tid; e < GM_TOKS * CHUNK; e += GM_THREADS) {
+            int r = e / CHUNK, col = e % CHUNK;
+            int t = t0 + r, i = c0 + col;
+            xs[r][col] = (t < n && i < cend) ? x[(long long)t * k + i] : 0.0f;
+        }
+        __syncthreads();
+        float acc[8][8];
         #pragma unroll
-        for (int tt = 0; tt < MM_TOKENS; ++tt)
-            if (tt < tn) y[(long long)(t0 + tt) * rows + o] = total[tt];
+        for (int tt = 0; tt < 8; ++tt) {
+            #pragma unroll
+            for (int rr = 0; rr < 8; ++rr) acc[tt][rr] = 0.0f;
+        }
+        #pragma unroll
+        for (int s = 0; s < CHUNK / LANES; ++s) {
+            int i = j + s * LANES;
+            if (c0 + i < cend) {
+                float xv[8], wv[8];
+                #pragma unroll
+                for (int tt = 0; tt < 8; ++tt) xv[tt] = xs[ti * 8 + tt][i];
+                #pragma unroll
+                for (int rr = 0; rr < 8; ++rr) wv[rr] = ws[ri * 8 + rr][i];
+                #pragma unroll
+                for (int tt = 0; tt < 8; ++tt) {
+                    #pragma unroll
+                    for (int rr = 0; rr < 8; ++rr) acc[tt][rr] = fmaf(xv[tt], wv[rr], acc[tt][rr]);
+                }
+            }
+        }
+        #pragma unroll
+        for (int tt = 0; tt < 8; ++tt) total[tt] = total[tt] + tree8_transpose(acc[tt], j);
+        __syncthreads();
+    }
+    int o = o0 + ri * 8 + j;
+    if (o < rows) {
+        #pragma unroll
+        for (int tt = 0; tt < 8; ++tt) {
+            int t = t0 + ti * 8 + tt;
+            if (t < n) y[(long long)t * rows + o] = total[tt];
+        }
     }
 }
 
@@ -524,15 +739,68 @@ extern "C" __global__ void kv_write(const float* k, const float* v, const unsign
     kv_row(dst[t], layer, page_len, kvd, aux, s, 1)[c] = v[idx];
 }
 
-#define ATTN_THREADS 256
+// RoPE of n query rows (qd) and key rows (kvd) at positions pos[t], and the
+// rotated K rows with the V rows written into token t's page dst[t], slot
+// slot[t], of `layer` (rope_rows then kv_write in one launch).
+extern "C" __global__ void rope_kv(float* q, float* k, const float* v, const float* cos_t, const float* sin_t,
+                                   const unsigned long long* pos, const unsigned long long* dst,
+                                   const unsigned long long* slot, int n, int qd, int kvd, int d,
+                                   int layer, int page_len, int aux) {
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    int h = d / 2;
+    int per = qd / 2 + kvd / 2 + kvd;
+    if (idx >= (long long)n * per) return;
+    long long t = idx / per;
+    int r = (int)(idx % per);
+    int s = (int)slot[t];
+    if (r >= qd / 2 + kvd / 2) {
+        int c = r - qd / 2 - kvd / 2;
+        kv_row(dst[t], layer, page_len, kvd, aux, s, 1)[c] = v[t * kvd + c];
+        return;
+    }
+    bool is_k = r >= qd / 2;
+    float* row = is_k ? k + t * kvd : q + t * qd;
+    if (is_k) r -= qd / 2;
+    int head = r / h, i = r % h;
+    float* p = row + head * d;
+    const float* c = cos_t + (long long)pos[t] * h;
+    const float* sn = sin_t + (long long)pos[t] * h;
+    float a = p[i], b = p[i + h];
+    float lo = a * c[i] - b * sn[i];
+    float hi = b * c[i] + a * sn[i];
+    p[i] = lo;
+    p[i + h] = hi;
+    if (is_k) {
+        float* kr = kv_row(dst[t], layer, page_len, kvd, aux, s, 0) + head * d;
+        kr[i] = lo;
+        kr[i + h] = hi;
+    }
+}
 
-// Paged attention, one block of ATTN_THREADS per (token, head), in
-// `attention`'s order: per tile of ATTN_TILE absolute positions, groups of
-// 8 threads compute the tile's scores (lane j's FMA chain of each chunk, the
-// xor-shuffle tree, chunk partials in order: dot_canon's bits), every thread
-// takes the tile max and the sequential sum of p in index order, thread d
-// runs dimension d's fmaf P·V chain, and tiles merge in order. Token t reads
-// pages pages[seq_off[t] ..] (page_len positions each) up to pos[t].
+#define ATTN_THREADS 256
+#define SC_POS 2048
+#define SC_TILES 64
+#define ACC_T 4096
+
+// Paged attention, one block of ATTN_THREADS per (token, head), with
+// `attention`'s exact arithmetic but its tiles computed side by side: the
+// canonical merge's only dependence between tiles is the running max, a
+// cheap scan, so positions are taken in super-chunks of up to SC_TILES tiles
+// and, per super-chunk:
+//  1. every score s_j = dot_canon(q, k_j) * scale, by groups of 8 threads
+//     (lane j's FMA chain of each chunk, the xor-shuffle tree, chunk partials
+//     in order);
+//  2. each tile's max, sequentially over its positions;
+//  3. the running max m_new per tile, scanned in tile order from the last
+//     super-chunk's, and alpha = det_exp(m_prev - m_new);
+//  4. p_j = det_exp(s_j - m_new of j's tile);
+//  5. each tile's lt = sum of its p in index order, and its acc_t[d] = the
+//     fmaf chain of p_j * v_j[d] in index order;
+//  6. the merge, tile by tile in order: l = l*alpha + lt,
+//     acc[d] = acc[d]*alpha + acc_t[d].
+// Every value is the one the one-thread kernel computes, by the same
+// operations in the same order. Token t reads pages pages[seq_off[t] ..]
+// (page_len positions each) up to pos[t].
 extern "C" __global__ void attention_paged(const float* q, const unsigned long long* pages,
                                            const unsigned long long* seq_off,
                                            const unsigned long long* pos, float* out,
@@ -543,60 +811,106 @@ extern "C" __global__ void attention_paged(const float* q, const unsigned long l
     int hd = head_dim, kvd = n_kv_heads * head_dim, qd = n_heads * head_dim;
     int kvh = h / (n_heads / n_kv_heads);
     __shared__ float qs[MAX_HEAD_DIM];
-    __shared__ float ss[ATTN_TILE];
-    __shared__ float ps[ATTN_TILE];
+    __shared__ float sc[SC_POS];
+    __shared__ float tm[SC_TILES], ta[SC_TILES], tl[SC_TILES];
+    __shared__ float at[ACC_T];
     for (int d = tid; d < hd; d += ATTN_THREADS) qs[d] = q[(long long)t * qd + h * hd + d];
     __syncthreads();
     const unsigned long long* pt = pages + seq_off[t];
     int p_end = (int)pos[t];
+    int tiles_per = min(SC_TILES, ACC_T / hd);
     float m = __int_as_float(0xff800000);  // -inf
     float l = 0.0f;
     float acc = 0.0f;  // dimension tid (tid < hd; MAX_HEAD_DIM == ATTN_THREADS)
-    int jj = tid >> 3, lane8 = tid & 7;
+    int grp = tid >> 3, lane8 = tid & 7;
     int chunks = (hd + CHUNK - 1) / CHUNK;
-    for (int j0 = 0; j0 <= p_end; j0 += ATTN_TILE) {
-        int cnt = min(ATTN_TILE, p_end + 1 - j0);
-        // Scores: 32 groups of 8 threads, group jj for position j0 + jj.
-        {
-            int j = j0 + jj;
-            bool live = jj < cnt;
+    for (int base = 0; base <= p_end; base += tiles_per * ATTN_TILE) {
+        int npos = min(tiles_per * ATTN_TILE, p_end + 1 - base);
+        int ntiles = (npos + ATTN_TILE - 1) / ATTN_TILE;
+        // 1. Scores; the loop is uniform over the warp (shuffles need all
+        // lanes), dead groups compute on q and write nothing.
+        for (int jb = 0; jb < npos; jb += 32) {
+            int jj = jb + grp;
+            bool live = jj < npos;
+            int j = base + jj;
             const float* kr = live ? kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 0) + kvh * hd
                                    : qs;
             float total = 0.0f;
             for (int c = 0; c < chunks; ++c) {
-                int cend = min(c * CHUNK + CHUNK, hd);
+                int c0 = c * CHUNK, cend = min(c0 + CHUNK, hd);
+                float kv[CHUNK / LANES], qv[CHUNK / LANES];
+                #pragma unroll
+                for (int s2 = 0; s2 < CHUNK / LANES; ++s2) {
+                    int i = c0 + lane8 + s2 * LANES;
+                    kv[s2] = i < cend ? kr[i] : 0.0f;
+                    qv[s2] = i < cend ? qs[i] : 0.0f;
+                }
                 float lv = 0.0f;
-                for (int i = c * CHUNK + lane8; i < cend; i += LANES) lv = fmaf(qs[i], kr[i], lv);
+                #pragma unroll
+                for (int s2 = 0; s2 < CHUNK / LANES; ++s2) {
+                    if (c0 + lane8 + s2 * LANES < cend) lv = fmaf(qv[s2], kv[s2], lv);
+                }
                 lv = lv + __shfl_xor_sync(0xffffffffu, lv, 4);
                 lv = lv + __shfl_xor_sync(0xffffffffu, lv, 2);
                 lv = lv + __shfl_xor_sync(0xffffffffu, lv, 1);
                 total = total + lv;
             }
-            if (live && lane8 == 0) ss[jj] = total * scale;
+            if (live && lane8 == 0) sc[jj] = total * scale;
         }
         __syncthreads();
-        float mt = __int_as_float(0xff800000);
-        for (int i = 0; i < cnt; ++i) {
-            float sv = ss[i];
-            if (sv > mt) mt = sv;
-        }
-        float m_new = mt > m ? mt : m;
-        float alpha = det_exp(m - m_new);
-        if (tid < cnt) ps[tid] = det_exp(ss[tid] - m_new);
-        __syncthreads();
-        float lt = 0.0f;
-        for (int i = 0; i < cnt; ++i) lt = lt + ps[i];
-        if (tid < hd) {
-            float at = 0.0f;
-            for (int i = 0; i < cnt; ++i) {
-                int j = j0 + i;
-                const float* vr = kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 1) + kvh * hd;
-                at = fmaf(ps[i], vr[tid], at);
+        // 2. Tile maxima.
+        if (tid < ntiles) {
+            int j0 = tid * ATTN_TILE, j1 = min(j0 + ATTN_TILE, npos);
+            float mt = __int_as_float(0xff800000);
+            for (int i = j0; i < j1; ++i) {
+                float sv = sc[i];
+                if (sv > mt) mt = sv;
             }
-            acc = acc * alpha + at;
+            tm[tid] = mt;
         }
-        l = l * alpha + lt;
-        m = m_new;
+        __syncthreads();
+        // 3. Running max in tile order; ta holds the max before each tile.
+        if (tid == 0) {
+            float mr = m;
+            for (int tt = 0; tt < ntiles; ++tt) {
+                float mn = tm[tt] > mr ? tm[tt] : mr;
+                ta[tt] = mr;
+                tm[tt] = mn;
+                mr = mn;
+            }
+        }
+        __syncthreads();
+        if (tid < ntiles) ta[tid] = det_exp(ta[tid] - tm[tid]);
+        // 4. p.
+        for (int i = tid; i < npos; i += ATTN_THREADS) sc[i] = det_exp(sc[i] - tm[i / ATTN_TILE]);
+        __syncthreads();
+        // 5. Per tile: lt, and acc_t for each dimension.
+        if (tid < ntiles) {
+            int j0 = tid * ATTN_TILE, j1 = min(j0 + ATTN_TILE, npos);
+            float lt = 0.0f;
+            for (int i = j0; i < j1; ++i) lt = lt + sc[i];
+            tl[tid] = lt;
+        }
+        for (int pi = tid; pi < ntiles * hd; pi += ATTN_THREADS) {
+            int tt = pi / hd, d = pi % hd;
+            int j0 = tt * ATTN_TILE, cnt = min(ATTN_TILE, npos - j0);
+            float a = 0.0f;
+            #pragma unroll 8
+            for (int i = 0; i < cnt; ++i) {
+                int j = base + j0 + i;
+                float vv = kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 1)[kvh * hd + d];
+                a = fmaf(sc[j0 + i], vv, a);
+            }
+            at[pi] = a;
+        }
+        __syncthreads();
+        // 6. Merge in tile order.
+        for (int tt = 0; tt < ntiles; ++tt) {
+            float alpha = ta[tt];
+            l = l * alpha + tl[tt];
+            if (tid < hd) acc = acc * alpha + at[tt * hd + tid];
+        }
+        m = tm[ntiles - 1];
         __syncthreads();
     }
     if (tid < hd) out[(long long)t * qd + h * hd + tid] = acc / l;

@@ -7,7 +7,7 @@
 //! Prints one line per case and a summary; exits 1 on any differing bit, 2
 //! when no device can be opened.
 
-use lmrr_kernels::cuda::{Gpu, MatmulKernel, SOURCE};
+use lmrr_kernels::cuda::{negative_controls, Control, Gpu, MatmulKernel};
 use lmrr_kernels::*;
 
 type Rng = SplitMix64;
@@ -162,7 +162,7 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
     let q41 = blocks(&mut r, QuantKind::Q4_1, rows * cols / 32);
     let wf = r.uniform_vec(rows * cols, 0.5);
     let mut out = Vec::new();
-    let (mut mm, mut warp, mut tile) = (0, 0, 0);
+    let (mut mm, mut warp, mut tile, mut rowsk, mut gemm) = (0, 0, 0, 0, 0);
     for w in [Weights::F32(&wf), Weights::Quant(QuantKind::Q4_1, &q41)] {
         let m = Matrix::new(w, rows, cols).expect("shape");
         let (mut cpu, mut dev) = (vec![0.0; n * rows], vec![0.0; n * rows]);
@@ -176,10 +176,18 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
         gpu.matmul_with(MatmulKernel::Tile, &x, n, &m, &mut dev, 1)
             .expect("gpu matmul_tile");
         tile += diff(&cpu, &dev);
+        gpu.matmul_with(MatmulKernel::Rows, &x, n, &m, &mut dev, 1)
+            .expect("gpu matmul_rows");
+        rowsk += diff(&cpu, &dev);
+        gpu.matmul_with(MatmulKernel::Gemm, &x, n, &m, &mut dev, 1)
+            .expect("gpu matmul_gemm");
+        gemm += diff(&cpu, &dev);
     }
     out.push(("matmul", mm));
     out.push(("matmul_warp", warp));
     out.push(("matmul_tile", tile));
+    out.push(("matmul_rows", rowsk));
+    out.push(("matmul_gemm", gemm));
     let w = r.uniform_vec(cols, 1.5);
     let (mut cpu, mut dev) = (vec![0.0; x.len()], vec![0.0; x.len()]);
     rms_norm(&x, &w, 1e-5, &mut cpu);
@@ -236,78 +244,19 @@ fn main() {
     // Negative control first: with multiply-add contraction allowed, or with
     // the lane tree reassociated, some output must change — else the check
     // below could not see a broken mirror.
-    let mutate = |label: &'static str, from: &str, to: &str| {
-        // A control whose target text is gone would silently test nothing.
-        assert!(
-            SOURCE.contains(from),
-            "control `{label}`: kernels.cu changed"
-        );
-        (label, SOURCE.replace(from, to), false)
+    let controls = match negative_controls() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(1);
+        }
     };
-    let controls = [
-        ("fmad=true", SOURCE.to_string(), true),
-        mutate(
-            "lane tree (l0+l1)+(l2+l3)…",
-            "float t0 = l[0] + l[4], t1 = l[1] + l[5], t2 = l[2] + l[6], t3 = l[3] + l[7];",
-            "float t0 = l[0] + l[1], t1 = l[4] + l[5], t2 = l[2] + l[3], t3 = l[6] + l[7];",
-        ),
-        mutate(
-            "matmul_warp lane tree xor 1 before xor 4",
-            "l = l + __shfl_xor_sync(0xffffffffu, l, 4);\n        l = l + __shfl_xor_sync(0xffffffffu, l, 2);\n        l = l + __shfl_xor_sync(0xffffffffu, l, 1);",
-            "l = l + __shfl_xor_sync(0xffffffffu, l, 1);\n        l = l + __shfl_xor_sync(0xffffffffu, l, 2);\n        l = l + __shfl_xor_sync(0xffffffffu, l, 4);",
-        ),
-        mutate(
-            "matmul_warp chunk partials summed as a tree",
-            "total = total + p0;\n        if (q + 1 < chunks) total = total + p1;",
-            "total = total + (q + 1 < chunks ? p0 + p1 : p0);\n        if (false) total = total + p1;",
-        ),
-        mutate(
-            "matmul_tile chunk partials summed as a tree",
-            "float tot = total[tt] + p0;\n                if (q + 1 < chunks) tot = tot + p1;",
-            "float tot = total[tt] + (q + 1 < chunks ? p0 + p1 : p0);\n                if (false) tot = tot + p1;",
-        ),
-        mutate(
-            "attention_paged P·V as mul + add",
-            "at = fmaf(ps[i], vr[tid], at);",
-            "at = ps[i] * vr[tid] + at;",
-        ),
-        mutate(
-            "attention_paged softmax sum in reverse",
-            "for (int i = 0; i < cnt; ++i) lt = lt + ps[i];",
-            "for (int i = cnt - 1; i >= 0; --i) lt = lt + ps[i];",
-        ),
-        mutate(
-            "sigmoid through expf",
-            "return 1.0f / (1.0f + det_exp(-x));",
-            "return 1.0f / (1.0f + expf(-x));",
-        ),
-        mutate(
-            "Sinkhorn rows times the reciprocal of the sum",
-            "m[i * h + j] = m[i * h + j] / s;  // row",
-            "m[i * h + j] = m[i * h + j] * (1.0f / s);  // row",
-        ),
-        mutate(
-            "hc_pre mul + add instead of fmaf",
-            "acc = fmaf(pre[t * h + i], x[(t * h + i) * d + c], acc);",
-            "acc = pre[t * h + i] * x[(t * h + i) * d + c] + acc;",
-        ),
-        mutate(
-            "hc_post post term mul + add",
-            "out[idx] = fmaf(post[ti], y[t * d + c], acc);",
-            "out[idx] = post[ti] * y[t * d + c] + acc;",
-        ),
-        mutate(
-            "moe_combine mul + add instead of fmaf",
-            "acc = fmaf(gates[e], ys[(long long)e * d + c], acc);",
-            "acc = gates[e] * ys[(long long)e * d + c] + acc;",
-        ),
-        mutate(
-            "index_scores heads summed in reverse",
-            "for (int hh = 0; hh < heads; ++hh) {",
-            "for (int hh = heads - 1; hh >= 0; --hh) {",
-        ),
-    ];
-    for (label, src, fmad) in controls {
+    for Control {
+        label,
+        source: src,
+        fmad,
+    } in controls
+    {
         match Gpu::open_with(0, &src, fmad) {
             Ok(g) => {
                 let per_op = control(&g);
@@ -364,6 +313,8 @@ fn main() {
         (1536, 576, 64),
         (576, 1536, 17),
         (100, 4096, 8),
+        (33, 100, 23),
+        (577, 1000, 130),
     ];
     for &(rows, cols, n) in &shapes {
         let x = r.uniform_vec(n * cols, 2.0);
@@ -405,6 +356,22 @@ fn main() {
             report(
                 format!("matmul_tile {label} {n}×{cols} · {cols}×{rows}"),
                 diff(&cpu, &tile),
+                cpu.len(),
+            );
+            let mut rk = vec![f32::NAN; n * rows];
+            gpu.matmul_with(MatmulKernel::Rows, &x, n, &m, &mut rk, 1)
+                .expect("gpu matmul_rows");
+            report(
+                format!("matmul_rows {label} {n}×{cols} · {cols}×{rows}"),
+                diff(&cpu, &rk),
+                cpu.len(),
+            );
+            let mut gm = vec![f32::NAN; n * rows];
+            gpu.matmul_with(MatmulKernel::Gemm, &x, n, &m, &mut gm, 1)
+                .expect("gpu matmul_gemm");
+            report(
+                format!("matmul_gemm {label} {n}×{cols} · {cols}×{rows}"),
+                diff(&cpu, &gm),
                 cpu.len(),
             );
         }
@@ -540,7 +507,11 @@ fn main() {
     }
     // Paged attention with head_dim 128 and 256 (two chunks and more per
     // score) and MHA.
-    for &(nh, nkv, hd, pos) in &[(4usize, 4usize, 128usize, 200usize), (2, 1, 256, 40), (3, 3, 80, 95)] {
+    for &(nh, nkv, hd, pos) in &[
+        (4usize, 4usize, 128usize, 200usize),
+        (2, 1, 256, 40),
+        (3, 3, 80, 95),
+    ] {
         let shape = AttnShape {
             n_heads: nh,
             n_kv_heads: nkv,
@@ -778,14 +749,27 @@ fn main() {
                 .matmul_with(MatmulKernel::Tile, &x, n, &m, &mut y, reps)
                 .expect("time tile")
                 / reps as f64;
+            let tr = gpu
+                .matmul_with(MatmulKernel::Rows, &x, n, &m, &mut y, reps)
+                .expect("time rows")
+                / reps as f64;
+            let tg = gpu
+                .matmul_with(MatmulKernel::Gemm, &x, n, &m, &mut y, reps)
+                .expect("time gemm")
+                / reps as f64;
             println!(
-                "  {what:<22} {label:<5} {n:>2}×{cols}·{cols}×{rows}: thread {:>8.1} µs, warp {:>7.1} µs ({:>5.1}×), tile {:>7.1} µs ({:>5.1}×); tile reads weights at {:>6.0} GB/s",
+                "  {what:<22} {label:<5} {n:>3}×{cols}·{cols}×{rows}: thread {:>8.1} µs, warp {:>7.1} µs ({:>5.1}×), tile {:>7.1} µs ({:>5.1}×), rows {:>7.1} µs ({:>5.1}×), gemm {:>7.1} µs ({:>5.1}×, {:>5.2} TFLOP/s); rows reads weights at {:>6.0} GB/s",
                 t * 1e6,
                 tw * 1e6,
                 t / tw,
                 tt * 1e6,
                 t / tt,
-                bytes as f64 / tt / 1e9
+                tr * 1e6,
+                t / tr,
+                tg * 1e6,
+                t / tg,
+                2.0 * (n * rows * cols) as f64 / tg / 1e12,
+                bytes as f64 / tr / 1e9
             );
         }
     }

@@ -119,7 +119,10 @@ impl KvMirror {
             let base = self.segments.len() * SEGMENT_PAGES;
             self.segments.push(seg);
             self.free.extend((base..base + SEGMENT_PAGES).rev());
-            return self.free.pop().ok_or(EngineError::Device("no KV slot".into()));
+            return self
+                .free
+                .pop()
+                .ok_or(EngineError::Device("no KV slot".into()));
         }
         // Evict the older half of the pages this step does not read.
         let mut idle: Vec<(u64, u64)> = self
@@ -141,7 +144,9 @@ impl KvMirror {
                 self.free.push(e.slot);
             }
         }
-        self.free.pop().ok_or(EngineError::Device("no KV slot".into()))
+        self.free
+            .pop()
+            .ok_or(EngineError::Device("no KV slot".into()))
     }
 
     /// Makes every block of `seq` current on the device; returns their page
@@ -211,10 +216,7 @@ impl KvMirror {
                 let n = src.len().min(dst.len());
                 dst[..n].copy_from_slice(&src[..n]);
             };
-            put(
-                &mut self.staging[base..base + page_len * kv_dim],
-                r.k,
-            );
+            put(&mut self.staging[base..base + page_len * kv_dim], r.k);
             put(
                 &mut self.staging[base + page_len * kv_dim..base + 2 * page_len * kv_dim],
                 r.v,

@@ -438,7 +438,12 @@ impl KvCache for PagedKv {
             block_len: ps,
             blocks: pages[..len.div_ceil(ps).min(pages.len())]
                 .iter()
-                .map(|&p| ((self.pool.id << 32) | p as u64, self.pool.version[p as usize]))
+                .map(|&p| {
+                    (
+                        (self.pool.id << 32) | p as u64,
+                        self.pool.version[p as usize],
+                    )
+                })
                 .collect(),
         }
     }

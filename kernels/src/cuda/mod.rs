@@ -31,6 +31,138 @@ pub const MAX_HEAD_DIM: usize = 256;
 /// The kernels' source, compiled at [`Gpu::open`].
 pub const SOURCE: &str = include_str!("../../cuda/kernels.cu");
 
+/// A negative control of the device check: `source` is [`SOURCE`] with one
+/// canonical-order detail broken (or multiply-add contraction allowed when
+/// `fmad`), so some kernel must give other bits; a check that cannot see it
+/// proves nothing.
+pub struct Control {
+    pub label: &'static str,
+    pub source: String,
+    pub fmad: bool,
+}
+
+/// Every negative control, in `gpu_check`'s order; an error names a control
+/// whose target text is no longer in kernels.cu (it would test nothing).
+pub fn negative_controls() -> Result<Vec<Control>, String> {
+    const MUTATIONS: &[(&str, &str, &str)] = &[
+        (
+            "lane tree (l0+l1)+(l2+l3)…",
+            "float t0 = l[0] + l[4], t1 = l[1] + l[5], t2 = l[2] + l[6], t3 = l[3] + l[7];",
+            "float t0 = l[0] + l[1], t1 = l[4] + l[5], t2 = l[2] + l[3], t3 = l[6] + l[7];",
+        ),
+        (
+            "matmul_warp lane tree xor 1 before xor 4",
+            "l = l + __shfl_xor_sync(0xffffffffu, l, 4);\n        l = l + __shfl_xor_sync(0xffffffffu, l, 2);\n        l = l + __shfl_xor_sync(0xffffffffu, l, 1);",
+            "l = l + __shfl_xor_sync(0xffffffffu, l, 1);\n        l = l + __shfl_xor_sync(0xffffffffu, l, 2);\n        l = l + __shfl_xor_sync(0xffffffffu, l, 4);",
+        ),
+        (
+            "matmul_warp chunk partials summed as a tree",
+            "total = total + p0;\n        if (q + 1 < chunks) total = total + p1;",
+            "total = total + (q + 1 < chunks ? p0 + p1 : p0);\n        if (false) total = total + p1;",
+        ),
+        (
+            "matmul_tile chunk partials summed as a tree",
+            "tot = tot + p0;\n                        if (q + 1 < chunks) tot = tot + p1;",
+            "tot = tot + (q + 1 < chunks ? p0 + p1 : p0);\n                        if (false) tot = tot + p1;",
+        ),
+        (
+            "matmul_rows chunk partials summed in reverse",
+            "for (int c = 0; c < chunks; ++c) total = total + part[tt][c];",
+            "for (int c = chunks - 1; c >= 0; --c) total = total + part[tt][c];",
+        ),
+        (
+            "matmul_gemm lane tree pairs (0,1) first",
+            "w4[k] = keep + __shfl_xor_sync(0xffffffffu, send, 4);",
+            "w4[k] = keep + __shfl_xor_sync(0xffffffffu, send, 1);",
+        ),
+        (
+            "attention_paged P·V as mul + add",
+            "a = fmaf(sc[j0 + i], vv, a);",
+            "a = sc[j0 + i] * vv + a;",
+        ),
+        (
+            "attention_paged softmax sum in reverse",
+            "for (int i = j0; i < j1; ++i) lt = lt + sc[i];",
+            "for (int i = j1 - 1; i >= j0; --i) lt = lt + sc[i];",
+        ),
+        (
+            "attention_paged each tile rescaled by its own max (no running max)",
+            "float mn = tm[tt] > mr ? tm[tt] : mr;",
+            "float mn = tm[tt];",
+        ),
+        (
+            "sigmoid through expf",
+            "return 1.0f / (1.0f + det_exp(-x));",
+            "return 1.0f / (1.0f + expf(-x));",
+        ),
+        (
+            "Sinkhorn rows times the reciprocal of the sum",
+            "m[i * h + j] = m[i * h + j] / s;  // row",
+            "m[i * h + j] = m[i * h + j] * (1.0f / s);  // row",
+        ),
+        (
+            "hc_pre mul + add instead of fmaf",
+            "acc = fmaf(pre[t * h + i], x[(t * h + i) * d + c], acc);",
+            "acc = pre[t * h + i] * x[(t * h + i) * d + c] + acc;",
+        ),
+        (
+            "hc_post post term mul + add",
+            "out[idx] = fmaf(post[ti], y[t * d + c], acc);",
+            "out[idx] = post[ti] * y[t * d + c] + acc;",
+        ),
+        (
+            "moe_combine mul + add instead of fmaf",
+            "acc = fmaf(gates[e], ys[(long long)e * d + c], acc);",
+            "acc = gates[e] * ys[(long long)e * d + c] + acc;",
+        ),
+        (
+            "index_scores heads summed in reverse",
+            "for (int hh = 0; hh < heads; ++hh) {",
+            "for (int hh = heads - 1; hh >= 0; --hh) {",
+        ),
+    ];
+    let mut out = vec![Control {
+        label: "fmad=true",
+        source: SOURCE.to_string(),
+        fmad: true,
+    }];
+    for &(label, from, to) in MUTATIONS {
+        if !SOURCE.contains(from) {
+            return Err(format!(
+                "control `{label}`: kernels.cu no longer contains its target"
+            ));
+        }
+        out.push(Control {
+            label,
+            source: SOURCE.replace(from, to),
+            fmad: false,
+        });
+    }
+    Ok(out)
+}
+
+/// Whether libnvrtc can be loaded here (no GPU needed).
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to open the shared library by name.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Compiles `source` with the device path's NVRTC options (`fmad` as
+/// given) and returns the PTX: what [`Gpu::open_with`] loads.
+pub fn compile(source: &str, fmad: bool) -> Result<String, GpuError> {
+    let opts = cudarc::nvrtc::CompileOptions {
+        fmad: Some(fmad),
+        prec_div: Some(true),
+        prec_sqrt: Some(true),
+        ftz: Some(false),
+        name: Some("kernels.cu".into()),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, opts)
+        .map_err(|e| GpuError::Compile(format!("{e:?}")))?;
+    Ok(ptx.to_src())
+}
+
 /// Why the device path is unavailable or failed.
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
@@ -44,7 +176,9 @@ pub enum GpuError {
     Compile(String),
     #[error("{what}: sizes do not match ({detail})")]
     Shape { what: &'static str, detail: String },
-    #[error("out of device memory for {what}: needed {needed} bytes, {free} bytes free ({detail})")]
+    #[error(
+        "out of device memory for {what}: needed {needed} bytes, {free} bytes free ({detail})"
+    )]
     OutOfMemory {
         what: String,
         needed: usize,
@@ -84,8 +218,14 @@ pub enum MatmulKernel {
     Thread,
     Warp,
     /// One warp per (row, tile of [`resident::MM_TOKENS`] tokens): the
-    /// resident path's matmul.
+    /// resident path's matmul for rows of many chunks.
     Tile,
+    /// One block per (row, token tile), a row's chunks in flight at once:
+    /// the resident path's matmul for up to 8 tokens.
+    Rows,
+    /// Staged tiles of 32 rows × 16 tokens: the resident path's matmul for
+    /// more tokens.
+    Gemm,
 }
 
 pub(crate) fn grid(n: usize) -> LaunchConfig {
@@ -126,16 +266,7 @@ impl Gpu {
         // only costs time (and events cannot be recorded in a graph capture).
         // SAFETY: no slice is ever used on another stream.
         unsafe { ctx.disable_event_tracking() };
-        let opts = cudarc::nvrtc::CompileOptions {
-            fmad: Some(fmad),
-            prec_div: Some(true),
-            prec_sqrt: Some(true),
-            ftz: Some(false),
-            name: Some("kernels.cu".into()),
-            ..Default::default()
-        };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, opts)
-            .map_err(|e| GpuError::Compile(format!("{e:?}")))?;
+        let ptx = cudarc::nvrtc::Ptx::from_src(compile(source, fmad)?);
         let module = ctx.load_module(ptx).map_err(drv)?;
         let f = |name: &str| module.load_function(name).map_err(drv);
         // A created stream, not the legacy default one: decode steps are
@@ -224,15 +355,48 @@ impl Gpu {
             as_i32("matmul", w.rows)?,
             as_i32("matmul", w.cols)?,
         );
-        let (f, threads) = match kernel {
-            MatmulKernel::Thread => (&self.matmul, n * w.rows),
-            MatmulKernel::Warp => (&self.matmul_warp, n * w.rows * 32),
+        let (f, cfg) = match kernel {
+            MatmulKernel::Thread => (&self.matmul, grid(n * w.rows)),
+            MatmulKernel::Warp => (&self.matmul_warp, grid(n * w.rows * 32)),
             MatmulKernel::Tile => (
                 &self.res.matmul_tile,
-                n.div_ceil(resident::MM_TOKENS) * w.rows * 32,
+                grid(n.div_ceil(resident::MM_TOKENS) * w.rows * 32),
             ),
+            MatmulKernel::Gemm => (
+                &self.res.matmul_gemm,
+                LaunchConfig {
+                    grid_dim: (
+                        (w.rows.div_ceil(resident::GM_ROWS) * n.div_ceil(resident::GM_TOKS)) as u32,
+                        1,
+                        1,
+                    ),
+                    block_dim: (64, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+            ),
+            MatmulKernel::Rows => {
+                if w.cols.div_ceil(64) > resident::MR_MAX_CHUNKS {
+                    return Err(GpuError::Shape {
+                        what: "matmul_rows",
+                        detail: format!(
+                            "rows of {} columns (at most {})",
+                            w.cols,
+                            64 * resident::MR_MAX_CHUNKS
+                        ),
+                    });
+                }
+                (
+                    &self.res.matmul_rows,
+                    LaunchConfig {
+                        grid_dim: (n.div_ceil(resident::MM_TOKENS) as u32 * w.rows as u32, 1, 1),
+                        block_dim: (resident::MR_THREADS, 1, 1),
+                        shared_mem_bytes: 0,
+                    },
+                )
+            }
         };
-        as_i32("matmul", threads)?; // the launch grid counts threads in 32 bits
+        // The launch grid counts threads (or blocks) in 32 bits.
+        as_i32("matmul", n * w.rows * 32)?;
         s.synchronize().map_err(drv)?;
         let t0 = std::time::Instant::now();
         for _ in 0..reps.max(1) {
@@ -248,7 +412,7 @@ impl Gpu {
             // SAFETY: the argument list matches `matmul` and `matmul_warp` in
             // kernels.cu; every index they form is below n·rows, n·k or
             // rows·row_bytes.
-            unsafe { b.launch(grid(threads)) }.map_err(drv)?;
+            unsafe { b.launch(cfg) }.map_err(drv)?;
         }
         s.synchronize().map_err(drv)?;
         let secs = t0.elapsed().as_secs_f64();

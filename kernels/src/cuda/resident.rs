@@ -26,15 +26,32 @@ use super::{as_i32, drv, Gpu, GpuError, MAX_HEAD_DIM};
 use crate::matmul::{Matrix, Weights};
 use crate::quant::QuantKind;
 
-/// Tokens per warp of `matmul_tile` (`MM_TOKENS` in kernels.cu).
+/// Tokens per warp of `matmul_tile` and per block of `matmul_rows`
+/// (`MM_TOKENS` in kernels.cu).
 pub const MM_TOKENS: usize = 8;
+/// Chunks of a row `matmul_rows` holds partials for (`MR_MAX_CHUNKS`).
+pub const MR_MAX_CHUNKS: usize = 256;
+/// Threads per block of `matmul_rows` (`MR_GROUPS` groups of 8).
+pub const MR_THREADS: u32 = 128;
+/// Rows, tokens and threads of a `matmul_gemm` block (`GM_*`).
+pub const GM_ROWS: usize = 32;
+pub const GM_TOKS: usize = 16;
+const GM_THREADS: u32 = 64;
 /// Threads per block of `attention_paged` (`ATTN_THREADS` in kernels.cu).
 const ATTN_THREADS: u32 = 256;
 
 /// The resident kernels, loaded with the module.
 pub(crate) struct Kernels {
     pub(crate) matmul_tile: CudaFunction,
+    pub(crate) matmul_rows: CudaFunction,
+    matmul_multi: CudaFunction,
+    rope_kv: CudaFunction,
     rms_norm_warp: CudaFunction,
+    add_norm: CudaFunction,
+    pub(crate) matmul_gemm: CudaFunction,
+    /// Whether the resident matmul takes `matmul_gemm` for more than
+    /// [`MM_TOKENS`] tokens (`LMRR_CUDA_GEMM=1`; see [`Gpu::mm`]).
+    gemm_on: bool,
     embed_rows: CudaFunction,
     rope_rows: CudaFunction,
     add_rows: CudaFunction,
@@ -50,7 +67,13 @@ impl Kernels {
         let f = |name: &str| m.load_function(name).map_err(drv);
         Ok(Self {
             matmul_tile: f("matmul_tile")?,
+            matmul_rows: f("matmul_rows")?,
+            matmul_multi: f("matmul_multi")?,
+            rope_kv: f("rope_kv")?,
             rms_norm_warp: f("rms_norm_warp")?,
+            add_norm: f("add_norm")?,
+            matmul_gemm: f("matmul_gemm")?,
+            gemm_on: std::env::var("LMRR_CUDA_GEMM").is_ok_and(|v| v == "1"),
             embed_rows: f("embed_rows")?,
             rope_rows: f("rope_rows")?,
             add_rows: f("add_rows")?,
@@ -125,6 +148,24 @@ fn warps(n: usize) -> Result<LaunchConfig, GpuError> {
 fn elems(n: usize, what: &'static str) -> Result<LaunchConfig, GpuError> {
     as_i32(what, n)?;
     Ok(super::grid(n))
+}
+
+/// Page-locked host floats ([`Gpu::alloc_pinned`]).
+pub struct Pinned(cudarc::driver::PinnedHostSlice<f32>);
+
+impl Pinned {
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+    pub fn as_slice(&self) -> Result<&[f32], GpuError> {
+        self.0.as_slice().map_err(drv)
+    }
+    pub fn as_mut_slice(&mut self) -> Result<&mut [f32], GpuError> {
+        self.0.as_mut_slice().map_err(drv)
+    }
 }
 
 /// A captured sequence of launches on the [`Gpu`]'s stream, replayed as one
@@ -262,19 +303,51 @@ impl Gpu {
         Ok(g.map(Graph))
     }
 
-    /// `y (n, rows) = x (n, cols) · Wᵀ` by `matmul_tile`.
+    /// `y (n, rows) = x (n, cols) · Wᵀ`: by `matmul_rows` (a block per row
+    /// and token tile, its chunks in flight at once), or `matmul_tile` where
+    /// a row has more chunks than `matmul_rows` holds. With
+    /// `LMRR_CUDA_GEMM=1`, more than [`MM_TOKENS`] tokens go to
+    /// `matmul_gemm` (staged tiles of rows × tokens): `gpu_check` holds it to
+    /// the references like every kernel, but it has not yet been run on a
+    /// device, so it is not the default until a device check has passed.
     pub fn mm(&self, x: u64, n: usize, w: &DevMatrix, y: u64) -> Result<(), GpuError> {
         if n == 0 || w.rows == 0 {
             return Ok(());
         }
-        let cfg = warps(w.rows * n.div_ceil(MM_TOKENS))?;
         let (ni, ri, ki) = (
             as_i32("matmul", n)?,
             as_i32("matmul", w.rows)?,
             as_i32("matmul", w.cols)?,
         );
         as_i32("matmul", n * w.cols)?;
-        let mut b = self.stream.launch_builder(&self.res.matmul_tile);
+        let rows_kernel = w.cols.div_ceil(64) <= MR_MAX_CHUNKS;
+        let (f, cfg) = if n > MM_TOKENS && self.res.gemm_on {
+            let blocks = w.rows.div_ceil(GM_ROWS) * n.div_ceil(GM_TOKS);
+            (
+                &self.res.matmul_gemm,
+                LaunchConfig {
+                    grid_dim: (as_i32("matmul", blocks)? as u32, 1, 1),
+                    block_dim: (GM_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+            )
+        } else if rows_kernel {
+            let blocks = as_i32("matmul", w.rows * n.div_ceil(MM_TOKENS))? as u32;
+            (
+                &self.res.matmul_rows,
+                LaunchConfig {
+                    grid_dim: (blocks, 1, 1),
+                    block_dim: (MR_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+            )
+        } else {
+            (
+                &self.res.matmul_tile,
+                warps(w.rows * n.div_ceil(MM_TOKENS))?,
+            )
+        };
+        let mut b = self.stream.launch_builder(f);
         b.arg(&w.kind)
             .arg(&x)
             .arg(&w.buf.ptr)
@@ -283,14 +356,75 @@ impl Gpu {
             .arg(&ri)
             .arg(&ki)
             .arg(&w.row_bytes);
-        // SAFETY: matches `matmul_tile`; x holds n·cols, y n·rows floats.
+        // SAFETY: matches `matmul_rows` / `matmul_tile`; x holds n·cols, y
+        // n·rows floats; matmul_rows only for rows of ≤ MR_MAX_CHUNKS chunks.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 
-    /// Row-wise RMSNorm of `rows` rows of `d` by `rms_norm_warp`.
-    pub fn norm_rows(
+    /// Several matmuls of one input `x (n, cols)` in one launch (`mats`:
+    /// up to three `(W, y)` of the same storage and `cols`), each output as
+    /// [`Gpu::mm`] computes it; separate launches where they cannot share one.
+    pub fn mm_multi(&self, x: u64, n: usize, mats: &[(&DevMatrix, u64)]) -> Result<(), GpuError> {
+        let shared = mats.len() <= 3
+            && mats.iter().all(|(w, _)| {
+                w.kind == mats[0].0.kind
+                    && w.cols == mats[0].0.cols
+                    && w.cols.div_ceil(64) <= MR_MAX_CHUNKS
+                    && w.rows > 0
+            });
+        if !shared || n == 0 || (n > MM_TOKENS && self.res.gemm_on) || mats.len() < 2 {
+            for (w, y) in mats {
+                self.mm(x, n, w, *y)?;
+            }
+            return Ok(());
+        }
+        let tiles = n.div_ceil(MM_TOKENS);
+        let blocks: usize = mats.iter().map(|(w, _)| w.rows * tiles).sum();
+        let blocks = as_i32("matmul", blocks)? as u32;
+        let (ni, ki) = (as_i32("matmul", n)?, as_i32("matmul", mats[0].0.cols)?);
+        as_i32("matmul", n * mats[0].0.cols)?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (MR_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let slot = |i: usize| -> Result<(u64, u64, i32, i64), GpuError> {
+            Ok(match mats.get(i) {
+                Some((w, y)) => (w.buf.ptr, *y, as_i32("matmul", w.rows)?, w.row_bytes),
+                None => (0, 0, 0, 0),
+            })
+        };
+        let (m0, m1, m2) = (slot(0)?, slot(1)?, slot(2)?);
+        let mut b = self.stream.launch_builder(&self.res.matmul_multi);
+        b.arg(&mats[0].0.kind).arg(&x).arg(&ni).arg(&ki);
+        for m in [&m0, &m1, &m2] {
+            b.arg(&m.0).arg(&m.1).arg(&m.2).arg(&m.3);
+        }
+        // SAFETY: matches `matmul_multi`; x holds n·cols floats, each y
+        // n·rows; an absent third matrix has 0 rows and gets no block.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+    }
+
+    /// `x += y`, then `out = rms_norm(x)·w`, `rows` rows of `d`, one launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_norm(
         &self,
         x: u64,
+        y: u64,
+        w: &DevBuf,
+        rows: usize,
+        d: usize,
+        eps: f32,
+        out: u64,
+    ) -> Result<(), GpuError> {
+        self.norm_launch(x, Some(y), w, rows, d, eps, out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn norm_launch(
+        &self,
+        x: u64,
+        y: Option<u64>,
         w: &DevBuf,
         rows: usize,
         d: usize,
@@ -302,15 +436,117 @@ impl Gpu {
         }
         let (ri, di) = (as_i32("rms_norm", rows)?, as_i32("rms_norm", d)?);
         as_i32("rms_norm", rows * d)?;
-        let mut b = self.stream.launch_builder(&self.res.rms_norm_warp);
-        b.arg(&x)
-            .arg(&w.ptr)
-            .arg(&out)
-            .arg(&ri)
+        let cfg = warps(rows)?;
+        match y {
+            Some(y) => {
+                let mut b = self.stream.launch_builder(&self.res.add_norm);
+                b.arg(&x)
+                    .arg(&y)
+                    .arg(&w.ptr)
+                    .arg(&out)
+                    .arg(&ri)
+                    .arg(&di)
+                    .arg(&eps);
+                // SAFETY: matches `add_norm`; x, y, out hold rows·d floats, w d.
+                unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+            }
+            None => {
+                let mut b = self.stream.launch_builder(&self.res.rms_norm_warp);
+                b.arg(&x).arg(&w.ptr).arg(&out).arg(&ri).arg(&di).arg(&eps);
+                // SAFETY: matches `rms_norm_warp`; x and out hold rows·d
+                // floats, w d.
+                unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+            }
+        }
+    }
+
+    /// RoPE of `n` query and key rows at positions `pos`, and the rotated
+    /// keys with the values `v` written into the tokens' pages (`dst`,
+    /// `slot`) of `layer`: [`Gpu::rope_rows`] then [`Gpu::kv_write`], one
+    /// launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_kv(
+        &self,
+        qkv: (u64, u64, u64),
+        tables: (&DevBuf, &DevBuf),
+        pos: u64,
+        dst: u64,
+        slot: u64,
+        n: usize,
+        qd: usize,
+        head_dim: usize,
+        layout: PageLayout,
+        layer: usize,
+    ) -> Result<(), GpuError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let kvd = layout.kv_dim;
+        let per = qd / 2 + kvd / 2 + kvd;
+        let (ni, qi, ki, di) = (
+            as_i32("rope", n)?,
+            as_i32("rope", qd)?,
+            as_i32("rope", kvd)?,
+            as_i32("rope", head_dim)?,
+        );
+        let li = as_i32("rope", layer)?;
+        let (pl, _, aux) = layout.args()?;
+        let mut b = self.stream.launch_builder(&self.res.rope_kv);
+        b.arg(&qkv.0)
+            .arg(&qkv.1)
+            .arg(&qkv.2)
+            .arg(&tables.0.ptr)
+            .arg(&tables.1.ptr)
+            .arg(&pos)
+            .arg(&dst)
+            .arg(&slot)
+            .arg(&ni)
+            .arg(&qi)
+            .arg(&ki)
             .arg(&di)
-            .arg(&eps);
-        // SAFETY: matches `rms_norm_warp`; x and out hold rows·d floats, w d.
-        unsafe { b.launch(warps(rows)?) }.map(|_| ()).map_err(drv)
+            .arg(&li)
+            .arg(&pl)
+            .arg(&aux);
+        // SAFETY: matches `rope_kv`; positions inside the tables, every page
+        // address a whole page of `layout`, every slot below page_len.
+        unsafe { b.launch(elems(n * per, "rope_kv")?) }
+            .map(|_| ())
+            .map_err(drv)
+    }
+
+    /// Page-locked host memory of `n` floats (fast device-to-host copies).
+    pub fn alloc_pinned(&self, n: usize) -> Result<Pinned, GpuError> {
+        self.bind()?;
+        // SAFETY: the slice is written by copies before it is read.
+        let p = unsafe { self.ctx.alloc_pinned::<f32>(n.max(1)) }.map_err(|e| {
+            GpuError::OutOfMemory {
+                what: "page-locked host buffer".into(),
+                needed: n * 4,
+                free: 0,
+                detail: format!("{e:?}"),
+            }
+        })?;
+        Ok(Pinned(p))
+    }
+
+    /// Copies `n` floats from device address `src` into `dst[..n]`, waiting.
+    pub fn dtoh_pinned(&self, src: u64, dst: &mut Pinned, n: usize) -> Result<(), GpuError> {
+        let s = dst.as_mut_slice()?;
+        let n = n.min(s.len());
+        self.dtoh(src, &mut s[..n])
+    }
+
+    /// Row-wise RMSNorm of `rows` rows of `d` (`rms_norm_warp`).
+    pub fn norm_rows(
+        &self,
+        x: u64,
+        w: &DevBuf,
+        rows: usize,
+        d: usize,
+        eps: f32,
+        out: u64,
+    ) -> Result<(), GpuError> {
+        self.norm_launch(x, None, w, rows, d, eps, out)
     }
 
     /// `out[t] = ` row `ids[t]` of `w`, widened (`ids`: n u64 on the device).
@@ -520,7 +756,10 @@ impl Gpu {
     /// Device-to-device copy bandwidth over a `bytes` buffer: bytes moved
     /// (read plus written) per second, median of `repeats`.
     pub fn copy_bandwidth(&self, bytes: usize, repeats: usize) -> Result<f64, GpuError> {
-        let (a, b) = (self.alloc(bytes, "bandwidth source")?, self.alloc(bytes, "bandwidth target")?);
+        let (a, b) = (
+            self.alloc(bytes, "bandwidth source")?,
+            self.alloc(bytes, "bandwidth target")?,
+        );
         self.dtod(a.ptr, b.ptr, bytes)?;
         self.sync()?;
         let mut t: Vec<f64> = (0..repeats.max(1))
@@ -556,7 +795,9 @@ impl Gpu {
             Ok(t0.elapsed().as_secs_f64())
         };
         run()?;
-        let mut t: Vec<f64> = (0..repeats.max(1)).map(|_| run()).collect::<Result<_, _>>()?;
+        let mut t: Vec<f64> = (0..repeats.max(1))
+            .map(|_| run())
+            .collect::<Result<_, _>>()?;
         t.sort_by(f64::total_cmp);
         let flops = 2.0 * 8.0 * iters as f64 * (blocks * threads) as f64;
         Ok(flops / t[t.len() / 2])
@@ -613,7 +854,10 @@ impl Gpu {
         };
         let pf = layout.page_floats();
         // Pages of all tasks, stored in reverse order of need.
-        let counts: Vec<usize> = tasks.iter().map(|t| (t.pos + 1).div_ceil(page_len)).collect();
+        let counts: Vec<usize> = tasks
+            .iter()
+            .map(|t| (t.pos + 1).div_ceil(page_len))
+            .collect();
         let total: usize = counts.iter().sum();
         let mut host = vec![0.0f32; total.max(1) * pf];
         let mut page_of = Vec::with_capacity(total);
@@ -659,7 +903,16 @@ impl Gpu {
             seq_off: at(pages_len),
             pos: at(pages_len + tasks.len()),
         };
-        self.attention_paged(dq.ptr, table, tasks.len(), shape, layout, 0, scale, dout.ptr)?;
+        self.attention_paged(
+            dq.ptr,
+            table,
+            tasks.len(),
+            shape,
+            layout,
+            0,
+            scale,
+            dout.ptr,
+        )?;
         self.dtoh(dout.ptr, out)
     }
 }

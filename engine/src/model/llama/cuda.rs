@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use lmrr_kernels::cuda::resident::{DevBuf, DevMatrix, Graph, PageLayout, PageTable};
+use lmrr_kernels::cuda::resident::{DevBuf, DevMatrix, Graph, PageLayout, PageTable, Pinned};
 use lmrr_kernels::cuda::Gpu;
 
 use crate::kv::KvCache;
@@ -79,8 +79,9 @@ struct State {
     /// Decode shapes seen once (captured on the second sight).
     seen: HashMap<StepShape, u32>,
     host_in: Vec<u64>,
-    host_logits: Vec<f32>,
-    host_kv: Vec<f32>,
+    /// Page-locked: what comes back each step.
+    host_logits: Option<Pinned>,
+    host_kv: Option<Pinned>,
 }
 
 /// The resident device state of a llama model.
@@ -92,6 +93,10 @@ pub(crate) struct Resident {
     layers: Vec<DevLayer>,
     rope: (DevBuf, DevBuf),
     graphs_on: AtomicBool,
+    /// `LMRR_CUDA_PROFILE=1`: every part synchronized and timed (graphs
+    /// off), for `lmrr bench`'s breakdown; measurement only.
+    profiling: bool,
+    prof: Mutex<Vec<(&'static str, f64)>>,
     state: Mutex<State>,
 }
 
@@ -120,7 +125,11 @@ impl Resident {
                 k: up(g, &l.k)?,
                 v: up(g, &l.v)?,
                 o: up(g, &l.o)?,
-                mlp_norm: upv(g, &l.mlp_norm, &format!("layer {i} post_attention_layernorm"))?,
+                mlp_norm: upv(
+                    g,
+                    &l.mlp_norm,
+                    &format!("layer {i} post_attention_layernorm"),
+                )?,
                 gate: up(g, &l.gate)?,
                 up: up(g, &l.up)?,
                 down: up(g, &l.down)?,
@@ -134,6 +143,8 @@ impl Resident {
             rope: (upv(g, cos, "RoPE cos")?, upv(g, sin, "RoPE sin")?),
             layers,
             graphs_on: AtomicBool::new(graphs_default()),
+            profiling: std::env::var("LMRR_CUDA_PROFILE").is_ok_and(|v| v == "1"),
+            prof: Mutex::new(Vec::new()),
             state: Mutex::new(State {
                 mirror: None,
                 scratch: None,
@@ -141,8 +152,8 @@ impl Resident {
                 graphs: HashMap::new(),
                 seen: HashMap::new(),
                 host_in: Vec::new(),
-                host_logits: Vec::new(),
-                host_kv: Vec::new(),
+                host_logits: None,
+                host_kv: None,
             }),
             gpu,
         })
@@ -155,6 +166,43 @@ impl Resident {
             st.graphs.clear();
             st.seen.clear();
         }
+    }
+
+    /// Seconds per part since the last reset (empty unless profiling).
+    pub(crate) fn profile(&self) -> Vec<(&'static str, f64)> {
+        self.prof.lock().map(|p| p.clone()).unwrap_or_default()
+    }
+
+    pub(crate) fn reset_profile(&self) {
+        if let Ok(mut p) = self.prof.lock() {
+            p.clear();
+        }
+    }
+
+    fn add_time(&self, part: &'static str, secs: f64) {
+        if let Ok(mut p) = self.prof.lock() {
+            match p.iter_mut().find(|e| e.0 == part) {
+                Some(e) => e.1 += secs,
+                None => p.push((part, secs)),
+            }
+        }
+    }
+
+    /// Runs `f`; when profiling, synchronized and timed as `part`.
+    fn timed<T>(
+        &self,
+        part: &'static str,
+        f: impl FnOnce() -> Result<T, EngineError>,
+    ) -> Result<T, EngineError> {
+        if !self.profiling {
+            return f();
+        }
+        self.gpu.sync().map_err(gpu_err)?;
+        let t0 = std::time::Instant::now();
+        let r = f()?;
+        self.gpu.sync().map_err(gpu_err)?;
+        self.add_time(part, t0.elapsed().as_secs_f64());
+        Ok(r)
     }
 
     /// Device bytes of weights held.
@@ -238,7 +286,7 @@ impl Resident {
 
     /// One step over `spans` (already checked and prepared in `kv`):
     /// `tok[i]` is stacked token i's (span, position), `rows` the stacked
-    /// indices of the wanted logits rows. Returns the logits rows, stacked.
+    /// indices of the wanted logits rows. Returns each span's logits rows.
     pub(crate) fn forward(
         &self,
         m: &Llama,
@@ -246,14 +294,18 @@ impl Resident {
         spans: &[SeqSpan],
         tok: &[(usize, usize)],
         rows: &[usize],
-    ) -> Result<Vec<f32>, EngineError> {
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
         let mut guard = self
             .state
             .lock()
             .map_err(|_| EngineError::Device("the device state lock was poisoned".into()))?;
         let st = &mut *guard;
         self.gpu.bind().map_err(gpu_err)?;
+        let t0 = std::time::Instant::now();
         let out = self.step(m, st, kv, spans, tok, rows);
+        if self.profiling {
+            self.add_time("step", t0.elapsed().as_secs_f64());
+        }
         if out.is_err() {
             // The device pages may hold rows the host never got.
             if let Some(mi) = st.mirror.as_mut() {
@@ -273,7 +325,7 @@ impl Resident {
         spans: &[SeqSpan],
         tok: &[(usize, usize)],
         rows: &[usize],
-    ) -> Result<Vec<f32>, EngineError> {
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
         let gpu = &*self.gpu;
         let (n, w) = (tok.len(), rows.len());
         let shape = StepShape { n, m: w };
@@ -293,19 +345,29 @@ impl Resident {
             st.graphs.clear();
             st.mirror = Some(KvMirror::new(gpu, layout)?);
         }
-        let mirror = st.mirror.as_mut().ok_or(EngineError::Device("no mirror".into()))?;
+        let mirror = st
+            .mirror
+            .as_mut()
+            .ok_or(EngineError::Device("no mirror".into()))?;
         mirror.begin_step();
 
         // Inputs: ids, pos, seq_off, dst, slot (n each), rows (m), pages.
         let mut pages: Vec<u64> = Vec::new();
         let mut span_off = Vec::with_capacity(spans.len());
-        for s in spans {
-            span_off.push(pages.len());
-            pages.extend(mirror.sync_seq(gpu, kv, s.seq)?);
-        }
+        self.timed("KV page check and upload", || {
+            for s in spans {
+                span_off.push(pages.len());
+                pages.extend(mirror.sync_seq(gpu, kv, s.seq)?);
+            }
+            Ok(())
+        })?;
         let hin = &mut st.host_in;
         hin.clear();
-        hin.extend(spans.iter().flat_map(|s| s.tokens.iter().map(|&t| t as u64)));
+        hin.extend(
+            spans
+                .iter()
+                .flat_map(|s| s.tokens.iter().map(|&t| t as u64)),
+        );
         hin.extend(tok.iter().map(|&(_, p)| p as u64));
         hin.extend(tok.iter().map(|&(si, _)| span_off[si] as u64));
         let dst: Vec<(u64, u64)> = tok
@@ -349,13 +411,18 @@ impl Resident {
                 m: w.next_power_of_two().max(8),
             };
             let b = gpu
-                .alloc(Self::scratch_bytes(m, cap), &format!("activations of a {}-token step", cap.n))
+                .alloc(
+                    Self::scratch_bytes(m, cap),
+                    &format!("activations of a {}-token step", cap.n),
+                )
                 .map_err(gpu_err)?;
             st.scratch = Some((b, cap));
         }
         let inb = st.inputs.as_ref().map(|(b, _)| b.ptr()).unwrap_or(0);
         let sb = st.scratch.as_ref().map(|(b, _)| b.ptr()).unwrap_or(0);
-        gpu.htod(&st.host_in, inb).map_err(gpu_err)?;
+        self.timed("step inputs upload", || {
+            gpu.htod(&st.host_in, inb).map_err(gpu_err)
+        })?;
         let at = |i: usize| inb + 8 * (i as u64);
         let ids = at(0);
         let table = PageTable {
@@ -367,7 +434,7 @@ impl Resident {
         let a = Self::addrs(m, sb, shape);
 
         let decode = spans.iter().all(|s| s.tokens.len() == 1);
-        let graphs = self.graphs_on.load(Ordering::Relaxed) && decode;
+        let graphs = self.graphs_on.load(Ordering::Relaxed) && decode && !self.profiling;
         if graphs && !st.graphs.contains_key(&shape) {
             let seen = st.seen.entry(shape).or_insert(0);
             *seen += 1;
@@ -387,24 +454,47 @@ impl Resident {
         }
 
         // Back: logits rows and the step's K/V rows.
-        st.host_logits.resize(w * vocab, 0.0);
-        gpu.dtoh(a.logits, &mut st.host_logits).map_err(gpu_err)?;
         let per = layers * n * kvd;
-        st.host_kv.resize(2 * per, 0.0);
-        let (hk, hv) = st.host_kv.split_at_mut(per);
-        gpu.dtoh(a.k, hk).map_err(gpu_err)?;
-        gpu.dtoh(a.v, hv).map_err(gpu_err)?;
-        for (i, &(si, pos)) in tok.iter().enumerate() {
-            for l in 0..layers {
-                let r = (l * n + i) * kvd..(l * n + i + 1) * kvd;
-                kv.write(spans[si].seq, l, pos, &hk[r.clone()], &hv[r]);
+        let grow = |buf: &mut Option<Pinned>, len: usize| -> Result<(), EngineError> {
+            if buf.as_ref().is_none_or(|b| b.len() < len) {
+                *buf = None;
+                *buf = Some(gpu.alloc_pinned(len.next_power_of_two()).map_err(gpu_err)?);
             }
-        }
-        let mirror = st.mirror.as_mut().ok_or(EngineError::Device("no mirror".into()))?;
+            Ok(())
+        };
+        grow(&mut st.host_logits, w * vocab)?;
+        grow(&mut st.host_kv, 2 * per)?;
+        let (Some(hl), Some(hkv)) = (st.host_logits.as_mut(), st.host_kv.as_mut()) else {
+            return Err(EngineError::Device("no host buffers".into()));
+        };
+        self.timed("download (logits, K/V rows)", || {
+            gpu.dtoh_pinned(a.logits, hl, w * vocab).map_err(gpu_err)?;
+            let s = hkv.as_mut_slice().map_err(gpu_err)?;
+            let (hk, hv) = s.split_at_mut(per);
+            gpu.dtoh(a.k, &mut hk[..per]).map_err(gpu_err)?;
+            gpu.dtoh(a.v, &mut hv[..per]).map_err(gpu_err)
+        })?;
+        let s = hkv.as_slice().map_err(gpu_err)?;
+        let (hk, hv) = s.split_at(per);
+        self.timed("host K/V writes", || {
+            for (i, &(si, pos)) in tok.iter().enumerate() {
+                for l in 0..layers {
+                    let r = (l * n + i) * kvd..(l * n + i + 1) * kvd;
+                    kv.write(spans[si].seq, l, pos, &hk[r.clone()], &hv[r]);
+                }
+            }
+            Ok(())
+        })?;
+        let logits = hl.as_slice().map_err(gpu_err)?;
+        let out = crate::model::split_rows(spans, &logits[..w * vocab], vocab);
+        let mirror = st
+            .mirror
+            .as_mut()
+            .ok_or(EngineError::Device("no mirror".into()))?;
         for s in spans {
             mirror.mark_written(kv, s.seq);
         }
-        Ok(std::mem::take(&mut st.host_logits))
+        Ok(out)
     }
 
     /// Every kernel of one step, queued on the stream.
@@ -428,43 +518,59 @@ impl Resident {
         let (qd, kvd) = (m.shape.q_dim(), m.shape.kv_dim());
         let scale = 1.0 / (m.shape.head_dim as f32).sqrt();
         let e = gpu_err;
-        g.embed(&self.embed, ids, n, a.x).map_err(e)?;
+        let t = |part, f: &dyn Fn() -> Result<(), lmrr_kernels::cuda::GpuError>| {
+            self.timed(part, || f().map_err(e))
+        };
+        t("embedding", &|| g.embed(&self.embed, ids, n, a.x))?;
         for (li, l) in self.layers.iter().enumerate() {
             let (k, v) = (
                 a.k + 4 * (li * n * kvd) as u64,
                 a.v + 4 * (li * n * kvd) as u64,
             );
-            g.norm_rows(a.x, &l.attn_norm, n, d, eps, a.h).map_err(e)?;
-            g.mm(a.h, n, &l.q, a.q).map_err(e)?;
-            g.mm(a.h, n, &l.k, k).map_err(e)?;
-            g.mm(a.h, n, &l.v, v).map_err(e)?;
-            g.rope_rows(
-                a.q,
-                k,
-                (&self.rope.0, &self.rope.1),
-                table.pos,
-                n,
-                qd,
-                kvd,
-                m.shape.head_dim,
-            )
-            .map_err(e)?;
-            g.kv_write(k, v, dst, slot, n, layout, li).map_err(e)?;
-            g.attention_paged(a.q, table, n, &m.shape, layout, li, scale, a.att)
-                .map_err(e)?;
-            g.mm(a.att, n, &l.o, a.o).map_err(e)?;
-            g.add(a.x, a.o, n * d).map_err(e)?;
-            g.norm_rows(a.x, &l.mlp_norm, n, d, eps, a.h).map_err(e)?;
-            g.mm(a.h, n, &l.gate, a.g).map_err(e)?;
-            g.mm(a.h, n, &l.up, a.u).map_err(e)?;
-            g.swiglu_dev(a.g, a.u, a.a, n * ff).map_err(e)?;
-            g.mm(a.a, n, &l.down, a.o).map_err(e)?;
-            g.add(a.x, a.o, n * d).map_err(e)?;
+            // The previous layer's MLP output joins the residual here.
+            t("norms (with residual adds)", &|| match li {
+                0 => g.norm_rows(a.x, &l.attn_norm, n, d, eps, a.h),
+                _ => g.add_norm(a.x, a.o, &l.attn_norm, n, d, eps, a.h),
+            })?;
+            t("matmul q, k, v", &|| {
+                g.mm_multi(a.h, n, &[(&l.q, a.q), (&l.k, k), (&l.v, v)])
+            })?;
+            t("rope, KV write", &|| {
+                g.rope_kv(
+                    (a.q, k, v),
+                    (&self.rope.0, &self.rope.1),
+                    table.pos,
+                    dst,
+                    slot,
+                    n,
+                    qd,
+                    m.shape.head_dim,
+                    layout,
+                    li,
+                )
+            })?;
+            t("attention", &|| {
+                g.attention_paged(a.q, table, n, &m.shape, layout, li, scale, a.att)
+            })?;
+            t("matmul o", &|| g.mm(a.att, n, &l.o, a.o))?;
+            t("norms (with residual adds)", &|| {
+                g.add_norm(a.x, a.o, &l.mlp_norm, n, d, eps, a.h)
+            })?;
+            t("matmul gate, up", &|| {
+                g.mm_multi(a.h, n, &[(&l.gate, a.g), (&l.up, a.u)])
+            })?;
+            t("swiglu", &|| g.swiglu_dev(a.g, a.u, a.a, n * ff))?;
+            t("matmul down", &|| g.mm(a.a, n, &l.down, a.o))?;
         }
-        g.gather(a.x, rows, w, d, a.hx).map_err(e)?;
-        g.norm_rows(a.hx, &self.norm, w, d, eps, a.hn).map_err(e)?;
-        let head = self.head.as_ref().unwrap_or(&self.embed);
-        g.mm(a.hn, w, head, a.logits).map_err(e)?;
+        t("output head", &|| {
+            if !self.layers.is_empty() {
+                g.add(a.x, a.o, n * d)?;
+            }
+            g.gather(a.x, rows, w, d, a.hx)?;
+            g.norm_rows(a.hx, &self.norm, w, d, eps, a.hn)?;
+            let head = self.head.as_ref().unwrap_or(&self.embed);
+            g.mm(a.hn, w, head, a.logits)
+        })?;
         Ok(())
     }
 }

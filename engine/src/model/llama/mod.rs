@@ -233,8 +233,7 @@ impl Llama {
                 return Ok(split_rows(spans, &[], vocab));
             }
             let rows = wanted_rows(spans);
-            let logits = r.forward(self, kv, spans, &tok, &rows)?;
-            return Ok(split_rows(spans, &logits, vocab));
+            return r.forward(self, kv, spans, &tok, &rows);
         }
         let mut sc = Scratch {
             x: vec![0.0; n * d],
@@ -395,5 +394,22 @@ impl ModelFamily for Llama {
 
     fn patch_points(&self) -> &'static [Patch] {
         &[Patch::SplitkDecode, Patch::FastExp]
+    }
+
+    /// On the CUDA resident path with `LMRR_CUDA_PROFILE=1`: the step's
+    /// parts, each synchronized and timed.
+    fn profile(&self) -> Vec<(&'static str, f64)> {
+        #[cfg(feature = "cuda")]
+        if let Some(r) = &self.resident {
+            return r.profile();
+        }
+        Vec::new()
+    }
+
+    fn reset_profile(&self) {
+        #[cfg(feature = "cuda")]
+        if let Some(r) = &self.resident {
+            r.reset_profile();
+        }
     }
 }
