@@ -317,10 +317,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 p / 1e12
             );
         }
-        if let Some((w, pages, up)) = model.llama().and_then(|l| l.device_stats()) {
+        if let Some((pages, up)) = model.llama().and_then(|l| l.device_stats()) {
             println!(
-                "| resident on the device | {:.1} MB of weights; {pages} KV pages held, {up} uploaded |",
-                w as f64 / 1e6
+                "| resident on the device | every weight (uploaded once); {pages} KV pages held, {up} uploaded since load |"
             );
         }
     } else {

@@ -552,6 +552,47 @@ extern "C" __global__ void add_norm(float* x, const float* y, const float* w, fl
     for (int i = lane; i < d; i += 32) out[r * d + i] = (xr[i] * inv) * w[i];
 }
 
+// RMSNorm of one row per block of MR_GROUPS groups of 8 threads, after
+// x += y when `add` (the residual add and the next block's norm in one
+// launch): group g computes the sum-of-squares partials of chunks g,
+// g + MR_GROUPS, ... (lane chains, the xor-shuffle tree), thread 0 adds them
+// in chunk order, and every thread writes (x * inv) * w for its elements:
+// rms_norm's bits with a row's chunks in flight at once (rms_norm_warp walks
+// them one after another). d ≤ 64 * MR_MAX_CHUNKS.
+extern "C" __global__ void norm_block(float* x, const float* y, const float* w, float* out,
+                                      int rows, int d, float eps, int add) {
+    __shared__ float part[MR_MAX_CHUNKS];
+    __shared__ float inv_s;
+    long long r = blockIdx.x;
+    if (r >= rows) return;  // uniform over the block
+    float* xr = x + r * d;
+    if (add) {
+        for (int i = threadIdx.x; i < d; i += blockDim.x) xr[i] = xr[i] + y[r * d + i];
+        __syncthreads();
+    }
+    int g = threadIdx.x >> 3, j = threadIdx.x & 7;
+    int chunks = (d + CHUNK - 1) / CHUNK;
+    for (int cb = 0; cb < chunks; cb += MR_GROUPS) {
+        int c = cb + g;
+        int cend = c < chunks ? min(c * CHUNK + CHUNK, d) : 0;
+        float l = 0.0f;
+        for (int i = c * CHUNK + j; i < cend; i += LANES) l = fmaf(xr[i], xr[i], l);
+        l = l + __shfl_xor_sync(0xffffffffu, l, 4);
+        l = l + __shfl_xor_sync(0xffffffffu, l, 2);
+        l = l + __shfl_xor_sync(0xffffffffu, l, 1);
+        if (j == 0 && c < chunks) part[c] = l;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float ss = 0.0f;
+        for (int c = 0; c < chunks; ++c) ss = ss + part[c];
+        inv_s = 1.0f / sqrtf(ss / (float)d + eps);
+    }
+    __syncthreads();
+    float inv = inv_s;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) out[r * d + i] = (xr[i] * inv) * w[i];
+}
+
 #define GM_GR 4
 #define GM_GT 2
 #define GM_ROWS (8 * GM_GR)
@@ -676,32 +717,6 @@ extern "C" __global__ void embed_rows(int kind, const unsigned char* w, const un
     out[idx] = weight(kind, w + (long long)ids[t] * row_bytes, c);
 }
 
-// RoPE of n query rows (width qd) and n key rows (width kvd) at positions
-// pos[t], from the whole resident table (cos/sin rows of d/2 values).
-extern "C" __global__ void rope_rows(float* q, float* k, const float* cos_t, const float* sin_t,
-                                     const unsigned long long* pos, int n, int qd, int kvd, int d) {
-    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    int h = d / 2;
-    int per = (qd + kvd) / 2;
-    if (idx >= (long long)n * per) return;
-    long long t = idx / per;
-    int r = (int)(idx % per);
-    float* row;
-    if (r < qd / 2) {
-        row = q + t * qd;
-    } else {
-        r -= qd / 2;
-        row = k + t * kvd;
-    }
-    int head = r / h, i = r % h;
-    float* p = row + head * d;
-    const float* c = cos_t + (long long)pos[t] * h;
-    const float* s = sin_t + (long long)pos[t] * h;
-    float a = p[i], b = p[i + h];
-    p[i] = a * c[i] - b * s[i];
-    p[i + h] = b * c[i] + a * s[i];
-}
-
 // x[i] += y[i].
 extern "C" __global__ void add_rows(float* x, const float* y, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -726,22 +741,9 @@ __device__ __forceinline__ float* kv_row(unsigned long long page, int layer, int
     return (float*)page + layer * layer_stride + (long long)which * page_len * kvd + (long long)slot * kvd;
 }
 
-// Writes token t's K and V rows of `layer` into its page dst[t], slot slot[t].
-extern "C" __global__ void kv_write(const float* k, const float* v, const unsigned long long* dst,
-                                    const unsigned long long* slot, int n, int layer, int page_len,
-                                    int kvd, int aux) {
-    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)n * kvd) return;
-    long long t = idx / kvd;
-    int c = (int)(idx % kvd);
-    int s = (int)slot[t];
-    kv_row(dst[t], layer, page_len, kvd, aux, s, 0)[c] = k[idx];
-    kv_row(dst[t], layer, page_len, kvd, aux, s, 1)[c] = v[idx];
-}
-
 // RoPE of n query rows (qd) and key rows (kvd) at positions pos[t], and the
 // rotated K rows with the V rows written into token t's page dst[t], slot
-// slot[t], of `layer` (rope_rows then kv_write in one launch).
+// slot[t], of `layer` (RoPE then the page writes, in one launch).
 extern "C" __global__ void rope_kv(float* q, float* k, const float* v, const float* cos_t, const float* sin_t,
                                    const unsigned long long* pos, const unsigned long long* dst,
                                    const unsigned long long* slot, int n, int qd, int kvd, int d,

@@ -24,11 +24,11 @@ fn kernels_cu_compiles_under_nvrtc() {
         "matmul_multi",
         "matmul_gemm",
         "rms_norm_warp",
+        "norm_block",
         "add_norm",
         "embed_rows",
         "rope_kv",
         "attention_paged",
-        "kv_write",
         "fma_peak",
     ] {
         assert!(

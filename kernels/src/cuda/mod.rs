@@ -76,6 +76,11 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
             "w4[k] = keep + __shfl_xor_sync(0xffffffffu, send, 1);",
         ),
         (
+            "norm_block partials summed in reverse",
+            "for (int c = 0; c < chunks; ++c) ss = ss + part[c];",
+            "for (int c = chunks - 1; c >= 0; --c) ss = ss + part[c];",
+        ),
+        (
             "attention_paged P·V as mul + add",
             "a = fmaf(sc[j0 + i], vv, a);",
             "a = sc[j0 + i] * vv + a;",

@@ -49,14 +49,16 @@ pub(crate) struct Kernels {
     rms_norm_warp: CudaFunction,
     add_norm: CudaFunction,
     pub(crate) matmul_gemm: CudaFunction,
-    /// Whether the resident matmul takes `matmul_gemm` for more than
-    /// [`MM_TOKENS`] tokens (`LMRR_CUDA_GEMM=1`; see [`Gpu::mm`]).
-    gemm_on: bool,
+    norm_block: CudaFunction,
+    /// `LMRR_CUDA_NEXT=1`: the kernels written for speed that `gpu_check`
+    /// holds to the references but that have not yet been run on a device
+    /// (`matmul_gemm` for more than [`MM_TOKENS`] tokens, `norm_block` for
+    /// the norms) take over from the default ones. Off by default until a
+    /// device check has passed with it.
+    next: bool,
     embed_rows: CudaFunction,
-    rope_rows: CudaFunction,
     add_rows: CudaFunction,
     gather_rows: CudaFunction,
-    kv_write: CudaFunction,
     attention_paged: CudaFunction,
     swiglu: CudaFunction,
     fma_peak: CudaFunction,
@@ -73,12 +75,11 @@ impl Kernels {
             rms_norm_warp: f("rms_norm_warp")?,
             add_norm: f("add_norm")?,
             matmul_gemm: f("matmul_gemm")?,
-            gemm_on: std::env::var("LMRR_CUDA_GEMM").is_ok_and(|v| v == "1"),
+            norm_block: f("norm_block")?,
+            next: std::env::var("LMRR_CUDA_NEXT").is_ok_and(|v| v == "1"),
             embed_rows: f("embed_rows")?,
-            rope_rows: f("rope_rows")?,
             add_rows: f("add_rows")?,
             gather_rows: f("gather_rows")?,
-            kv_write: f("kv_write")?,
             attention_paged: f("attention_paged")?,
             swiglu: f("swiglu")?,
             fma_peak: f("fma_peak")?,
@@ -321,7 +322,7 @@ impl Gpu {
         );
         as_i32("matmul", n * w.cols)?;
         let rows_kernel = w.cols.div_ceil(64) <= MR_MAX_CHUNKS;
-        let (f, cfg) = if n > MM_TOKENS && self.res.gemm_on {
+        let (f, cfg) = if n > MM_TOKENS && self.res.next {
             let blocks = w.rows.div_ceil(GM_ROWS) * n.div_ceil(GM_TOKS);
             (
                 &self.res.matmul_gemm,
@@ -372,7 +373,7 @@ impl Gpu {
                     && w.cols.div_ceil(64) <= MR_MAX_CHUNKS
                     && w.rows > 0
             });
-        if !shared || n == 0 || (n > MM_TOKENS && self.res.gemm_on) || mats.len() < 2 {
+        if !shared || n == 0 || (n > MM_TOKENS && self.res.next) || mats.len() < 2 {
             for (w, y) in mats {
                 self.mm(x, n, w, *y)?;
             }
@@ -431,6 +432,25 @@ impl Gpu {
         eps: f32,
         out: u64,
     ) -> Result<(), GpuError> {
+        if self.res.next && d.div_ceil(64) <= MR_MAX_CHUNKS {
+            return self.norm_block(x, y, w, rows, d, eps, out);
+        }
+        self.norm_warp(x, y, w, rows, d, eps, out)
+    }
+
+    /// RMSNorm (after `x += y` when given) with one warp per row
+    /// (`rms_norm_warp`, `add_norm`).
+    #[allow(clippy::too_many_arguments)]
+    fn norm_warp(
+        &self,
+        x: u64,
+        y: Option<u64>,
+        w: &DevBuf,
+        rows: usize,
+        d: usize,
+        eps: f32,
+        out: u64,
+    ) -> Result<(), GpuError> {
         if rows == 0 {
             return Ok(());
         }
@@ -462,8 +482,7 @@ impl Gpu {
 
     /// RoPE of `n` query and key rows at positions `pos`, and the rotated
     /// keys with the values `v` written into the tokens' pages (`dst`,
-    /// `slot`) of `layer`: [`Gpu::rope_rows`] then [`Gpu::kv_write`], one
-    /// launch.
+    /// `slot`) of `layer`: RoPE then the page writes, one launch.
     #[allow(clippy::too_many_arguments)]
     pub fn rope_kv(
         &self,
@@ -536,7 +555,52 @@ impl Gpu {
         self.dtoh(src, &mut s[..n])
     }
 
-    /// Row-wise RMSNorm of `rows` rows of `d` (`rms_norm_warp`).
+    /// RMSNorm (after `x += y` when given) by `norm_block`: one block per
+    /// row, its chunks in flight at once; `d` at most `64 · MR_MAX_CHUNKS`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_block(
+        &self,
+        x: u64,
+        y: Option<u64>,
+        w: &DevBuf,
+        rows: usize,
+        d: usize,
+        eps: f32,
+        out: u64,
+    ) -> Result<(), GpuError> {
+        if rows == 0 {
+            return Ok(());
+        }
+        if d.div_ceil(64) > MR_MAX_CHUNKS {
+            return Err(GpuError::Shape {
+                what: "norm_block",
+                detail: format!("rows of {d} (at most {})", 64 * MR_MAX_CHUNKS),
+            });
+        }
+        let (ri, di) = (as_i32("rms_norm", rows)?, as_i32("rms_norm", d)?);
+        as_i32("rms_norm", rows * d)?;
+        let (yp, add) = (y.unwrap_or(0), i32::from(y.is_some()));
+        let cfg = LaunchConfig {
+            grid_dim: (ri as u32, 1, 1),
+            block_dim: (MR_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.res.norm_block);
+        b.arg(&x)
+            .arg(&yp)
+            .arg(&w.ptr)
+            .arg(&out)
+            .arg(&ri)
+            .arg(&di)
+            .arg(&eps)
+            .arg(&add);
+        // SAFETY: matches `norm_block`; x, out (and y when added) hold
+        // rows·d floats, w d; d within the partials it holds.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+    }
+
+    /// Row-wise RMSNorm of `rows` rows of `d` (`rms_norm_warp`; `norm_block`
+    /// with `LMRR_CUDA_NEXT=1`).
     pub fn norm_rows(
         &self,
         x: u64,
@@ -566,48 +630,6 @@ impl Gpu {
         // SAFETY: matches `embed_rows`; every id is below w.rows (the caller
         // checked tokens against the vocabulary).
         unsafe { b.launch(elems(n * w.cols, "embed")?) }
-            .map(|_| ())
-            .map_err(drv)
-    }
-
-    /// RoPE of `n` query rows (`qd`) and key rows (`kvd`) at positions
-    /// `pos` (n u64), from resident `(cos, sin)` tables of `head_dim / 2`
-    /// values per position.
-    #[allow(clippy::too_many_arguments)]
-    pub fn rope_rows(
-        &self,
-        q: u64,
-        k: u64,
-        tables: (&DevBuf, &DevBuf),
-        pos: u64,
-        n: usize,
-        qd: usize,
-        kvd: usize,
-        head_dim: usize,
-    ) -> Result<(), GpuError> {
-        if n == 0 {
-            return Ok(());
-        }
-        let per = (qd + kvd) / 2;
-        let (ni, qi, ki, di) = (
-            as_i32("rope", n)?,
-            as_i32("rope", qd)?,
-            as_i32("rope", kvd)?,
-            as_i32("rope", head_dim)?,
-        );
-        let mut b = self.stream.launch_builder(&self.res.rope_rows);
-        b.arg(&q)
-            .arg(&k)
-            .arg(&tables.0.ptr)
-            .arg(&tables.1.ptr)
-            .arg(&pos)
-            .arg(&ni)
-            .arg(&qi)
-            .arg(&ki)
-            .arg(&di);
-        // SAFETY: matches `rope_rows`; every position is inside the tables
-        // (the caller checked them against the context).
-        unsafe { b.launch(elems(n * per, "rope")?) }
             .map(|_| ())
             .map_err(drv)
     }
@@ -650,41 +672,6 @@ impl Gpu {
         b.arg(&x).arg(&rows).arg(&out).arg(&mi).arg(&di);
         // SAFETY: matches `gather_rows`; every row index is below x's rows.
         unsafe { b.launch(elems(m * d, "gather")?) }
-            .map(|_| ())
-            .map_err(drv)
-    }
-
-    /// Writes `n` tokens' K and V rows (`kvd` each) of `layer` into their
-    /// pages: token t into page address `dst[t]`, slot `slot[t]` (n u64 each).
-    #[allow(clippy::too_many_arguments)]
-    pub fn kv_write(
-        &self,
-        k: u64,
-        v: u64,
-        dst: u64,
-        slot: u64,
-        n: usize,
-        layout: PageLayout,
-        layer: usize,
-    ) -> Result<(), GpuError> {
-        if n == 0 {
-            return Ok(());
-        }
-        let (ni, li) = (as_i32("kv_write", n)?, as_i32("kv_write", layer)?);
-        let (pl, kvd, aux) = layout.args()?;
-        let mut b = self.stream.launch_builder(&self.res.kv_write);
-        b.arg(&k)
-            .arg(&v)
-            .arg(&dst)
-            .arg(&slot)
-            .arg(&ni)
-            .arg(&li)
-            .arg(&pl)
-            .arg(&kvd)
-            .arg(&aux);
-        // SAFETY: matches `kv_write`; every page address holds a whole page
-        // of `layout`, every slot is below page_len.
-        unsafe { b.launch(elems(n * layout.kv_dim, "kv_write")?) }
             .map(|_| ())
             .map_err(drv)
     }
@@ -807,12 +794,17 @@ impl Gpu {
 /// Per-call forms of the resident kernels for `gpu_check`: operands
 /// uploaded, the kernel run, the result copied back.
 impl Gpu {
-    /// [`crate::rms_norm`] by `rms_norm_warp`.
+    /// [`crate::rms_norm`] by `rms_norm_warp`, or by `norm_block` when
+    /// `block`; with `add`, of `x + add` (the residual add first: `add_norm`
+    /// or `norm_block`'s add), the sum also written back into `sum`.
+    #[allow(clippy::too_many_arguments)]
     pub fn rms_norm_resident(
         &self,
         x: &[f32],
+        add: Option<(&[f32], &mut [f32])>,
         w: &[f32],
         eps: f32,
+        block: bool,
         out: &mut [f32],
     ) -> Result<(), GpuError> {
         if w.is_empty() || x.len() % w.len() != 0 || out.len() != x.len() {
@@ -823,7 +815,26 @@ impl Gpu {
         }
         let (dx, dw) = (self.upload(x, "x")?, self.upload(w, "w")?);
         let dout = self.alloc(out.len() * 4, "out")?;
-        self.norm_rows(dx.ptr, &dw, x.len() / w.len(), w.len(), eps, dout.ptr)?;
+        let (rows, d) = (x.len() / w.len(), w.len());
+        let dy = match &add {
+            Some((y, _)) if y.len() == x.len() => Some(self.upload(y, "y")?),
+            Some(_) => {
+                return Err(GpuError::Shape {
+                    what: "add_norm",
+                    detail: "y is not x's size".into(),
+                })
+            }
+            None => None,
+        };
+        let yp = dy.as_ref().map(|b| b.ptr);
+        if block {
+            self.norm_block(dx.ptr, yp, &dw, rows, d, eps, dout.ptr)?;
+        } else {
+            self.norm_warp(dx.ptr, yp, &dw, rows, d, eps, dout.ptr)?;
+        }
+        if let Some((_, sum)) = add {
+            self.dtoh(dx.ptr, sum)?;
+        }
         self.dtoh(dout.ptr, out)
     }
 

@@ -205,21 +205,6 @@ impl Resident {
         Ok(r)
     }
 
-    /// Device bytes of weights held.
-    pub(crate) fn weight_bytes(&self) -> usize {
-        let layers: usize = self
-            .layers
-            .iter()
-            .map(|l| {
-                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
-                    .iter()
-                    .map(|t| t.bytes())
-                    .sum::<usize>()
-            })
-            .sum();
-        layers + self.embed.bytes() + self.head.as_ref().map_or(0, |h| h.bytes())
-    }
-
     /// KV pages the device mirror holds, and pages uploaded so far.
     pub(crate) fn kv_stats(&self) -> (usize, u64) {
         self.state

@@ -152,13 +152,12 @@ impl Llama {
         let _ = on;
     }
 
-    /// On the resident path: device bytes of weights, KV pages held on the
-    /// device, and pages uploaded to it so far.
-    pub fn device_stats(&self) -> Option<(usize, usize, u64)> {
+    /// On the resident path: KV pages held on the device, and pages
+    /// uploaded to it so far.
+    pub fn device_stats(&self) -> Option<(usize, u64)> {
         #[cfg(feature = "cuda")]
         if let Some(r) = &self.resident {
-            let (pages, uploads) = r.kv_stats();
-            return Some((r.weight_bytes(), pages, uploads));
+            return Some(r.kv_stats());
         }
         None
     }
