@@ -2,7 +2,8 @@
 # GPU speed on the resident path, side by side with the anchors, in one run
 # on the device machine (docs/PERFORMANCE.md quotes its table):
 #
-#   scripts/device-bench.sh .gpu [ANCHORS_DIR]   # ANCHORS_DIR: the HF anchors (optional)
+#   scripts/device-bench.sh .gpu [ANCHORS_DIR]   # ANCHORS_DIR: the HF anchors (optional;
+#                                                 copy ../shared/anchors into a carried folder)
 #
 # The `small` preset (SmolLM2-135M's shape) in f32 and bf16: decode after a
 # 64-token prompt at batch 1, 8 and 64 (batch 1 with CUDA graphs on and off),
@@ -22,6 +23,11 @@ for dt in f32 bf16; do
   echo "## lmrr bench --device cuda, small $dt, prefill of 512 tokens"
   "$bin/lmrr" bench --device cuda --model "$tmp/small-$dt" --prompt-len 512 --batches 1 --decode-steps 8 --repeats 5
 done
+echo "## LMRR_CUDA_NEXT=1 (matmul_gemm, norm_block), small f32"
+LMRR_CUDA_NEXT=1 "$bin/lmrr" bench --device cuda --model "$tmp/small-f32" --prompt-len 64 --batches 1,8,64 --decode-steps 32 --repeats 5
+LMRR_CUDA_NEXT=1 "$bin/lmrr" bench --device cuda --model "$tmp/small-f32" --prompt-len 512 --batches 1 --decode-steps 8 --repeats 5
+echo "## the step's parts (each synchronized), small f32"
+LMRR_CUDA_PROFILE=1 "$bin/lmrr" bench --device cuda --model "$tmp/small-f32" --prompt-len 64 --batches 1,64 --decode-steps 8 --repeats 2
 if [ -n "$anchors" ] && [ -d "$anchors" ]; then
   for dt in f32; do
     echo "## anchors on small $dt"

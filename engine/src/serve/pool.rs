@@ -17,6 +17,12 @@
 //! bookkeeping grow to the highest page ever used. A 500,000-page pool
 //! serving a 4-token session holds one page. Growth that the allocator
 //! refuses is an error with the numbers, never an abort.
+//!
+//! Each page also carries a write version from the process-wide clock
+//! ([`crate::kv::next_version`]), stamped at every write to any of its rows:
+//! [`KvCache::blocks`] lists a sequence's pages with their versions, which is
+//! how the CUDA device mirror knows, without reading a row, whether its copy
+//! of a page is still this pool's.
 
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -307,7 +307,7 @@ impl Gpu {
     /// `y (n, rows) = x (n, cols) · Wᵀ`: by `matmul_rows` (a block per row
     /// and token tile, its chunks in flight at once), or `matmul_tile` where
     /// a row has more chunks than `matmul_rows` holds. With
-    /// `LMRR_CUDA_GEMM=1`, more than [`MM_TOKENS`] tokens go to
+    /// `LMRR_CUDA_NEXT=1`, more than [`MM_TOKENS`] tokens go to
     /// `matmul_gemm` (staged tiles of rows × tokens): `gpu_check` holds it to
     /// the references like every kernel, but it has not yet been run on a
     /// device, so it is not the default until a device check has passed.

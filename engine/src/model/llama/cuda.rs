@@ -342,7 +342,16 @@ impl Resident {
         self.timed("KV page check and upload", || {
             for s in spans {
                 span_off.push(pages.len());
-                pages.extend(mirror.sync_seq(gpu, kv, s.seq)?);
+                let held = mirror.sync_seq(gpu, kv, s.seq)?;
+                let need = (s.start + s.tokens.len()).div_ceil(block_len);
+                if held.len() < need {
+                    return Err(EngineError::Device(format!(
+                        "sequence {}: the KV store lists {} blocks of {block_len} positions, the step needs {need}",
+                        s.seq,
+                        held.len()
+                    )));
+                }
+                pages.extend(held);
             }
             Ok(())
         })?;
@@ -471,7 +480,9 @@ impl Resident {
             Ok(())
         })?;
         let logits = hl.as_slice().map_err(gpu_err)?;
-        let out = crate::model::split_rows(spans, &logits[..w * vocab], vocab);
+        let out = self.timed("logits rows into per-span vectors", || {
+            Ok(crate::model::split_rows(spans, &logits[..w * vocab], vocab))
+        })?;
         let mirror = st
             .mirror
             .as_mut()
