@@ -33,6 +33,7 @@ pub mod exp;
 pub mod hyper;
 pub mod matmul;
 pub mod norm;
+pub mod paged;
 pub mod quant;
 pub mod reduce;
 pub mod rope;

@@ -20,14 +20,46 @@
 //! step wants them); when every page is in use, the step fails with the
 //! bytes needed and free, never a hang or an abort.
 
+// Without the `cuda` feature only the tests use the mirror.
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
+
 use std::collections::HashMap;
 
-use lmrr_kernels::cuda::resident::{DevBuf, PageLayout};
-use lmrr_kernels::cuda::Gpu;
+use lmrr_kernels::paged::PageLayout;
 
 use crate::kv::{KvCache, SeqId};
-use crate::model::gpu_err;
 use crate::EngineError;
+
+/// Where the mirror's pages live: device memory on the CUDA path (the
+/// [`lmrr_kernels::cuda::Gpu`] impl), host memory in tests.
+pub(crate) trait PageMemory {
+    type Buf;
+    /// `bytes` for `what`; out of memory is an error with the sizes.
+    fn alloc(&self, bytes: usize, what: &str) -> Result<Self::Buf, EngineError>;
+    /// Address of byte 0 of `buf`.
+    fn addr(buf: &Self::Buf) -> u64;
+    /// Bytes still free for more pages.
+    fn free_bytes(&self) -> Result<usize, EngineError>;
+    /// Copies `rows` to address `dst`.
+    fn upload(&self, rows: &[f32], dst: u64) -> Result<(), EngineError>;
+}
+
+#[cfg(feature = "cuda")]
+impl PageMemory for lmrr_kernels::cuda::Gpu {
+    type Buf = lmrr_kernels::cuda::resident::DevBuf;
+    fn alloc(&self, bytes: usize, what: &str) -> Result<Self::Buf, EngineError> {
+        lmrr_kernels::cuda::Gpu::alloc(self, bytes, what).map_err(crate::model::gpu_err)
+    }
+    fn addr(buf: &Self::Buf) -> u64 {
+        buf.ptr()
+    }
+    fn free_bytes(&self) -> Result<usize, EngineError> {
+        self.mem_info().map(|m| m.0).map_err(crate::model::gpu_err)
+    }
+    fn upload(&self, rows: &[f32], dst: u64) -> Result<(), EngineError> {
+        self.htod(rows, dst).map_err(crate::model::gpu_err)
+    }
+}
 
 /// Device pages per allocation.
 pub const SEGMENT_PAGES: usize = 32;
@@ -42,25 +74,23 @@ struct Entry {
 }
 
 /// Device copies of a store's blocks.
-pub(crate) struct KvMirror {
+pub(crate) struct KvMirror<M: PageMemory> {
     layout: PageLayout,
-    segments: Vec<DevBuf>,
+    segments: Vec<M::Buf>,
     free: Vec<usize>,
     map: HashMap<u64, Entry>,
     tick: u64,
     staging: Vec<f32>,
     /// Where a row goes that a later token of the same step overwrites (only
     /// under cache-corruption patches): the last writer wins, as on the host.
-    sink: DevBuf,
+    sink: M::Buf,
     /// Pages uploaded since creation (for `lmrr bench`).
     pub uploads: u64,
 }
 
-impl KvMirror {
-    pub(crate) fn new(gpu: &Gpu, layout: PageLayout) -> Result<Self, EngineError> {
-        let sink = gpu
-            .alloc(layout.page_floats() * 4, "the KV sink page")
-            .map_err(gpu_err)?;
+impl<M: PageMemory> KvMirror<M> {
+    pub(crate) fn new(mem: &M, layout: PageLayout) -> Result<Self, EngineError> {
+        let sink = mem.alloc(layout.page_floats() * 4, "the KV sink page")?;
         Ok(Self {
             layout,
             segments: Vec::new(),
@@ -79,7 +109,7 @@ impl KvMirror {
 
     /// Address of the sink page.
     pub(crate) fn sink(&self) -> u64 {
-        self.sink.ptr()
+        M::addr(&self.sink)
     }
 
     /// Device pages held.
@@ -93,7 +123,7 @@ impl KvMirror {
 
     fn slot_ptr(&self, slot: usize) -> u64 {
         let seg = &self.segments[slot / SEGMENT_PAGES];
-        seg.ptr() + ((slot % SEGMENT_PAGES) * self.page_bytes()) as u64
+        M::addr(seg) + ((slot % SEGMENT_PAGES) * self.page_bytes()) as u64
     }
 
     /// Starts a step: pages touched from now on are not evicted in it.
@@ -101,12 +131,12 @@ impl KvMirror {
         self.tick += 1;
     }
 
-    fn take_slot(&mut self, gpu: &Gpu) -> Result<usize, EngineError> {
+    fn take_slot(&mut self, mem: &M) -> Result<usize, EngineError> {
         if let Some(s) = self.free.pop() {
             return Ok(s);
         }
         let seg_bytes = SEGMENT_PAGES * self.page_bytes();
-        let (free, _) = gpu.mem_info().map_err(gpu_err)?;
+        let free = mem.free_bytes()?;
         if free >= seg_bytes + RESERVE_BYTES {
             let what = format!(
                 "KV pages {}..{} ({} positions × {} layers each)",
@@ -115,7 +145,7 @@ impl KvMirror {
                 self.layout.page_len,
                 self.layout.layers
             );
-            let seg = gpu.alloc(seg_bytes, &what).map_err(gpu_err)?;
+            let seg = mem.alloc(seg_bytes, &what)?;
             let base = self.segments.len() * SEGMENT_PAGES;
             self.segments.push(seg);
             self.free.extend((base..base + SEGMENT_PAGES).rev());
@@ -153,7 +183,7 @@ impl KvMirror {
     /// addresses in position order.
     pub(crate) fn sync_seq(
         &mut self,
-        gpu: &Gpu,
+        mem: &M,
         kv: &dyn KvCache,
         seq: SeqId,
     ) -> Result<Vec<u64>, EngineError> {
@@ -168,13 +198,13 @@ impl KvMirror {
             let slot = match have {
                 Some((slot, v)) if v == version => slot,
                 Some((slot, _)) => {
-                    self.upload(gpu, kv, seq, b, slot)?;
+                    self.upload(mem, kv, seq, b, slot)?;
                     slot
                 }
                 None => {
-                    let slot = self.take_slot(gpu)?;
+                    let slot = self.take_slot(mem)?;
                     if version != 0 {
-                        self.upload(gpu, kv, seq, b, slot)?;
+                        self.upload(mem, kv, seq, b, slot)?;
                     }
                     slot
                 }
@@ -194,7 +224,7 @@ impl KvMirror {
 
     fn upload(
         &mut self,
-        gpu: &Gpu,
+        mem: &M,
         kv: &dyn KvCache,
         seq: SeqId,
         block: usize,
@@ -227,8 +257,7 @@ impl KvMirror {
             );
             debug_assert!(aux_dim > 0 || r.aux.is_empty());
         }
-        gpu.htod(&self.staging, self.slot_ptr(slot))
-            .map_err(gpu_err)?;
+        mem.upload(&self.staging, self.slot_ptr(slot))?;
         self.uploads += 1;
         Ok(())
     }
@@ -249,5 +278,227 @@ impl KvMirror {
         for (_, e) in self.map.drain() {
             self.free.push(e.slot);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::{Cell, RefCell};
+
+    use super::*;
+    use crate::kv::SeqKvStore;
+    use crate::model::KvLayout;
+    use crate::pool::{BlockTable, PagePool, PagedKv};
+
+    /// Host memory posing as the device: buffer `i` at address `(i+1) << 32`;
+    /// every upload is kept, and `free` says what the "device" has left.
+    #[derive(Default)]
+    struct HostPages {
+        bufs: RefCell<Vec<Vec<f32>>>,
+        uploads: RefCell<Vec<u64>>,
+        free: Cell<usize>,
+    }
+
+    impl HostPages {
+        fn new() -> Self {
+            let h = Self::default();
+            h.free.set(usize::MAX / 2);
+            h
+        }
+        fn read(&self, addr: u64, n: usize) -> Vec<f32> {
+            let b = self.bufs.borrow();
+            let (i, off) = ((addr >> 32) as usize - 1, (addr & 0xffff_ffff) as usize / 4);
+            b[i][off..off + n].to_vec()
+        }
+    }
+
+    impl PageMemory for HostPages {
+        type Buf = u64;
+        fn alloc(&self, bytes: usize, _what: &str) -> Result<u64, EngineError> {
+            let mut b = self.bufs.borrow_mut();
+            b.push(vec![f32::NAN; bytes / 4]);
+            Ok((b.len() as u64) << 32)
+        }
+        fn addr(buf: &u64) -> u64 {
+            *buf
+        }
+        fn free_bytes(&self) -> Result<usize, EngineError> {
+            Ok(self.free.get())
+        }
+        fn upload(&self, rows: &[f32], dst: u64) -> Result<(), EngineError> {
+            let mut b = self.bufs.borrow_mut();
+            let (i, off) = ((dst >> 32) as usize - 1, (dst & 0xffff_ffff) as usize / 4);
+            b[i][off..off + rows.len()].copy_from_slice(rows);
+            self.uploads.borrow_mut().push(dst);
+            Ok(())
+        }
+    }
+
+    const KV: KvLayout = KvLayout {
+        layers: 2,
+        kv_dim: 3,
+        aux_dim: 0,
+    };
+
+    fn layout(page_len: usize) -> PageLayout {
+        PageLayout {
+            page_len,
+            layers: KV.layers,
+            kv_dim: KV.kv_dim,
+            aux_dim: 0,
+        }
+    }
+
+    fn fill(kv: &mut dyn KvCache, seq: SeqId, from: usize, to: usize) {
+        for p in from..to {
+            for l in 0..KV.layers {
+                let x = (seq * 1000 + p as u64 * 10 + l as u64) as f32;
+                kv.write(seq, l, p, &[x, x + 0.25, -x], &[-x, x * 2.0, 1.0]);
+            }
+        }
+    }
+
+    #[test]
+    fn stale_blocks_are_uploaded_once_and_land_where_the_kernels_read() {
+        let mem = HostPages::new();
+        let mut kv = SeqKvStore::new(KV);
+        kv.prepare(3, 0, 100).unwrap();
+        fill(&mut kv, 3, 0, 100);
+        let mut m = KvMirror::new(&mem, layout(crate::kv::SEQ_BLOCK)).unwrap();
+        m.begin_step();
+        let pages = m.sync_seq(&mem, &kv, 3).unwrap();
+        assert_eq!(pages.len(), 2);
+        assert_eq!(
+            mem.uploads.borrow().len(),
+            2,
+            "both blocks were written on the host"
+        );
+        // Page layout (kernels.cu kv_row): layer l at l·page_len·(2·kv_dim),
+        // K rows, then V rows; position 70 is block 1, slot 6.
+        let (pl, kvd) = (crate::kv::SEQ_BLOCK, KV.kv_dim);
+        let k = mem.read(pages[1] + 4 * (pl * 2 * kvd + 6 * kvd) as u64, kvd);
+        let v = mem.read(
+            pages[1] + 4 * (pl * 2 * kvd + pl * kvd + 6 * kvd) as u64,
+            kvd,
+        );
+        let x = (3 * 1000 + 70 * 10 + 1) as f32;
+        assert_eq!(k, vec![x, x + 0.25, -x]);
+        assert_eq!(v, vec![-x, x * 2.0, 1.0]);
+        // Nothing moved: nothing is uploaded again.
+        m.begin_step();
+        assert_eq!(m.sync_seq(&mem, &kv, 3).unwrap(), pages);
+        assert_eq!(mem.uploads.borrow().len(), 2);
+        // A host write the device did not make: that block only, again.
+        kv.write(3, 0, 99, &[7.0; 3], &[8.0; 3]);
+        m.begin_step();
+        m.sync_seq(&mem, &kv, 3).unwrap();
+        assert_eq!(mem.uploads.borrow().len(), 3);
+        assert_eq!(mem.uploads.borrow()[2], pages[1]);
+        // Rows the device wrote itself and the host then stored: recorded,
+        // not uploaded.
+        kv.prepare(3, 100, 1).unwrap();
+        m.begin_step();
+        m.sync_seq(&mem, &kv, 3).unwrap();
+        fill(&mut kv, 3, 100, 101);
+        m.mark_written(&kv, 3);
+        m.begin_step();
+        m.sync_seq(&mem, &kv, 3).unwrap();
+        assert_eq!(mem.uploads.borrow().len(), 3);
+        // After a failed step everything is fetched again.
+        m.clear();
+        m.begin_step();
+        m.sync_seq(&mem, &kv, 3).unwrap();
+        assert_eq!(mem.uploads.borrow().len(), 5);
+    }
+
+    #[test]
+    fn a_prefix_cache_hit_reuses_the_device_page() {
+        let mem = HostPages::new();
+        let pool = PagePool::new(4, 16, KV).unwrap();
+        let mut kv = PagedKv::new(pool);
+        let (p0, p1, p2) = (
+            kv.pool.alloc().unwrap().unwrap(),
+            kv.pool.alloc().unwrap().unwrap(),
+            kv.pool.alloc().unwrap().unwrap(),
+        );
+        kv.tables.insert(
+            1,
+            BlockTable {
+                pages: vec![p0, p1],
+                len: 0,
+            },
+        );
+        kv.prepare(1, 0, 8).unwrap();
+        fill(&mut kv, 1, 0, 8);
+        let mut m = KvMirror::new(&mem, layout(4)).unwrap();
+        m.begin_step();
+        let a = m.sync_seq(&mem, &kv, 1).unwrap();
+        assert_eq!(mem.uploads.borrow().len(), 2);
+        // Sequence 2 shares page p0 (its first 4 positions) and grows into p2.
+        kv.pool.incref(p0);
+        kv.tables.insert(
+            2,
+            BlockTable {
+                pages: vec![p0, p2],
+                len: 4,
+            },
+        );
+        kv.prepare(2, 4, 1).unwrap();
+        m.begin_step();
+        let b = m.sync_seq(&mem, &kv, 2).unwrap();
+        assert_eq!(b[0], a[0], "the shared page is the same device page");
+        assert_ne!(b[1], a[1]);
+        assert_eq!(
+            mem.uploads.borrow().len(),
+            2,
+            "p0 is current and p2 was never written: no upload"
+        );
+    }
+
+    #[test]
+    fn idle_pages_are_evicted_when_the_device_is_full_and_a_full_step_is_an_error() {
+        let mem = HostPages::new();
+        let mut kv = SeqKvStore::new(KV);
+        let mut m = KvMirror::new(&mem, layout(crate::kv::SEQ_BLOCK)).unwrap();
+        // One segment's worth of sequences, then the device "fills up".
+        for s in 0..SEGMENT_PAGES as u64 {
+            kv.prepare(s, 0, 1).unwrap();
+            fill(&mut kv, s, 0, 1);
+            m.begin_step();
+            m.sync_seq(&mem, &kv, s).unwrap();
+        }
+        assert_eq!(m.pages(), SEGMENT_PAGES);
+        mem.free.set(0);
+        let s = SEGMENT_PAGES as u64;
+        kv.prepare(s, 0, 1).unwrap();
+        fill(&mut kv, s, 0, 1);
+        m.begin_step();
+        m.sync_seq(&mem, &kv, s).unwrap();
+        assert_eq!(
+            mem.bufs.borrow().len(),
+            2,
+            "the sink and one segment: no new one"
+        );
+        assert!(
+            m.pages() <= SEGMENT_PAGES / 2 + 1,
+            "the older half was evicted"
+        );
+        // An evicted page comes back by upload when a later step wants it.
+        let before = mem.uploads.borrow().len();
+        m.begin_step();
+        m.sync_seq(&mem, &kv, 0).unwrap();
+        assert_eq!(mem.uploads.borrow().len(), before + 1);
+        // A step that reads more pages than the device holds fails with the
+        // sizes instead of evicting its own pages.
+        let big = 999;
+        kv.prepare(big, 0, (SEGMENT_PAGES + 1) * crate::kv::SEQ_BLOCK)
+            .unwrap();
+        fill(&mut kv, big, 0, (SEGMENT_PAGES + 1) * crate::kv::SEQ_BLOCK);
+        m.begin_step();
+        let err = m.sync_seq(&mem, &kv, big).unwrap_err().to_string();
+        assert!(
+            err.contains("out of device memory") && err.contains("bytes"),
+            "{err}"
+        );
     }
 }

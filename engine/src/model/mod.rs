@@ -14,7 +14,6 @@
 //! page hashes cover it.
 
 pub mod chat;
-#[cfg(feature = "cuda")]
 pub(crate) mod device_kv;
 pub mod gguf;
 pub mod identity;

@@ -24,6 +24,7 @@ use cudarc::driver::{
 
 use super::{as_i32, drv, Gpu, GpuError, MAX_HEAD_DIM};
 use crate::matmul::{Matrix, Weights};
+pub use crate::paged::PageLayout;
 use crate::quant::QuantKind;
 
 /// Tokens per warp of `matmul_tile` and per block of `matmul_rows`
@@ -509,7 +510,7 @@ impl Gpu {
             as_i32("rope", head_dim)?,
         );
         let li = as_i32("rope", layer)?;
-        let (pl, _, aux) = layout.args()?;
+        let (pl, _, aux) = layout_args(&layout)?;
         let mut b = self.stream.launch_builder(&self.res.rope_kv);
         b.arg(&qkv.0)
             .arg(&qkv.1)
@@ -713,7 +714,7 @@ impl Gpu {
             as_i32("attention", shape.head_dim)?,
         );
         let li = as_i32("attention", layer)?;
-        let (pl, _, aux) = layout.args()?;
+        let (pl, _, aux) = layout_args(&layout)?;
         let cfg = LaunchConfig {
             grid_dim: (as_i32("attention", blocks)? as u32, 1, 1),
             block_dim: (ATTN_THREADS, 1, 1),
@@ -928,34 +929,13 @@ impl Gpu {
     }
 }
 
-/// The shape of one device KV page: per layer, `page_len` K rows, then
-/// `page_len` V rows (`kv_dim` floats each), then `page_len` auxiliary rows
-/// (`aux_dim` floats).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PageLayout {
-    pub page_len: usize,
-    pub layers: usize,
-    pub kv_dim: usize,
-    pub aux_dim: usize,
-}
-
-impl PageLayout {
-    /// Floats of one layer of a page.
-    pub fn layer_floats(&self) -> usize {
-        self.page_len * (2 * self.kv_dim + self.aux_dim)
-    }
-    /// Floats of a whole page.
-    pub fn page_floats(&self) -> usize {
-        self.layers * self.layer_floats()
-    }
-    fn args(&self) -> Result<(i32, i32, i32), GpuError> {
-        as_i32("kv page", self.page_floats())?;
-        Ok((
-            as_i32("kv page", self.page_len)?,
-            as_i32("kv page", self.kv_dim)?,
-            as_i32("kv page", self.aux_dim)?,
-        ))
-    }
+fn layout_args(l: &PageLayout) -> Result<(i32, i32, i32), GpuError> {
+    as_i32("kv page", l.page_floats())?;
+    Ok((
+        as_i32("kv page", l.page_len)?,
+        as_i32("kv page", l.kv_dim)?,
+        as_i32("kv page", l.aux_dim)?,
+    ))
 }
 
 /// Device addresses of a step's page table (u64 arrays): every sequence's

@@ -70,7 +70,7 @@ struct Addrs {
 }
 
 struct State {
-    mirror: Option<KvMirror>,
+    mirror: Option<KvMirror<Gpu>>,
     /// Activations, sized for `cap`.
     scratch: Option<(DevBuf, StepShape)>,
     /// The step's inputs (u64), and how many it holds.
