@@ -87,6 +87,14 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         return run_proxy(a.repeats.max(3));
     }
     let th = crate::threads(a.threads)?;
+    let default_batches: &[usize] = if a.speed_only { &[1] } else { &[1, 8] };
+    let batches = a
+        .batches
+        .clone()
+        .unwrap_or_else(|| default_batches.to_vec());
+    if let Some(&b) = batches.iter().find(|&&b| b == 0 || b > 4096) {
+        anyhow::bail!("--batches {b}: each batch size must be 1..=4096");
+    }
     let t_load = Instant::now();
     let mut model = crate::load_model(Some(&a.model))?;
     let load_s = t_load.elapsed().as_secs_f64();
@@ -205,14 +213,6 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             .map(|i| ((i * 7919 + s * 104_729) % (vocab as u64 - 3)) as u32 + 3)
             .collect()
     };
-    let default_batches: &[usize] = if a.speed_only { &[1] } else { &[1, 8] };
-    let batches = a
-        .batches
-        .clone()
-        .unwrap_or_else(|| default_batches.to_vec());
-    if let Some(&b) = batches.iter().find(|&&b| b == 0 || b > 4096) {
-        anyhow::bail!("--batches {b}: each batch size must be 1..=4096");
-    }
     let most = batches.iter().copied().max().unwrap_or(1) as u64;
     let prompts: Vec<Vec<u32>> = (0..most).map(prompt).collect();
     let mut rows_out = Vec::new();
@@ -293,7 +293,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         parts_out.push((batch, prefill_parts, decode_parts));
     }
 
-    let extras = if a.speed_only || on_gpu {
+    let extras = if a.speed_only {
         None
     } else {
         Some((
