@@ -281,6 +281,56 @@ impl<M: PageMemory> KvMirror<M> {
     }
 }
 
+/// Packs a resident step's inputs into `out` (one upload) and returns where
+/// the page addresses start: per stacked token `i` (n of them), its token id
+/// at `i`, position at `n + i`, the offset of its sequence's page list at
+/// `2n + i`, the page address its K/V rows go to at `3n + i` and the slot in
+/// that page at `4n + i`; the wanted rows at `5n ..`; then every sequence's
+/// page addresses (`span_pages`, in span order; `span_off[s]` is span s's
+/// first). A slot that two tokens of the step write (only under a
+/// cache-corruption patch) keeps the last token's rows, as on the host: the
+/// earlier token writes to `sink` instead.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn pack_inputs(
+    out: &mut Vec<u64>,
+    spans: &[crate::model::SeqSpan],
+    tok: &[(usize, usize)],
+    rows: &[usize],
+    span_off: &[usize],
+    pages: &[u64],
+    block_len: usize,
+    sink: u64,
+) -> usize {
+    let n = tok.len();
+    out.clear();
+    out.extend(
+        spans
+            .iter()
+            .flat_map(|s| s.tokens.iter().map(|&t| t as u64)),
+    );
+    out.extend(tok.iter().map(|&(_, p)| p as u64));
+    out.extend(tok.iter().map(|&(si, _)| span_off[si] as u64));
+    let dst: Vec<(u64, u64)> = tok
+        .iter()
+        .map(|&(si, p)| (pages[span_off[si] + p / block_len], (p % block_len) as u64))
+        .collect();
+    let mut seen = std::collections::HashSet::new();
+    let mut dst_ptr = vec![0u64; n];
+    for (i, &(page, slot)) in dst.iter().enumerate().rev() {
+        dst_ptr[i] = if seen.insert((page, slot)) {
+            page
+        } else {
+            sink
+        };
+    }
+    out.extend(&dst_ptr);
+    out.extend(dst.iter().map(|&(_, s)| s));
+    out.extend(rows.iter().map(|&r| r as u64));
+    let fixed = out.len();
+    out.extend(pages);
+    fixed
+}
+
 #[cfg(test)]
 mod tests {
     use std::cell::{Cell, RefCell};
@@ -356,6 +406,55 @@ mod tests {
                 kv.write(seq, l, p, &[x, x + 0.25, -x], &[-x, x * 2.0, 1.0]);
             }
         }
+    }
+
+    #[test]
+    fn step_inputs_are_laid_out_as_the_kernels_read_them() {
+        use crate::model::{LogitsWanted, SeqSpan};
+        // Span 0: sequence 4 prefills 3 tokens at 5..8 (pages of 4: its pages
+        // 100, 101); span 1: sequence 9 decodes at 2 (page 200).
+        let (t0, t1) = ([11u32, 12, 13], [21u32]);
+        let spans = [
+            SeqSpan {
+                seq: 4,
+                start: 5,
+                tokens: &t0,
+                logits: LogitsWanted::All,
+            },
+            SeqSpan {
+                seq: 9,
+                start: 2,
+                tokens: &t1,
+                logits: LogitsWanted::Last,
+            },
+        ];
+        let tok = [(0, 5), (0, 6), (0, 7), (1, 2)];
+        let rows = [0, 1, 2, 3];
+        let pages = [100, 101, 200];
+        let mut out = Vec::new();
+        let fixed = pack_inputs(&mut out, &spans, &tok, &rows, &[0, 2], &pages, 4, 999);
+        let n = 4;
+        assert_eq!(&out[..n], &[11, 12, 13, 21]);
+        assert_eq!(&out[n..2 * n], &[5, 6, 7, 2]);
+        assert_eq!(&out[2 * n..3 * n], &[0, 0, 0, 2]);
+        assert_eq!(&out[3 * n..4 * n], &[101, 101, 101, 200]);
+        assert_eq!(&out[4 * n..5 * n], &[1, 2, 3, 2]);
+        assert_eq!(&out[5 * n..fixed], &[0, 1, 2, 3]);
+        assert_eq!(&out[fixed..], &pages);
+        // Two tokens writing one slot (sequence 9 pointed at sequence 4's
+        // page by a corrupted table): the earlier one goes to the sink.
+        let pages = [100, 101, 101];
+        pack_inputs(
+            &mut out,
+            &spans,
+            &[(0, 5), (0, 6), (0, 7), (1, 3)],
+            &rows,
+            &[0, 2],
+            &pages,
+            4,
+            999,
+        );
+        assert_eq!(&out[3 * n..4 * n], &[101, 101, 999, 101]);
     }
 
     #[test]

@@ -25,7 +25,7 @@ use lmrr_kernels::cuda::resident::{DevBuf, DevMatrix, Graph, PageLayout, PageTab
 use lmrr_kernels::cuda::Gpu;
 
 use crate::kv::KvCache;
-use crate::model::device_kv::KvMirror;
+use crate::model::device_kv::{pack_inputs, KvMirror};
 use crate::model::{gpu_err, SeqSpan};
 use crate::weights::Tensor;
 use crate::EngineError;
@@ -355,37 +355,20 @@ impl Resident {
             }
             Ok(())
         })?;
-        let hin = &mut st.host_in;
-        hin.clear();
-        hin.extend(
-            spans
-                .iter()
-                .flat_map(|s| s.tokens.iter().map(|&t| t as u64)),
+        let sink = mirror.sink();
+        let fixed = pack_inputs(
+            &mut st.host_in,
+            spans,
+            tok,
+            rows,
+            &span_off,
+            &pages,
+            block_len,
+            sink,
         );
-        hin.extend(tok.iter().map(|&(_, p)| p as u64));
-        hin.extend(tok.iter().map(|&(si, _)| span_off[si] as u64));
-        let dst: Vec<(u64, u64)> = tok
-            .iter()
-            .map(|&(si, p)| (pages[span_off[si] + p / block_len], (p % block_len) as u64))
-            .collect();
-        // A slot written twice in one step keeps the last token's rows.
-        let mut seen = std::collections::HashSet::new();
-        let mut dst_ptr = vec![0u64; n];
-        for (i, &(page, slot)) in dst.iter().enumerate().rev() {
-            dst_ptr[i] = if seen.insert((page, slot)) {
-                page
-            } else {
-                mirror.sink()
-            };
-        }
-        hin.extend(&dst_ptr);
-        hin.extend(dst.iter().map(|&(_, s)| s));
-        hin.extend(rows.iter().map(|&r| r as u64));
-        let fixed = hin.len();
-        hin.extend(&pages);
 
         // Buffers: grow (and drop the graphs that name the old ones).
-        let need_in = hin.len();
+        let need_in = st.host_in.len();
         if st.inputs.as_ref().is_none_or(|(_, cap)| *cap < need_in) {
             st.graphs.clear();
             st.inputs = None;
