@@ -29,6 +29,7 @@ pub mod attention;
 pub mod attention_variants;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod cuda_source;
 pub mod exp;
 pub mod hyper;
 pub mod matmul;

@@ -1,0 +1,156 @@
+// Runs kernels.cu's kernels on the CPU emulation (cuda_emu.h) with the
+// launch shapes kernels/src/cuda/ uses, for kernels/tests/cuda_emulated.rs.
+//
+// Protocol: stdin holds one job: a text line `NAME int...` and then its
+// arrays, each a u64 byte count and the bytes; stdout gets the outputs the
+// same way. Exit 2 on a malformed job.
+#include "cuda_emu.h"
+
+// The source under test: kernels.cu, or a negative control's variant of it.
+#ifndef KERNELS_CU
+#define KERNELS_CU "../kernels.cu"
+#endif
+#include KERNELS_CU
+
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+#include <string>
+
+static std::vector<unsigned char> read_array() {
+    uint64_t n = 0;
+    if (std::fread(&n, 8, 1, stdin) != 1) std::exit(2);
+    std::vector<unsigned char> v(n);
+    if (n && std::fread(v.data(), 1, n, stdin) != n) std::exit(2);
+    return v;
+}
+
+template <class T>
+static std::vector<T> read_as() {
+    auto b = read_array();
+    std::vector<T> v(b.size() / sizeof(T));
+    std::memcpy(v.data(), b.data(), v.size() * sizeof(T));
+    return v;
+}
+
+template <class T>
+static void write_array(const std::vector<T>& v) {
+    uint64_t n = v.size() * sizeof(T);
+    std::fwrite(&n, 8, 1, stdout);
+    std::fwrite(v.data(), 1, n, stdout);
+}
+
+static unsigned blocks_of(long long threads, unsigned per) { return (unsigned)((threads + per - 1) / per); }
+
+int main() {
+    std::string line;
+    {
+        int c;
+        while ((c = std::fgetc(stdin)) != EOF && c != '\n') line.push_back((char)c);
+    }
+    std::istringstream hs(line);
+    std::string job;
+    hs >> job;
+    if (job == "matmul") {
+        // matmul KERNEL kind n rows k
+        std::string kernel;
+        int kind, n, rows, k;
+        hs >> kernel >> kind >> n >> rows >> k;
+        auto x = read_as<float>();
+        auto w = read_array();
+        long long row_bytes = rows ? (long long)(w.size() / rows) : 0;
+        std::vector<float> y((size_t)n * rows, std::nanf(""));
+        const float* xp = x.data();
+        const unsigned char* wp = w.data();
+        float* yp = y.data();
+        if (kernel == "thread") {
+            emu::launch(blocks_of((long long)n * rows, 128), 128, [&] { matmul(kind, xp, wp, yp, n, rows, k, row_bytes); });
+        } else if (kernel == "warp") {
+            emu::launch(blocks_of((long long)n * rows * 32, 128), 128, [&] { matmul_warp(kind, xp, wp, yp, n, rows, k, row_bytes); });
+        } else if (kernel == "tile") {
+            long long warps = (long long)rows * ((n + MM_TOKENS - 1) / MM_TOKENS);
+            emu::launch(blocks_of(warps * 32, 128), 128, [&] { matmul_tile(kind, xp, wp, yp, n, rows, k, row_bytes); });
+        } else if (kernel == "rows") {
+            unsigned b = (unsigned)(rows * ((n + MM_TOKENS - 1) / MM_TOKENS));
+            emu::launch(b, 8 * MR_GROUPS, [&] { matmul_rows(kind, xp, wp, yp, n, rows, k, row_bytes); });
+        } else if (kernel == "gemm") {
+            unsigned b = (unsigned)(((rows + GM_ROWS - 1) / GM_ROWS) * ((n + GM_TOKS - 1) / GM_TOKS));
+            emu::launch(b, GM_THREADS, [&] { matmul_gemm(kind, xp, wp, yp, n, rows, k, row_bytes); });
+        } else {
+            return 2;
+        }
+        write_array(y);
+    } else if (job == "multi") {
+        // multi kind n k rows0 rows1 rows2: three matrices, one launch
+        int kind, n, k, r0, r1, r2;
+        hs >> kind >> n >> k >> r0 >> r1 >> r2;
+        auto x = read_as<float>();
+        auto w0 = read_array(), w1 = read_array(), w2 = read_array();
+        std::vector<float> y0((size_t)n * r0), y1((size_t)n * r1), y2((size_t)n * r2 + 1);
+        auto rb = [](const std::vector<unsigned char>& w, int r) { return r ? (long long)(w.size() / r) : 0LL; };
+        int tiles = (n + MM_TOKENS - 1) / MM_TOKENS;
+        unsigned b = (unsigned)((r0 + r1 + r2) * tiles);
+        emu::launch(b, 8 * MR_GROUPS, [&] {
+            matmul_multi(kind, x.data(), n, k, w0.data(), y0.data(), r0, rb(w0, r0), w1.data(), y1.data(), r1,
+                         rb(w1, r1), w2.data(), y2.data(), r2, rb(w2, r2));
+        });
+        y2.resize((size_t)n * r2);
+        write_array(y0);
+        write_array(y1);
+        write_array(y2);
+    } else if (job == "norm") {
+        // norm KERNEL rows d add eps_bits: out, then x after the add
+        std::string kernel;
+        int rows, d, add;
+        unsigned eps_bits;
+        hs >> kernel >> rows >> d >> add >> eps_bits;
+        float eps = __uint_as_float(eps_bits);
+        auto x = read_as<float>();
+        auto y = read_as<float>();
+        auto w = read_as<float>();
+        std::vector<float> out(x.size(), std::nanf(""));
+        if (kernel == "warp") {
+            unsigned b = blocks_of((long long)rows * 32, 128);
+            if (add)
+                emu::launch(b, 128, [&] { add_norm(x.data(), y.data(), w.data(), out.data(), rows, d, eps); });
+            else
+                emu::launch(b, 128, [&] { rms_norm_warp(x.data(), w.data(), out.data(), rows, d, eps); });
+        } else if (kernel == "block") {
+            emu::launch((unsigned)rows, 8 * MR_GROUPS,
+                        [&] { norm_block(x.data(), y.data(), w.data(), out.data(), rows, d, eps, add); });
+        } else {
+            return 2;
+        }
+        write_array(out);
+        write_array(x);
+    } else if (job == "attention") {
+        // attention tasks nh nkv hd page_len scale_bits: q, pages (floats,
+        // whole pages of one layer), page index per table entry, seq_off,
+        // pos (u64 each)
+        int tasks, nh, nkv, hd, page_len;
+        unsigned scale_bits;
+        hs >> tasks >> nh >> nkv >> hd >> page_len >> scale_bits;
+        float scale = __uint_as_float(scale_bits);
+        auto q = read_as<float>();
+        auto pages = read_as<float>();
+        auto index = read_as<uint64_t>();
+        auto seq_off = read_as<uint64_t>();
+        auto pos = read_as<uint64_t>();
+        int kvd = nkv * hd;
+        size_t page_floats = (size_t)page_len * 2 * kvd;
+        std::vector<unsigned long long> table(index.size());
+        for (size_t i = 0; i < index.size(); ++i)
+            table[i] = (unsigned long long)(uintptr_t)(pages.data() + index[i] * page_floats);
+        std::vector<unsigned long long> so(seq_off.begin(), seq_off.end()), ps(pos.begin(), pos.end());
+        std::vector<float> out((size_t)tasks * nh * hd, std::nanf(""));
+        emu::launch((unsigned)(tasks * nh), ATTN_THREADS, [&] {
+            attention_paged(q.data(), table.data(), so.data(), ps.data(), out.data(), nh, nkv, hd, 0, page_len, 0,
+                            scale);
+        });
+        write_array(out);
+    } else {
+        return 2;
+    }
+    std::fflush(stdout);
+    return 0;
+}

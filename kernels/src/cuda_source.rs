@@ -1,0 +1,122 @@
+//! The CUDA source (`kernels/cuda/kernels.cu`) and its negative controls:
+//! plain text, built with or without the `cuda` feature, so that the
+//! emulated-kernel tests (`tests/cuda_emulated.rs`) and the NVRTC compile
+//! check see exactly what the device compiles.
+
+/// The kernels' source, compiled at `cuda::Gpu::open`.
+pub const SOURCE: &str = include_str!("../cuda/kernels.cu");
+
+/// A negative control of the device check: `source` is [`SOURCE`] with one
+/// canonical-order detail broken (or multiply-add contraction allowed when
+/// `fmad`), so some kernel must give other bits; a check that cannot see it
+/// proves nothing.
+pub struct Control {
+    pub label: &'static str,
+    pub source: String,
+    pub fmad: bool,
+}
+
+/// Every negative control, in `gpu_check`'s order; an error names a control
+/// whose target text is no longer in kernels.cu (it would test nothing).
+pub fn negative_controls() -> Result<Vec<Control>, String> {
+    const MUTATIONS: &[(&str, &str, &str)] = &[
+        (
+            "lane tree (l0+l1)+(l2+l3)…",
+            "float t0 = l[0] + l[4], t1 = l[1] + l[5], t2 = l[2] + l[6], t3 = l[3] + l[7];",
+            "float t0 = l[0] + l[1], t1 = l[4] + l[5], t2 = l[2] + l[3], t3 = l[6] + l[7];",
+        ),
+        (
+            "matmul_warp lane tree xor 1 before xor 4",
+            "l = l + __shfl_xor_sync(0xffffffffu, l, 4);\n        l = l + __shfl_xor_sync(0xffffffffu, l, 2);\n        l = l + __shfl_xor_sync(0xffffffffu, l, 1);",
+            "l = l + __shfl_xor_sync(0xffffffffu, l, 1);\n        l = l + __shfl_xor_sync(0xffffffffu, l, 2);\n        l = l + __shfl_xor_sync(0xffffffffu, l, 4);",
+        ),
+        (
+            "matmul_warp chunk partials summed as a tree",
+            "total = total + p0;\n        if (q + 1 < chunks) total = total + p1;",
+            "total = total + (q + 1 < chunks ? p0 + p1 : p0);\n        if (false) total = total + p1;",
+        ),
+        (
+            "matmul_tile chunk partials summed as a tree",
+            "tot = tot + p0;\n                        if (q + 1 < chunks) tot = tot + p1;",
+            "tot = tot + (q + 1 < chunks ? p0 + p1 : p0);\n                        if (false) tot = tot + p1;",
+        ),
+        (
+            "matmul_rows chunk partials summed in reverse",
+            "for (int c = 0; c < chunks; ++c) total = total + part[tt][c];",
+            "for (int c = chunks - 1; c >= 0; --c) total = total + part[tt][c];",
+        ),
+        (
+            "matmul_gemm lane tree pairs (0,1) first",
+            "w4[k] = keep + __shfl_xor_sync(0xffffffffu, send, 4);",
+            "w4[k] = keep + __shfl_xor_sync(0xffffffffu, send, 1);",
+        ),
+        (
+            "norm_block partials summed in reverse",
+            "for (int c = 0; c < chunks; ++c) ss = ss + part[c];",
+            "for (int c = chunks - 1; c >= 0; --c) ss = ss + part[c];",
+        ),
+        (
+            "attention_paged P·V as mul + add",
+            "a = fmaf(sc[j0 + i], vv, a);",
+            "a = sc[j0 + i] * vv + a;",
+        ),
+        (
+            "attention_paged softmax sum in reverse",
+            "for (int i = j0; i < j1; ++i) lt = lt + sc[i];",
+            "for (int i = j1 - 1; i >= j0; --i) lt = lt + sc[i];",
+        ),
+        (
+            "attention_paged each tile rescaled by its own max (no running max)",
+            "float mn = tm[tt] > mr ? tm[tt] : mr;",
+            "float mn = tm[tt];",
+        ),
+        (
+            "sigmoid through expf",
+            "return 1.0f / (1.0f + det_exp(-x));",
+            "return 1.0f / (1.0f + expf(-x));",
+        ),
+        (
+            "Sinkhorn rows times the reciprocal of the sum",
+            "m[i * h + j] = m[i * h + j] / s;  // row",
+            "m[i * h + j] = m[i * h + j] * (1.0f / s);  // row",
+        ),
+        (
+            "hc_pre mul + add instead of fmaf",
+            "acc = fmaf(pre[t * h + i], x[(t * h + i) * d + c], acc);",
+            "acc = pre[t * h + i] * x[(t * h + i) * d + c] + acc;",
+        ),
+        (
+            "hc_post post term mul + add",
+            "out[idx] = fmaf(post[ti], y[t * d + c], acc);",
+            "out[idx] = post[ti] * y[t * d + c] + acc;",
+        ),
+        (
+            "moe_combine mul + add instead of fmaf",
+            "acc = fmaf(gates[e], ys[(long long)e * d + c], acc);",
+            "acc = gates[e] * ys[(long long)e * d + c] + acc;",
+        ),
+        (
+            "index_scores heads summed in reverse",
+            "for (int hh = 0; hh < heads; ++hh) {",
+            "for (int hh = heads - 1; hh >= 0; --hh) {",
+        ),
+    ];
+    let mut out = vec![Control {
+        label: "fmad=true",
+        source: SOURCE.to_string(),
+        fmad: true,
+    }];
+    for &(label, from, to) in MUTATIONS {
+        if !SOURCE.contains(from) {
+            return Err(format!(
+                "control `{label}`: kernels.cu no longer contains its target"
+            ));
+        }
+        out.push(Control {
+            label,
+            source: SOURCE.replace(from, to),
+            fmad: false,
+        });
+    }
+    Ok(out)
+}

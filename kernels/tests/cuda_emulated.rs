@@ -1,0 +1,459 @@
+//! kernels.cu's resident kernels, run on the CPU through a CUDA emulation
+//! (`kernels/cuda/emu/`: the same source compiled by the host's C++
+//! compiler, each GPU thread an OS thread, shuffles and barriers emulated),
+//! against the CPU fast path, bit for bit. This checks the kernels' index
+//! arithmetic and reduction orders on every machine, CI included; the device
+//! itself is checked by `gpu_check` (register, memory-model and compiler
+//! differences can only show there). Skipped, with the reason printed,
+//! where no `g++` is found.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+use lmrr_kernels::*;
+
+fn have_gxx() -> bool {
+    let ok = Command::new("g++").arg("--version").output().is_ok();
+    if !ok {
+        eprintln!("SKIPPED: no g++ to build the CUDA emulation");
+    }
+    ok
+}
+
+/// Builds the emulation of `source` (kernels.cu's text, or a variant) as
+/// `name`; `contract` lets the host compiler contract multiply-adds.
+fn build(name: &str, source: &str, contract: bool) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("cuda/emu");
+    let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let cu = tmp.join(format!("{name}.cu"));
+    std::fs::write(&cu, source).expect("write the source");
+    let out = tmp.join(name);
+    let mut cmd = Command::new("g++");
+    cmd.args(["-std=c++20", "-O2", "-pthread", "-w"])
+        .arg(if contract {
+            "-ffp-contract=fast"
+        } else {
+            "-ffp-contract=off"
+        })
+        .arg(format!("-DKERNELS_CU=\"{}\"", cu.display()))
+        .arg("-o")
+        .arg(&out)
+        .arg(dir.join("runner.cpp"));
+    if contract {
+        cmd.arg("-mfma");
+    }
+    let st = cmd.status().expect("run g++");
+    assert!(
+        st.success(),
+        "{name}: the source does not build under the emulation"
+    );
+    out
+}
+
+fn emulator() -> Option<&'static PathBuf> {
+    static BIN: OnceLock<Option<PathBuf>> = OnceLock::new();
+    BIN.get_or_init(|| {
+        have_gxx().then(|| build("cuda_emu", lmrr_kernels::cuda_source::SOURCE, false))
+    })
+    .as_ref()
+}
+
+/// Runs one job; returns its output arrays.
+fn job(line: &str, arrays: &[&[u8]]) -> Vec<Vec<u8>> {
+    job_on(emulator().expect("emulator"), line, arrays)
+}
+
+fn job_on(bin: &PathBuf, line: &str, arrays: &[&[u8]]) -> Vec<Vec<u8>> {
+    let mut child = Command::new(bin)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start the emulator");
+    {
+        let mut stdin = child.stdin.take().expect("stdin");
+        stdin.write_all(line.as_bytes()).unwrap();
+        stdin.write_all(b"\n").unwrap();
+        for a in arrays {
+            stdin.write_all(&(a.len() as u64).to_le_bytes()).unwrap();
+            stdin.write_all(a).unwrap();
+        }
+    }
+    let out = child.wait_with_output().expect("emulator output");
+    assert!(
+        out.status.success(),
+        "job `{line}` failed: {:?}",
+        out.status
+    );
+    let mut rest = &out.stdout[..];
+    let mut arrays = Vec::new();
+    while rest.len() >= 8 {
+        let n = u64::from_le_bytes(rest[..8].try_into().unwrap()) as usize;
+        arrays.push(rest[8..8 + n].to_vec());
+        rest = &rest[8 + n..];
+    }
+    arrays
+}
+
+fn bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn bytes64(v: &[u64]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn floats(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn differing(a: &[f32], b: &[f32]) -> usize {
+    a.iter()
+        .zip(b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count()
+        + a.len().abs_diff(b.len())
+}
+
+/// Quantized blocks with realistic f16 scales.
+fn blocks(r: &mut SplitMix64, kind: QuantKind, n: usize) -> Vec<u8> {
+    let bb = kind.block_bytes();
+    let mut out: Vec<u8> = (0..n * bb).map(|_| r.next_u64() as u8).collect();
+    for b in out.chunks_exact_mut(bb) {
+        let h = ((r.next_u64() as u16 & 1) << 15)
+            | ((7 + (r.next_u64() % 3) as u16) << 10)
+            | (r.next_u64() as u16 & 0x3ff);
+        b[..2].copy_from_slice(&h.to_le_bytes());
+        if kind == QuantKind::Q4_1 {
+            let m = ((r.next_u64() as u16 & 1) << 15)
+                | ((9 + (r.next_u64() % 3) as u16) << 10)
+                | (r.next_u64() as u16 & 0x3ff);
+            b[2..4].copy_from_slice(&m.to_le_bytes());
+        }
+    }
+    out
+}
+
+#[test]
+fn matmul_kernels_match_the_cpu() {
+    if emulator().is_none() {
+        return;
+    }
+    let th = Threads::new(2).expect("threads");
+    let mut r = SplitMix64(5);
+    // (rows, cols, tokens): tails of rows, tokens and chunks; more chunks
+    // than matmul_rows has groups (1088 = 17 chunks); gemm's row and token
+    // tiles both partial.
+    for &(rows, cols, n) in &[
+        (7usize, 96usize, 3usize),
+        (33, 160, 17),
+        (20, 1088, 9),
+        (65, 64, 40),
+    ] {
+        let x = r.uniform_vec(n * cols, 2.0);
+        let wf = r.uniform_vec(rows * cols, 0.5);
+        let wb: Vec<u16> = wf.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+        let q40 = blocks(&mut r, QuantKind::Q4_0, rows * cols / 32);
+        let q41 = blocks(&mut r, QuantKind::Q4_1, rows * cols / 32);
+        let q80 = blocks(&mut r, QuantKind::Q8_0, rows * cols / 32);
+        let wbb: Vec<u8> = wb.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let storages: [(&str, i32, Weights, Vec<u8>); 5] = [
+            ("f32", 0, Weights::F32(&wf), bytes(&wf)),
+            ("bf16", 1, Weights::Bf16(&wb), wbb),
+            (
+                "Q4_0",
+                2,
+                Weights::Quant(QuantKind::Q4_0, &q40),
+                q40.clone(),
+            ),
+            (
+                "Q4_1",
+                3,
+                Weights::Quant(QuantKind::Q4_1, &q41),
+                q41.clone(),
+            ),
+            (
+                "Q8_0",
+                4,
+                Weights::Quant(QuantKind::Q8_0, &q80),
+                q80.clone(),
+            ),
+        ];
+        for (label, kind, w, raw) in storages {
+            let m = Matrix::new(w, rows, cols).expect("shape");
+            let mut cpu = vec![0.0; n * rows];
+            matmul(&th, &x, n, &m, &mut cpu);
+            for kernel in ["warp", "tile", "rows", "gemm"] {
+                let out = job(
+                    &format!("matmul {kernel} {kind} {n} {rows} {cols}"),
+                    &[&bytes(&x), &raw],
+                );
+                let dev = floats(&out[0]);
+                assert_eq!(
+                    differing(&cpu, &dev),
+                    0,
+                    "matmul_{kernel} {label} {n}×{cols}·{cols}×{rows}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_multi_matches_three_matmuls() {
+    if emulator().is_none() {
+        return;
+    }
+    let th = Threads::new(2).expect("threads");
+    let mut r = SplitMix64(6);
+    let (cols, n) = (192, 5);
+    let x = r.uniform_vec(n * cols, 2.0);
+    let ws: Vec<Vec<f32>> = [24usize, 8, 8]
+        .iter()
+        .map(|&rows| r.uniform_vec(rows * cols, 0.5))
+        .collect();
+    let out = job(
+        &format!("multi 0 {n} {cols} 24 8 8"),
+        &[&bytes(&x), &bytes(&ws[0]), &bytes(&ws[1]), &bytes(&ws[2])],
+    );
+    for (i, w) in ws.iter().enumerate() {
+        let rows = w.len() / cols;
+        let m = Matrix::new(Weights::F32(w), rows, cols).expect("shape");
+        let mut cpu = vec![0.0; n * rows];
+        matmul(&th, &x, n, &m, &mut cpu);
+        assert_eq!(differing(&cpu, &floats(&out[i])), 0, "matrix {i}");
+    }
+}
+
+#[test]
+fn norm_kernels_match_the_cpu() {
+    if emulator().is_none() {
+        return;
+    }
+    let mut r = SplitMix64(7);
+    let eps = 1e-5f32;
+    for &(rows, d) in &[(3usize, 100usize), (2, 576), (1, 1100), (4, 7)] {
+        let x = r.uniform_vec(rows * d, 3.0);
+        let y = r.uniform_vec(rows * d, 1.0);
+        let w = r.uniform_vec(d, 1.5);
+        let sum: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+        for add in [false, true] {
+            let src = if add { &sum } else { &x };
+            let mut cpu = vec![0.0; src.len()];
+            rms_norm(src, &w, eps, &mut cpu);
+            for kernel in ["warp", "block"] {
+                let out = job(
+                    &format!(
+                        "norm {kernel} {rows} {d} {} {}",
+                        u8::from(add),
+                        eps.to_bits()
+                    ),
+                    &[&bytes(&x), &bytes(&y), &bytes(&w)],
+                );
+                let what = format!("{kernel} norm {rows}×{d}, add {add}");
+                assert_eq!(differing(&cpu, &floats(&out[0])), 0, "{what}");
+                assert_eq!(
+                    differing(src, &floats(&out[1])),
+                    0,
+                    "{what}: the sum written back"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn paged_attention_matches_the_cpu() {
+    if emulator().is_none() {
+        return;
+    }
+    let th = Threads::new(2).expect("threads");
+    let mut r = SplitMix64(8);
+    // (heads, kv heads, head_dim, positions, page_len): tile edges; pages of
+    // one position; head dims of several chunks; contexts past one
+    // super-chunk (2,048 positions at head_dim 64, 512 at 256), where the
+    // running max and the merge cross super-chunks.
+    let cases: &[(usize, usize, usize, &[usize], usize)] = &[
+        (4, 2, 64, &[0, 31, 32, 70], 16),
+        (4, 2, 64, &[5, 40], 1),
+        (3, 3, 80, &[95], 7),
+        (2, 1, 128, &[200], 16),
+        (2, 1, 256, &[1100], 64),
+        (2, 2, 64, &[2100], 32),
+    ];
+    for &(nh, nkv, hd, positions, page_len) in cases {
+        let shape = AttnShape {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+        };
+        let kvd = shape.kv_dim();
+        let cap = positions.iter().max().unwrap() + 1;
+        let pages = cap.div_ceil(page_len);
+        // One sequence's pages, stored in reverse order (the table decides).
+        let k: Vec<f32> = r.uniform_vec(pages * page_len * kvd, 3.0);
+        let v: Vec<f32> = r.uniform_vec(pages * page_len * kvd, 1.0);
+        let view = KvView {
+            block_len: page_len,
+            k: k.chunks(page_len * kvd).collect(),
+            v: v.chunks(page_len * kvd).collect(),
+        };
+        let mut store = vec![0.0f32; pages * page_len * 2 * kvd];
+        for b in 0..pages {
+            let slot = pages - 1 - b;
+            let dst = &mut store[slot * page_len * 2 * kvd..(slot + 1) * page_len * 2 * kvd];
+            dst[..page_len * kvd].copy_from_slice(view.k[b]);
+            dst[page_len * kvd..].copy_from_slice(view.v[b]);
+        }
+        let index: Vec<u64> = (0..pages).map(|b| (pages - 1 - b) as u64).collect();
+        let qs: Vec<Vec<f32>> = positions
+            .iter()
+            .map(|_| r.uniform_vec(shape.q_dim(), 2.0))
+            .collect();
+        let tasks: Vec<AttnTask> = positions
+            .iter()
+            .zip(&qs)
+            .map(|(&pos, q)| AttnTask { q, kv: &view, pos })
+            .collect();
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut cpu = vec![0.0; tasks.len() * shape.q_dim()];
+        attention(&th, &tasks, &shape, scale, &mut cpu);
+        let q: Vec<f32> = qs.concat();
+        let seq_off = vec![0u64; tasks.len()];
+        let pos: Vec<u64> = positions.iter().map(|&p| p as u64).collect();
+        let out = job(
+            &format!(
+                "attention {} {nh} {nkv} {hd} {page_len} {}",
+                tasks.len(),
+                scale.to_bits()
+            ),
+            &[
+                &bytes(&q),
+                &bytes(&store),
+                &bytes64(&index),
+                &bytes64(&seq_off),
+                &bytes64(&pos),
+            ],
+        );
+        assert_eq!(
+            differing(&cpu, &floats(&out[0])),
+            0,
+            "attention_paged {nh}/{nkv} × {hd}, positions {positions:?}, pages of {page_len}"
+        );
+    }
+}
+
+/// The tests above can fail: every negative control that breaks one of the
+/// kernels they run (its source built and run the same way) gives other bits
+/// on a small case of that kernel. Contraction (`fmad=true` on the device)
+/// is played by the host compiler's own (`-ffp-contract=fast -mfma`).
+#[test]
+fn the_emulation_sees_each_broken_kernel() {
+    if !have_gxx() {
+        return;
+    }
+    let th = Threads::new(2).expect("threads");
+    let mut r = SplitMix64(9);
+    // One small case per kernel family, with its CPU answer.
+    let (rows, cols, n) = (40usize, 1088usize, 20usize);
+    let x = r.uniform_vec(n * cols, 2.0);
+    let wf = r.uniform_vec(rows * cols, 0.5);
+    let m = Matrix::new(Weights::F32(&wf), rows, cols).expect("shape");
+    let mut mm_cpu = vec![0.0; n * rows];
+    matmul(&th, &x, n, &m, &mut mm_cpu);
+    let (dn, nr) = (1100usize, 2usize);
+    let nx = r.uniform_vec(nr * dn, 3.0);
+    let nw = r.uniform_vec(dn, 1.5);
+    let mut norm_cpu = vec![0.0; nx.len()];
+    rms_norm(&nx, &nw, 1e-5, &mut norm_cpu);
+    // Scores of one size (keys small): many p of a tile alike, so that the
+    // order of their sum shows.
+    let shape = AttnShape {
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 64,
+    };
+    let pos = 100usize;
+    let k = r.uniform_vec((pos + 1) * 128, 0.3);
+    let v = r.uniform_vec((pos + 1) * 128, 1.0);
+    let view = KvView {
+        block_len: pos + 1,
+        k: vec![&k],
+        v: vec![&v],
+    };
+    let q = r.uniform_vec(256, 2.0);
+    let mut at_cpu = vec![0.0; 256];
+    attention(
+        &th,
+        &[AttnTask {
+            q: &q,
+            kv: &view,
+            pos,
+        }],
+        &shape,
+        0.125,
+        &mut at_cpu,
+    );
+    let store: Vec<f32> = [k.as_slice(), v.as_slice()].concat();
+    let controls = lmrr_kernels::cuda_source::negative_controls().unwrap_or_else(|e| panic!("{e}"));
+    let mut seen = 0;
+    for (i, c) in controls.iter().enumerate() {
+        // Controls of kernels these tests do not run (the one-thread
+        // references' lane tree, the mini-v4 ops, sigmoid) are gpu_check's.
+        let what = c.label;
+        let ours = [
+            "matmul_warp",
+            "matmul_tile",
+            "matmul_rows",
+            "matmul_gemm",
+            "attention_paged",
+            "norm_block",
+            "fmad",
+        ]
+        .iter()
+        .any(|p| what.contains(p));
+        if !ours {
+            continue;
+        }
+        let bin = build(&format!("control_{i}"), &c.source, c.fmad);
+        let mut d = 0;
+        for kernel in ["warp", "tile", "rows", "gemm"] {
+            let out = job_on(
+                &bin,
+                &format!("matmul {kernel} 0 {n} {rows} {cols}"),
+                &[&bytes(&x), &bytes(&wf)],
+            );
+            d += differing(&mm_cpu, &floats(&out[0]));
+        }
+        for kernel in ["warp", "block"] {
+            let out = job_on(
+                &bin,
+                &format!("norm {kernel} {nr} {dn} 0 {}", 1e-5f32.to_bits()),
+                &[&bytes(&nx), &bytes(&nx), &bytes(&nw)],
+            );
+            d += differing(&norm_cpu, &floats(&out[0]));
+        }
+        let out = job_on(
+            &bin,
+            &format!("attention 1 4 2 64 {} {}", pos + 1, 0.125f32.to_bits()),
+            &[
+                &bytes(&q),
+                &bytes(&store),
+                &bytes64(&[0]),
+                &bytes64(&[0]),
+                &bytes64(&[pos as u64]),
+            ],
+        );
+        d += differing(&at_cpu, &floats(&out[0]));
+        println!("negative control `{what}`: {d} differing bits");
+        assert!(
+            d > 0,
+            "control `{what}`: the emulated kernels give the CPU's bits anyway"
+        );
+        seen += 1;
+    }
+    assert!(seen >= 8, "{seen} controls run");
+}
