@@ -593,6 +593,132 @@ extern "C" __global__ void norm_block(float* x, const float* y, const float* w, 
     for (int i = threadIdx.x; i < d; i += blockDim.x) out[r * d + i] = (xr[i] * inv) * w[i];
 }
 
+// ---- Fused decode kernels (LMRR_CUDA_NEXT=1): one launch where the
+// default path has two or three, for steps of at most MM_TOKENS tokens.
+
+// Partials of one weight row wr for the tile's tokens into part[tt][c], as
+// mm_rows_block computes them; with nw, each input is the token's RMSNorm,
+// (x_i * inv[tt]) * nw[i], made on the fly by the same two roundings.
+__device__ __forceinline__ void fz_partials(int kind, const float* x, const unsigned char* wr, int tn, int k,
+                                            int t0, const float* nw, const float* inv,
+                                            float (*part)[MR_MAX_CHUNKS]) {
+    int g = threadIdx.x >> 3, j = threadIdx.x & 7;
+    int chunks = (k + CHUNK - 1) / CHUNK;
+    for (int cb = 0; cb < chunks; cb += MR_GROUPS) {
+        int c = cb + g;
+        int base = c * CHUNK + j;
+        int cend = c < chunks ? min(c * CHUNK + CHUNK, k) : 0;
+        float wv[CHUNK / LANES];
+        #pragma unroll
+        for (int s = 0; s < CHUNK / LANES; ++s) {
+            int i = base + s * LANES;
+            wv[s] = i < cend ? weight(kind, wr, i) : 0.0f;
+        }
+        #pragma unroll
+        for (int tt = 0; tt < MM_TOKENS; ++tt) {
+            if (tt < tn) {  // uniform over the block
+                const float* xr = x + (long long)(t0 + tt) * k;
+                float l = 0.0f;
+                #pragma unroll
+                for (int s = 0; s < CHUNK / LANES; ++s) {
+                    int i = base + s * LANES;
+                    if (i < cend) {
+                        float xv = nw ? (xr[i] * inv[tt]) * nw[i] : xr[i];
+                        l = fmaf(xv, wv[s], l);
+                    }
+                }
+                l = l + __shfl_xor_sync(0xffffffffu, l, 4);
+                l = l + __shfl_xor_sync(0xffffffffu, l, 2);
+                l = l + __shfl_xor_sync(0xffffffffu, l, 1);
+                if (j == 0 && c < chunks) part[tt][c] = l;
+            }
+        }
+    }
+}
+
+// inv[tt] = 1 / sqrt(dot(x_t, x_t) / k + eps) for the tile's tokens: the
+// canonical dot's chunk partials by the groups, summed in chunk order
+// (rms_norm's value), `part` used as scratch.
+__device__ __forceinline__ void fz_norm_inv(const float* x, int tn, int k, int t0, float eps,
+                                            float (*part)[MR_MAX_CHUNKS], float* inv) {
+    int g = threadIdx.x >> 3, j = threadIdx.x & 7;
+    int chunks = (k + CHUNK - 1) / CHUNK;
+    for (int cb = 0; cb < chunks; cb += MR_GROUPS) {
+        int c = cb + g;
+        int cend = c < chunks ? min(c * CHUNK + CHUNK, k) : 0;
+        for (int tt = 0; tt < tn; ++tt) {
+            const float* xr = x + (long long)(t0 + tt) * k;
+            float l = 0.0f;
+            for (int i = c * CHUNK + j; i < cend; i += LANES) l = fmaf(xr[i], xr[i], l);
+            l = l + __shfl_xor_sync(0xffffffffu, l, 4);
+            l = l + __shfl_xor_sync(0xffffffffu, l, 2);
+            l = l + __shfl_xor_sync(0xffffffffu, l, 1);
+            if (j == 0 && c < chunks) part[tt][c] = l;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < tn) {
+        int tt = threadIdx.x;
+        float ss = 0.0f;
+        for (int c = 0; c < chunks; ++c) ss = ss + part[tt][c];
+        inv[tt] = 1.0f / sqrtf(ss / (float)k + eps);
+    }
+    __syncthreads();
+}
+
+// Up to three matmuls of one input, one block per (row, token tile), with
+// an optional RMSNorm of the input made in the block (nw non-null) and an
+// epilogue by `mode`: 0 stores y = x·Wᵀ (q, k, v; the output head);
+// 1 accumulates y = y + x·Wᵀ into y0 (the residual add after o and down);
+// 2 computes rows o of W0 and W1 in one block and stores
+// y0 = silu(x·W0ᵀ) · (x·W1ᵀ) (gate, up and SwiGLU). Every output is the
+// value the separate kernels compute, by the same operations.
+extern "C" __global__ void matmul_fused(int kind, const float* x, int n, int k, const float* nw, float eps,
+                                        int mode, const unsigned char* w0, float* y0, int rows0, long long rb0,
+                                        const unsigned char* w1, float* y1, int rows1, long long rb1,
+                                        const unsigned char* w2, float* y2, int rows2, long long rb2) {
+    __shared__ float part[MM_TOKENS][MR_MAX_CHUNKS];
+    __shared__ float part2[MM_TOKENS][MR_MAX_CHUNKS];
+    __shared__ float inv[MM_TOKENS];
+    int tiles = (n + MM_TOKENS - 1) / MM_TOKENS;
+    int b = blockIdx.x;
+    const unsigned char* w = w0;
+    float* y = y0;
+    int rows = rows0;
+    long long rb = rb0;
+    if (mode != 2 && b >= rows0 * tiles) {
+        b -= rows0 * tiles;
+        if (b < rows1 * tiles) {
+            w = w1, y = y1, rows = rows1, rb = rb1;
+        } else {
+            b -= rows1 * tiles;
+            w = w2, y = y2, rows = rows2, rb = rb2;
+        }
+    }
+    int o = b % rows, t0 = (b / rows) * MM_TOKENS;
+    int tn = min(MM_TOKENS, n - t0);
+    int chunks = (k + CHUNK - 1) / CHUNK;
+    if (nw) fz_norm_inv(x, tn, k, t0, eps, part, inv);
+    fz_partials(kind, x, w + o * rb, tn, k, t0, nw, inv, part);
+    if (mode == 2) fz_partials(kind, x, w1 + o * rb1, tn, k, t0, nw, inv, part2);
+    __syncthreads();
+    if (threadIdx.x < tn) {
+        int tt = threadIdx.x;
+        float total = 0.0f;
+        for (int c = 0; c < chunks; ++c) total = total + part[tt][c];
+        long long at = (long long)(t0 + tt) * rows + o;
+        if (mode == 0) {
+            y[at] = total;
+        } else if (mode == 1) {
+            y[at] = y[at] + total;
+        } else {
+            float u = 0.0f;
+            for (int c = 0; c < chunks; ++c) u = u + part2[tt][c];
+            y[at] = (total / (1.0f + det_exp(-total))) * u;
+        }
+    }
+}
+
 #define GM_GR 4
 #define GM_GT 2
 #define GM_ROWS (8 * GM_GR)

@@ -56,6 +56,11 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
             "for (int c = chunks - 1; c >= 0; --c) ss = ss + part[c];",
         ),
         (
+            "matmul_fused norm weight applied first",
+            "float xv = nw ? (xr[i] * inv[tt]) * nw[i] : xr[i];",
+            "float xv = nw ? xr[i] * (inv[tt] * nw[i]) : xr[i];",
+        ),
+        (
             "attention_paged P·V as mul + add",
             "a = fmaf(sc[j0 + i], vv, a);",
             "a = sc[j0 + i] * vv + a;",

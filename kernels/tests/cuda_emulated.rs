@@ -228,6 +228,84 @@ fn matmul_multi_matches_three_matmuls() {
     }
 }
 
+/// `matmul_fused` against the separate CPU ops it stands for: the norm then
+/// q, k, v; the residual add after a matmul; the norm then gate, up and
+/// SwiGLU; on several token counts and storages.
+#[test]
+fn fused_matmuls_match_the_separate_ops() {
+    if emulator().is_none() {
+        return;
+    }
+    let th = Threads::new(2).expect("threads");
+    let mut r = SplitMix64(10);
+    let eps = 1e-5f32;
+    for &(n, cols) in &[(1usize, 576usize), (3, 96), (8, 1088)] {
+        let x = r.uniform_vec(n * cols, 3.0);
+        let nw = r.uniform_vec(cols, 1.5);
+        let mut h = vec![0.0; x.len()];
+        rms_norm(&x, &nw, eps, &mut h);
+        let rows = [24usize, 8, 8];
+        let wf: Vec<Vec<f32>> = rows.iter().map(|&o| r.uniform_vec(o * cols, 0.5)).collect();
+        let q41: Vec<Vec<u8>> = rows
+            .iter()
+            .map(|&o| blocks(&mut r, QuantKind::Q4_1, o * cols / 32))
+            .collect();
+        for (label, kind) in [("f32", 0), ("Q4_1", 3)] {
+            let mat = |i: usize| match kind {
+                0 => Matrix::new(Weights::F32(&wf[i]), rows[i], cols).expect("shape"),
+                _ => Matrix::new(Weights::Quant(QuantKind::Q4_1, &q41[i]), rows[i], cols)
+                    .expect("shape"),
+            };
+            let raw = |i: usize| {
+                if kind == 0 {
+                    bytes(&wf[i])
+                } else {
+                    q41[i].clone()
+                }
+            };
+            let mm = |inp: &[f32], i: usize| {
+                let mut y = vec![0.0; n * rows[i]];
+                matmul(&th, inp, n, &mat(i), &mut y);
+                y
+            };
+            let what = format!("{label} {n}×{cols}");
+            // Norm, then three matmuls.
+            let out = job(
+                &format!("fused {kind} {n} {cols} 0 1 {} 24 8 8", eps.to_bits()),
+                &[&bytes(&x), &bytes(&nw), &raw(0), &raw(1), &raw(2), &[]],
+            );
+            for i in 0..3 {
+                assert_eq!(
+                    differing(&mm(&h, i), &floats(&out[i])),
+                    0,
+                    "norm + matmul {i}, {what}"
+                );
+            }
+            // Accumulate into the residual.
+            let base = r.uniform_vec(n * 24, 4.0);
+            let out = job(
+                &format!("fused {kind} {n} {cols} 1 0 0 24 0 0"),
+                &[&bytes(&x), &[], &raw(0), &[], &[], &bytes(&base)],
+            );
+            let want: Vec<f32> = base.iter().zip(mm(&x, 0)).map(|(a, b)| a + b).collect();
+            assert_eq!(differing(&want, &floats(&out[0])), 0, "residual, {what}");
+            // Norm, gate and up (rows 8 and 8), SwiGLU.
+            let out = job(
+                &format!("fused {kind} {n} {cols} 2 1 {} 8 8 0", eps.to_bits()),
+                &[&bytes(&x), &bytes(&nw), &raw(1), &raw(2), &[], &[]],
+            );
+            let (g, u) = (mm(&h, 1), mm(&h, 2));
+            let mut a = vec![0.0; g.len()];
+            swiglu(&g, &u, &mut a);
+            assert_eq!(
+                differing(&a, &floats(&out[0])),
+                0,
+                "norm + gate/up + swiglu, {what}"
+            );
+        }
+    }
+}
+
 #[test]
 fn norm_kernels_match_the_cpu() {
     if emulator().is_none() {
@@ -369,6 +447,10 @@ fn the_emulation_sees_each_broken_kernel() {
     let nw = r.uniform_vec(dn, 1.5);
     let mut norm_cpu = vec![0.0; nx.len()];
     rms_norm(&nx, &nw, 1e-5, &mut norm_cpu);
+    let fw = r.uniform_vec(8 * dn, 0.5);
+    let mut fused_cpu = vec![0.0; nr * 8];
+    let fm = Matrix::new(Weights::F32(&fw), 8, dn).expect("shape");
+    matmul(&th, &norm_cpu, nr, &fm, &mut fused_cpu);
     // Scores of one size (keys small): many p of a tile alike, so that the
     // order of their sum shows.
     let shape = AttnShape {
@@ -411,6 +493,7 @@ fn the_emulation_sees_each_broken_kernel() {
             "matmul_gemm",
             "attention_paged",
             "norm_block",
+            "matmul_fused",
             "fmad",
         ]
         .iter()
@@ -427,6 +510,14 @@ fn the_emulation_sees_each_broken_kernel() {
                 &[&bytes(&x), &bytes(&wf)],
             );
             d += differing(&mm_cpu, &floats(&out[0]));
+        }
+        {
+            let out = job_on(
+                &bin,
+                &format!("fused 0 {nr} {dn} 0 1 {} 8 0 0", 1e-5f32.to_bits()),
+                &[&bytes(&nx), &bytes(&nw), &bytes(&fw), &[], &[], &[]],
+            );
+            d += differing(&fused_cpu, &floats(&out[0]));
         }
         for kernel in ["warp", "block"] {
             let out = job_on(

@@ -25,6 +25,7 @@ fn kernels_cu_compiles_under_nvrtc() {
         "matmul_gemm",
         "rms_norm_warp",
         "norm_block",
+        "matmul_fused",
         "add_norm",
         "embed_rows",
         "rope_kv",

@@ -98,6 +98,32 @@ int main() {
         write_array(y0);
         write_array(y1);
         write_array(y2);
+    } else if (job == "fused") {
+        // fused kind n k mode has_norm eps_bits rows0 rows1 rows2: x, nw,
+        // w0, w1, w2, y0 (its start, for mode 1) -> y0, y1, y2
+        int kind, n, k, mode, has_norm, r0, r1, r2;
+        unsigned eps_bits;
+        hs >> kind >> n >> k >> mode >> has_norm >> eps_bits >> r0 >> r1 >> r2;
+        float eps = __uint_as_float(eps_bits);
+        auto x = read_as<float>();
+        auto nw = read_as<float>();
+        auto w0 = read_array(), w1 = read_array(), w2 = read_array();
+        auto y0 = read_as<float>();
+        y0.resize((size_t)n * r0);
+        std::vector<float> y1((size_t)n * r1 + 1), y2((size_t)n * r2 + 1);
+        auto rb = [](const std::vector<unsigned char>& w, int r) { return r ? (long long)(w.size() / r) : 0LL; };
+        int tiles = (n + MM_TOKENS - 1) / MM_TOKENS;
+        unsigned b = (unsigned)((mode == 2 ? r0 : r0 + r1 + r2) * tiles);
+        const float* nwp = has_norm ? nw.data() : nullptr;
+        emu::launch(b, 8 * MR_GROUPS, [&] {
+            matmul_fused(kind, x.data(), n, k, nwp, eps, mode, w0.data(), y0.data(), r0, rb(w0, r0), w1.data(),
+                         y1.data(), r1, rb(w1, r1), w2.data(), y2.data(), r2, rb(w2, r2));
+        });
+        y1.resize((size_t)n * r1);
+        y2.resize((size_t)n * r2);
+        write_array(y0);
+        write_array(y1);
+        write_array(y2);
     } else if (job == "norm") {
         // norm KERNEL rows d add eps_bits: out, then x after the add
         std::string kernel;

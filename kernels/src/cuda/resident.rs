@@ -51,6 +51,7 @@ pub(crate) struct Kernels {
     add_norm: CudaFunction,
     pub(crate) matmul_gemm: CudaFunction,
     norm_block: CudaFunction,
+    matmul_fused: CudaFunction,
     /// `LMRR_CUDA_NEXT=1`: the kernels written for speed that `gpu_check`
     /// holds to the references but that have not yet been run on a device
     /// (`matmul_gemm` for more than [`MM_TOKENS`] tokens, `norm_block` for
@@ -77,6 +78,7 @@ impl Kernels {
             add_norm: f("add_norm")?,
             matmul_gemm: f("matmul_gemm")?,
             norm_block: f("norm_block")?,
+            matmul_fused: f("matmul_fused")?,
             next: std::env::var("LMRR_CUDA_NEXT").is_ok_and(|v| v == "1"),
             embed_rows: f("embed_rows")?,
             add_rows: f("add_rows")?,
@@ -150,6 +152,17 @@ fn warps(n: usize) -> Result<LaunchConfig, GpuError> {
 fn elems(n: usize, what: &'static str) -> Result<LaunchConfig, GpuError> {
     as_i32(what, n)?;
     Ok(super::grid(n))
+}
+
+/// What [`Gpu::mm_fused`] does with each output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fused {
+    /// `y = x·Wᵀ`.
+    Store,
+    /// `y = y + x·Wᵀ` (one matrix: the residual add).
+    Accumulate,
+    /// `y0 = silu(x·W0ᵀ) · (x·W1ᵀ)` (two matrices of the same rows).
+    Swiglu,
 }
 
 /// Page-locked host floats ([`Gpu::alloc_pinned`]).
@@ -404,6 +417,93 @@ impl Gpu {
         }
         // SAFETY: matches `matmul_multi`; x holds n·cols floats, each y
         // n·rows; an absent third matrix has 0 rows and gets no block.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+    }
+
+    /// Whether the kernels not yet run on a device are on (`LMRR_CUDA_NEXT=1`).
+    pub fn next_kernels(&self) -> bool {
+        self.res.next
+    }
+
+    /// `matmul_fused`: up to three matmuls of `x (n, cols)` in one launch,
+    /// the input first normalized in the kernel when `norm` is given, and
+    /// the outputs stored, accumulated into `y` (the residual), or joined by
+    /// SwiGLU ([`Fused`]). Each output is the value the separate kernels
+    /// give; `cols` at most `64 · MR_MAX_CHUNKS`, one storage for all.
+    pub fn mm_fused(
+        &self,
+        x: u64,
+        n: usize,
+        norm: Option<(&DevBuf, f32)>,
+        mode: Fused,
+        mats: &[(&DevMatrix, u64)],
+    ) -> Result<(), GpuError> {
+        if n == 0 || mats.is_empty() {
+            return Ok(());
+        }
+        let cols = mats[0].0.cols;
+        let bad = mats.len() > 3
+            || mats
+                .iter()
+                .any(|(w, _)| w.kind != mats[0].0.kind || w.cols != cols || w.rows == 0)
+            || cols.div_ceil(64) > MR_MAX_CHUNKS
+            || match mode {
+                Fused::Swiglu => mats.len() != 2 || mats[0].0.rows != mats[1].0.rows,
+                Fused::Accumulate => mats.len() != 1,
+                Fused::Store => false,
+            };
+        if bad {
+            return Err(GpuError::Shape {
+                what: "matmul_fused",
+                detail: format!(
+                    "{:?}: {} matrices of {:?} rows × {cols} (one storage, at most 3, at most {} columns)",
+                    mode,
+                    mats.len(),
+                    mats.iter().map(|m| m.0.rows).collect::<Vec<_>>(),
+                    64 * MR_MAX_CHUNKS
+                ),
+            });
+        }
+        let tiles = n.div_ceil(MM_TOKENS);
+        let rows_launched: usize = match mode {
+            Fused::Swiglu => mats[0].0.rows,
+            _ => mats.iter().map(|(w, _)| w.rows).sum(),
+        };
+        let blocks = as_i32("matmul", rows_launched * tiles)? as u32;
+        let (ni, ki) = (as_i32("matmul", n)?, as_i32("matmul", cols)?);
+        as_i32("matmul", n * cols)?;
+        let slot = |i: usize| -> Result<(u64, u64, i32, i64), GpuError> {
+            Ok(match mats.get(i) {
+                Some((w, y)) => (w.buf.ptr, *y, as_i32("matmul", w.rows)?, w.row_bytes),
+                None => (0, 0, 0, 0),
+            })
+        };
+        let (m0, m1, m2) = (slot(0)?, slot(1)?, slot(2)?);
+        let (nw, eps) = norm.map_or((0u64, 0.0f32), |(w, e)| (w.ptr, e));
+        let mode_i: i32 = match mode {
+            Fused::Store => 0,
+            Fused::Accumulate => 1,
+            Fused::Swiglu => 2,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (MR_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.res.matmul_fused);
+        b.arg(&mats[0].0.kind)
+            .arg(&x)
+            .arg(&ni)
+            .arg(&ki)
+            .arg(&nw)
+            .arg(&eps)
+            .arg(&mode_i);
+        for m in [&m0, &m1, &m2] {
+            b.arg(&m.0).arg(&m.1).arg(&m.2).arg(&m.3);
+        }
+        // SAFETY: matches `matmul_fused`; x holds n·cols floats, each y
+        // n·rows (the norm weight cols); in SwiGLU mode both matrices have
+        // the rows launched; absent matrices have 0 rows and get no block.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 

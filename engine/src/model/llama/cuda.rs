@@ -21,7 +21,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use lmrr_kernels::cuda::resident::{DevBuf, DevMatrix, Graph, PageLayout, PageTable, Pinned};
+use lmrr_kernels::cuda::resident::{
+    DevBuf, DevMatrix, Fused, Graph, PageLayout, PageTable, Pinned, MM_TOKENS,
+};
 use lmrr_kernels::cuda::Gpu;
 
 use crate::kv::KvCache;
@@ -476,6 +478,93 @@ impl Resident {
         Ok(out)
     }
 
+    /// The layers and the head of a step of at most [`MM_TOKENS`] tokens
+    /// with `LMRR_CUDA_NEXT=1`: six launches per layer (the norms inside
+    /// the matmuls that read them, the residual adds inside the matmuls that
+    /// produce them, SwiGLU inside gate/up), each output the value of the
+    /// default sequence.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_fused(
+        &self,
+        m: &Llama,
+        a: &Addrs,
+        table: PageTable,
+        dst: u64,
+        slot: u64,
+        rows: u64,
+        layout: PageLayout,
+        n: usize,
+        w: usize,
+    ) -> Result<(), EngineError> {
+        let g = &*self.gpu;
+        let c = &m.cfg;
+        let (d, eps) = (c.hidden_size, c.rms_norm_eps);
+        let (qd, kvd) = (m.shape.q_dim(), m.shape.kv_dim());
+        let scale = 1.0 / (m.shape.head_dim as f32).sqrt();
+        let t = |part, f: &dyn Fn() -> Result<(), lmrr_kernels::cuda::GpuError>| {
+            self.timed(part, || f().map_err(gpu_err))
+        };
+        for (li, l) in self.layers.iter().enumerate() {
+            let (k, v) = (
+                a.k + 4 * (li * n * kvd) as u64,
+                a.v + 4 * (li * n * kvd) as u64,
+            );
+            t("matmul q, k, v (with the norm)", &|| {
+                g.mm_fused(
+                    a.x,
+                    n,
+                    Some((&l.attn_norm, eps)),
+                    Fused::Store,
+                    &[(&l.q, a.q), (&l.k, k), (&l.v, v)],
+                )
+            })?;
+            t("rope, KV write", &|| {
+                g.rope_kv(
+                    (a.q, k, v),
+                    (&self.rope.0, &self.rope.1),
+                    table.pos,
+                    dst,
+                    slot,
+                    n,
+                    qd,
+                    m.shape.head_dim,
+                    layout,
+                    li,
+                )
+            })?;
+            t("attention", &|| {
+                g.attention_paged(a.q, table, n, &m.shape, layout, li, scale, a.att)
+            })?;
+            t("matmul o (with the residual add)", &|| {
+                g.mm_fused(a.att, n, None, Fused::Accumulate, &[(&l.o, a.x)])
+            })?;
+            t("matmul gate, up, swiglu (with the norm)", &|| {
+                g.mm_fused(
+                    a.x,
+                    n,
+                    Some((&l.mlp_norm, eps)),
+                    Fused::Swiglu,
+                    &[(&l.gate, a.a), (&l.up, a.u)],
+                )
+            })?;
+            t("matmul down (with the residual add)", &|| {
+                g.mm_fused(a.a, n, None, Fused::Accumulate, &[(&l.down, a.x)])
+            })?;
+        }
+        t("output head", &|| {
+            g.gather(a.x, rows, w, d, a.hx)?;
+            let head = self.head.as_ref().unwrap_or(&self.embed);
+            g.mm_fused(
+                a.hx,
+                w,
+                Some((&self.norm, eps)),
+                Fused::Store,
+                &[(head, a.logits)],
+            )
+        })?;
+        Ok(())
+    }
+
     /// Every kernel of one step, queued on the stream.
     #[allow(clippy::too_many_arguments)]
     fn launch(
@@ -501,6 +590,9 @@ impl Resident {
             self.timed(part, || f().map_err(e))
         };
         t("embedding", &|| g.embed(&self.embed, ids, n, a.x))?;
+        if g.next_kernels() && n <= MM_TOKENS && w <= MM_TOKENS {
+            return self.launch_fused(m, a, table, dst, slot, rows, layout, n, w);
+        }
         for (li, l) in self.layers.iter().enumerate() {
             let (k, v) = (
                 a.k + 4 * (li * n * kvd) as u64,
