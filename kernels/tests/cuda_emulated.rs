@@ -548,3 +548,103 @@ fn the_emulation_sees_each_broken_kernel() {
     }
     assert!(seen >= 8, "{seen} controls run");
 }
+
+/// `rope_kv` (RoPE of q and k, the rotated keys and the values into their
+/// page slots) and `embed_rows` (widened rows of every storage) against the
+/// CPU's RoPE, page layout and row widening.
+#[test]
+fn rope_kv_and_embedding_match_the_cpu() {
+    if emulator().is_none() {
+        return;
+    }
+    let mut r = SplitMix64(12);
+    let (hd, nh, nkv, page_len) = (64usize, 9usize, 3usize, 16usize);
+    let (qd, kvd) = (nh * hd, nkv * hd);
+    let table = RopeTable::new(hd, 100_000.0, 4096);
+    let positions = [0usize, 1, 17, 511, 4095];
+    let n = positions.len();
+    let q = r.uniform_vec(n * qd, 2.0);
+    let k = r.uniform_vec(n * kvd, 2.0);
+    let v = r.uniform_vec(n * kvd, 1.0);
+    let (cos, sin) = table.tables();
+    let pos: Vec<u64> = positions.iter().map(|&p| p as u64).collect();
+    let slots: Vec<u64> = positions.iter().map(|&p| (p % page_len) as u64).collect();
+    let out = job(
+        &format!("rope_kv {n} {qd} {kvd} {hd} {page_len}"),
+        &[
+            &bytes(&q),
+            &bytes(&k),
+            &bytes(&v),
+            &bytes(cos),
+            &bytes(sin),
+            &bytes64(&pos),
+            &bytes64(&slots),
+        ],
+    );
+    let (gq, gk, pages) = (floats(&out[0]), floats(&out[1]), floats(&out[2]));
+    let pf = page_len * 2 * kvd;
+    for (t, &p) in positions.iter().enumerate() {
+        let mut cq = q[t * qd..(t + 1) * qd].to_vec();
+        let mut ck = k[t * kvd..(t + 1) * kvd].to_vec();
+        rope(&table, &mut cq, p);
+        rope(&table, &mut ck, p);
+        assert_eq!(differing(&cq, &gq[t * qd..(t + 1) * qd]), 0, "q at {p}");
+        assert_eq!(differing(&ck, &gk[t * kvd..(t + 1) * kvd]), 0, "k at {p}");
+        let s = p % page_len;
+        let page = &pages[t * pf..(t + 1) * pf];
+        assert_eq!(
+            differing(&ck, &page[s * kvd..(s + 1) * kvd]),
+            0,
+            "K row in the page at {p}"
+        );
+        let vr = &page[(page_len + s) * kvd..(page_len + s + 1) * kvd];
+        assert_eq!(
+            differing(&v[t * kvd..(t + 1) * kvd], vr),
+            0,
+            "V row in the page at {p}"
+        );
+    }
+    // Embedding rows of every storage.
+    let (rows, d) = (50usize, 96usize);
+    let wf = r.uniform_vec(rows * d, 1.0);
+    let wb: Vec<u16> = wf.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+    let wbb: Vec<u8> = wb.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let q40 = blocks(&mut r, QuantKind::Q4_0, rows * d / 32);
+    let q41 = blocks(&mut r, QuantKind::Q4_1, rows * d / 32);
+    let q80 = blocks(&mut r, QuantKind::Q8_0, rows * d / 32);
+    let ids: Vec<u64> = vec![0, 49, 7, 7, 23];
+    let storages: [(&str, i32, Weights, Vec<u8>); 5] = [
+        ("f32", 0, Weights::F32(&wf), bytes(&wf)),
+        ("bf16", 1, Weights::Bf16(&wb), wbb),
+        (
+            "Q4_0",
+            2,
+            Weights::Quant(QuantKind::Q4_0, &q40),
+            q40.clone(),
+        ),
+        (
+            "Q4_1",
+            3,
+            Weights::Quant(QuantKind::Q4_1, &q41),
+            q41.clone(),
+        ),
+        (
+            "Q8_0",
+            4,
+            Weights::Quant(QuantKind::Q8_0, &q80),
+            q80.clone(),
+        ),
+    ];
+    for (label, kind, w, raw) in storages {
+        let m = Matrix::new(w, rows, d).expect("shape");
+        let mut cpu = vec![0.0; ids.len() * d];
+        for (i, &id) in ids.iter().enumerate() {
+            m.row_into(id as usize, &mut cpu[i * d..(i + 1) * d], true);
+        }
+        let out = job(
+            &format!("embed {kind} {} {d}", ids.len()),
+            &[&raw, &bytes64(&ids)],
+        );
+        assert_eq!(differing(&cpu, &floats(&out[0])), 0, "embed_rows {label}");
+    }
+}

@@ -124,6 +124,46 @@ int main() {
         write_array(y0);
         write_array(y1);
         write_array(y2);
+    } else if (job == "rope_kv") {
+        // rope_kv n qd kvd hd page_len: q, k, v, cos, sin, pos, slot (u64);
+        // one page of one layer per token -> q, k, pages
+        int n, qd, kvd, hd, page_len;
+        hs >> n >> qd >> kvd >> hd >> page_len;
+        auto q = read_as<float>();
+        auto k = read_as<float>();
+        auto v = read_as<float>();
+        auto cs = read_as<float>();
+        auto sn = read_as<float>();
+        auto pos = read_as<uint64_t>();
+        auto slot = read_as<uint64_t>();
+        size_t pf = (size_t)page_len * 2 * kvd;
+        std::vector<float> pages((size_t)n * pf, 0.0f);
+        std::vector<unsigned long long> dst(n), ps(pos.begin(), pos.end()), sl(slot.begin(), slot.end());
+        for (int t = 0; t < n; ++t) dst[t] = (unsigned long long)(uintptr_t)(pages.data() + t * pf);
+        long long per = (long long)n * (qd / 2 + kvd / 2 + kvd);
+        emu::launch(blocks_of(per, 128), 128, [&] {
+            rope_kv(q.data(), k.data(), v.data(), cs.data(), sn.data(), ps.data(), dst.data(), sl.data(), n, qd, kvd,
+                    hd, 0, page_len, 0);
+        });
+        write_array(q);
+        write_array(k);
+        write_array(pages);
+    } else if (job == "embed") {
+        // embed kind n d: w, ids (u64) -> rows
+        int kind, n, d;
+        hs >> kind >> n >> d;
+        auto w = read_array();
+        auto ids = read_as<uint64_t>();
+        std::vector<unsigned long long> id(ids.begin(), ids.end());
+        std::vector<float> out((size_t)n * d, std::nanf(""));
+        // Row bytes from the storage: the caller sends whole rows.
+        long long rb = 0;
+        if (kind == 0) rb = 4LL * d;
+        else if (kind == 1) rb = 2LL * d;
+        else rb = (long long)(d / 32) * (kind == 2 ? 18 : kind == 3 ? 20 : 34);
+        emu::launch(blocks_of((long long)n * d, 128), 128,
+                    [&] { embed_rows(kind, w.data(), id.data(), out.data(), n, d, rb); });
+        write_array(out);
     } else if (job == "norm") {
         // norm KERNEL rows d add eps_bits: out, then x after the add
         std::string kernel;
