@@ -7,6 +7,7 @@
 //! Prints one line per case and a summary; exits 1 on any differing bit, 2
 //! when no device can be opened.
 
+use lmrr_kernels::cuda::resident::Fused;
 use lmrr_kernels::cuda::{negative_controls, Control, Gpu, MatmulKernel};
 use lmrr_kernels::*;
 
@@ -188,6 +189,18 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
     out.push(("matmul_tile", tile));
     out.push(("matmul_rows", rowsk));
     out.push(("matmul_gemm", gemm));
+    {
+        let nw = r.uniform_vec(cols, 1.5);
+        let mut h = vec![0.0; x.len()];
+        rms_norm(&x, &nw, 1e-5, &mut h);
+        let m = Matrix::new(Weights::F32(&wf), rows, cols).expect("shape");
+        let mut cpu = vec![0.0; n * rows];
+        matmul(&th, &h, n, &m, &mut cpu);
+        let got = gpu
+            .fused_resident(&x, n, Some((&nw, 1e-5)), Fused::Store, &[&m], &[])
+            .expect("gpu matmul_fused");
+        out.push(("matmul_fused", diff(&cpu, &got[0])));
+    }
     let w = r.uniform_vec(cols, 1.5);
     let (mut cpu, mut dev) = (vec![0.0; x.len()], vec![0.0; x.len()]);
     rms_norm(&x, &w, 1e-5, &mut cpu);
@@ -529,6 +542,81 @@ fn main() {
                 format!("attention_paged pages of {page_len}, positions {positions:?}"),
                 diff(&cpu, &paged),
                 cpu.len(),
+            );
+        }
+    }
+    // matmul_fused against the separate ops: the norm then q, k, v; the
+    // residual add; the norm then gate, up and SwiGLU (f32 and Q4_1).
+    for &(n, cols) in &[(1usize, 576usize), (3, 96), (8, 1088)] {
+        let x = r.uniform_vec(n * cols, 3.0);
+        let nw = r.uniform_vec(cols, 1.5);
+        let mut h = vec![0.0; x.len()];
+        rms_norm(&x, &nw, 1e-5, &mut h);
+        let rows = [24usize, 8, 8];
+        let wf: Vec<Vec<f32>> = rows.iter().map(|&o| r.uniform_vec(o * cols, 0.5)).collect();
+        let q41: Vec<Vec<u8>> = rows
+            .iter()
+            .map(|&o| blocks(&mut r, QuantKind::Q4_1, o * cols / 32))
+            .collect();
+        for (label, quant) in [("f32", false), ("Q4_1", true)] {
+            let ms: Vec<Matrix> = (0..3)
+                .map(|i| {
+                    let w = if quant {
+                        Weights::Quant(QuantKind::Q4_1, &q41[i])
+                    } else {
+                        Weights::F32(&wf[i])
+                    };
+                    Matrix::new(w, rows[i], cols).expect("shape")
+                })
+                .collect();
+            let mm = |inp: &[f32], i: usize| {
+                let mut y = vec![0.0; n * rows[i]];
+                matmul(&th, inp, n, &ms[i], &mut y);
+                y
+            };
+            let got = gpu
+                .fused_resident(
+                    &x,
+                    n,
+                    Some((&nw, 1e-5)),
+                    Fused::Store,
+                    &[&ms[0], &ms[1], &ms[2]],
+                    &[],
+                )
+                .expect("gpu matmul_fused");
+            let d: usize = (0..3).map(|i| diff(&mm(&h, i), &got[i])).sum();
+            report(
+                format!("matmul_fused norm + q/k/v {label} {n}×{cols}"),
+                d,
+                n * 40,
+            );
+            let base = r.uniform_vec(n * 24, 4.0);
+            let got = gpu
+                .fused_resident(&x, n, None, Fused::Accumulate, &[&ms[0]], &base)
+                .expect("gpu matmul_fused");
+            let want: Vec<f32> = base.iter().zip(mm(&x, 0)).map(|(a, b)| a + b).collect();
+            report(
+                format!("matmul_fused residual {label} {n}×{cols}"),
+                diff(&want, &got[0]),
+                n * 24,
+            );
+            let got = gpu
+                .fused_resident(
+                    &x,
+                    n,
+                    Some((&nw, 1e-5)),
+                    Fused::Swiglu,
+                    &[&ms[1], &ms[2]],
+                    &[],
+                )
+                .expect("gpu matmul_fused");
+            let (g, u) = (mm(&h, 1), mm(&h, 2));
+            let mut a = vec![0.0; g.len()];
+            swiglu(&g, &u, &mut a);
+            report(
+                format!("matmul_fused norm + gate/up + swiglu {label} {n}×{cols}"),
+                diff(&a, &got[0]),
+                n * 8,
             );
         }
     }

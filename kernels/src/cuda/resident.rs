@@ -939,6 +939,60 @@ impl Gpu {
         self.dtoh(dout.ptr, out)
     }
 
+    /// [`Gpu::mm_fused`] on host operands: `x (n, cols)`, the norm weight
+    /// when given, the matrices, and (for [`Fused::Accumulate`]) the
+    /// starting `y`; returns each matrix's output (SwiGLU: the one result).
+    pub fn fused_resident(
+        &self,
+        x: &[f32],
+        n: usize,
+        norm: Option<(&[f32], f32)>,
+        mode: Fused,
+        mats: &[&Matrix],
+        y_start: &[f32],
+    ) -> Result<Vec<Vec<f32>>, GpuError> {
+        let dx = self.upload(x, "x")?;
+        let dn = match norm {
+            Some((w, _)) => Some(self.upload(w, "norm")?),
+            None => None,
+        };
+        let dm: Vec<DevMatrix> = mats
+            .iter()
+            .map(|m| self.upload_matrix(m, "w"))
+            .collect::<Result<_, _>>()?;
+        let outs: Vec<DevBuf> = mats
+            .iter()
+            .map(|m| self.alloc(n * m.rows * 4, "y"))
+            .collect::<Result<_, _>>()?;
+        if mode == Fused::Accumulate {
+            if let Some(o) = outs.first() {
+                if y_start.len() != n * mats[0].rows {
+                    return Err(GpuError::Shape {
+                        what: "matmul_fused",
+                        detail: format!("y {} for {n} × {}", y_start.len(), mats[0].rows),
+                    });
+                }
+                self.htod(y_start, o.ptr)?;
+            }
+        }
+        let pairs: Vec<(&DevMatrix, u64)> = dm.iter().zip(&outs).map(|(m, o)| (m, o.ptr)).collect();
+        let nm = match (&dn, norm) {
+            (Some(b), Some((_, eps))) => Some((b, eps)),
+            _ => None,
+        };
+        self.mm_fused(dx.ptr, n, nm, mode, &pairs)?;
+        let take = if mode == Fused::Swiglu { 1 } else { outs.len() };
+        outs.iter()
+            .zip(mats)
+            .take(take)
+            .map(|(o, m)| {
+                let mut v = vec![0.0; n * m.rows];
+                self.dtoh(o.ptr, &mut v)?;
+                Ok(v)
+            })
+            .collect()
+    }
+
     /// [`crate::attention`] by `attention_paged`: each task's keys and
     /// values are copied into device pages of `page_len` positions (layer 0
     /// of a one-layer layout), in a page order other than the positions'
