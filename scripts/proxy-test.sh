@@ -10,8 +10,11 @@
 # to `lmrr serve --patches abort-frees-shared` and to `lmrr serve`.
 # Required and checked:
 #   - llama.cpp is judged faithful (audit exits 0);
-#   - the patched lmrr serve is flagged broken at the follow-up turn (turn 2),
-#     right after the interrupt, and faithful before it;
+#   - the patched lmrr serve is flagged (drifted or broken) at the follow-up
+#     turn (turn 2), right after the interrupt, and faithful before it; how
+#     badly depends on the traffic, which is llama.cpp's answers (its native
+#     build gave broken, rank 950 at token 17; the portable AVX2 build used
+#     here gives drifted, one greedy choice off, mean KL 0.18);
 #   - lmrr serve without patches is bit-faithful: every token at rank 1 and
 #     every logprob the reference's bits.
 #
@@ -28,16 +31,19 @@ gguf="$dir.Q4_1.gguf"
 venv=target/llama-venv
 py="$venv/bin/python"
 pkgs=("llama-cpp-python[server]==0.3.36" "openai==3.51.0")
-export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}"
+# A portable AVX2 build: a native one takes the AMX and AVX-512 kernels that
+# some of these machines advertise but do not run (the server then dies of
+# SIGILL on its first request).
+export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF}"
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 if ! "$py" -c "import llama_cpp.server, openai" 2>/dev/null; then
   echo "installing ${pkgs[*]} (builds llama.cpp; minutes)" >&2
   t0=$(date +%s)
   if python3 -m venv "$venv" 2>/dev/null; then
-    "$py" -m pip install --quiet --disable-pip-version-check "${pkgs[@]}"
+    "$py" -m pip install --quiet --disable-pip-version-check --no-cache-dir "${pkgs[@]}"
   else
     lib=target/llama-pylib
-    python3 -m pip install --quiet --disable-pip-version-check --target "$lib" "${pkgs[@]}"
+    python3 -m pip install --quiet --disable-pip-version-check --no-cache-dir --target "$lib" "${pkgs[@]}"
     export PYTHONPATH="$PWD/$lib${PYTHONPATH:+:$PYTHONPATH}"
     py=python3
   fi
@@ -114,10 +120,11 @@ assert len(llama) == 4 and all(t["verdict"] == "faithful" for t in llama), "llam
 assert not any(t.get("fidelity") and t["fidelity"]["amnesia"] for t in llama), "llama.cpp shows no amnesia"
 assert llama[1]["interrupted_after_chunks"], "turn 1 was interrupted"
 assert [t["verdict"] for t in patched[:2]] == ["faithful", "faithful"], "before the interrupt the patch changes nothing"
-assert patched[2]["verdict"] == "broken" and patched[2]["after_interrupt"], "the follow-up turn is broken"
+assert patched[2]["verdict"] in ("drifted", "broken") and patched[2]["after_interrupt"], \
+    f"the follow-up turn is flagged right after the interrupt (got {patched[2]['verdict']})"
 for t in ref:
     s = t["stats"]
     assert t["verdict"] == "faithful", t["why"]
     assert s["rank1"] == s["tokens"] == s["identical_logprobs"] > 0, f"turn {t['turn']} not bit-faithful: {s}"
-print("proxy-test: llama.cpp faithful; abort-frees-shared broken at the follow-up turn; lmrr serve bit-faithful")
+print(f"proxy-test: llama.cpp faithful; abort-frees-shared {patched[2]['verdict']} at the follow-up turn; lmrr serve bit-faithful")
 PY
