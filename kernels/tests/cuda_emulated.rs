@@ -137,6 +137,57 @@ fn blocks(r: &mut SplitMix64, kind: QuantKind, n: usize) -> Vec<u8> {
     out
 }
 
+/// One matrix's values in every storage the kernels read: f32, its bf16
+/// truncation, and random GGUF blocks of each kind.
+struct Stored {
+    wf: Vec<f32>,
+    wb: Vec<u16>,
+    q40: Vec<u8>,
+    q41: Vec<u8>,
+    q80: Vec<u8>,
+}
+
+impl Stored {
+    fn new(r: &mut SplitMix64, n: usize, scale: f32) -> Self {
+        let wf = r.uniform_vec(n, scale);
+        let wb = wf.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+        Self {
+            wf,
+            wb,
+            q40: blocks(r, QuantKind::Q4_0, n / 32),
+            q41: blocks(r, QuantKind::Q4_1, n / 32),
+            q80: blocks(r, QuantKind::Q8_0, n / 32),
+        }
+    }
+
+    /// `(label, kernels.cu's storage kind, the CPU's view, the raw bytes)`.
+    fn each(&self) -> [(&'static str, i32, Weights<'_>, Vec<u8>); 5] {
+        let wbb = self.wb.iter().flat_map(|v| v.to_le_bytes()).collect();
+        [
+            ("f32", 0, Weights::F32(&self.wf), bytes(&self.wf)),
+            ("bf16", 1, Weights::Bf16(&self.wb), wbb),
+            (
+                "Q4_0",
+                2,
+                Weights::Quant(QuantKind::Q4_0, &self.q40),
+                self.q40.clone(),
+            ),
+            (
+                "Q4_1",
+                3,
+                Weights::Quant(QuantKind::Q4_1, &self.q41),
+                self.q41.clone(),
+            ),
+            (
+                "Q8_0",
+                4,
+                Weights::Quant(QuantKind::Q8_0, &self.q80),
+                self.q80.clone(),
+            ),
+        ]
+    }
+}
+
 #[test]
 fn matmul_kernels_match_the_cpu() {
     if emulator().is_none() {
@@ -154,35 +205,8 @@ fn matmul_kernels_match_the_cpu() {
         (65, 64, 40),
     ] {
         let x = r.uniform_vec(n * cols, 2.0);
-        let wf = r.uniform_vec(rows * cols, 0.5);
-        let wb: Vec<u16> = wf.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
-        let q40 = blocks(&mut r, QuantKind::Q4_0, rows * cols / 32);
-        let q41 = blocks(&mut r, QuantKind::Q4_1, rows * cols / 32);
-        let q80 = blocks(&mut r, QuantKind::Q8_0, rows * cols / 32);
-        let wbb: Vec<u8> = wb.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let storages: [(&str, i32, Weights, Vec<u8>); 5] = [
-            ("f32", 0, Weights::F32(&wf), bytes(&wf)),
-            ("bf16", 1, Weights::Bf16(&wb), wbb),
-            (
-                "Q4_0",
-                2,
-                Weights::Quant(QuantKind::Q4_0, &q40),
-                q40.clone(),
-            ),
-            (
-                "Q4_1",
-                3,
-                Weights::Quant(QuantKind::Q4_1, &q41),
-                q41.clone(),
-            ),
-            (
-                "Q8_0",
-                4,
-                Weights::Quant(QuantKind::Q8_0, &q80),
-                q80.clone(),
-            ),
-        ];
-        for (label, kind, w, raw) in storages {
+        let st = Stored::new(&mut r, rows * cols, 0.5);
+        for (label, kind, w, raw) in st.each() {
             let m = Matrix::new(w, rows, cols).expect("shape");
             let mut cpu = vec![0.0; n * rows];
             matmul(&th, &x, n, &m, &mut cpu);
@@ -606,36 +630,9 @@ fn rope_kv_and_embedding_match_the_cpu() {
     }
     // Embedding rows of every storage.
     let (rows, d) = (50usize, 96usize);
-    let wf = r.uniform_vec(rows * d, 1.0);
-    let wb: Vec<u16> = wf.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
-    let wbb: Vec<u8> = wb.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let q40 = blocks(&mut r, QuantKind::Q4_0, rows * d / 32);
-    let q41 = blocks(&mut r, QuantKind::Q4_1, rows * d / 32);
-    let q80 = blocks(&mut r, QuantKind::Q8_0, rows * d / 32);
+    let st = Stored::new(&mut r, rows * d, 1.0);
     let ids: Vec<u64> = vec![0, 49, 7, 7, 23];
-    let storages: [(&str, i32, Weights, Vec<u8>); 5] = [
-        ("f32", 0, Weights::F32(&wf), bytes(&wf)),
-        ("bf16", 1, Weights::Bf16(&wb), wbb),
-        (
-            "Q4_0",
-            2,
-            Weights::Quant(QuantKind::Q4_0, &q40),
-            q40.clone(),
-        ),
-        (
-            "Q4_1",
-            3,
-            Weights::Quant(QuantKind::Q4_1, &q41),
-            q41.clone(),
-        ),
-        (
-            "Q8_0",
-            4,
-            Weights::Quant(QuantKind::Q8_0, &q80),
-            q80.clone(),
-        ),
-    ];
-    for (label, kind, w, raw) in storages {
+    for (label, kind, w, raw) in st.each() {
         let m = Matrix::new(w, rows, d).expect("shape");
         let mut cpu = vec![0.0; ids.len() * d];
         for (i, &id) in ids.iter().enumerate() {
