@@ -322,6 +322,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 "| resident on the device | every weight (uploaded once); {pages} KV pages held, {up} uploaded since load |"
             );
         }
+        if let Some(t) = device_tuning(m) {
+            println!("| kernel choice (same bits whichever) | {t} |");
+        }
     } else {
         println!(
             "| memory read bandwidth ({} MiB buffer) | {:.2} GB/s |",
@@ -446,6 +449,24 @@ fn device_limits(
     let bw = g.copy_bandwidth(mib << 20, repeats + 4)?;
     let peak = g.fma_peak(repeats + 2)?;
     Ok((bw, Some(peak)))
+}
+
+/// Which kernels the resident path chooses (`Tuning`), in words.
+#[cfg(feature = "cuda")]
+fn device_tuning(m: &dyn lmrr_engine::ModelFamily) -> Option<String> {
+    let lmrr_engine::Device::Cuda(g) = m.device() else {
+        return None;
+    };
+    let t = g.tuning();
+    Some(format!(
+        "steps of ≤ {} tokens fused (LMRR_CUDA_FUSED_MAX); matmul_gemm from {} tokens (LMRR_CUDA_GEMM_MIN), split over chunks below {} blocks (LMRR_CUDA_SPLIT_BLOCKS)",
+        t.fused_max, t.gemm_min, t.split_blocks
+    ))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn device_tuning(_m: &dyn lmrr_engine::ModelFamily) -> Option<String> {
+    None
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -760,25 +760,35 @@ __device__ __forceinline__ float tree8_transpose(const float v[8], int j) {
 // each staged value feeds 8 FMAs. The lane trees are taken 8 outputs at a
 // time by tree8_transpose, and thread j adds row j's chunk partial to its 8
 // tokens' totals in chunk order from +0.0: matmul_warp's bits.
+//
+// Split over chunks (part non-null; for steps whose tiles are too few to
+// fill the device): block (tile, g) runs chunks [g·cpb, g·cpb + cpb) only
+// and stores each chunk's partial at part[(c·n + t)·rows + o]; sum_chunks
+// then adds them in chunk order from +0.0, the same adds.
 extern "C" __global__ void matmul_gemm(int kind, const float* x, const unsigned char* w, float* y,
-                                       int n, int rows, int k, long long row_bytes) {
+                                       int n, int rows, int k, long long row_bytes, float* part, int cpb) {
     __shared__ float ws[GM_ROWS][CHUNK + 1];
     __shared__ float xs[GM_TOKS][CHUNK];
     int row_blocks = (rows + GM_ROWS - 1) / GM_ROWS;
-    int o0 = (blockIdx.x % row_blocks) * GM_ROWS, t0 = (blockIdx.x / row_blocks) * GM_TOKS;
+    int tiles = row_blocks * ((n + GM_TOKS - 1) / GM_TOKS);
+    int tile = blockIdx.x % tiles, group = blockIdx.x / tiles;
+    int o0 = (tile % row_blocks) * GM_ROWS, t0 = (tile / row_blocks) * GM_TOKS;
     int tid = threadIdx.x;
     int gi = tid >> 3, j = tid & 7;
     int ri = gi % GM_GR, ti = gi / GM_GR;
+    int o = o0 + ri * 8 + j;
     int chunks = (k + CHUNK - 1) / CHUNK;
+    int cfirst = part ? group * cpb : 0;
+    int clast = part ? min(chunks, cfirst + cpb) : chunks;
     float total[8];
     #pragma unroll
     for (int tt = 0; tt < 8; ++tt) total[tt] = 0.0f;
-    for (int c = 0; c < chunks; ++c) {
+    for (int c = cfirst; c < clast; ++c) {
         int c0 = c * CHUNK, cend = min(c0 + CHUNK, k);
         for (int e = tid; e < GM_ROWS * CHUNK; e += GM_THREADS) {
             int r = e / CHUNK, col = e % CHUNK;
-            int o = o0 + r, i = c0 + col;
-            ws[r][col] = (o < rows && i < cend) ? weight(kind, w + o * row_bytes, i) : 0.0f;
+            int wr = o0 + r, i = c0 + col;
+            ws[r][col] = (wr < rows && i < cend) ? weight(kind, w + wr * row_bytes, i) : 0.0f;
         }
         for (int e = tid; e < GM_TOKS * CHUNK; e += GM_THREADS) {
             int r = e / CHUNK, col = e % CHUNK;
@@ -808,18 +818,36 @@ extern "C" __global__ void matmul_gemm(int kind, const float* x, const unsigned 
                 }
             }
         }
-        #pragma unroll
-        for (int tt = 0; tt < 8; ++tt) total[tt] = total[tt] + tree8_transpose(acc[tt], j);
+        if (part) {
+            #pragma unroll
+            for (int tt = 0; tt < 8; ++tt) {
+                float p = tree8_transpose(acc[tt], j);
+                int t = t0 + ti * 8 + tt;
+                if (o < rows && t < n) part[((long long)c * n + t) * rows + o] = p;
+            }
+        } else {
+            #pragma unroll
+            for (int tt = 0; tt < 8; ++tt) total[tt] = total[tt] + tree8_transpose(acc[tt], j);
+        }
         __syncthreads();
     }
-    int o = o0 + ri * 8 + j;
-    if (o < rows) {
+    if (!part && o < rows) {
         #pragma unroll
         for (int tt = 0; tt < 8; ++tt) {
             int t = t0 + ti * 8 + tt;
             if (t < n) y[(long long)t * rows + o] = total[tt];
         }
     }
+}
+
+// The chunk partials of a split matmul_gemm summed in chunk order from
+// +0.0: y[i] = ((0 + part[0][i]) + part[1][i]) + …, over count = n·rows.
+extern "C" __global__ void sum_chunks(const float* part, float* y, int chunks, long long count) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    float t = 0.0f;
+    for (int c = 0; c < chunks; ++c) t = t + part[(long long)c * count + i];
+    y[i] = t;
 }
 
 // rms_norm with one warp per row (the sum of squares by warp_dot).

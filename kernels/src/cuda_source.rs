@@ -51,6 +51,11 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
             "w4[k] = keep + __shfl_xor_sync(0xffffffffu, send, 1);",
         ),
         (
+            "matmul_gemm split: sum_chunks adds the chunks in reverse",
+            "for (int c = 0; c < chunks; ++c) t = t + part[(long long)c * count + i];",
+            "for (int c = chunks - 1; c >= 0; --c) t = t + part[(long long)c * count + i];",
+        ),
+        (
             "norm_block partials summed in reverse",
             "for (int c = 0; c < chunks; ++c) ss = ss + part[c];",
             "for (int c = chunks - 1; c >= 0; --c) ss = ss + part[c];",

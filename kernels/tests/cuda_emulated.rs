@@ -210,7 +210,15 @@ fn matmul_kernels_match_the_cpu() {
             let m = Matrix::new(w, rows, cols).expect("shape");
             let mut cpu = vec![0.0; n * rows];
             matmul(&th, &x, n, &m, &mut cpu);
-            for kernel in ["warp", "tile", "rows", "gemm"] {
+            for kernel in [
+                "warp",
+                "tile",
+                "rows",
+                "gemm",
+                "gemm_split1",
+                "gemm_split2",
+                "gemm_split5",
+            ] {
                 let out = job(
                     &format!("matmul {kernel} {kind} {n} {rows} {cols}"),
                     &[&bytes(&x), &raw],
@@ -527,7 +535,7 @@ fn the_emulation_sees_each_broken_kernel() {
         }
         let bin = build(&format!("control_{i}"), &c.source, c.fmad);
         let mut d = 0;
-        for kernel in ["warp", "tile", "rows", "gemm"] {
+        for kernel in ["warp", "tile", "rows", "gemm", "gemm_split1"] {
             let out = job_on(
                 &bin,
                 &format!("matmul {kernel} 0 {n} {rows} {cols}"),

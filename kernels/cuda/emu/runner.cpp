@@ -13,6 +13,7 @@
 #include KERNELS_CU
 
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <sstream>
 #include <string>
@@ -75,7 +76,19 @@ int main() {
             emu::launch(b, 8 * MR_GROUPS, [&] { matmul_rows(kind, xp, wp, yp, n, rows, k, row_bytes); });
         } else if (kernel == "gemm") {
             unsigned b = (unsigned)(((rows + GM_ROWS - 1) / GM_ROWS) * ((n + GM_TOKS - 1) / GM_TOKS));
-            emu::launch(b, GM_THREADS, [&] { matmul_gemm(kind, xp, wp, yp, n, rows, k, row_bytes); });
+            emu::launch(b, GM_THREADS, [&] { matmul_gemm(kind, xp, wp, yp, n, rows, k, row_bytes, nullptr, 0); });
+        } else if (kernel.rfind("gemm_split", 0) == 0) {
+            // gemm_splitC: blocks of C chunks writing partials, then sum_chunks.
+            int cpb = std::atoi(kernel.c_str() + 10);
+            if (cpb < 1) return 2;
+            int chunks = (k + CHUNK - 1) / CHUNK;
+            int groups = (chunks + cpb - 1) / cpb;
+            unsigned tiles = (unsigned)(((rows + GM_ROWS - 1) / GM_ROWS) * ((n + GM_TOKS - 1) / GM_TOKS));
+            long long count = (long long)n * rows;
+            std::vector<float> part((size_t)chunks * count, std::nanf(""));
+            float* pp = part.data();
+            emu::launch(tiles * groups, GM_THREADS, [&] { matmul_gemm(kind, xp, wp, yp, n, rows, k, row_bytes, pp, cpb); });
+            emu::launch(blocks_of(count, 128), 128, [&] { sum_chunks(pp, yp, chunks, count); });
         } else {
             return 2;
         }

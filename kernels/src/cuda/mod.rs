@@ -61,6 +61,8 @@ pub enum GpuError {
     NoNvrtc,
     #[error("CUDA driver: {0}")]
     Driver(String),
+    #[error("{0}")]
+    Config(String),
     #[error("NVRTC could not compile kernels.cu: {0}")]
     Compile(String),
     #[error("{what}: sizes do not match ({detail})")]
@@ -115,6 +117,10 @@ pub enum MatmulKernel {
     /// Staged tiles of 32 rows × 16 tokens: the resident path's matmul for
     /// more tokens.
     Gemm,
+    /// `matmul_gemm` split over chunks, this many per block, its partials
+    /// summed by `sum_chunks`: the resident path's form for steps whose
+    /// tiles are too few to fill the device.
+    GemmSplit(usize),
 }
 
 pub(crate) fn grid(n: usize) -> LaunchConfig {
@@ -235,6 +241,9 @@ impl Gpu {
             ),
         };
         let row_bytes = (bytes.len() / w.rows.max(1)) as i64;
+        if let MatmulKernel::Gemm | MatmulKernel::GemmSplit(_) = kernel {
+            return self.gemm_check(kernel, x, n, w, y, reps);
+        }
         let s = &self.stream;
         let dx = s.clone_htod(x).map_err(drv)?;
         let dw = s.clone_htod(&bytes).map_err(drv)?;
@@ -251,18 +260,12 @@ impl Gpu {
                 &self.res.matmul_tile,
                 grid(n.div_ceil(resident::MM_TOKENS) * w.rows * 32),
             ),
-            MatmulKernel::Gemm => (
-                &self.res.matmul_gemm,
-                LaunchConfig {
-                    grid_dim: (
-                        (w.rows.div_ceil(resident::GM_ROWS) * n.div_ceil(resident::GM_TOKS)) as u32,
-                        1,
-                        1,
-                    ),
-                    block_dim: (64, 1, 1),
-                    shared_mem_bytes: 0,
-                },
-            ),
+            MatmulKernel::Gemm | MatmulKernel::GemmSplit(_) => {
+                return Err(GpuError::Shape {
+                    what: "matmul",
+                    detail: "the gemm kernels are launched by gemm_check".into(),
+                })
+            }
             MatmulKernel::Rows => {
                 if w.cols.div_ceil(64) > resident::MR_MAX_CHUNKS {
                     return Err(GpuError::Shape {

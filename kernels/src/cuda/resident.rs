@@ -11,7 +11,8 @@
 //! Invariants: every kernel here computes each output in the canonical order
 //! of the CPU fast path (the `kernels.cu` comments say how), so a step on the
 //! resident path gives the CPU's bits; `gpu_check` holds each one to the
-//! one-thread references. Addresses are raw device pointers (`u64`): a
+//! one-thread references. Which kernel serves a step or a matmul
+//! ([`Tuning`]) moves speed only, never bits. Addresses are raw device pointers (`u64`): a
 //! wrapper's caller guarantees that every buffer it names holds the extent the
 //! shapes imply; each wrapper checks that its sizes fit the kernel's 32-bit
 //! indices and returns an error, never a launch, when they do not.
@@ -41,6 +42,56 @@ const GM_THREADS: u32 = 64;
 /// Threads per block of `attention_paged` (`ATTN_THREADS` in kernels.cu).
 const ATTN_THREADS: u32 = 256;
 
+/// Which kernel the resident path takes for a step or a matmul. Tuning
+/// only: every choice computes the same bits (device-check.sh holds each
+/// path to the CPU), so these move speed and nothing else. Each can be set
+/// by its environment variable to measure another choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tuning {
+    /// `LMRR_CUDA_FUSED_MAX`: steps of at most this many tokens (and
+    /// wanted logits rows) run fused (`matmul_fused`: the norms, residual
+    /// adds and SwiGLU inside the matmuls; 6 launches a layer); 0: never.
+    pub fused_max: usize,
+    /// `LMRR_CUDA_GEMM_MIN`: matmuls of at least this many tokens take
+    /// `matmul_gemm` (staged tiles) rather than `matmul_rows`.
+    pub gemm_min: usize,
+    /// `LMRR_CUDA_SPLIT_BLOCKS`: a `matmul_gemm` whose tiles are fewer
+    /// than this many blocks is split over its chunks (partials, then
+    /// `sum_chunks`) to about this many blocks; 0: never split.
+    pub split_blocks: usize,
+}
+
+impl Default for Tuning {
+    /// The choices measured fastest on the H200 (docs/PERFORMANCE.md).
+    fn default() -> Self {
+        Self {
+            fused_max: 1,
+            gemm_min: 16,
+            split_blocks: 1024,
+        }
+    }
+}
+
+impl Tuning {
+    /// The defaults, with any of the environment variables applied.
+    pub fn from_env() -> Result<Self, GpuError> {
+        let mut t = Self::default();
+        for (var, slot) in [
+            ("LMRR_CUDA_FUSED_MAX", &mut t.fused_max),
+            ("LMRR_CUDA_GEMM_MIN", &mut t.gemm_min),
+            ("LMRR_CUDA_SPLIT_BLOCKS", &mut t.split_blocks),
+        ] {
+            if let Ok(v) = std::env::var(var) {
+                *slot = v.trim().parse().map_err(|_| {
+                    GpuError::Config(format!("{var}={v:?} is not a count (want 0, 1, 2, …)"))
+                })?;
+            }
+        }
+        t.fused_max = t.fused_max.min(MM_TOKENS);
+        Ok(t)
+    }
+}
+
 /// The resident kernels, loaded with the module.
 pub(crate) struct Kernels {
     pub(crate) matmul_tile: CudaFunction,
@@ -52,12 +103,9 @@ pub(crate) struct Kernels {
     pub(crate) matmul_gemm: CudaFunction,
     norm_block: CudaFunction,
     matmul_fused: CudaFunction,
-    /// `LMRR_CUDA_NEXT=1`: the kernels written for speed that `gpu_check`
-    /// holds to the references but that have not yet been run on a device
-    /// (`matmul_gemm` for more than [`MM_TOKENS`] tokens, `norm_block` for
-    /// the norms) take over from the default ones. Off by default until a
-    /// device check has passed with it.
-    next: bool,
+    sum_chunks: CudaFunction,
+    /// Which kernel each step and matmul takes ([`Tuning`]).
+    pub(crate) tuning: Tuning,
     embed_rows: CudaFunction,
     add_rows: CudaFunction,
     gather_rows: CudaFunction,
@@ -79,7 +127,8 @@ impl Kernels {
             matmul_gemm: f("matmul_gemm")?,
             norm_block: f("norm_block")?,
             matmul_fused: f("matmul_fused")?,
-            next: std::env::var("LMRR_CUDA_NEXT").is_ok_and(|v| v == "1"),
+            sum_chunks: f("sum_chunks")?,
+            tuning: Tuning::from_env()?,
             embed_rows: f("embed_rows")?,
             add_rows: f("add_rows")?,
             gather_rows: f("gather_rows")?,
@@ -165,21 +214,59 @@ pub enum Fused {
     Swiglu,
 }
 
-/// Page-locked host floats ([`Gpu::alloc_pinned`]).
-pub struct Pinned(cudarc::driver::PinnedHostSlice<f32>);
+/// Device scratch for split matmuls ([`Gpu::mm_split`]): an address and
+/// its capacity in floats; [`SplitScratch::NONE`] never splits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SplitScratch {
+    pub addr: u64,
+    pub floats: usize,
+}
+
+impl SplitScratch {
+    pub const NONE: Self = Self { addr: 0, floats: 0 };
+}
+
+/// Page-locked host floats ([`Gpu::alloc_pinned`]), allocated cacheable
+/// (flags 0). cudarc's `alloc_pinned` asks for write-combined memory, which
+/// the host reads uncached at a few GB/s: splitting a batch-64 step's 12.6 MB
+/// of logits out of it took a third of the step on the H200.
+pub struct Pinned {
+    ptr: *mut f32,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the buffer is plain host memory owned by this value alone; it is
+// only reached through `&self` / `&mut self`.
+unsafe impl Send for Pinned {}
+// SAFETY: shared access only reads.
+unsafe impl Sync for Pinned {}
 
 impl Pinned {
     pub fn len(&self) -> usize {
-        self.0.len()
+        self.len
     }
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.len == 0
     }
     pub fn as_slice(&self) -> Result<&[f32], GpuError> {
-        self.0.as_slice().map_err(drv)
+        // SAFETY: `ptr` holds `len` floats, zeroed at allocation, and copies
+        // into it wait for completion (`Gpu::dtoh` synchronizes).
+        Ok(unsafe { std::slice::from_raw_parts(self.ptr, self.len) })
     }
     pub fn as_mut_slice(&mut self) -> Result<&mut [f32], GpuError> {
-        self.0.as_mut_slice().map_err(drv)
+        // SAFETY: as in `as_slice`, and `&mut self` makes the access unique.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) })
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // A failure to bind or free leaves the memory to the process's end;
+        // there is nothing better to do in a destructor.
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: `ptr` came from `malloc_host` and is freed once, here.
+        let _ = unsafe { result::free_host(self.ptr.cast()) };
     }
 }
 
@@ -318,14 +405,26 @@ impl Gpu {
         Ok(g.map(Graph))
     }
 
-    /// `y (n, rows) = x (n, cols) · Wᵀ`: by `matmul_rows` (a block per row
-    /// and token tile, its chunks in flight at once), or `matmul_tile` where
-    /// a row has more chunks than `matmul_rows` holds. With
-    /// `LMRR_CUDA_NEXT=1`, more than [`MM_TOKENS`] tokens go to
-    /// `matmul_gemm` (staged tiles of rows × tokens): `gpu_check` holds it to
-    /// the references like every kernel, but it has not yet been run on a
-    /// device, so it is not the default until a device check has passed.
+    /// `y (n, rows) = x (n, cols) · Wᵀ` with no split scratch
+    /// ([`Gpu::mm_split`]).
     pub fn mm(&self, x: u64, n: usize, w: &DevMatrix, y: u64) -> Result<(), GpuError> {
+        self.mm_split(x, n, w, y, SplitScratch::NONE)
+    }
+
+    /// `y (n, rows) = x (n, cols) · Wᵀ`: by `matmul_gemm` (staged tiles of
+    /// rows × tokens) from [`Tuning::gemm_min`] tokens on, split over its
+    /// chunks into `scratch` when its tiles alone would leave the device
+    /// idle; otherwise by `matmul_rows` (a block per row and token tile, its
+    /// chunks in flight at once), or `matmul_tile` where a row has more
+    /// chunks than `matmul_rows` holds. Every choice gives the same bits.
+    pub fn mm_split(
+        &self,
+        x: u64,
+        n: usize,
+        w: &DevMatrix,
+        y: u64,
+        scratch: SplitScratch,
+    ) -> Result<(), GpuError> {
         if n == 0 || w.rows == 0 {
             return Ok(());
         }
@@ -335,18 +434,20 @@ impl Gpu {
             as_i32("matmul", w.cols)?,
         );
         as_i32("matmul", n * w.cols)?;
+        let tun = self.res.tuning;
+        if n >= tun.gemm_min.max(1) {
+            let tiles = w.rows.div_ceil(GM_ROWS) * n.div_ceil(GM_TOKS);
+            let chunks = w.cols.div_ceil(64);
+            let fits = scratch.floats >= chunks * n * w.rows && scratch.addr != 0;
+            let split = (fits && tiles < tun.split_blocks && chunks > 1).then(|| {
+                // Chunks per block so that tiles · groups reaches the target.
+                let groups = tun.split_blocks.div_ceil(tiles).min(chunks);
+                chunks.div_ceil(groups)
+            });
+            return self.gemm_launch(x, n, w, y, split.map(|cpb| (scratch.addr, cpb)));
+        }
         let rows_kernel = w.cols.div_ceil(64) <= MR_MAX_CHUNKS;
-        let (f, cfg) = if n > MM_TOKENS && self.res.next {
-            let blocks = w.rows.div_ceil(GM_ROWS) * n.div_ceil(GM_TOKS);
-            (
-                &self.res.matmul_gemm,
-                LaunchConfig {
-                    grid_dim: (as_i32("matmul", blocks)? as u32, 1, 1),
-                    block_dim: (GM_THREADS, 1, 1),
-                    shared_mem_bytes: 0,
-                },
-            )
-        } else if rows_kernel {
+        let (f, cfg) = if rows_kernel {
             let blocks = as_i32("matmul", w.rows * n.div_ceil(MM_TOKENS))? as u32;
             (
                 &self.res.matmul_rows,
@@ -376,10 +477,75 @@ impl Gpu {
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 
+    /// `matmul_gemm` over every chunk (`split` None), or split: `(part,
+    /// cpb)`, blocks of `cpb` chunks writing each chunk's partials into
+    /// `part` (chunks · n · rows floats), then `sum_chunks` into `y`.
+    pub(crate) fn gemm_launch(
+        &self,
+        x: u64,
+        n: usize,
+        w: &DevMatrix,
+        y: u64,
+        split: Option<(u64, usize)>,
+    ) -> Result<(), GpuError> {
+        if n == 0 || w.rows == 0 {
+            return Ok(());
+        }
+        let (ni, ri, ki) = (
+            as_i32("matmul", n)?,
+            as_i32("matmul", w.rows)?,
+            as_i32("matmul", w.cols)?,
+        );
+        let chunks = w.cols.div_ceil(64);
+        let tiles = w.rows.div_ceil(GM_ROWS) * n.div_ceil(GM_TOKS);
+        let (part, cpb) = match split {
+            Some((p, c)) => (p, c.clamp(1, chunks.max(1))),
+            None => (0, 0),
+        };
+        let groups = if part == 0 { 1 } else { chunks.div_ceil(cpb) };
+        let cpbi = as_i32("matmul", cpb)?;
+        as_i32("matmul", chunks * n * w.rows)?;
+        let cfg = LaunchConfig {
+            grid_dim: (as_i32("matmul", tiles * groups)? as u32, 1, 1),
+            block_dim: (GM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.res.matmul_gemm);
+        b.arg(&w.kind)
+            .arg(&x)
+            .arg(&w.buf.ptr)
+            .arg(&y)
+            .arg(&ni)
+            .arg(&ri)
+            .arg(&ki)
+            .arg(&w.row_bytes)
+            .arg(&part)
+            .arg(&cpbi);
+        // SAFETY: matches `matmul_gemm`; x holds n·cols, y n·rows floats,
+        // part (when non-null) chunks·n·rows; the grid is tiles · groups.
+        unsafe { b.launch(cfg) }.map_err(drv)?;
+        if part != 0 {
+            let count = (n * w.rows) as i64;
+            let ci = as_i32("matmul", chunks)?;
+            let mut b = self.stream.launch_builder(&self.res.sum_chunks);
+            b.arg(&part).arg(&y).arg(&ci).arg(&count);
+            // SAFETY: matches `sum_chunks`; part holds chunks·count floats,
+            // y count.
+            unsafe { b.launch(elems(n * w.rows, "sum_chunks")?) }.map_err(drv)?;
+        }
+        Ok(())
+    }
+
     /// Several matmuls of one input `x (n, cols)` in one launch (`mats`:
     /// up to three `(W, y)` of the same storage and `cols`), each output as
     /// [`Gpu::mm`] computes it; separate launches where they cannot share one.
-    pub fn mm_multi(&self, x: u64, n: usize, mats: &[(&DevMatrix, u64)]) -> Result<(), GpuError> {
+    pub fn mm_multi(
+        &self,
+        x: u64,
+        n: usize,
+        mats: &[(&DevMatrix, u64)],
+        scratch: SplitScratch,
+    ) -> Result<(), GpuError> {
         let shared = mats.len() <= 3
             && mats.iter().all(|(w, _)| {
                 w.kind == mats[0].0.kind
@@ -387,9 +553,9 @@ impl Gpu {
                     && w.cols.div_ceil(64) <= MR_MAX_CHUNKS
                     && w.rows > 0
             });
-        if !shared || n == 0 || (n > MM_TOKENS && self.res.next) || mats.len() < 2 {
+        if !shared || n == 0 || n >= self.res.tuning.gemm_min.max(1) || mats.len() < 2 {
             for (w, y) in mats {
-                self.mm(x, n, w, *y)?;
+                self.mm_split(x, n, w, *y, scratch)?;
             }
             return Ok(());
         }
@@ -420,9 +586,9 @@ impl Gpu {
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 
-    /// Whether the kernels not yet run on a device are on (`LMRR_CUDA_NEXT=1`).
-    pub fn next_kernels(&self) -> bool {
-        self.res.next
+    /// How this device's resident path chooses its kernels.
+    pub fn tuning(&self) -> Tuning {
+        self.res.tuning
     }
 
     /// `matmul_fused`: up to three matmuls of `x (n, cols)` in one launch,
@@ -533,7 +699,7 @@ impl Gpu {
         eps: f32,
         out: u64,
     ) -> Result<(), GpuError> {
-        if self.res.next && d.div_ceil(64) <= MR_MAX_CHUNKS {
+        if d.div_ceil(64) <= MR_MAX_CHUNKS {
             return self.norm_block(x, y, w, rows, d, eps, out);
         }
         self.norm_warp(x, y, w, rows, d, eps, out)
@@ -637,16 +803,27 @@ impl Gpu {
     /// Page-locked host memory of `n` floats (fast device-to-host copies).
     pub fn alloc_pinned(&self, n: usize) -> Result<Pinned, GpuError> {
         self.bind()?;
-        // SAFETY: the slice is written by copies before it is read.
-        let p = unsafe { self.ctx.alloc_pinned::<f32>(n.max(1)) }.map_err(|e| {
-            GpuError::OutOfMemory {
-                what: "page-locked host buffer".into(),
-                needed: n * 4,
-                free: 0,
-                detail: format!("{e:?}"),
-            }
+        let len = n.max(1);
+        let bytes = len * std::mem::size_of::<f32>();
+        // SAFETY: a plain page-locked, cacheable allocation of `bytes`.
+        let ptr = unsafe { result::malloc_host(bytes, 0) }.map_err(|e| GpuError::OutOfMemory {
+            what: "page-locked host buffer".into(),
+            needed: bytes,
+            free: 0,
+            detail: format!("{e:?}"),
         })?;
-        Ok(Pinned(p))
+        let ptr = ptr.cast::<f32>();
+        if ptr.is_null() || !ptr.is_aligned() {
+            return Err(GpuError::OutOfMemory {
+                what: "page-locked host buffer (null or misaligned)".into(),
+                needed: bytes,
+                free: 0,
+                detail: String::new(),
+            });
+        }
+        // SAFETY: `ptr` holds `len` floats; zero them so every read is defined.
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        Ok(Pinned { ptr, len, ctx: self.ctx.clone() })
     }
 
     /// Copies `n` floats from device address `src` into `dst[..n]`, waiting.
@@ -700,8 +877,8 @@ impl Gpu {
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 
-    /// Row-wise RMSNorm of `rows` rows of `d` (`rms_norm_warp`; `norm_block`
-    /// with `LMRR_CUDA_NEXT=1`).
+    /// Row-wise RMSNorm of `rows` rows of `d` (`norm_block`; `rms_norm_warp`
+    /// for rows wider than `norm_block` holds).
     pub fn norm_rows(
         &self,
         x: u64,
@@ -895,6 +1072,40 @@ impl Gpu {
 /// Per-call forms of the resident kernels for `gpu_check`: operands
 /// uploaded, the kernel run, the result copied back.
 impl Gpu {
+    /// `matmul_gemm`, whole or split ([`super::MatmulKernel`]), on uploaded
+    /// operands, `reps` times (synchronized); the seconds they took.
+    pub(crate) fn gemm_check(
+        &self,
+        kernel: super::MatmulKernel,
+        x: &[f32],
+        n: usize,
+        w: &Matrix,
+        y: &mut [f32],
+        reps: usize,
+    ) -> Result<f64, GpuError> {
+        let dw = self.upload_matrix(w, "gemm check weights")?;
+        let dx = self.upload(x, "gemm check input")?;
+        let dy = self.alloc(y.len() * 4, "gemm check output")?;
+        let chunks = w.cols.div_ceil(64);
+        let split = match kernel {
+            super::MatmulKernel::GemmSplit(cpb) => {
+                let part = self.alloc(chunks * n * w.rows * 4, "gemm check partials")?;
+                Some((part, cpb))
+            }
+            _ => None,
+        };
+        self.sync()?;
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps.max(1) {
+            let sp = split.as_ref().map(|(p, c)| (p.ptr, *c));
+            self.gemm_launch(dx.ptr, n, &dw, dy.ptr, sp)?;
+        }
+        self.sync()?;
+        let secs = t0.elapsed().as_secs_f64();
+        self.dtoh(dy.ptr, y)?;
+        Ok(secs)
+    }
+
     /// [`crate::rms_norm`] by `rms_norm_warp`, or by `norm_block` when
     /// `block`; with `add`, of `x + add` (the residual add first: `add_norm`
     /// or `norm_block`'s add), the sum also written back into `sum`.

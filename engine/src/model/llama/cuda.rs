@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use lmrr_kernels::cuda::resident::{
-    DevBuf, DevMatrix, Fused, Graph, PageLayout, PageTable, Pinned, MM_TOKENS,
+    DevBuf, DevMatrix, Fused, Graph, PageLayout, PageTable, Pinned, SplitScratch,
 };
 use lmrr_kernels::cuda::Gpu;
 
@@ -33,6 +33,10 @@ use crate::weights::Tensor;
 use crate::EngineError;
 
 use super::Llama;
+
+/// Steps of more tokens than this never split a matmul over its chunks
+/// (their tiles fill the device), so the partials' scratch stays small.
+const SPLIT_MAX_TOKENS: usize = 256;
 
 struct DevLayer {
     attn_norm: DevBuf,
@@ -69,6 +73,9 @@ struct Addrs {
     hx: u64,
     hn: u64,
     logits: u64,
+    /// Chunk partials of split matmuls ([`Resident::part_floats`]).
+    part: u64,
+    part_floats: usize,
 }
 
 struct State {
@@ -216,7 +223,22 @@ impl Resident {
             .unwrap_or((0, 0))
     }
 
-    fn floats(m: &Llama, s: StepShape) -> [usize; 13] {
+    /// Floats of split-matmul partials a step of `n` tokens holds: every
+    /// layer matmul's chunks × rows for up to [`SPLIT_MAX_TOKENS`] tokens
+    /// (larger steps have tiles enough and never split; the head is never
+    /// split: its 49 k rows fill the device alone).
+    fn part_floats(m: &Llama, n: usize) -> usize {
+        let c = &m.cfg;
+        let (d, ff) = (c.hidden_size, c.intermediate_size);
+        let (qd, kvd) = (m.shape.q_dim(), m.shape.kv_dim());
+        let ch = |cols: usize| cols.div_ceil(64);
+        let per = (ch(d) * qd.max(kvd).max(ff))
+            .max(ch(qd) * d)
+            .max(ch(ff) * d);
+        n.min(SPLIT_MAX_TOKENS) * per
+    }
+
+    fn floats(m: &Llama, s: StepShape) -> [usize; 14] {
         let c = &m.cfg;
         let (d, ff, vocab) = (c.hidden_size, c.intermediate_size, c.vocab_size);
         let (qd, kvd, layers) = (m.shape.q_dim(), m.shape.kv_dim(), m.layers.len());
@@ -235,12 +257,13 @@ impl Resident {
             w * d,
             w * d,
             w * vocab,
+            Self::part_floats(m, n),
         ]
     }
 
     fn addrs(m: &Llama, base: u64, s: StepShape) -> Addrs {
         let f = Self::floats(m, s);
-        let mut at = [0u64; 13];
+        let mut at = [0u64; 14];
         let mut off = 0u64;
         for (a, &n) in at.iter_mut().zip(&f) {
             *a = base + off;
@@ -261,6 +284,8 @@ impl Resident {
             hx: at[10],
             hn: at[11],
             logits: at[12],
+            part: at[13],
+            part_floats: f[13],
         }
     }
 
@@ -478,8 +503,9 @@ impl Resident {
         Ok(out)
     }
 
-    /// The layers and the head of a step of at most [`MM_TOKENS`] tokens
-    /// with `LMRR_CUDA_NEXT=1`: six launches per layer (the norms inside
+    /// The layers and the head of a step of at most
+    /// [`Tuning::fused_max`](lmrr_kernels::cuda::resident::Tuning) tokens
+    /// (at most [`MM_TOKENS`](lmrr_kernels::cuda::resident::MM_TOKENS)): six launches per layer (the norms inside
     /// the matmuls that read them, the residual adds inside the matmuls that
     /// produce them, SwiGLU inside gate/up), each output the value of the
     /// default sequence.
@@ -590,9 +616,14 @@ impl Resident {
             self.timed(part, || f().map_err(e))
         };
         t("embedding", &|| g.embed(&self.embed, ids, n, a.x))?;
-        if g.next_kernels() && n <= MM_TOKENS && w <= MM_TOKENS {
+        let fused_max = g.tuning().fused_max;
+        if n <= fused_max && w <= fused_max {
             return self.launch_fused(m, a, table, dst, slot, rows, layout, n, w);
         }
+        let sp = SplitScratch {
+            addr: a.part,
+            floats: a.part_floats,
+        };
         for (li, l) in self.layers.iter().enumerate() {
             let (k, v) = (
                 a.k + 4 * (li * n * kvd) as u64,
@@ -604,7 +635,7 @@ impl Resident {
                 _ => g.add_norm(a.x, a.o, &l.attn_norm, n, d, eps, a.h),
             })?;
             t("matmul q, k, v", &|| {
-                g.mm_multi(a.h, n, &[(&l.q, a.q), (&l.k, k), (&l.v, v)])
+                g.mm_multi(a.h, n, &[(&l.q, a.q), (&l.k, k), (&l.v, v)], sp)
             })?;
             t("rope, KV write", &|| {
                 g.rope_kv(
@@ -623,15 +654,15 @@ impl Resident {
             t("attention", &|| {
                 g.attention_paged(a.q, table, n, &m.shape, layout, li, scale, a.att)
             })?;
-            t("matmul o", &|| g.mm(a.att, n, &l.o, a.o))?;
+            t("matmul o", &|| g.mm_split(a.att, n, &l.o, a.o, sp))?;
             t("norms (with residual adds)", &|| {
                 g.add_norm(a.x, a.o, &l.mlp_norm, n, d, eps, a.h)
             })?;
             t("matmul gate, up", &|| {
-                g.mm_multi(a.h, n, &[(&l.gate, a.g), (&l.up, a.u)])
+                g.mm_multi(a.h, n, &[(&l.gate, a.g), (&l.up, a.u)], sp)
             })?;
             t("swiglu", &|| g.swiglu_dev(a.g, a.u, a.a, n * ff))?;
-            t("matmul down", &|| g.mm(a.a, n, &l.down, a.o))?;
+            t("matmul down", &|| g.mm_split(a.a, n, &l.down, a.o, sp))?;
         }
         t("output head", &|| {
             if !self.layers.is_empty() {

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Which kernel choice is fastest on this device (`Tuning` in
+# kernels/src/cuda/resident.rs; every choice gives the same bits, which
+# device-check.sh holds to the CPU): the `small` preset in f32, decode and
+# prefill at each batch under each choice, then an Nsight Compute summary of
+# the main kernels when `ncu` is on the machine.
+#
+#   scripts/device-tune.sh .gpu      # on the GPU machine
+set -uo pipefail
+bin=${1:-.gpu}
+tmp=$(mktemp -d)
+"$bin/lmrr" gen-model --preset small --dtype f32 --out "$tmp/small" >/dev/null || exit 1
+b() { "$bin/lmrr" bench --device cuda --model "$tmp/small" --speed-only --decode-steps 32 --repeats 5 "$@" 2>&1 | grep -E "^\| (prefill|decode)"; }
+echo "## fused steps (LMRR_CUDA_FUSED_MAX) against the separate kernels, batches 1, 2, 4, 8"
+for f in 0 1 2 4 8; do
+  echo "# LMRR_CUDA_FUSED_MAX=$f"
+  LMRR_CUDA_FUSED_MAX=$f b --prompt-len 64 --batches 1,2,4,8
+done
+echo "## matmul_gemm from N tokens (LMRR_CUDA_GEMM_MIN), split below B blocks (LMRR_CUDA_SPLIT_BLOCKS), batches 16, 64"
+for g in 9 32 100000; do
+  for sb in 0 512 1024 4096; do
+    [ $g = 100000 ] && [ $sb != 0 ] && continue
+    echo "# LMRR_CUDA_GEMM_MIN=$g LMRR_CUDA_SPLIT_BLOCKS=$sb"
+    LMRR_CUDA_GEMM_MIN=$g LMRR_CUDA_SPLIT_BLOCKS=$sb b --prompt-len 64 --batches 16,64
+  done
+done
+echo "## prefill of 512 tokens"
+for g in 9 100000; do
+  for sb in 0 1024; do
+    [ $g = 100000 ] && [ $sb != 0 ] && continue
+    echo "# LMRR_CUDA_GEMM_MIN=$g LMRR_CUDA_SPLIT_BLOCKS=$sb"
+    LMRR_CUDA_GEMM_MIN=$g LMRR_CUDA_SPLIT_BLOCKS=$sb b --prompt-len 512 --batches 1
+  done
+done
+ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+if [ -n "$ncu" ]; then
+  echo "## ncu: a 64-token prefill and batch-1 decode, then batch-64 decode steps"
+  "$ncu" --kernel-name regex:'matmul|attention|norm|rope|sum_chunks|swiglu' --launch-count 40 \
+    --section SpeedOfLight --section Occupancy --csv --page raw \
+    --metrics gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size \
+    "$bin/lmrr" generate --model "$tmp/small" --device cuda --prompt "$(printf 'word %.0s' $(seq 60))" --max-tokens 4 >"$tmp/ncu1.csv" 2>&1
+  python3 - "$tmp/ncu1.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+if not rows:
+    print(open(sys.argv[1]).read()[-2000:]); sys.exit()
+h = rows[0]
+def col(name):
+    return h.index(name) if name in h else None
+ki, gi = col("Kernel Name"), col("launch__grid_size")
+ti = col("gpu__time_duration.sum")
+si = col("sm__throughput.avg.pct_of_peak_sustained_elapsed")
+di = col("dram__throughput.avg.pct_of_peak_sustained_elapsed")
+wi = col("sm__warps_active.avg.pct_of_peak_sustained_active")
+for r in rows[2:]:
+    g = lambda i: r[i] if i is not None else "?"
+    unit = rows[1][ti] if ti is not None else ""
+    print(f"{g(ki)[:28]:<28} grid {g(gi):>7}  {g(ti):>9} {unit}  SM {g(si):>6}%  DRAM {g(di):>6}%  warps active {g(wi):>6}%")
+PY
+else
+  echo "## ncu: not on this machine"
+fi
