@@ -138,20 +138,24 @@ for case in "incident abort-inserts-partial" "v4-batch mhc-bf16" "v4-agent moe-r
   printf 'replay %s on cuda under %s: exit %s  %s\n' "$1" "$2" "$rc" "$(echo "$out" | grep -m1 -E 'DIVERGED|bit-exact|error')"
   [ $rc = 1 ] || fail=1
 done
-# The kernels behind LMRR_CUDA_NEXT=1 (matmul_gemm for prefill and batched
-# steps, norm_block): gpu_check above held each to the references; here the
-# resident step with them must give the CPU's bundles too. When this section
-# passes on a device they can become the default.
-for s in incident multi-user; do
-  rm -f "$tmp/next.lmrr"
-  LMRR_CUDA_NEXT=1 "$bin/lmrr" run --script "examples/$s.toml" --device cuda --record "$tmp/next.lmrr" >/dev/null 2>&1 || fail=1
-  out=$("$bin/lmrr" replay "$tmp/next.lmrr" --device cpu 2>&1); rc=$?
-  printf 'LMRR_CUDA_NEXT=1: record examples/%s.toml on cuda, replay on cpu: exit %s  %s\n' "$s" "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
-  [ $rc = 0 ] || fail=1
-done
-for b in replays/incident.lmrr replays/multi-user.lmrr replays/long-recall.lmrr; do
-  out=$(LMRR_CUDA_NEXT=1 "$bin/lmrr" replay "$b" --device cuda 2>&1); rc=$?
-  printf 'LMRR_CUDA_NEXT=1: replay %-26s on cuda: exit %s  %s\n' "$b" "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
+# Every kernel choice (Tuning in kernels/src/cuda/resident.rs) gives the
+# same bits: sessions recorded on the GPU under each replay bit-exactly on
+# the CPU, and committed bundles replay under each: fused steps
+# (matmul_fused) up to 8 tokens; matmul_gemm from 9 tokens, unsplit;
+# matmul_gemm_wide from 9 tokens, always split over chunks; matmul_rows for
+# every step.
+for tun in "LMRR_CUDA_FUSED_MAX=8" "LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=0" \
+           "LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_WIDE_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=1000000" \
+           "LMRR_CUDA_GEMM_MIN=1000000"; do
+  for s in incident multi-user; do
+    rm -f "$tmp/tun.lmrr"
+    env $tun "$bin/lmrr" run --script "examples/$s.toml" --device cuda --record "$tmp/tun.lmrr" >/dev/null 2>&1 || fail=1
+    out=$("$bin/lmrr" replay "$tmp/tun.lmrr" --device cpu 2>&1); rc=$?
+    printf '%-72s record examples/%s.toml on cuda, replay on cpu: exit %s  %s\n' "$tun:" "$s" "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
+    [ $rc = 0 ] || fail=1
+  done
+  out=$(env $tun "$bin/lmrr" replay replays/long-recall.lmrr --device cuda 2>&1); rc=$?
+  printf '%-72s replay replays/long-recall.lmrr on cuda: exit %s  %s\n' "$tun:" "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
   [ $rc = 0 ] || fail=1
 done
 echo "device check: $([ $fail = 0 ] && echo 'all bit-identical' || echo FAILED)"

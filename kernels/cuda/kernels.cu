@@ -724,6 +724,13 @@ extern "C" __global__ void matmul_fused(int kind, const float* x, int n, int k, 
 #define GM_ROWS (8 * GM_GR)
 #define GM_TOKS (8 * GM_GT)
 #define GM_THREADS (64 * GM_GR * GM_GT / 8)
+// matmul_gemm_wide: 64 rows × 32 tokens, 256 threads (half the staged
+// loads per FMA, for steps of many tokens).
+#define GW_GR 8
+#define GW_GT 4
+#define GW_ROWS (8 * GW_GR)
+#define GW_TOKS (8 * GW_GT)
+#define GW_THREADS (64 * GW_GR * GW_GT / 8)
 
 // The lane tree of 8 lanes over 8 outputs at once: lane j holds its lane's
 // partial of outputs 0..7 in v; three exchange steps (xor 4, 2, 1), each
@@ -765,17 +772,22 @@ __device__ __forceinline__ float tree8_transpose(const float v[8], int j) {
 // fill the device): block (tile, g) runs chunks [g·cpb, g·cpb + cpb) only
 // and stores each chunk's partial at part[(c·n + t)·rows + o]; sum_chunks
 // then adds them in chunk order from +0.0, the same adds.
-extern "C" __global__ void matmul_gemm(int kind, const float* x, const unsigned char* w, float* y,
-                                       int n, int rows, int k, long long row_bytes, float* part, int cpb) {
-    __shared__ float ws[GM_ROWS][CHUNK + 1];
-    __shared__ float xs[GM_TOKS][CHUNK];
-    int row_blocks = (rows + GM_ROWS - 1) / GM_ROWS;
-    int tiles = row_blocks * ((n + GM_TOKS - 1) / GM_TOKS);
+//
+// gemm_tiles<GR, GT> is the body: GR·8 rows × GT·8 tokens per block of
+// 8·GR·GT threads; matmul_gemm (4, 2) and matmul_gemm_wide (8, 4) differ in
+// tile only, never in any output's operations.
+template <int GR, int GT>
+__device__ __forceinline__ void gemm_tiles(int kind, const float* x, const unsigned char* w, float* y,
+                                           int n, int rows, int k, long long row_bytes, float* part, int cpb,
+                                           float (*ws)[CHUNK + 1], float (*xs)[CHUNK]) {
+    const int R = 8 * GR, T = 8 * GT, THREADS = 8 * GR * GT;
+    int row_blocks = (rows + R - 1) / R;
+    int tiles = row_blocks * ((n + T - 1) / T);
     int tile = blockIdx.x % tiles, group = blockIdx.x / tiles;
-    int o0 = (tile % row_blocks) * GM_ROWS, t0 = (tile / row_blocks) * GM_TOKS;
+    int o0 = (tile % row_blocks) * R, t0 = (tile / row_blocks) * T;
     int tid = threadIdx.x;
     int gi = tid >> 3, j = tid & 7;
-    int ri = gi % GM_GR, ti = gi / GM_GR;
+    int ri = gi % GR, ti = gi / GR;
     int o = o0 + ri * 8 + j;
     int chunks = (k + CHUNK - 1) / CHUNK;
     int cfirst = part ? group * cpb : 0;
@@ -785,12 +797,12 @@ extern "C" __global__ void matmul_gemm(int kind, const float* x, const unsigned 
     for (int tt = 0; tt < 8; ++tt) total[tt] = 0.0f;
     for (int c = cfirst; c < clast; ++c) {
         int c0 = c * CHUNK, cend = min(c0 + CHUNK, k);
-        for (int e = tid; e < GM_ROWS * CHUNK; e += GM_THREADS) {
+        for (int e = tid; e < R * CHUNK; e += THREADS) {
             int r = e / CHUNK, col = e % CHUNK;
             int wr = o0 + r, i = c0 + col;
             ws[r][col] = (wr < rows && i < cend) ? weight(kind, w + wr * row_bytes, i) : 0.0f;
         }
-        for (int e = tid; e < GM_TOKS * CHUNK; e += GM_THREADS) {
+        for (int e = tid; e < T * CHUNK; e += THREADS) {
             int r = e / CHUNK, col = e % CHUNK;
             int t = t0 + r, i = c0 + col;
             xs[r][col] = (t < n && i < cend) ? x[(long long)t * k + i] : 0.0f;
@@ -838,6 +850,20 @@ extern "C" __global__ void matmul_gemm(int kind, const float* x, const unsigned 
             if (t < n) y[(long long)t * rows + o] = total[tt];
         }
     }
+}
+
+extern "C" __global__ void matmul_gemm(int kind, const float* x, const unsigned char* w, float* y,
+                                       int n, int rows, int k, long long row_bytes, float* part, int cpb) {
+    __shared__ float ws[GM_ROWS][CHUNK + 1];
+    __shared__ float xs[GM_TOKS][CHUNK];
+    gemm_tiles<GM_GR, GM_GT>(kind, x, w, y, n, rows, k, row_bytes, part, cpb, ws, xs);
+}
+
+extern "C" __global__ void matmul_gemm_wide(int kind, const float* x, const unsigned char* w, float* y,
+                                            int n, int rows, int k, long long row_bytes, float* part, int cpb) {
+    __shared__ float ws[GW_ROWS][CHUNK + 1];
+    __shared__ float xs[GW_TOKS][CHUNK];
+    gemm_tiles<GW_GR, GW_GT>(kind, x, w, y, n, rows, k, row_bytes, part, cpb, ws, xs);
 }
 
 // The chunk partials of a split matmul_gemm summed in chunk order from

@@ -183,9 +183,15 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
         gpu.matmul_with(MatmulKernel::Gemm, &x, n, &m, &mut dev, 1)
             .expect("gpu matmul_gemm");
         gemm += diff(&cpu, &dev);
-        gpu.matmul_with(MatmulKernel::GemmSplit(1), &x, n, &m, &mut dev, 1)
-            .expect("gpu matmul_gemm split");
-        gemm += diff(&cpu, &dev);
+        for k in [
+            MatmulKernel::GemmSplit(1),
+            MatmulKernel::GemmWide,
+            MatmulKernel::GemmWideSplit(2),
+        ] {
+            gpu.matmul_with(k, &x, n, &m, &mut dev, 1)
+                .expect("gpu matmul_gemm variant");
+            gemm += diff(&cpu, &dev);
+        }
     }
     out.push(("matmul", mm));
     out.push(("matmul_warp", warp));
@@ -394,12 +400,17 @@ fn main() {
                 diff(&cpu, &gm),
                 cpu.len(),
             );
-            for cpb in [1, 3] {
+            for (what, k) in [
+                ("matmul_gemm split 1", MatmulKernel::GemmSplit(1)),
+                ("matmul_gemm split 3", MatmulKernel::GemmSplit(3)),
+                ("matmul_gemm_wide", MatmulKernel::GemmWide),
+                ("matmul_gemm_wide split 2", MatmulKernel::GemmWideSplit(2)),
+            ] {
                 let mut gs = vec![f32::NAN; n * rows];
-                gpu.matmul_with(MatmulKernel::GemmSplit(cpb), &x, n, &m, &mut gs, 1)
-                    .expect("gpu matmul_gemm split");
+                gpu.matmul_with(k, &x, n, &m, &mut gs, 1)
+                    .expect("gpu matmul_gemm variant");
                 report(
-                    format!("matmul_gemm split {cpb} {label} {n}×{cols} · {cols}×{rows}"),
+                    format!("{what} {label} {n}×{cols} · {cols}×{rows}"),
                     diff(&cpu, &gs),
                     cpu.len(),
                 );
@@ -893,8 +904,16 @@ fn main() {
                 .matmul_with(MatmulKernel::GemmSplit(1), &x, n, &m, &mut y, reps)
                 .expect("time gemm split")
                 / reps as f64;
+            let tw2 = gpu
+                .matmul_with(MatmulKernel::GemmWide, &x, n, &m, &mut y, reps)
+                .expect("time gemm wide")
+                / reps as f64;
+            let tws = gpu
+                .matmul_with(MatmulKernel::GemmWideSplit(1), &x, n, &m, &mut y, reps)
+                .expect("time gemm wide split")
+                / reps as f64;
             println!(
-                "  {what:<22} {label:<5} {n:>3}×{cols}·{cols}×{rows}: thread {:>8.1} µs, warp {:>7.1} µs ({:>5.1}×), tile {:>7.1} µs ({:>5.1}×), rows {:>7.1} µs ({:>5.1}×), gemm {:>7.1} µs ({:>5.1}×, {:>5.2} TFLOP/s), gemm split {:>7.1} µs ({:>5.2} TFLOP/s); rows reads weights at {:>6.0} GB/s",
+                "  {what:<22} {label:<5} {n:>3}×{cols}·{cols}×{rows}: thread {:>8.1} µs, warp {:>7.1} µs ({:>5.1}×), tile {:>7.1} µs ({:>5.1}×), rows {:>7.1} µs ({:>5.1}×), gemm {:>7.1} µs ({:>5.1}×, {:>5.2} TFLOP/s), gemm split {:>7.1} µs ({:>5.2} TFLOP/s), wide {:>7.1} µs ({:>5.2} TFLOP/s), wide split {:>7.1} µs ({:>5.2} TFLOP/s); rows reads weights at {:>6.0} GB/s",
                 t * 1e6,
                 tw * 1e6,
                 t / tw,
@@ -907,6 +926,10 @@ fn main() {
                 2.0 * (n * rows * cols) as f64 / tg / 1e12,
                 ts * 1e6,
                 2.0 * (n * rows * cols) as f64 / ts / 1e12,
+                tw2 * 1e6,
+                2.0 * (n * rows * cols) as f64 / tw2 / 1e12,
+                tws * 1e6,
+                2.0 * (n * rows * cols) as f64 / tws / 1e12,
                 bytes as f64 / tr / 1e9
             );
         }

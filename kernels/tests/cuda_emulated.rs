@@ -197,12 +197,14 @@ fn matmul_kernels_match_the_cpu() {
     let mut r = SplitMix64(5);
     // (rows, cols, tokens): tails of rows, tokens and chunks; more chunks
     // than matmul_rows has groups (1088 = 17 chunks); gemm's row and token
-    // tiles both partial.
+    // tiles both partial; split gemm with 1, 2, 5 and 3 chunks per block.
     for &(rows, cols, n) in &[
         (7usize, 96usize, 3usize),
         (33, 160, 17),
         (20, 1088, 9),
         (65, 64, 40),
+        // Whole and partial wide tiles (64 rows × 32 tokens), ragged chunks.
+        (130, 224, 70),
     ] {
         let x = r.uniform_vec(n * cols, 2.0);
         let st = Stored::new(&mut r, rows * cols, 0.5);
@@ -218,6 +220,8 @@ fn matmul_kernels_match_the_cpu() {
                 "gemm_split1",
                 "gemm_split2",
                 "gemm_split5",
+                "gemm_wide",
+                "gemm_wide_split3",
             ] {
                 let out = job(
                     &format!("matmul {kernel} {kind} {n} {rows} {cols}"),
@@ -535,7 +539,7 @@ fn the_emulation_sees_each_broken_kernel() {
         }
         let bin = build(&format!("control_{i}"), &c.source, c.fmad);
         let mut d = 0;
-        for kernel in ["warp", "tile", "rows", "gemm", "gemm_split1"] {
+        for kernel in ["warp", "tile", "rows", "gemm", "gemm_split1", "gemm_wide"] {
             let out = job_on(
                 &bin,
                 &format!("matmul {kernel} 0 {n} {rows} {cols}"),

@@ -77,17 +77,26 @@ int main() {
         } else if (kernel == "gemm") {
             unsigned b = (unsigned)(((rows + GM_ROWS - 1) / GM_ROWS) * ((n + GM_TOKS - 1) / GM_TOKS));
             emu::launch(b, GM_THREADS, [&] { matmul_gemm(kind, xp, wp, yp, n, rows, k, row_bytes, nullptr, 0); });
-        } else if (kernel.rfind("gemm_split", 0) == 0) {
-            // gemm_splitC: blocks of C chunks writing partials, then sum_chunks.
-            int cpb = std::atoi(kernel.c_str() + 10);
+        } else if (kernel == "gemm_wide") {
+            unsigned b = (unsigned)(((rows + GW_ROWS - 1) / GW_ROWS) * ((n + GW_TOKS - 1) / GW_TOKS));
+            emu::launch(b, GW_THREADS, [&] { matmul_gemm_wide(kind, xp, wp, yp, n, rows, k, row_bytes, nullptr, 0); });
+        } else if (kernel.rfind("gemm_split", 0) == 0 || kernel.rfind("gemm_wide_split", 0) == 0) {
+            // gemm[_wide]_splitC: blocks of C chunks writing partials, then sum_chunks.
+            bool wide = kernel.rfind("gemm_wide_split", 0) == 0;
+            int cpb = std::atoi(kernel.c_str() + (wide ? 15 : 10));
             if (cpb < 1) return 2;
             int chunks = (k + CHUNK - 1) / CHUNK;
             int groups = (chunks + cpb - 1) / cpb;
-            unsigned tiles = (unsigned)(((rows + GM_ROWS - 1) / GM_ROWS) * ((n + GM_TOKS - 1) / GM_TOKS));
+            int R = wide ? GW_ROWS : GM_ROWS, T = wide ? GW_TOKS : GM_TOKS;
+            unsigned tiles = (unsigned)(((rows + R - 1) / R) * ((n + T - 1) / T));
             long long count = (long long)n * rows;
             std::vector<float> part((size_t)chunks * count, std::nanf(""));
             float* pp = part.data();
-            emu::launch(tiles * groups, GM_THREADS, [&] { matmul_gemm(kind, xp, wp, yp, n, rows, k, row_bytes, pp, cpb); });
+            if (wide) {
+                emu::launch(tiles * groups, GW_THREADS, [&] { matmul_gemm_wide(kind, xp, wp, yp, n, rows, k, row_bytes, pp, cpb); });
+            } else {
+                emu::launch(tiles * groups, GM_THREADS, [&] { matmul_gemm(kind, xp, wp, yp, n, rows, k, row_bytes, pp, cpb); });
+            }
             emu::launch(blocks_of(count, 128), 128, [&] { sum_chunks(pp, yp, chunks, count); });
         } else {
             return 2;

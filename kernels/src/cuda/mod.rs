@@ -121,6 +121,10 @@ pub enum MatmulKernel {
     /// summed by `sum_chunks`: the resident path's form for steps whose
     /// tiles are too few to fill the device.
     GemmSplit(usize),
+    /// `matmul_gemm_wide`: tiles of 64 rows × 32 tokens (256 threads).
+    GemmWide,
+    /// `matmul_gemm_wide` split over chunks, this many per block.
+    GemmWideSplit(usize),
 }
 
 pub(crate) fn grid(n: usize) -> LaunchConfig {
@@ -241,7 +245,11 @@ impl Gpu {
             ),
         };
         let row_bytes = (bytes.len() / w.rows.max(1)) as i64;
-        if let MatmulKernel::Gemm | MatmulKernel::GemmSplit(_) = kernel {
+        if let MatmulKernel::Gemm
+        | MatmulKernel::GemmSplit(_)
+        | MatmulKernel::GemmWide
+        | MatmulKernel::GemmWideSplit(_) = kernel
+        {
             return self.gemm_check(kernel, x, n, w, y, reps);
         }
         let s = &self.stream;
@@ -260,7 +268,10 @@ impl Gpu {
                 &self.res.matmul_tile,
                 grid(n.div_ceil(resident::MM_TOKENS) * w.rows * 32),
             ),
-            MatmulKernel::Gemm | MatmulKernel::GemmSplit(_) => {
+            MatmulKernel::Gemm
+            | MatmulKernel::GemmSplit(_)
+            | MatmulKernel::GemmWide
+            | MatmulKernel::GemmWideSplit(_) => {
                 return Err(GpuError::Shape {
                     what: "matmul",
                     detail: "the gemm kernels are launched by gemm_check".into(),

@@ -39,6 +39,10 @@ pub const MR_THREADS: u32 = 128;
 pub const GM_ROWS: usize = 32;
 pub const GM_TOKS: usize = 16;
 const GM_THREADS: u32 = 64;
+/// The same of `matmul_gemm_wide` (`GW_*`).
+pub const GW_ROWS: usize = 64;
+pub const GW_TOKS: usize = 32;
+const GW_THREADS: u32 = 256;
 /// Threads per block of `attention_paged` (`ATTN_THREADS` in kernels.cu).
 const ATTN_THREADS: u32 = 256;
 
@@ -55,6 +59,10 @@ pub struct Tuning {
     /// `LMRR_CUDA_GEMM_MIN`: matmuls of at least this many tokens take
     /// `matmul_gemm` (staged tiles) rather than `matmul_rows`.
     pub gemm_min: usize,
+    /// `LMRR_CUDA_GEMM_WIDE_MIN`: from this many tokens, `matmul_gemm_wide`
+    /// (tiles of 64 rows × 32 tokens, 256 threads) instead of `matmul_gemm`
+    /// (32 × 16, 64 threads).
+    pub gemm_wide_min: usize,
     /// `LMRR_CUDA_SPLIT_BLOCKS`: a `matmul_gemm` whose tiles are fewer
     /// than this many blocks is split over its chunks (partials, then
     /// `sum_chunks`) to about this many blocks; 0: never split.
@@ -65,9 +73,10 @@ impl Default for Tuning {
     /// The choices measured fastest on the H200 (docs/PERFORMANCE.md).
     fn default() -> Self {
         Self {
-            fused_max: 1,
-            gemm_min: 16,
-            split_blocks: 1024,
+            fused_max: 0,
+            gemm_min: 64,
+            gemm_wide_min: 512,
+            split_blocks: 4096,
         }
     }
 }
@@ -79,6 +88,7 @@ impl Tuning {
         for (var, slot) in [
             ("LMRR_CUDA_FUSED_MAX", &mut t.fused_max),
             ("LMRR_CUDA_GEMM_MIN", &mut t.gemm_min),
+            ("LMRR_CUDA_GEMM_WIDE_MIN", &mut t.gemm_wide_min),
             ("LMRR_CUDA_SPLIT_BLOCKS", &mut t.split_blocks),
         ] {
             if let Ok(v) = std::env::var(var) {
@@ -101,6 +111,7 @@ pub(crate) struct Kernels {
     rms_norm_warp: CudaFunction,
     add_norm: CudaFunction,
     pub(crate) matmul_gemm: CudaFunction,
+    matmul_gemm_wide: CudaFunction,
     norm_block: CudaFunction,
     matmul_fused: CudaFunction,
     sum_chunks: CudaFunction,
@@ -125,6 +136,7 @@ impl Kernels {
             rms_norm_warp: f("rms_norm_warp")?,
             add_norm: f("add_norm")?,
             matmul_gemm: f("matmul_gemm")?,
+            matmul_gemm_wide: f("matmul_gemm_wide")?,
             norm_block: f("norm_block")?,
             matmul_fused: f("matmul_fused")?,
             sum_chunks: f("sum_chunks")?,
@@ -201,6 +213,15 @@ fn warps(n: usize) -> Result<LaunchConfig, GpuError> {
 fn elems(n: usize, what: &'static str) -> Result<LaunchConfig, GpuError> {
     as_i32(what, n)?;
     Ok(super::grid(n))
+}
+
+/// Blocks of one `matmul_gemm` (or `_wide`) pass over `rows` × `n`.
+fn gemm_tiles(wide: bool, rows: usize, n: usize) -> usize {
+    if wide {
+        rows.div_ceil(GW_ROWS) * n.div_ceil(GW_TOKS)
+    } else {
+        rows.div_ceil(GM_ROWS) * n.div_ceil(GM_TOKS)
+    }
 }
 
 /// What [`Gpu::mm_fused`] does with each output.
@@ -436,7 +457,8 @@ impl Gpu {
         as_i32("matmul", n * w.cols)?;
         let tun = self.res.tuning;
         if n >= tun.gemm_min.max(1) {
-            let tiles = w.rows.div_ceil(GM_ROWS) * n.div_ceil(GM_TOKS);
+            let wide = n >= tun.gemm_wide_min.max(1);
+            let tiles = gemm_tiles(wide, w.rows, n);
             let chunks = w.cols.div_ceil(64);
             let fits = scratch.floats >= chunks * n * w.rows && scratch.addr != 0;
             let split = (fits && tiles < tun.split_blocks && chunks > 1).then(|| {
@@ -444,7 +466,7 @@ impl Gpu {
                 let groups = tun.split_blocks.div_ceil(tiles).min(chunks);
                 chunks.div_ceil(groups)
             });
-            return self.gemm_launch(x, n, w, y, split.map(|cpb| (scratch.addr, cpb)));
+            return self.gemm_launch(x, n, w, y, wide, split.map(|cpb| (scratch.addr, cpb)));
         }
         let rows_kernel = w.cols.div_ceil(64) <= MR_MAX_CHUNKS;
         let (f, cfg) = if rows_kernel {
@@ -477,15 +499,17 @@ impl Gpu {
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 
-    /// `matmul_gemm` over every chunk (`split` None), or split: `(part,
-    /// cpb)`, blocks of `cpb` chunks writing each chunk's partials into
-    /// `part` (chunks · n · rows floats), then `sum_chunks` into `y`.
+    /// `matmul_gemm` (or `matmul_gemm_wide` when `wide`) over every chunk
+    /// (`split` None), or split: `(part, cpb)`, blocks of `cpb` chunks
+    /// writing each chunk's partials into `part` (chunks · n · rows
+    /// floats), then `sum_chunks` into `y`.
     pub(crate) fn gemm_launch(
         &self,
         x: u64,
         n: usize,
         w: &DevMatrix,
         y: u64,
+        wide: bool,
         split: Option<(u64, usize)>,
     ) -> Result<(), GpuError> {
         if n == 0 || w.rows == 0 {
@@ -497,7 +521,7 @@ impl Gpu {
             as_i32("matmul", w.cols)?,
         );
         let chunks = w.cols.div_ceil(64);
-        let tiles = w.rows.div_ceil(GM_ROWS) * n.div_ceil(GM_TOKS);
+        let tiles = gemm_tiles(wide, w.rows, n);
         let (part, cpb) = match split {
             Some((p, c)) => (p, c.clamp(1, chunks.max(1))),
             None => (0, 0),
@@ -507,10 +531,15 @@ impl Gpu {
         as_i32("matmul", chunks * n * w.rows)?;
         let cfg = LaunchConfig {
             grid_dim: (as_i32("matmul", tiles * groups)? as u32, 1, 1),
-            block_dim: (GM_THREADS, 1, 1),
+            block_dim: (if wide { GW_THREADS } else { GM_THREADS }, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.stream.launch_builder(&self.res.matmul_gemm);
+        let f = if wide {
+            &self.res.matmul_gemm_wide
+        } else {
+            &self.res.matmul_gemm
+        };
+        let mut b = self.stream.launch_builder(f);
         b.arg(&w.kind)
             .arg(&x)
             .arg(&w.buf.ptr)
@@ -1087,8 +1116,10 @@ impl Gpu {
         let dx = self.upload(x, "gemm check input")?;
         let dy = self.alloc(y.len() * 4, "gemm check output")?;
         let chunks = w.cols.div_ceil(64);
+        use super::MatmulKernel as K;
+        let wide = matches!(kernel, K::GemmWide | K::GemmWideSplit(_));
         let split = match kernel {
-            super::MatmulKernel::GemmSplit(cpb) => {
+            K::GemmSplit(cpb) | K::GemmWideSplit(cpb) => {
                 let part = self.alloc(chunks * n * w.rows * 4, "gemm check partials")?;
                 Some((part, cpb))
             }
@@ -1098,7 +1129,7 @@ impl Gpu {
         let t0 = std::time::Instant::now();
         for _ in 0..reps.max(1) {
             let sp = split.as_ref().map(|(p, c)| (p.ptr, *c));
-            self.gemm_launch(dx.ptr, n, &dw, dy.ptr, sp)?;
+            self.gemm_launch(dx.ptr, n, &dw, dy.ptr, wide, sp)?;
         }
         self.sync()?;
         let secs = t0.elapsed().as_secs_f64();
