@@ -385,7 +385,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 .iter()
                 .map(|(name, s)| format!("{name} {:.1}%", 100.0 * s / step))
                 .chain(std::iter::once(format!(
-                    "other (embedding, head, norms) {:.1}%",
+                    "other (host work outside these parts: input packing, bookkeeping, buffer growth) {:.1}%",
                     100.0 * other / step
                 )))
                 .collect();
@@ -394,6 +394,23 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 shares.join(", ")
             );
         }
+    }
+    {
+        // What a batch-64 step costs the host to hand out its logits rows:
+        // 64 fresh vectors of `vocab` floats, copied and dropped, as
+        // ModelFamily::forward returns them (main.rs keeps freed memory in
+        // glibc's heap; without that each row is mapped and faulted in).
+        let rows = 64;
+        let src = vec![0.5f32; rows * vocab];
+        let t = time(r + 4, || {
+            let out: Vec<Vec<f32>> = src.chunks(vocab).map(|c| c.to_vec()).collect();
+            std::hint::black_box(out);
+        });
+        println!(
+            "| logits rows handed out per batch-64 step (64 × {vocab} floats as fresh vectors) | {:.2} ms ({:.1} GB/s) |",
+            t * 1e3,
+            (rows * vocab * 4) as f64 / t / 1e9,
+        );
     }
     let Some(((hash_s, total_s, steps), rf)) = extras else {
         return Ok(());

@@ -704,7 +704,29 @@ fn run_gen_model(a: &GenModelArgs) -> Result<()> {
     Ok(())
 }
 
+/// Keeps freed memory in glibc's heap. Every step hands each sequence its
+/// logits rows as fresh vectors (196 KB each on a 49 k vocabulary, so above
+/// glibc's default mmap threshold), and the scheduler drops them once
+/// sampled: by default each row is mapped, page-faulted in and unmapped
+/// again, 12.6 MB a step at batch 64, which took 4–6 ms, more than a third
+/// of a batch-64 GPU step. With the thresholds raised the rows reuse
+/// resident heap pages (0.85 ms for the same copies on this machine).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn keep_freed_memory() {
+    // SAFETY: mallopt only sets allocator thresholds; it is called first
+    // thing in main, before any other thread exists. A refusal (return 0)
+    // leaves glibc's defaults, which are correct, only slower.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn keep_freed_memory() {}
+
 fn main() -> std::process::ExitCode {
+    keep_freed_memory();
     let cli = Cli::parse();
     let res = match &cli.cmd {
         None => demo::run(),

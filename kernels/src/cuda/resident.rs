@@ -75,7 +75,7 @@ impl Default for Tuning {
         Self {
             fused_max: 0,
             gemm_min: 64,
-            gemm_wide_min: 512,
+            gemm_wide_min: 64,
             split_blocks: 4096,
         }
     }
