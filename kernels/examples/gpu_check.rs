@@ -880,38 +880,19 @@ fn main() {
             let m = Matrix::new(w, rows, cols).expect("shape");
             let mut y = vec![0.0; n * rows];
             let reps = 50;
-            let t = gpu
-                .matmul_with(MatmulKernel::Thread, &x, n, &m, &mut y, reps)
-                .expect("time thread")
-                / reps as f64;
-            let tw = gpu
-                .matmul_with(MatmulKernel::Warp, &x, n, &m, &mut y, reps)
-                .expect("time warp")
-                / reps as f64;
-            let tt = gpu
-                .matmul_with(MatmulKernel::Tile, &x, n, &m, &mut y, reps)
-                .expect("time tile")
-                / reps as f64;
-            let tr = gpu
-                .matmul_with(MatmulKernel::Rows, &x, n, &m, &mut y, reps)
-                .expect("time rows")
-                / reps as f64;
-            let tg = gpu
-                .matmul_with(MatmulKernel::Gemm, &x, n, &m, &mut y, reps)
-                .expect("time gemm")
-                / reps as f64;
-            let ts = gpu
-                .matmul_with(MatmulKernel::GemmSplit(1), &x, n, &m, &mut y, reps)
-                .expect("time gemm split")
-                / reps as f64;
-            let tw2 = gpu
-                .matmul_with(MatmulKernel::GemmWide, &x, n, &m, &mut y, reps)
-                .expect("time gemm wide")
-                / reps as f64;
-            let tws = gpu
-                .matmul_with(MatmulKernel::GemmWideSplit(1), &x, n, &m, &mut y, reps)
-                .expect("time gemm wide split")
-                / reps as f64;
+            let mut per_launch = |k: MatmulKernel| {
+                gpu.matmul_with(k, &x, n, &m, &mut y, reps)
+                    .unwrap_or_else(|e| panic!("timing {k:?}: {e}"))
+                    / reps as f64
+            };
+            let t = per_launch(MatmulKernel::Thread);
+            let tw = per_launch(MatmulKernel::Warp);
+            let tt = per_launch(MatmulKernel::Tile);
+            let tr = per_launch(MatmulKernel::Rows);
+            let tg = per_launch(MatmulKernel::Gemm);
+            let ts = per_launch(MatmulKernel::GemmSplit(1));
+            let tw2 = per_launch(MatmulKernel::GemmWide);
+            let tws = per_launch(MatmulKernel::GemmWideSplit(1));
             println!(
                 "  {what:<22} {label:<5} {n:>3}×{cols}·{cols}×{rows}: thread {:>8.1} µs, warp {:>7.1} µs ({:>5.1}×), tile {:>7.1} µs ({:>5.1}×), rows {:>7.1} µs ({:>5.1}×), gemm {:>7.1} µs ({:>5.1}×, {:>5.2} TFLOP/s), gemm split {:>7.1} µs ({:>5.2} TFLOP/s), wide {:>7.1} µs ({:>5.2} TFLOP/s), wide split {:>7.1} µs ({:>5.2} TFLOP/s); rows reads weights at {:>6.0} GB/s",
                 t * 1e6,

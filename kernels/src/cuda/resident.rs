@@ -215,6 +215,17 @@ fn elems(n: usize, what: &'static str) -> Result<LaunchConfig, GpuError> {
     Ok(super::grid(n))
 }
 
+/// A matmul's `(n, rows, cols)` as the kernels' 32-bit arguments, with
+/// `n · cols` (the input's extent) checked to fit them too.
+fn mm_dims(n: usize, w: &DevMatrix) -> Result<(i32, i32, i32), GpuError> {
+    as_i32("matmul", n * w.cols)?;
+    Ok((
+        as_i32("matmul", n)?,
+        as_i32("matmul", w.rows)?,
+        as_i32("matmul", w.cols)?,
+    ))
+}
+
 /// Blocks of one `matmul_gemm` (or `_wide`) pass over `rows` × `n`.
 fn gemm_tiles(wide: bool, rows: usize, n: usize) -> usize {
     if wide {
@@ -449,12 +460,7 @@ impl Gpu {
         if n == 0 || w.rows == 0 {
             return Ok(());
         }
-        let (ni, ri, ki) = (
-            as_i32("matmul", n)?,
-            as_i32("matmul", w.rows)?,
-            as_i32("matmul", w.cols)?,
-        );
-        as_i32("matmul", n * w.cols)?;
+        let (ni, ri, ki) = mm_dims(n, w)?;
         let tun = self.res.tuning;
         if n >= tun.gemm_min.max(1) {
             let wide = n >= tun.gemm_wide_min.max(1);
@@ -515,11 +521,7 @@ impl Gpu {
         if n == 0 || w.rows == 0 {
             return Ok(());
         }
-        let (ni, ri, ki) = (
-            as_i32("matmul", n)?,
-            as_i32("matmul", w.rows)?,
-            as_i32("matmul", w.cols)?,
-        );
+        let (ni, ri, ki) = mm_dims(n, w)?;
         let chunks = w.cols.div_ceil(64);
         let tiles = gemm_tiles(wide, w.rows, n);
         let (part, cpb) = match split {
