@@ -24,6 +24,12 @@ for g in 9 32 100000; do
     LMRR_CUDA_GEMM_MIN=$g LMRR_CUDA_SPLIT_BLOCKS=$sb b --prompt-len 64 --batches 16,64
   done
 done
+echo "## pipelined staging (LMRR_CUDA_GEMM_PIPELINED) against the wide tiles, batch 64 and prefill"
+for pf in 0 1; do
+  echo "# LMRR_CUDA_GEMM_PIPELINED=$pf"
+  LMRR_CUDA_GEMM_PIPELINED=$pf b --prompt-len 64 --batches 64
+  LMRR_CUDA_GEMM_PIPELINED=$pf b --prompt-len 512 --batches 1
+done
 echo "## prefill of 512 tokens"
 for g in 9 100000; do
   for sb in 0 1024; do

@@ -773,14 +773,35 @@ __device__ __forceinline__ float tree8_transpose(const float v[8], int j) {
 // and stores each chunk's partial at part[(c·n + t)·rows + o]; sum_chunks
 // then adds them in chunk order from +0.0, the same adds.
 //
-// gemm_tiles<GR, GT> is the body: GR·8 rows × GT·8 tokens per block of
-// 8·GR·GT threads; matmul_gemm (4, 2) and matmul_gemm_wide (8, 4) differ in
-// tile only, never in any output's operations.
-template <int GR, int GT>
+// gemm_tiles<GR, GT, PF> is the body: GR·8 rows × GT·8 tokens per block of
+// 8·GR·GT threads; matmul_gemm (4, 2), matmul_gemm_wide (8, 4) and
+// matmul_gemm_pipelined (8, 4, staging pipelined) differ in tile and
+// staging only, never in any output's operations.
+// Staged value e of a block's chunk at c0 (ragged at cend): weight row
+// o0 + e / CHUNK, or input token t0 + e / CHUNK; 0 outside the matrix.
+__device__ __forceinline__ float gm_weight(int kind, const unsigned char* w, long long row_bytes, int rows,
+                                           int o0, int c0, int cend, int e) {
+    int wr = o0 + e / CHUNK, i = c0 + e % CHUNK;
+    return (wr < rows && i < cend) ? weight(kind, w + wr * row_bytes, i) : 0.0f;
+}
+
+__device__ __forceinline__ float gm_input(const float* x, int n, int k, int t0, int c0, int cend, int e) {
+    int t = t0 + e / CHUNK, i = c0 + e % CHUNK;
+    return (t < n && i < cend) ? x[(long long)t * k + i] : 0.0f;
+}
+
+// PF (pipelined): each thread loads its share of the next chunk into
+// registers while the block computes on the current one, and stores it to
+// shared memory after the barrier; the staged values, and so the bits, are
+// the same.
+template <int GR, int GT, bool PF>
 __device__ __forceinline__ void gemm_tiles(int kind, const float* x, const unsigned char* w, float* y,
                                            int n, int rows, int k, long long row_bytes, float* part, int cpb,
                                            float (*ws)[CHUNK + 1], float (*xs)[CHUNK]) {
     const int R = 8 * GR, T = 8 * GT, THREADS = 8 * GR * GT;
+    // Staged values per thread (R·CHUNK and T·CHUNK are multiples of THREADS).
+    const int WPT = R * CHUNK / THREADS, XPT = T * CHUNK / THREADS;
+    float wreg[PF ? WPT : 1], xreg[PF ? XPT : 1];
     int row_blocks = (rows + R - 1) / R;
     int tiles = row_blocks * ((n + T - 1) / T);
     int tile = blockIdx.x % tiles, group = blockIdx.x / tiles;
@@ -795,19 +816,39 @@ __device__ __forceinline__ void gemm_tiles(int kind, const float* x, const unsig
     float total[8];
     #pragma unroll
     for (int tt = 0; tt < 8; ++tt) total[tt] = 0.0f;
+    if (PF && cfirst < clast) {
+        int c0 = cfirst * CHUNK, cend = min(c0 + CHUNK, k);
+        #pragma unroll
+        for (int q = 0; q < WPT; ++q) wreg[q] = gm_weight(kind, w, row_bytes, rows, o0, c0, cend, tid + q * THREADS);
+        #pragma unroll
+        for (int q = 0; q < XPT; ++q) xreg[q] = gm_input(x, n, k, t0, c0, cend, tid + q * THREADS);
+    }
     for (int c = cfirst; c < clast; ++c) {
         int c0 = c * CHUNK, cend = min(c0 + CHUNK, k);
-        for (int e = tid; e < R * CHUNK; e += THREADS) {
-            int r = e / CHUNK, col = e % CHUNK;
-            int wr = o0 + r, i = c0 + col;
-            ws[r][col] = (wr < rows && i < cend) ? weight(kind, w + wr * row_bytes, i) : 0.0f;
-        }
-        for (int e = tid; e < T * CHUNK; e += THREADS) {
-            int r = e / CHUNK, col = e % CHUNK;
-            int t = t0 + r, i = c0 + col;
-            xs[r][col] = (t < n && i < cend) ? x[(long long)t * k + i] : 0.0f;
+        if (PF) {
+            #pragma unroll
+            for (int q = 0; q < WPT; ++q) {
+                int e = tid + q * THREADS;
+                ws[e / CHUNK][e % CHUNK] = wreg[q];
+            }
+            #pragma unroll
+            for (int q = 0; q < XPT; ++q) {
+                int e = tid + q * THREADS;
+                xs[e / CHUNK][e % CHUNK] = xreg[q];
+            }
+        } else {
+            for (int e = tid; e < R * CHUNK; e += THREADS) ws[e / CHUNK][e % CHUNK] = gm_weight(kind, w, row_bytes, rows, o0, c0, cend, e);
+            for (int e = tid; e < T * CHUNK; e += THREADS) xs[e / CHUNK][e % CHUNK] = gm_input(x, n, k, t0, c0, cend, e);
         }
         __syncthreads();
+        if (PF && c + 1 < clast) {
+            // The next chunk's loads are in flight during this one's FMAs.
+            int n0 = c0 + CHUNK, nend = min(n0 + CHUNK, k);
+            #pragma unroll
+            for (int q = 0; q < WPT; ++q) wreg[q] = gm_weight(kind, w, row_bytes, rows, o0, n0, nend, tid + q * THREADS);
+            #pragma unroll
+            for (int q = 0; q < XPT; ++q) xreg[q] = gm_input(x, n, k, t0, n0, nend, tid + q * THREADS);
+        }
         float acc[8][8];
         #pragma unroll
         for (int tt = 0; tt < 8; ++tt) {
@@ -856,14 +897,23 @@ extern "C" __global__ void matmul_gemm(int kind, const float* x, const unsigned 
                                        int n, int rows, int k, long long row_bytes, float* part, int cpb) {
     __shared__ float ws[GM_ROWS][CHUNK + 1];
     __shared__ float xs[GM_TOKS][CHUNK];
-    gemm_tiles<GM_GR, GM_GT>(kind, x, w, y, n, rows, k, row_bytes, part, cpb, ws, xs);
+    gemm_tiles<GM_GR, GM_GT, false>(kind, x, w, y, n, rows, k, row_bytes, part, cpb, ws, xs);
 }
 
 extern "C" __global__ void matmul_gemm_wide(int kind, const float* x, const unsigned char* w, float* y,
                                             int n, int rows, int k, long long row_bytes, float* part, int cpb) {
     __shared__ float ws[GW_ROWS][CHUNK + 1];
     __shared__ float xs[GW_TOKS][CHUNK];
-    gemm_tiles<GW_GR, GW_GT>(kind, x, w, y, n, rows, k, row_bytes, part, cpb, ws, xs);
+    gemm_tiles<GW_GR, GW_GT, false>(kind, x, w, y, n, rows, k, row_bytes, part, cpb, ws, xs);
+}
+
+// matmul_gemm_wide with its staging pipelined (gemm_tiles' PF).
+extern "C" __global__ void matmul_gemm_pipelined(int kind, const float* x, const unsigned char* w, float* y,
+                                                 int n, int rows, int k, long long row_bytes, float* part,
+                                                 int cpb) {
+    __shared__ float ws[GW_ROWS][CHUNK + 1];
+    __shared__ float xs[GW_TOKS][CHUNK];
+    gemm_tiles<GW_GR, GW_GT, true>(kind, x, w, y, n, rows, k, row_bytes, part, cpb, ws, xs);
 }
 
 // The chunk partials of a split matmul_gemm summed in chunk order from

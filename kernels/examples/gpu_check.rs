@@ -187,6 +187,8 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
             MatmulKernel::GemmSplit(1),
             MatmulKernel::GemmWide,
             MatmulKernel::GemmWideSplit(2),
+            MatmulKernel::GemmPipelined,
+            MatmulKernel::GemmPipelinedSplit(2),
         ] {
             gpu.matmul_with(k, &x, n, &m, &mut dev, 1)
                 .expect("gpu matmul_gemm variant");
@@ -405,6 +407,8 @@ fn main() {
                 ("matmul_gemm split 3", MatmulKernel::GemmSplit(3)),
                 ("matmul_gemm_wide", MatmulKernel::GemmWide),
                 ("matmul_gemm_wide split 2", MatmulKernel::GemmWideSplit(2)),
+                ("matmul_gemm_pipelined", MatmulKernel::GemmPipelined),
+                ("matmul_gemm_pipelined split 2", MatmulKernel::GemmPipelinedSplit(2)),
             ] {
                 let mut gs = vec![f32::NAN; n * rows];
                 gpu.matmul_with(k, &x, n, &m, &mut gs, 1)
@@ -893,8 +897,10 @@ fn main() {
             let ts = per_launch(MatmulKernel::GemmSplit(1));
             let tw2 = per_launch(MatmulKernel::GemmWide);
             let tws = per_launch(MatmulKernel::GemmWideSplit(1));
+            let tp = per_launch(MatmulKernel::GemmPipelined);
+            let tps = per_launch(MatmulKernel::GemmPipelinedSplit(1));
             println!(
-                "  {what:<22} {label:<5} {n:>3}×{cols}·{cols}×{rows}: thread {:>8.1} µs, warp {:>7.1} µs ({:>5.1}×), tile {:>7.1} µs ({:>5.1}×), rows {:>7.1} µs ({:>5.1}×), gemm {:>7.1} µs ({:>5.1}×, {:>5.2} TFLOP/s), gemm split {:>7.1} µs ({:>5.2} TFLOP/s), wide {:>7.1} µs ({:>5.2} TFLOP/s), wide split {:>7.1} µs ({:>5.2} TFLOP/s); rows reads weights at {:>6.0} GB/s",
+                "  {what:<22} {label:<5} {n:>3}×{cols}·{cols}×{rows}: thread {:>8.1} µs, warp {:>7.1} µs ({:>5.1}×), tile {:>7.1} µs ({:>5.1}×), rows {:>7.1} µs ({:>5.1}×), gemm {:>7.1} µs ({:>5.1}×, {:>5.2} TFLOP/s), gemm split {:>7.1} µs ({:>5.2} TFLOP/s), wide {:>7.1} µs ({:>5.2} TFLOP/s), wide split {:>7.1} µs ({:>5.2} TFLOP/s), pipelined {:>7.1} µs ({:>5.2} TFLOP/s), pipelined split {:>7.1} µs ({:>5.2} TFLOP/s); rows reads weights at {:>6.0} GB/s",
                 t * 1e6,
                 tw * 1e6,
                 t / tw,
@@ -911,6 +917,10 @@ fn main() {
                 2.0 * (n * rows * cols) as f64 / tw2 / 1e12,
                 tws * 1e6,
                 2.0 * (n * rows * cols) as f64 / tws / 1e12,
+                tp * 1e6,
+                2.0 * (n * rows * cols) as f64 / tp / 1e12,
+                tps * 1e6,
+                2.0 * (n * rows * cols) as f64 / tps / 1e12,
                 bytes as f64 / tr / 1e9
             );
         }

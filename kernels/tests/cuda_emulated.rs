@@ -222,6 +222,8 @@ fn matmul_kernels_match_the_cpu() {
                 "gemm_split5",
                 "gemm_wide",
                 "gemm_wide_split3",
+                "gemm_pipe",
+                "gemm_pipe_split2",
             ] {
                 let out = job(
                     &format!("matmul {kernel} {kind} {n} {rows} {cols}"),
@@ -539,7 +541,15 @@ fn the_emulation_sees_each_broken_kernel() {
         }
         let bin = build(&format!("control_{i}"), &c.source, c.fmad);
         let mut d = 0;
-        for kernel in ["warp", "tile", "rows", "gemm", "gemm_split1", "gemm_wide"] {
+        for kernel in [
+            "warp",
+            "tile",
+            "rows",
+            "gemm",
+            "gemm_split1",
+            "gemm_wide",
+            "gemm_pipe",
+        ] {
             let out = job_on(
                 &bin,
                 &format!("matmul {kernel} 0 {n} {rows} {cols}"),

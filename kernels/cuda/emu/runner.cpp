@@ -77,12 +77,18 @@ int main() {
         } else if (kernel == "gemm") {
             unsigned b = (unsigned)(((rows + GM_ROWS - 1) / GM_ROWS) * ((n + GM_TOKS - 1) / GM_TOKS));
             emu::launch(b, GM_THREADS, [&] { matmul_gemm(kind, xp, wp, yp, n, rows, k, row_bytes, nullptr, 0); });
-        } else if (kernel == "gemm_wide") {
+        } else if (kernel == "gemm_wide" || kernel == "gemm_pipe") {
             unsigned b = (unsigned)(((rows + GW_ROWS - 1) / GW_ROWS) * ((n + GW_TOKS - 1) / GW_TOKS));
-            emu::launch(b, GW_THREADS, [&] { matmul_gemm_wide(kind, xp, wp, yp, n, rows, k, row_bytes, nullptr, 0); });
-        } else if (kernel.rfind("gemm_split", 0) == 0 || kernel.rfind("gemm_wide_split", 0) == 0) {
-            // gemm[_wide]_splitC: blocks of C chunks writing partials, then sum_chunks.
-            bool wide = kernel.rfind("gemm_wide_split", 0) == 0;
+            if (kernel == "gemm_wide") {
+                emu::launch(b, GW_THREADS, [&] { matmul_gemm_wide(kind, xp, wp, yp, n, rows, k, row_bytes, nullptr, 0); });
+            } else {
+                emu::launch(b, GW_THREADS, [&] { matmul_gemm_pipelined(kind, xp, wp, yp, n, rows, k, row_bytes, nullptr, 0); });
+            }
+        } else if (kernel.rfind("gemm_split", 0) == 0 || kernel.rfind("gemm_wide_split", 0) == 0 ||
+                   kernel.rfind("gemm_pipe_split", 0) == 0) {
+            // gemm[_wide|_pipe]_splitC: blocks of C chunks writing partials, then sum_chunks.
+            bool pipe = kernel.rfind("gemm_pipe_split", 0) == 0;
+            bool wide = pipe || kernel.rfind("gemm_wide_split", 0) == 0;
             int cpb = std::atoi(kernel.c_str() + (wide ? 15 : 10));
             if (cpb < 1) return 2;
             int chunks = (k + CHUNK - 1) / CHUNK;
@@ -92,7 +98,9 @@ int main() {
             long long count = (long long)n * rows;
             std::vector<float> part((size_t)chunks * count, std::nanf(""));
             float* pp = part.data();
-            if (wide) {
+            if (pipe) {
+                emu::launch(tiles * groups, GW_THREADS, [&] { matmul_gemm_pipelined(kind, xp, wp, yp, n, rows, k, row_bytes, pp, cpb); });
+            } else if (wide) {
                 emu::launch(tiles * groups, GW_THREADS, [&] { matmul_gemm_wide(kind, xp, wp, yp, n, rows, k, row_bytes, pp, cpb); });
             } else {
                 emu::launch(tiles * groups, GM_THREADS, [&] { matmul_gemm(kind, xp, wp, yp, n, rows, k, row_bytes, pp, cpb); });

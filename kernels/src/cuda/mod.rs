@@ -125,6 +125,11 @@ pub enum MatmulKernel {
     GemmWide,
     /// `matmul_gemm_wide` split over chunks, this many per block.
     GemmWideSplit(usize),
+    /// `matmul_gemm_pipelined`: the wide tiles, the next chunk's loads in
+    /// flight during this one's FMAs.
+    GemmPipelined,
+    /// `matmul_gemm_pipelined` split over chunks, this many per block.
+    GemmPipelinedSplit(usize),
 }
 
 pub(crate) fn grid(n: usize) -> LaunchConfig {
@@ -248,7 +253,9 @@ impl Gpu {
         if let MatmulKernel::Gemm
         | MatmulKernel::GemmSplit(_)
         | MatmulKernel::GemmWide
-        | MatmulKernel::GemmWideSplit(_) = kernel
+        | MatmulKernel::GemmWideSplit(_)
+        | MatmulKernel::GemmPipelined
+        | MatmulKernel::GemmPipelinedSplit(_) = kernel
         {
             return self.gemm_check(kernel, x, n, w, y, reps);
         }
@@ -271,7 +278,9 @@ impl Gpu {
             MatmulKernel::Gemm
             | MatmulKernel::GemmSplit(_)
             | MatmulKernel::GemmWide
-            | MatmulKernel::GemmWideSplit(_) => {
+            | MatmulKernel::GemmWideSplit(_)
+            | MatmulKernel::GemmPipelined
+            | MatmulKernel::GemmPipelinedSplit(_) => {
                 return Err(GpuError::Shape {
                     what: "matmul",
                     detail: "the gemm kernels are launched by gemm_check".into(),

@@ -63,6 +63,10 @@ pub struct Tuning {
     /// (tiles of 64 rows × 32 tokens, 256 threads) instead of `matmul_gemm`
     /// (32 × 16, 64 threads).
     pub gemm_wide_min: usize,
+    /// `LMRR_CUDA_GEMM_PIPELINED=1`: the wide tiles by
+    /// `matmul_gemm_pipelined` (the next chunk's loads in flight during this
+    /// one's FMAs). Off until measured on a device.
+    pub gemm_pipelined: bool,
     /// `LMRR_CUDA_SPLIT_BLOCKS`: a `matmul_gemm` whose tiles are fewer
     /// than this many blocks is split over its chunks (partials, then
     /// `sum_chunks`) to about this many blocks; 0: never split.
@@ -76,6 +80,7 @@ impl Default for Tuning {
             fused_max: 0,
             gemm_min: 64,
             gemm_wide_min: 64,
+            gemm_pipelined: false,
             split_blocks: 4096,
         }
     }
@@ -97,6 +102,17 @@ impl Tuning {
                 })?;
             }
         }
+        if let Ok(v) = std::env::var("LMRR_CUDA_GEMM_PIPELINED") {
+            t.gemm_pipelined = match v.trim() {
+                "1" => true,
+                "0" => false,
+                _ => {
+                    return Err(GpuError::Config(format!(
+                        "LMRR_CUDA_GEMM_PIPELINED={v:?}: want 0 or 1"
+                    )))
+                }
+            };
+        }
         t.fused_max = t.fused_max.min(MM_TOKENS);
         Ok(t)
     }
@@ -112,6 +128,7 @@ pub(crate) struct Kernels {
     add_norm: CudaFunction,
     pub(crate) matmul_gemm: CudaFunction,
     matmul_gemm_wide: CudaFunction,
+    matmul_gemm_pipelined: CudaFunction,
     norm_block: CudaFunction,
     matmul_fused: CudaFunction,
     sum_chunks: CudaFunction,
@@ -137,6 +154,7 @@ impl Kernels {
             add_norm: f("add_norm")?,
             matmul_gemm: f("matmul_gemm")?,
             matmul_gemm_wide: f("matmul_gemm_wide")?,
+            matmul_gemm_pipelined: f("matmul_gemm_pipelined")?,
             norm_block: f("norm_block")?,
             matmul_fused: f("matmul_fused")?,
             sum_chunks: f("sum_chunks")?,
@@ -226,9 +244,20 @@ fn mm_dims(n: usize, w: &DevMatrix) -> Result<(i32, i32, i32), GpuError> {
     ))
 }
 
+/// Which `matmul_gemm` kernel: its tiles, and whether staging is pipelined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmTiles {
+    /// `matmul_gemm`: 32 rows × 16 tokens, 64 threads.
+    Narrow,
+    /// `matmul_gemm_wide`: 64 rows × 32 tokens, 256 threads.
+    Wide,
+    /// `matmul_gemm_pipelined`: the wide tiles, staging pipelined.
+    Pipelined,
+}
+
 /// Blocks of one `matmul_gemm` (or `_wide`) pass over `rows` × `n`.
-fn gemm_tiles(wide: bool, rows: usize, n: usize) -> usize {
-    if wide {
+fn gemm_tiles(tiles: GemmTiles, rows: usize, n: usize) -> usize {
+    if tiles != GemmTiles::Narrow {
         rows.div_ceil(GW_ROWS) * n.div_ceil(GW_TOKS)
     } else {
         rows.div_ceil(GM_ROWS) * n.div_ceil(GM_TOKS)
@@ -463,8 +492,12 @@ impl Gpu {
         let (ni, ri, ki) = mm_dims(n, w)?;
         let tun = self.res.tuning;
         if n >= tun.gemm_min.max(1) {
-            let wide = n >= tun.gemm_wide_min.max(1);
-            let tiles = gemm_tiles(wide, w.rows, n);
+            let kind = match (n >= tun.gemm_wide_min.max(1), tun.gemm_pipelined) {
+                (false, _) => GemmTiles::Narrow,
+                (true, false) => GemmTiles::Wide,
+                (true, true) => GemmTiles::Pipelined,
+            };
+            let tiles = gemm_tiles(kind, w.rows, n);
             let chunks = w.cols.div_ceil(64);
             let fits = scratch.floats >= chunks * n * w.rows && scratch.addr != 0;
             let split = (fits && tiles < tun.split_blocks && chunks > 1).then(|| {
@@ -472,7 +505,7 @@ impl Gpu {
                 let groups = tun.split_blocks.div_ceil(tiles).min(chunks);
                 chunks.div_ceil(groups)
             });
-            return self.gemm_launch(x, n, w, y, wide, split.map(|cpb| (scratch.addr, cpb)));
+            return self.gemm_launch(x, n, w, y, kind, split.map(|cpb| (scratch.addr, cpb)));
         }
         let rows_kernel = w.cols.div_ceil(64) <= MR_MAX_CHUNKS;
         let (f, cfg) = if rows_kernel {
@@ -505,7 +538,7 @@ impl Gpu {
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 
-    /// `matmul_gemm` (or `matmul_gemm_wide` when `wide`) over every chunk
+    /// `matmul_gemm` (the kernel `tiles` names) over every chunk
     /// (`split` None), or split: `(part, cpb)`, blocks of `cpb` chunks
     /// writing each chunk's partials into `part` (chunks · n · rows
     /// floats), then `sum_chunks` into `y`.
@@ -515,7 +548,7 @@ impl Gpu {
         n: usize,
         w: &DevMatrix,
         y: u64,
-        wide: bool,
+        tiles: GemmTiles,
         split: Option<(u64, usize)>,
     ) -> Result<(), GpuError> {
         if n == 0 || w.rows == 0 {
@@ -523,7 +556,8 @@ impl Gpu {
         }
         let (ni, ri, ki) = mm_dims(n, w)?;
         let chunks = w.cols.div_ceil(64);
-        let tiles = gemm_tiles(wide, w.rows, n);
+        let kind = tiles;
+        let tiles = gemm_tiles(kind, w.rows, n);
         let (part, cpb) = match split {
             Some((p, c)) => (p, c.clamp(1, chunks.max(1))),
             None => (0, 0),
@@ -533,13 +567,21 @@ impl Gpu {
         as_i32("matmul", chunks * n * w.rows)?;
         let cfg = LaunchConfig {
             grid_dim: (as_i32("matmul", tiles * groups)? as u32, 1, 1),
-            block_dim: (if wide { GW_THREADS } else { GM_THREADS }, 1, 1),
+            block_dim: (
+                if kind == GemmTiles::Narrow {
+                    GM_THREADS
+                } else {
+                    GW_THREADS
+                },
+                1,
+                1,
+            ),
             shared_mem_bytes: 0,
         };
-        let f = if wide {
-            &self.res.matmul_gemm_wide
-        } else {
-            &self.res.matmul_gemm
+        let f = match kind {
+            GemmTiles::Narrow => &self.res.matmul_gemm,
+            GemmTiles::Wide => &self.res.matmul_gemm_wide,
+            GemmTiles::Pipelined => &self.res.matmul_gemm_pipelined,
         };
         let mut b = self.stream.launch_builder(f);
         b.arg(&w.kind)
@@ -1119,9 +1161,13 @@ impl Gpu {
         let dy = self.alloc(y.len() * 4, "gemm check output")?;
         let chunks = w.cols.div_ceil(64);
         use super::MatmulKernel as K;
-        let wide = matches!(kernel, K::GemmWide | K::GemmWideSplit(_));
+        let tiles = match kernel {
+            K::GemmWide | K::GemmWideSplit(_) => GemmTiles::Wide,
+            K::GemmPipelined | K::GemmPipelinedSplit(_) => GemmTiles::Pipelined,
+            _ => GemmTiles::Narrow,
+        };
         let split = match kernel {
-            K::GemmSplit(cpb) | K::GemmWideSplit(cpb) => {
+            K::GemmSplit(cpb) | K::GemmWideSplit(cpb) | K::GemmPipelinedSplit(cpb) => {
                 let part = self.alloc(chunks * n * w.rows * 4, "gemm check partials")?;
                 Some((part, cpb))
             }
@@ -1131,7 +1177,7 @@ impl Gpu {
         let t0 = std::time::Instant::now();
         for _ in 0..reps.max(1) {
             let sp = split.as_ref().map(|(p, c)| (p.ptr, *c));
-            self.gemm_launch(dx.ptr, n, &dw, dy.ptr, wide, sp)?;
+            self.gemm_launch(dx.ptr, n, &dw, dy.ptr, tiles, sp)?;
         }
         self.sync()?;
         let secs = t0.elapsed().as_secs_f64();
