@@ -89,6 +89,13 @@ impl Default for Tuning {
 impl Tuning {
     /// The defaults, with any of the environment variables applied.
     pub fn from_env() -> Result<Self, GpuError> {
+        Self::from_vars(|var| std::env::var(var).ok())
+    }
+
+    /// The defaults, with the variables `get` returns applied; a value that
+    /// is not a count (or 0/1 for `LMRR_CUDA_GEMM_PIPELINED`) is an error
+    /// naming it.
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self, GpuError> {
         let mut t = Self::default();
         for (var, slot) in [
             ("LMRR_CUDA_FUSED_MAX", &mut t.fused_max),
@@ -96,13 +103,13 @@ impl Tuning {
             ("LMRR_CUDA_GEMM_WIDE_MIN", &mut t.gemm_wide_min),
             ("LMRR_CUDA_SPLIT_BLOCKS", &mut t.split_blocks),
         ] {
-            if let Ok(v) = std::env::var(var) {
+            if let Some(v) = get(var) {
                 *slot = v.trim().parse().map_err(|_| {
                     GpuError::Config(format!("{var}={v:?} is not a count (want 0, 1, 2, …)"))
                 })?;
             }
         }
-        if let Ok(v) = std::env::var("LMRR_CUDA_GEMM_PIPELINED") {
+        if let Some(v) = get("LMRR_CUDA_GEMM_PIPELINED") {
             t.gemm_pipelined = match v.trim() {
                 "1" => true,
                 "0" => false,
@@ -113,8 +120,59 @@ impl Tuning {
                 }
             };
         }
+        // matmul_fused holds at most MM_TOKENS tokens of partials.
         t.fused_max = t.fused_max.min(MM_TOKENS);
         Ok(t)
+    }
+}
+
+#[cfg(test)]
+mod tuning_tests {
+    use super::*;
+
+    fn with(vars: &[(&str, &str)]) -> Result<Tuning, GpuError> {
+        Tuning::from_vars(|k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        })
+    }
+
+    #[test]
+    fn variables_set_each_choice_and_fused_steps_stay_within_the_kernel() {
+        let t = with(&[
+            ("LMRR_CUDA_FUSED_MAX", "64"),
+            ("LMRR_CUDA_GEMM_MIN", " 9 "),
+            ("LMRR_CUDA_GEMM_WIDE_MIN", "128"),
+            ("LMRR_CUDA_SPLIT_BLOCKS", "0"),
+            ("LMRR_CUDA_GEMM_PIPELINED", "1"),
+        ])
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            t,
+            Tuning {
+                fused_max: MM_TOKENS,
+                gemm_min: 9,
+                gemm_wide_min: 128,
+                split_blocks: 0,
+                gemm_pipelined: true,
+            }
+        );
+        assert_eq!(with(&[]).ok(), Some(Tuning::default()));
+    }
+
+    #[test]
+    fn a_bad_value_is_an_error_naming_the_variable() {
+        for (var, v) in [
+            ("LMRR_CUDA_GEMM_MIN", "lots"),
+            ("LMRR_CUDA_SPLIT_BLOCKS", "-1"),
+            ("LMRR_CUDA_GEMM_PIPELINED", "yes"),
+        ] {
+            match with(&[(var, v)]) {
+                Err(GpuError::Config(m)) => assert!(m.contains(var) && m.contains(v), "{m}"),
+                other => panic!("{var}={v}: {other:?}"),
+            }
+        }
     }
 }
 
