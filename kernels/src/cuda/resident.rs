@@ -622,7 +622,6 @@ impl Gpu {
         };
         let groups = if part == 0 { 1 } else { chunks.div_ceil(cpb) };
         let cpbi = as_i32("matmul", cpb)?;
-        as_i32("matmul", chunks * n * w.rows)?;
         let cfg = LaunchConfig {
             grid_dim: (as_i32("matmul", tiles * groups)? as u32, 1, 1),
             block_dim: (
