@@ -408,7 +408,10 @@ fn main() {
                 ("matmul_gemm_wide", MatmulKernel::GemmWide),
                 ("matmul_gemm_wide split 2", MatmulKernel::GemmWideSplit(2)),
                 ("matmul_gemm_pipelined", MatmulKernel::GemmPipelined),
-                ("matmul_gemm_pipelined split 2", MatmulKernel::GemmPipelinedSplit(2)),
+                (
+                    "matmul_gemm_pipelined split 2",
+                    MatmulKernel::GemmPipelinedSplit(2),
+                ),
             ] {
                 let mut gs = vec![f32::NAN; n * rows];
                 gpu.matmul_with(k, &x, n, &m, &mut gs, 1)

@@ -953,7 +953,11 @@ impl Gpu {
         }
         // SAFETY: `ptr` holds `len` floats; zero them so every read is defined.
         unsafe { std::ptr::write_bytes(ptr, 0, len) };
-        Ok(Pinned { ptr, len, ctx: self.ctx.clone() })
+        Ok(Pinned {
+            ptr,
+            len,
+            ctx: self.ctx.clone(),
+        })
     }
 
     /// Copies `n` floats from device address `src` into `dst[..n]`, waiting.
