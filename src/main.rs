@@ -715,9 +715,10 @@ fn run_gen_model(a: &GenModelArgs) -> Result<()> {
 fn keep_freed_memory() {
     // SAFETY: mallopt only sets allocator thresholds; it is called first
     // thing in main, before any other thread exists. A refusal (return 0)
-    // leaves glibc's defaults, which are correct, only slower.
+    // leaves glibc's defaults, which are correct, only slower. 32 MiB is the
+    // largest mmap threshold glibc documents for 64-bit systems.
     unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 20);
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
         libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20);
     }
 }
