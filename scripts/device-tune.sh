@@ -16,6 +16,11 @@ for f in 0 1 2 4 8; do
   echo "# LMRR_CUDA_FUSED_MAX=$f"
   LMRR_CUDA_FUSED_MAX=$f b --prompt-len 64 --batches 1,2,4,8
 done
+echo "## SwiGLU in gate/up's epilogue (LMRR_CUDA_SWIGLU_MAX) against its own kernel, batches 1, 2, 4, 8"
+for sw in 0 8; do
+  echo "# LMRR_CUDA_SWIGLU_MAX=$sw"
+  LMRR_CUDA_SWIGLU_MAX=$sw b --prompt-len 64 --batches 1,2,4,8
+done
 echo "## matmul_gemm from N tokens (LMRR_CUDA_GEMM_MIN), split below B blocks (LMRR_CUDA_SPLIT_BLOCKS), batches 16, 64"
 for g in 9 32 100000; do
   for sb in 0 512 1024 4096; do

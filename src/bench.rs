@@ -476,8 +476,8 @@ fn device_tuning(m: &dyn lmrr_engine::ModelFamily) -> Option<String> {
     };
     let t = g.tuning();
     Some(format!(
-        "steps of ≤ {} tokens fused (LMRR_CUDA_FUSED_MAX); matmul_gemm from {} tokens (LMRR_CUDA_GEMM_MIN), its wide tiles from {} (LMRR_CUDA_GEMM_WIDE_MIN), pipelined: {} (LMRR_CUDA_GEMM_PIPELINED), split over chunks below {} blocks (LMRR_CUDA_SPLIT_BLOCKS)",
-        t.fused_max, t.gemm_min, t.gemm_wide_min, if t.gemm_pipelined { "yes" } else { "no" }, t.split_blocks
+        "steps of ≤ {} tokens fused (LMRR_CUDA_FUSED_MAX), SwiGLU in gate/up's epilogue to ≤ {} (LMRR_CUDA_SWIGLU_MAX); matmul_gemm from {} tokens (LMRR_CUDA_GEMM_MIN), its wide tiles from {} (LMRR_CUDA_GEMM_WIDE_MIN), pipelined: {} (LMRR_CUDA_GEMM_PIPELINED), split over chunks below {} blocks (LMRR_CUDA_SPLIT_BLOCKS)",
+        t.fused_max, t.swiglu_max, t.gemm_min, t.gemm_wide_min, if t.gemm_pipelined { "yes" } else { "no" }, t.split_blocks
     ))
 }
 

@@ -650,6 +650,17 @@ fn main() {
                 diff(&a, &got[0]),
                 n * 8,
             );
+            let got = gpu
+                .fused_resident(&x, n, None, Fused::Swiglu, &[&ms[1], &ms[2]], &[])
+                .expect("gpu matmul_fused");
+            let (g, u) = (mm(&x, 1), mm(&x, 2));
+            let mut a = vec![0.0; g.len()];
+            swiglu(&g, &u, &mut a);
+            report(
+                format!("matmul_fused gate/up + swiglu {label} {n}×{cols}"),
+                diff(&a, &got[0]),
+                n * 8,
+            );
         }
     }
     // Paged attention with head_dim 128 and 256 (two chunks and more per

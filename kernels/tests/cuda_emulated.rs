@@ -340,6 +340,20 @@ fn fused_matmuls_match_the_separate_ops() {
                 0,
                 "norm + gate/up + swiglu, {what}"
             );
+            // Gate and up of an input already normalized, SwiGLU (the
+            // unfused step's gate/up with the SwiGLU epilogue).
+            let out = job(
+                &format!("fused {kind} {n} {cols} 2 0 0 8 8 0"),
+                &[&bytes(&x), &[], &raw(1), &raw(2), &[], &[]],
+            );
+            let (g, u) = (mm(&x, 1), mm(&x, 2));
+            let mut a = vec![0.0; g.len()];
+            swiglu(&g, &u, &mut a);
+            assert_eq!(
+                differing(&a, &floats(&out[0])),
+                0,
+                "gate/up + swiglu, {what}"
+            );
         }
     }
 }

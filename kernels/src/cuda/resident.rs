@@ -56,6 +56,11 @@ pub struct Tuning {
     /// wanted logits rows) run fused (`matmul_fused`: the norms, residual
     /// adds and SwiGLU inside the matmuls; 6 launches a layer); 0: never.
     pub fused_max: usize,
+    /// `LMRR_CUDA_SWIGLU_MAX`: in steps of at most this many tokens that are
+    /// not fused whole, gate/up computes SwiGLU in its epilogue
+    /// (`matmul_fused` with no norm: one launch a layer fewer); 0: never.
+    /// Off until measured on a device.
+    pub swiglu_max: usize,
     /// `LMRR_CUDA_GEMM_MIN`: matmuls of at least this many tokens take
     /// `matmul_gemm` (staged tiles) rather than `matmul_rows`.
     pub gemm_min: usize,
@@ -78,6 +83,7 @@ impl Default for Tuning {
     fn default() -> Self {
         Self {
             fused_max: 0,
+            swiglu_max: 0,
             gemm_min: 64,
             gemm_wide_min: 64,
             gemm_pipelined: false,
@@ -99,6 +105,7 @@ impl Tuning {
         let mut t = Self::default();
         for (var, slot) in [
             ("LMRR_CUDA_FUSED_MAX", &mut t.fused_max),
+            ("LMRR_CUDA_SWIGLU_MAX", &mut t.swiglu_max),
             ("LMRR_CUDA_GEMM_MIN", &mut t.gemm_min),
             ("LMRR_CUDA_GEMM_WIDE_MIN", &mut t.gemm_wide_min),
             ("LMRR_CUDA_SPLIT_BLOCKS", &mut t.split_blocks),
@@ -122,6 +129,7 @@ impl Tuning {
         }
         // matmul_fused holds at most MM_TOKENS tokens of partials.
         t.fused_max = t.fused_max.min(MM_TOKENS);
+        t.swiglu_max = t.swiglu_max.min(MM_TOKENS);
         Ok(t)
     }
 }
@@ -142,6 +150,7 @@ mod tuning_tests {
     fn variables_set_each_choice_and_fused_steps_stay_within_the_kernel() {
         let t = with(&[
             ("LMRR_CUDA_FUSED_MAX", "64"),
+            ("LMRR_CUDA_SWIGLU_MAX", "4"),
             ("LMRR_CUDA_GEMM_MIN", " 9 "),
             ("LMRR_CUDA_GEMM_WIDE_MIN", "128"),
             ("LMRR_CUDA_SPLIT_BLOCKS", "0"),
@@ -152,6 +161,7 @@ mod tuning_tests {
             t,
             Tuning {
                 fused_max: MM_TOKENS,
+                swiglu_max: 4,
                 gemm_min: 9,
                 gemm_wide_min: 128,
                 split_blocks: 0,

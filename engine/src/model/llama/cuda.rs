@@ -616,7 +616,7 @@ impl Resident {
             self.timed(part, || f().map_err(e))
         };
         t("embedding", &|| g.embed(&self.embed, ids, n, a.x))?;
-        let fused_max = g.tuning().fused_max;
+        let (fused_max, swiglu_max) = (g.tuning().fused_max, g.tuning().swiglu_max);
         if n <= fused_max && w <= fused_max {
             return self.launch_fused(m, a, table, dst, slot, rows, layout, n, w);
         }
@@ -658,10 +658,17 @@ impl Resident {
             t("norms (with residual adds)", &|| {
                 g.add_norm(a.x, a.o, &l.mlp_norm, n, d, eps, a.h)
             })?;
-            t("matmul gate, up", &|| {
-                g.mm_multi(a.h, n, &[(&l.gate, a.g), (&l.up, a.u)], sp)
-            })?;
-            t("swiglu", &|| g.swiglu_dev(a.g, a.u, a.a, n * ff))?;
+            if n <= swiglu_max {
+                // SwiGLU in gate/up's epilogue: the same values, one launch fewer.
+                t("matmul gate, up, swiglu", &|| {
+                    g.mm_fused(a.h, n, None, Fused::Swiglu, &[(&l.gate, a.a), (&l.up, a.u)])
+                })?;
+            } else {
+                t("matmul gate, up", &|| {
+                    g.mm_multi(a.h, n, &[(&l.gate, a.g), (&l.up, a.u)], sp)
+                })?;
+                t("swiglu", &|| g.swiglu_dev(a.g, a.u, a.a, n * ff))?;
+            }
             t("matmul down", &|| g.mm_split(a.a, n, &l.down, a.o, sp))?;
         }
         t("output head", &|| {
