@@ -47,7 +47,7 @@ ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 if [ -n "$ncu" ]; then
   echo "## ncu: a 64-token prefill and batch-1 decode, then batch-64 decode steps"
   "$ncu" --kernel-name regex:'matmul|attention|norm|rope|sum_chunks|swiglu' --launch-count 40 \
-    --section SpeedOfLight --section Occupancy --csv --page raw \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --csv --page raw \
     --metrics gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size \
     "$bin/lmrr" generate --model "$tmp/small" --device cuda --prompt "$(printf 'word %.0s' $(seq 60))" --max-tokens 4 >"$tmp/ncu1.csv" 2>&1
   python3 - "$tmp/ncu1.csv" <<'PY'
@@ -66,7 +66,16 @@ wi = col("sm__warps_active.avg.pct_of_peak_sustained_active")
 for r in rows[2:]:
     g = lambda i: r[i] if i is not None else "?"
     unit = rows[1][ti] if ti is not None else ""
-    print(f"{g(ki)[:28]:<28} grid {g(gi):>7}  {g(ti):>9} {unit}  SM {g(si):>6}%  DRAM {g(di):>6}%  warps active {g(wi):>6}%")
+    # The three largest stall reasons (WarpStateStats), warps per issue.
+    stalls = []
+    for i, name in enumerate(h):
+        if "issue_stalled" in name and name.endswith("per_issue_active.ratio"):
+            try:
+                stalls.append((float(r[i].replace(",", "")), name.split("issue_stalled_")[1].split("_per_issue")[0]))
+            except (ValueError, IndexError):
+                pass
+    top = ", ".join(f"{n} {v:.1f}" for v, n in sorted(stalls, reverse=True)[:3])
+    print(f"{g(ki)[:28]:<28} grid {g(gi):>7}  {g(ti):>9} {unit}  SM {g(si):>6}%  DRAM {g(di):>6}%  warps active {g(wi):>6}%  stalls: {top}")
 PY
 else
   echo "## ncu: not on this machine"
