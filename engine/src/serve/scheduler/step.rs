@@ -48,8 +48,9 @@ impl Scheduler<'_> {
         self.kv.finish_step();
         let mut hash_time = th.elapsed();
         self.last_rows.clear();
+        let rows = self.sample_rows(&sched, &logits, &mut hash_time);
         let mut seqs = Vec::with_capacity(sched.len());
-        for (&(id, start, len), row) in sched.iter().zip(logits) {
+        for ((&(id, start, len), row), out) in sched.iter().zip(logits).zip(rows) {
             let mut rep = SeqReport {
                 id,
                 start,
@@ -59,22 +60,15 @@ impl Scheduler<'_> {
                 top_logprobs: Vec::new(),
                 finish: None,
             };
-            if !row.is_empty() {
+            if let Some(out) = out {
                 let context = self.model.context();
                 let seq = self.seqs.get_mut(&id).expect("scheduled request exists");
-                let pos = seq.tokens.len();
-                let tok = sample(&row, &seq.req.sampling, pos as u64);
-                let th = std::time::Instant::now();
-                let bytes = crate::digest::row_bytes(&row);
-                let next = self.force_tokens.get(&id).copied().unwrap_or(tok);
-                seq.hasher.update(&bytes);
-                seq.hasher.update(next.to_le_bytes());
-                let row_digest: Hash = crate::digest::bytes_digest(&bytes);
-                hash_time += th.elapsed();
-                seq.tokens.push(next);
-                rep.sampled = Some(tok);
-                rep.logits_digest = Some(row_digest);
-                rep.top_logprobs = top_logprobs(&row, self.top_logprobs);
+                seq.hasher = out.hasher;
+                seq.tokens.push(out.next);
+                let next = out.next;
+                rep.sampled = Some(out.tok);
+                rep.logits_digest = Some(out.digest);
+                rep.top_logprobs = out.top;
                 if self.keep_rows {
                     self.last_rows.push((id, row.clone()));
                 }
@@ -163,6 +157,95 @@ pub fn token_logprob(row: &[f32], t: u32) -> Option<f32> {
         return None;
     }
     Some((v as f64 - log_sum_exp(row)?) as f32)
+}
+
+/// What one sampled logits row gives: the sampled token, the token that
+/// goes on (a forced one in replay), the row's digest, its top logprobs, and
+/// the sequence's session hasher with the row and that token added.
+struct RowOut {
+    tok: u32,
+    next: u32,
+    digest: Hash,
+    top: Vec<(u32, f32)>,
+    hasher: Sha256,
+}
+
+impl Scheduler<'_> {
+    /// The per-row work of a step for every span that wants a row, run
+    /// across the pool's threads: each row's is a pure function of the row,
+    /// its request and its position (and updates its own sequence's hasher
+    /// only), so the results are the same whatever thread runs them; they
+    /// are applied in schedule order by the caller. Adds to `hash_time` the
+    /// share of the region's wall time its tasks spent hashing.
+    fn sample_rows(
+        &mut self,
+        sched: &[(RequestId, usize, usize)],
+        logits: &[Vec<f32>],
+        hash_time: &mut std::time::Duration,
+    ) -> Vec<Option<RowOut>> {
+        type Task = (crate::SamplingParams, u64, Option<u32>, Sha256);
+        let k = self.top_logprobs;
+        let mut tasks: Vec<std::sync::Mutex<Option<Task>>> = Vec::with_capacity(sched.len());
+        for (&(id, _, _), row) in sched.iter().zip(logits) {
+            let task = if row.is_empty() {
+                None
+            } else {
+                let seq = self.seqs.get_mut(&id).expect("scheduled request exists");
+                let hasher = std::mem::take(&mut seq.hasher);
+                let forced = self.force_tokens.get(&id).copied();
+                Some((seq.req.sampling, seq.tokens.len() as u64, forced, hasher))
+            };
+            tasks.push(std::sync::Mutex::new(task));
+        }
+        let outs: Vec<std::sync::Mutex<Option<RowOut>>> = (0..tasks.len())
+            .map(|_| std::sync::Mutex::new(None))
+            .collect();
+        let busy = std::sync::Mutex::new((std::time::Duration::ZERO, std::time::Duration::ZERO));
+        let t0 = std::time::Instant::now();
+        self.threads.for_ranges(tasks.len(), 1, |r| {
+            for i in r {
+                let Some((params, pos, forced, mut hasher)) =
+                    tasks[i].lock().ok().and_then(|mut t| t.take())
+                else {
+                    continue;
+                };
+                let row = &logits[i];
+                let ts = std::time::Instant::now();
+                let tok = sample(row, &params, pos);
+                let th = std::time::Instant::now();
+                let bytes = crate::digest::row_bytes(row);
+                let next = forced.unwrap_or(tok);
+                hasher.update(&bytes);
+                hasher.update(next.to_le_bytes());
+                let digest: Hash = crate::digest::bytes_digest(&bytes);
+                let hashed = th.elapsed();
+                let top = top_logprobs(row, k);
+                let all = ts.elapsed();
+                if let Ok(mut b) = busy.lock() {
+                    b.0 += hashed;
+                    b.1 += all;
+                }
+                if let Ok(mut o) = outs[i].lock() {
+                    *o = Some(RowOut {
+                        tok,
+                        next,
+                        digest,
+                        top,
+                        hasher,
+                    });
+                }
+            }
+        });
+        let wall = t0.elapsed();
+        if let Ok((hashed, all)) = busy.into_inner() {
+            if !all.is_zero() {
+                *hash_time += wall.mul_f64(hashed.as_secs_f64() / all.as_secs_f64());
+            }
+        }
+        outs.into_iter()
+            .map(|o| o.into_inner().ok().flatten())
+            .collect()
+    }
 }
 
 /// The `k` largest logits (ties to the lowest id) as `(token, log-probability)`.
