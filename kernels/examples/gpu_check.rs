@@ -632,35 +632,24 @@ fn main() {
                 diff(&want, &got[0]),
                 n * 24,
             );
-            let got = gpu
-                .fused_resident(
-                    &x,
-                    n,
-                    Some((&nw, 1e-5)),
-                    Fused::Swiglu,
-                    &[&ms[1], &ms[2]],
-                    &[],
-                )
-                .expect("gpu matmul_fused");
-            let (g, u) = (mm(&h, 1), mm(&h, 2));
-            let mut a = vec![0.0; g.len()];
-            swiglu(&g, &u, &mut a);
-            report(
-                format!("matmul_fused norm + gate/up + swiglu {label} {n}×{cols}"),
-                diff(&a, &got[0]),
-                n * 8,
-            );
-            let got = gpu
-                .fused_resident(&x, n, None, Fused::Swiglu, &[&ms[1], &ms[2]], &[])
-                .expect("gpu matmul_fused");
-            let (g, u) = (mm(&x, 1), mm(&x, 2));
-            let mut a = vec![0.0; g.len()];
-            swiglu(&g, &u, &mut a);
-            report(
-                format!("matmul_fused gate/up + swiglu {label} {n}×{cols}"),
-                diff(&a, &got[0]),
-                n * 8,
-            );
+            // SwiGLU with the norm made in the kernel, and of an input
+            // already normalized (the unfused step's epilogue form).
+            for (norm, input, case) in [
+                (Some((&nw[..], 1e-5)), &h, "norm + gate/up + swiglu"),
+                (None, &x, "gate/up + swiglu"),
+            ] {
+                let got = gpu
+                    .fused_resident(&x, n, norm, Fused::Swiglu, &[&ms[1], &ms[2]], &[])
+                    .expect("gpu matmul_fused");
+                let (g, u) = (mm(input, 1), mm(input, 2));
+                let mut a = vec![0.0; g.len()];
+                swiglu(&g, &u, &mut a);
+                report(
+                    format!("matmul_fused {case} {label} {n}×{cols}"),
+                    diff(&a, &got[0]),
+                    n * 8,
+                );
+            }
         }
     }
     // Paged attention with head_dim 128 and 256 (two chunks and more per

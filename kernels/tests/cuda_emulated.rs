@@ -327,33 +327,27 @@ fn fused_matmuls_match_the_separate_ops() {
             );
             let want: Vec<f32> = base.iter().zip(mm(&x, 0)).map(|(a, b)| a + b).collect();
             assert_eq!(differing(&want, &floats(&out[0])), 0, "residual, {what}");
-            // Norm, gate and up (rows 8 and 8), SwiGLU.
-            let out = job(
-                &format!("fused {kind} {n} {cols} 2 1 {} 8 8 0", eps.to_bits()),
-                &[&bytes(&x), &bytes(&nw), &raw(1), &raw(2), &[], &[]],
-            );
-            let (g, u) = (mm(&h, 1), mm(&h, 2));
-            let mut a = vec![0.0; g.len()];
-            swiglu(&g, &u, &mut a);
-            assert_eq!(
-                differing(&a, &floats(&out[0])),
-                0,
-                "norm + gate/up + swiglu, {what}"
-            );
-            // Gate and up of an input already normalized, SwiGLU (the
-            // unfused step's gate/up with the SwiGLU epilogue).
-            let out = job(
-                &format!("fused {kind} {n} {cols} 2 0 0 8 8 0"),
-                &[&bytes(&x), &[], &raw(1), &raw(2), &[], &[]],
-            );
-            let (g, u) = (mm(&x, 1), mm(&x, 2));
-            let mut a = vec![0.0; g.len()];
-            swiglu(&g, &u, &mut a);
-            assert_eq!(
-                differing(&a, &floats(&out[0])),
-                0,
-                "gate/up + swiglu, {what}"
-            );
+            // Gate and up (rows 8 and 8), SwiGLU: with the norm made in the
+            // kernel (the fused step), and of an input already normalized
+            // (the unfused step's gate/up with the SwiGLU epilogue).
+            for (norm, input, case) in [
+                (true, &h, "norm + gate/up + swiglu"),
+                (false, &x, "gate/up + swiglu"),
+            ] {
+                let (flag, nwb) = if norm {
+                    (1, bytes(&nw))
+                } else {
+                    (0, Vec::new())
+                };
+                let out = job(
+                    &format!("fused {kind} {n} {cols} 2 {flag} {} 8 8 0", eps.to_bits()),
+                    &[&bytes(&x), &nwb, &raw(1), &raw(2), &[], &[]],
+                );
+                let (g, u) = (mm(input, 1), mm(input, 2));
+                let mut a = vec![0.0; g.len()];
+                swiglu(&g, &u, &mut a);
+                assert_eq!(differing(&a, &floats(&out[0])), 0, "{case}, {what}");
+            }
         }
     }
 }
