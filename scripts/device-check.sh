@@ -144,10 +144,10 @@ done
 # (matmul_fused) up to 8 tokens; SwiGLU in gate/up's epilogue up to 8
 # tokens; matmul_gemm from 9 tokens, unsplit;
 # matmul_gemm_wide from 9 tokens, always split over chunks;
-# matmul_gemm_pipelined from 9 tokens; matmul_rows for every step.
+# matmul_gemm_wide unpipelined from 9 tokens; matmul_rows for every step.
 for tun in "LMRR_CUDA_FUSED_MAX=8" "LMRR_CUDA_SWIGLU_MAX=8" "LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=0" \
            "LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_WIDE_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=1000000" \
-           "LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_PIPELINED=1" "LMRR_CUDA_GEMM_MIN=1000000"; do
+           "LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_PIPELINED=0" "LMRR_CUDA_GEMM_MIN=1000000"; do
   for s in incident multi-user; do
     rm -f "$tmp/tun.lmrr"
     env $tun "$bin/lmrr" run --script "examples/$s.toml" --device cuda --record "$tmp/tun.lmrr" >/dev/null 2>&1 || fail=1

@@ -16,14 +16,17 @@ ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 for shape in "1 64" "64 64" "1 512"; do
   set -- $shape
   echo "## batch $1, prompt $2: the last step's kernels (decode when the prompt is 64, the prefill itself when 512)"
-  LMRR_CUDA_GRAPHS=0 "$ncu" --metrics gpu__time_duration.sum --csv --page raw \
+  LMRR_CUDA_GRAPHS=0 "$ncu" --cache-control none --clock-control none --metrics gpu__time_duration.sum --csv --page raw \
     "$bin/lmrr" bench --device cuda --model "$tmp/small" --speed-only --batches "$1" \
     --prompt-len "$2" --decode-steps 1 --repeats 1 --bandwidth-mib 16 >"$tmp/k.csv" 2>"$tmp/k.err"
   python3 - "$tmp/k.csv" "$2" <<'PY'
 import csv, sys, collections
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 5]
-if not rows:
+# ncu's CSV follows the program's own output: start at its header row.
+rows = list(csv.reader(open(sys.argv[1])))
+hi = next((i for i, r in enumerate(rows) if "Kernel Name" in r and "gpu__time_duration.sum" in r), None)
+if hi is None:
     print(open(sys.argv[1]).read()[-1500:]); sys.exit()
+rows = [r for r in rows[hi:] if len(r) == len(rows[hi])]
 h = rows[0]
 ki, ti = h.index("Kernel Name"), h.index("gpu__time_duration.sum")
 unit = rows[1][ti]
@@ -35,7 +38,7 @@ for name, t in ks:
     if cur is not None:
         cur.append((name, t))
 want = steps[-1] if sys.argv[2] != "512" else steps[0]
-scale = 1e-3 if unit == "nsecond" else (1.0 if unit == "usecond" else 1e3)
+scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}.get(unit, float("nan"))
 tot = collections.OrderedDict()
 for name, t in want:
     n = name.split("(")[0]

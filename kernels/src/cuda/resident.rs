@@ -68,9 +68,9 @@ pub struct Tuning {
     /// (tiles of 64 rows × 32 tokens, 256 threads) instead of `matmul_gemm`
     /// (32 × 16, 64 threads).
     pub gemm_wide_min: usize,
-    /// `LMRR_CUDA_GEMM_PIPELINED=1`: the wide tiles by
+    /// `LMRR_CUDA_GEMM_PIPELINED` (default 1): the wide tiles by
     /// `matmul_gemm_pipelined` (the next chunk's loads in flight during this
-    /// one's FMAs). Off until measured on a device.
+    /// one's FMAs); 0: `matmul_gemm_wide`, staging then computing.
     pub gemm_pipelined: bool,
     /// `LMRR_CUDA_SPLIT_BLOCKS`: a `matmul_gemm` whose tiles are fewer
     /// than this many blocks is split over its chunks (partials, then
@@ -86,7 +86,7 @@ impl Default for Tuning {
             swiglu_max: 0,
             gemm_min: 64,
             gemm_wide_min: 64,
-            gemm_pipelined: false,
+            gemm_pipelined: true,
             split_blocks: 4096,
         }
     }
@@ -154,7 +154,7 @@ mod tuning_tests {
             ("LMRR_CUDA_GEMM_MIN", " 9 "),
             ("LMRR_CUDA_GEMM_WIDE_MIN", "128"),
             ("LMRR_CUDA_SPLIT_BLOCKS", "0"),
-            ("LMRR_CUDA_GEMM_PIPELINED", "1"),
+            ("LMRR_CUDA_GEMM_PIPELINED", "0"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -165,7 +165,7 @@ mod tuning_tests {
                 gemm_min: 9,
                 gemm_wide_min: 128,
                 split_blocks: 0,
-                gemm_pipelined: true,
+                gemm_pipelined: false,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
