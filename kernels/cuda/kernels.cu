@@ -593,6 +593,61 @@ extern "C" __global__ void norm_block(float* x, const float* y, const float* w, 
     for (int i = threadIdx.x; i < d; i += blockDim.x) out[r * d + i] = (xr[i] * inv) * w[i];
 }
 
+// norm_block with the row in registers: one block of 8·chunks threads
+// (rounded up to a warp) per row, group c of 8 threads holding chunk c
+// (thread j its elements 64c + j + 8s, s ascending, with their weights
+// loaded at the start), so the row is read once, the residual add, the
+// lane chains and the output all run on registers, and one barrier joins
+// the chunk partials, which every thread adds in chunk order from +0.0:
+// norm_block's operations, in its order. d ≤ 64 · NR_MAX_CHUNKS.
+#define NR_MAX_CHUNKS 128
+extern "C" __global__ void norm_reg(float* x, const float* y, const float* w, float* out,
+                                    int rows, int d, float eps, int add) {
+    __shared__ float part[NR_MAX_CHUNKS];
+    long long r = blockIdx.x;
+    if (r >= rows) return;  // uniform over the block
+    int c = threadIdx.x >> 3, j = threadIdx.x & 7;
+    int chunks = (d + CHUNK - 1) / CHUNK;
+    int base = c * CHUNK + j;
+    int cend = c < chunks ? min(c * CHUNK + CHUNK, d) : 0;
+    float* xr = x + r * d;
+    float xv[CHUNK / LANES], wv[CHUNK / LANES];
+    #pragma unroll
+    for (int s = 0; s < CHUNK / LANES; ++s) {
+        int i = base + s * LANES;
+        xv[s] = i < cend ? xr[i] : 0.0f;
+        wv[s] = i < cend ? w[i] : 0.0f;
+    }
+    if (add) {
+        #pragma unroll
+        for (int s = 0; s < CHUNK / LANES; ++s) {
+            int i = base + s * LANES;
+            if (i < cend) {
+                xv[s] = xv[s] + y[r * d + i];
+                xr[i] = xv[s];
+            }
+        }
+    }
+    float l = 0.0f;
+    #pragma unroll
+    for (int s = 0; s < CHUNK / LANES; ++s) {
+        if (base + s * LANES < cend) l = fmaf(xv[s], xv[s], l);
+    }
+    l = l + __shfl_xor_sync(0xffffffffu, l, 4);
+    l = l + __shfl_xor_sync(0xffffffffu, l, 2);
+    l = l + __shfl_xor_sync(0xffffffffu, l, 1);
+    if (j == 0 && c < chunks) part[c] = l;
+    __syncthreads();
+    float ss = 0.0f;
+    for (int q = 0; q < chunks; ++q) ss = ss + part[q];
+    float inv = 1.0f / sqrtf(ss / (float)d + eps);
+    #pragma unroll
+    for (int s = 0; s < CHUNK / LANES; ++s) {
+        int i = base + s * LANES;
+        if (i < cend) out[r * d + i] = (xv[s] * inv) * wv[s];
+    }
+}
+
 // ---- Fused decode kernels (LMRR_CUDA_NEXT=1): one launch where the
 // default path has two or three, for steps of at most MM_TOKENS tokens.
 
@@ -1013,6 +1068,7 @@ extern "C" __global__ void rope_kv(float* q, float* k, const float* v, const flo
 #define SC_POS 2048
 #define SC_TILES 64
 #define ACC_T 4096
+#define ATTN_BATCH 4
 
 // Paged attention, one block of ATTN_THREADS per (token, head), with
 // `attention`'s exact arithmetic but its tiles computed side by side: the
@@ -1059,35 +1115,50 @@ extern "C" __global__ void attention_paged(const float* q, const unsigned long l
     for (int base = 0; base <= p_end; base += tiles_per * ATTN_TILE) {
         int npos = min(tiles_per * ATTN_TILE, p_end + 1 - base);
         int ntiles = (npos + ATTN_TILE - 1) / ATTN_TILE;
-        // 1. Scores; the loop is uniform over the warp (shuffles need all
-        // lanes), dead groups compute on q and write nothing.
-        for (int jb = 0; jb < npos; jb += 32) {
-            int jj = jb + grp;
-            bool live = jj < npos;
-            int j = base + jj;
-            const float* kr = live ? kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 0) + kvh * hd
-                                   : qs;
-            float total = 0.0f;
+        // 1. Scores, ATTN_BATCH positions per group at a time (their K
+        // loads in flight together; each position's dot is the same
+        // whichever group computes it). The loop is uniform over the warp
+        // (shuffles need all lanes): dead groups compute on q and write
+        // nothing.
+        for (int jb = 0; jb < npos; jb += 32 * ATTN_BATCH) {
+            const float* kr[ATTN_BATCH];
+            float total[ATTN_BATCH];
+            #pragma unroll
+            for (int u = 0; u < ATTN_BATCH; ++u) {
+                int jj = jb + u * 32 + grp;
+                int j = base + jj;
+                kr[u] = jj < npos ? kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 0) + kvh * hd
+                                  : qs;
+                total[u] = 0.0f;
+            }
             for (int c = 0; c < chunks; ++c) {
                 int c0 = c * CHUNK, cend = min(c0 + CHUNK, hd);
-                float kv[CHUNK / LANES], qv[CHUNK / LANES];
+                float kv[ATTN_BATCH][CHUNK / LANES], qv[CHUNK / LANES];
                 #pragma unroll
                 for (int s2 = 0; s2 < CHUNK / LANES; ++s2) {
                     int i = c0 + lane8 + s2 * LANES;
-                    kv[s2] = i < cend ? kr[i] : 0.0f;
                     qv[s2] = i < cend ? qs[i] : 0.0f;
+                    #pragma unroll
+                    for (int u = 0; u < ATTN_BATCH; ++u) kv[u][s2] = i < cend ? kr[u][i] : 0.0f;
                 }
-                float lv = 0.0f;
                 #pragma unroll
-                for (int s2 = 0; s2 < CHUNK / LANES; ++s2) {
-                    if (c0 + lane8 + s2 * LANES < cend) lv = fmaf(qv[s2], kv[s2], lv);
+                for (int u = 0; u < ATTN_BATCH; ++u) {
+                    float lv = 0.0f;
+                    #pragma unroll
+                    for (int s2 = 0; s2 < CHUNK / LANES; ++s2) {
+                        if (c0 + lane8 + s2 * LANES < cend) lv = fmaf(qv[s2], kv[u][s2], lv);
+                    }
+                    lv = lv + __shfl_xor_sync(0xffffffffu, lv, 4);
+                    lv = lv + __shfl_xor_sync(0xffffffffu, lv, 2);
+                    lv = lv + __shfl_xor_sync(0xffffffffu, lv, 1);
+                    total[u] = total[u] + lv;
                 }
-                lv = lv + __shfl_xor_sync(0xffffffffu, lv, 4);
-                lv = lv + __shfl_xor_sync(0xffffffffu, lv, 2);
-                lv = lv + __shfl_xor_sync(0xffffffffu, lv, 1);
-                total = total + lv;
             }
-            if (live && lane8 == 0) sc[jj] = total * scale;
+            #pragma unroll
+            for (int u = 0; u < ATTN_BATCH; ++u) {
+                int jj = jb + u * 32 + grp;
+                if (jj < npos && lane8 == 0) sc[jj] = total[u] * scale;
+            }
         }
         __syncthreads();
         // 2. Tile maxima.
@@ -1126,12 +1197,18 @@ extern "C" __global__ void attention_paged(const float* q, const unsigned long l
         for (int pi = tid; pi < ntiles * hd; pi += ATTN_THREADS) {
             int tt = pi / hd, d = pi % hd;
             int j0 = tt * ATTN_TILE, cnt = min(ATTN_TILE, npos - j0);
-            float a = 0.0f;
-            #pragma unroll 8
-            for (int i = 0; i < cnt; ++i) {
+            // The tile's V values first, all in flight, then the chain.
+            float vv[ATTN_TILE];
+            #pragma unroll
+            for (int i = 0; i < ATTN_TILE; ++i) {
                 int j = base + j0 + i;
-                float vv = kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 1)[kvh * hd + d];
-                a = fmaf(sc[j0 + i], vv, a);
+                vv[i] = i < cnt ? kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 1)[kvh * hd + d]
+                                : 0.0f;
+            }
+            float a = 0.0f;
+            #pragma unroll
+            for (int i = 0; i < ATTN_TILE; ++i) {
+                if (i < cnt) a = fmaf(sc[j0 + i], vv[i], a);
             }
             at[pi] = a;
         }

@@ -7,7 +7,7 @@
 //! Prints one line per case and a summary; exits 1 on any differing bit, 2
 //! when no device can be opened.
 
-use lmrr_kernels::cuda::resident::Fused;
+use lmrr_kernels::cuda::resident::{Fused, NormKernel};
 use lmrr_kernels::cuda::{negative_controls, Control, Gpu, MatmulKernel};
 use lmrr_kernels::*;
 
@@ -217,12 +217,15 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
     rms_norm(&x, &w, 1e-5, &mut cpu);
     gpu.rms_norm(&x, &w, 1e-5, &mut dev).expect("gpu rms_norm");
     out.push(("rms_norm", diff(&cpu, &dev)));
-    gpu.rms_norm_resident(&x, None, &w, 1e-5, false, &mut dev)
-        .expect("gpu rms_norm_warp");
-    out.push(("rms_norm_warp", diff(&cpu, &dev)));
-    gpu.rms_norm_resident(&x, None, &w, 1e-5, true, &mut dev)
-        .expect("gpu norm_block");
-    out.push(("norm_block", diff(&cpu, &dev)));
+    for (label, kernel) in [
+        ("rms_norm_warp", NormKernel::Warp),
+        ("norm_block", NormKernel::Block),
+        ("norm_reg", NormKernel::Reg),
+    ] {
+        gpu.rms_norm_resident(&x, None, &w, 1e-5, kernel, &mut dev)
+            .expect(label);
+        out.push((label, diff(&cpu, &dev)));
+    }
     {
         let shape = AttnShape {
             n_heads: 4,
@@ -444,32 +447,27 @@ fn main() {
         let mut dev = vec![0.0; x.len()];
         gpu.rms_norm(&x, &w, 1e-5, &mut dev).expect("gpu rms_norm");
         report(format!("rms_norm {rows}×{d}"), diff(&cpu, &dev), cpu.len());
-        let mut warp = vec![0.0; x.len()];
-        gpu.rms_norm_resident(&x, None, &w, 1e-5, false, &mut warp)
-            .expect("gpu rms_norm_warp");
-        report(
-            format!("rms_norm_warp {rows}×{d}"),
-            diff(&cpu, &warp),
-            cpu.len(),
-        );
-        let mut blk = vec![0.0; x.len()];
-        gpu.rms_norm_resident(&x, None, &w, 1e-5, true, &mut blk)
-            .expect("gpu norm_block");
-        report(
-            format!("norm_block {rows}×{d}"),
-            diff(&cpu, &blk),
-            cpu.len(),
-        );
+        let kernels = [
+            ("rms_norm_warp", "add_norm", NormKernel::Warp),
+            ("norm_block", "norm_block + add", NormKernel::Block),
+            ("norm_reg", "norm_reg + add", NormKernel::Reg),
+        ];
+        for (label, _, kernel) in kernels {
+            let mut got = vec![0.0; x.len()];
+            gpu.rms_norm_resident(&x, None, &w, 1e-5, kernel, &mut got)
+                .expect(label);
+            report(format!("{label} {rows}×{d}"), diff(&cpu, &got), cpu.len());
+        }
         // The residual add first (add_norm, norm_block's add): x + y, then
         // the norm of the sum, against the CPU's add and norm.
         let y = r.uniform_vec(rows * d, 1.0);
         let sum_cpu: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
         let mut cpu2 = vec![0.0; x.len()];
         rms_norm(&sum_cpu, &w, 1e-5, &mut cpu2);
-        for (label, block) in [("add_norm", false), ("norm_block + add", true)] {
+        for (_, label, kernel) in kernels {
             let (mut sum, mut dev2) = (vec![f32::NAN; x.len()], vec![f32::NAN; x.len()]);
-            gpu.rms_norm_resident(&x, Some((&y, &mut sum)), &w, 1e-5, block, &mut dev2)
-                .expect("gpu add_norm");
+            gpu.rms_norm_resident(&x, Some((&y, &mut sum)), &w, 1e-5, kernel, &mut dev2)
+                .expect(label);
             report(
                 format!("{label} {rows}×{d} (sum and norm)"),
                 diff(&sum_cpu, &sum) + diff(&cpu2, &dev2),

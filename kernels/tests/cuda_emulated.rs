@@ -368,7 +368,7 @@ fn norm_kernels_match_the_cpu() {
             let src = if add { &sum } else { &x };
             let mut cpu = vec![0.0; src.len()];
             rms_norm(src, &w, eps, &mut cpu);
-            for kernel in ["warp", "block"] {
+            for kernel in ["warp", "block", "reg"] {
                 let out = job(
                     &format!(
                         "norm {kernel} {rows} {d} {} {}",

@@ -214,6 +214,10 @@ int main() {
         } else if (kernel == "block") {
             emu::launch((unsigned)rows, 8 * MR_GROUPS,
                         [&] { norm_block(x.data(), y.data(), w.data(), out.data(), rows, d, eps, add); });
+        } else if (kernel == "reg") {
+            unsigned threads = (unsigned)((8 * ((d + CHUNK - 1) / CHUNK) + 31) / 32 * 32);
+            emu::launch((unsigned)rows, threads,
+                        [&] { norm_reg(x.data(), y.data(), w.data(), out.data(), rows, d, eps, add); });
         } else {
             return 2;
         }

@@ -35,6 +35,8 @@ pub const MM_TOKENS: usize = 8;
 pub const MR_MAX_CHUNKS: usize = 256;
 /// Threads per block of `matmul_rows` (`MR_GROUPS` groups of 8).
 pub const MR_THREADS: u32 = 128;
+/// Chunks of a row `norm_reg` holds in registers (`NR_MAX_CHUNKS`).
+pub const NR_MAX_CHUNKS: usize = 128;
 /// Rows, tokens and threads of a `matmul_gemm` block (`GM_*`).
 pub const GM_ROWS: usize = 32;
 pub const GM_TOKS: usize = 16;
@@ -45,6 +47,19 @@ pub const GW_TOKS: usize = 32;
 const GW_THREADS: u32 = 256;
 /// Threads per block of `attention_paged` (`ATTN_THREADS` in kernels.cu).
 const ATTN_THREADS: u32 = 256;
+
+/// Which RMSNorm kernel [`Gpu::rms_norm_resident`] runs (the resident path
+/// takes `norm_reg` where the row fits it, then `norm_block`, then the warp
+/// kernels); every one computes the CPU's bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormKernel {
+    /// `rms_norm_warp` / `add_norm`: one warp per row.
+    Warp,
+    /// `norm_block`: one block per row, its chunks in flight at once.
+    Block,
+    /// `norm_reg`: `norm_block` with the row in registers.
+    Reg,
+}
 
 /// Which kernel the resident path takes for a step or a matmul. Tuning
 /// only: every choice computes the same bits (device-check.sh holds each
@@ -198,6 +213,7 @@ pub(crate) struct Kernels {
     matmul_gemm_wide: CudaFunction,
     matmul_gemm_pipelined: CudaFunction,
     norm_block: CudaFunction,
+    norm_reg: CudaFunction,
     matmul_fused: CudaFunction,
     sum_chunks: CudaFunction,
     /// Which kernel each step and matmul takes ([`Tuning`]).
@@ -224,6 +240,7 @@ impl Kernels {
             matmul_gemm_wide: f("matmul_gemm_wide")?,
             matmul_gemm_pipelined: f("matmul_gemm_pipelined")?,
             norm_block: f("norm_block")?,
+            norm_reg: f("norm_reg")?,
             matmul_fused: f("matmul_fused")?,
             sum_chunks: f("sum_chunks")?,
             tuning: Tuning::from_env()?,
@@ -839,6 +856,9 @@ impl Gpu {
         eps: f32,
         out: u64,
     ) -> Result<(), GpuError> {
+        if d.div_ceil(64) <= NR_MAX_CHUNKS {
+            return self.norm_reg(x, y, w, rows, d, eps, out);
+        }
         if d.div_ceil(64) <= MR_MAX_CHUNKS {
             return self.norm_block(x, y, w, rows, d, eps, out);
         }
@@ -990,24 +1010,74 @@ impl Gpu {
         eps: f32,
         out: u64,
     ) -> Result<(), GpuError> {
+        self.norm_blocks(false, x, y, w, rows, d, eps, out)
+    }
+
+    /// RMSNorm (after `x += y` when given) by `norm_reg`: one block per
+    /// row holding it in registers, a group of 8 threads per chunk; `d` at
+    /// most `64 · NR_MAX_CHUNKS`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_reg(
+        &self,
+        x: u64,
+        y: Option<u64>,
+        w: &DevBuf,
+        rows: usize,
+        d: usize,
+        eps: f32,
+        out: u64,
+    ) -> Result<(), GpuError> {
+        self.norm_blocks(true, x, y, w, rows, d, eps, out)
+    }
+
+    /// `norm_reg` (`reg`) or `norm_block`: the same arguments, one block
+    /// per row.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_blocks(
+        &self,
+        reg: bool,
+        x: u64,
+        y: Option<u64>,
+        w: &DevBuf,
+        rows: usize,
+        d: usize,
+        eps: f32,
+        out: u64,
+    ) -> Result<(), GpuError> {
         if rows == 0 {
             return Ok(());
         }
-        if d.div_ceil(64) > MR_MAX_CHUNKS {
+        let (what, most) = if reg {
+            ("norm_reg", NR_MAX_CHUNKS)
+        } else {
+            ("norm_block", MR_MAX_CHUNKS)
+        };
+        if d.div_ceil(64) > most {
             return Err(GpuError::Shape {
-                what: "norm_block",
-                detail: format!("rows of {d} (at most {})", 64 * MR_MAX_CHUNKS),
+                what,
+                detail: format!("rows of {d} (at most {})", 64 * most),
             });
         }
         let (ri, di) = (as_i32("rms_norm", rows)?, as_i32("rms_norm", d)?);
         as_i32("rms_norm", rows * d)?;
         let (yp, add) = (y.unwrap_or(0), i32::from(y.is_some()));
+        // norm_reg: a group of 8 threads per chunk, whole warps.
+        let threads = if reg {
+            (8 * d.div_ceil(64)).div_ceil(32).max(1) as u32 * 32
+        } else {
+            MR_THREADS
+        };
         let cfg = LaunchConfig {
             grid_dim: (ri as u32, 1, 1),
-            block_dim: (MR_THREADS, 1, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.stream.launch_builder(&self.res.norm_block);
+        let f = if reg {
+            &self.res.norm_reg
+        } else {
+            &self.res.norm_block
+        };
+        let mut b = self.stream.launch_builder(f);
         b.arg(&x)
             .arg(&yp)
             .arg(&w.ptr)
@@ -1016,8 +1086,9 @@ impl Gpu {
             .arg(&di)
             .arg(&eps)
             .arg(&add);
-        // SAFETY: matches `norm_block`; x, out (and y when added) hold
-        // rows·d floats, w d; d within the partials it holds.
+        // SAFETY: matches `norm_block` / `norm_reg` (the same parameters);
+        // x, out (and y when added) hold rows·d floats, w d; d within the
+        // partials it holds, and norm_reg has a group for every chunk.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 
@@ -1266,7 +1337,7 @@ impl Gpu {
         add: Option<(&[f32], &mut [f32])>,
         w: &[f32],
         eps: f32,
-        block: bool,
+        kernel: NormKernel,
         out: &mut [f32],
     ) -> Result<(), GpuError> {
         if w.is_empty() || x.len() % w.len() != 0 || out.len() != x.len() {
@@ -1289,10 +1360,10 @@ impl Gpu {
             None => None,
         };
         let yp = dy.as_ref().map(|b| b.ptr);
-        if block {
-            self.norm_block(dx.ptr, yp, &dw, rows, d, eps, dout.ptr)?;
-        } else {
-            self.norm_warp(dx.ptr, yp, &dw, rows, d, eps, dout.ptr)?;
+        match kernel {
+            NormKernel::Block => self.norm_block(dx.ptr, yp, &dw, rows, d, eps, dout.ptr)?,
+            NormKernel::Reg => self.norm_reg(dx.ptr, yp, &dw, rows, d, eps, dout.ptr)?,
+            NormKernel::Warp => self.norm_warp(dx.ptr, yp, &dw, rows, d, eps, dout.ptr)?,
         }
         if let Some((_, sum)) = add {
             self.dtoh(dx.ptr, sum)?;
