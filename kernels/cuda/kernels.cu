@@ -1089,11 +1089,12 @@ extern "C" __global__ void rope_kv(float* q, float* k, const float* v, const flo
 // Every value is the one the one-thread kernel computes, by the same
 // operations in the same order. Token t reads pages pages[seq_off[t] ..]
 // (page_len positions each) up to pos[t].
-extern "C" __global__ void attention_paged(const float* q, const unsigned long long* pages,
-                                           const unsigned long long* seq_off,
-                                           const unsigned long long* pos, float* out,
-                                           int n_heads, int n_kv_heads, int head_dim, int layer,
-                                           int page_len, int aux, float scale) {
+template <int BATCH, bool VPRE>
+__device__ __forceinline__ void attention_body(const float* q, const unsigned long long* pages,
+                                               const unsigned long long* seq_off,
+                                               const unsigned long long* pos, float* out,
+                                               int n_heads, int n_kv_heads, int head_dim, int layer,
+                                               int page_len, int aux, float scale) {
     int t = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
     int tid = threadIdx.x;
     int hd = head_dim, kvd = n_kv_heads * head_dim, qd = n_heads * head_dim;
@@ -1115,16 +1116,16 @@ extern "C" __global__ void attention_paged(const float* q, const unsigned long l
     for (int base = 0; base <= p_end; base += tiles_per * ATTN_TILE) {
         int npos = min(tiles_per * ATTN_TILE, p_end + 1 - base);
         int ntiles = (npos + ATTN_TILE - 1) / ATTN_TILE;
-        // 1. Scores, ATTN_BATCH positions per group at a time (their K
-        // loads in flight together; each position's dot is the same
-        // whichever group computes it). The loop is uniform over the warp
+        // 1. Scores, BATCH positions per group at a time (their K loads in
+        // flight together; each position's dot is the same whichever group
+        // computes it). The loop is uniform over the warp
         // (shuffles need all lanes): dead groups compute on q and write
         // nothing.
-        for (int jb = 0; jb < npos; jb += 32 * ATTN_BATCH) {
-            const float* kr[ATTN_BATCH];
-            float total[ATTN_BATCH];
+        for (int jb = 0; jb < npos; jb += 32 * BATCH) {
+            const float* kr[BATCH];
+            float total[BATCH];
             #pragma unroll
-            for (int u = 0; u < ATTN_BATCH; ++u) {
+            for (int u = 0; u < BATCH; ++u) {
                 int jj = jb + u * 32 + grp;
                 int j = base + jj;
                 kr[u] = jj < npos ? kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 0) + kvh * hd
@@ -1133,16 +1134,16 @@ extern "C" __global__ void attention_paged(const float* q, const unsigned long l
             }
             for (int c = 0; c < chunks; ++c) {
                 int c0 = c * CHUNK, cend = min(c0 + CHUNK, hd);
-                float kv[ATTN_BATCH][CHUNK / LANES], qv[CHUNK / LANES];
+                float kv[BATCH][CHUNK / LANES], qv[CHUNK / LANES];
                 #pragma unroll
                 for (int s2 = 0; s2 < CHUNK / LANES; ++s2) {
                     int i = c0 + lane8 + s2 * LANES;
                     qv[s2] = i < cend ? qs[i] : 0.0f;
                     #pragma unroll
-                    for (int u = 0; u < ATTN_BATCH; ++u) kv[u][s2] = i < cend ? kr[u][i] : 0.0f;
+                    for (int u = 0; u < BATCH; ++u) kv[u][s2] = i < cend ? kr[u][i] : 0.0f;
                 }
                 #pragma unroll
-                for (int u = 0; u < ATTN_BATCH; ++u) {
+                for (int u = 0; u < BATCH; ++u) {
                     float lv = 0.0f;
                     #pragma unroll
                     for (int s2 = 0; s2 < CHUNK / LANES; ++s2) {
@@ -1155,7 +1156,7 @@ extern "C" __global__ void attention_paged(const float* q, const unsigned long l
                 }
             }
             #pragma unroll
-            for (int u = 0; u < ATTN_BATCH; ++u) {
+            for (int u = 0; u < BATCH; ++u) {
                 int jj = jb + u * 32 + grp;
                 if (jj < npos && lane8 == 0) sc[jj] = total[u] * scale;
             }
@@ -1197,18 +1198,27 @@ extern "C" __global__ void attention_paged(const float* q, const unsigned long l
         for (int pi = tid; pi < ntiles * hd; pi += ATTN_THREADS) {
             int tt = pi / hd, d = pi % hd;
             int j0 = tt * ATTN_TILE, cnt = min(ATTN_TILE, npos - j0);
-            // The tile's V values first, all in flight, then the chain.
-            float vv[ATTN_TILE];
-            #pragma unroll
-            for (int i = 0; i < ATTN_TILE; ++i) {
-                int j = base + j0 + i;
-                vv[i] = i < cnt ? kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 1)[kvh * hd + d]
-                                : 0.0f;
-            }
             float a = 0.0f;
-            #pragma unroll
-            for (int i = 0; i < ATTN_TILE; ++i) {
-                if (i < cnt) a = fmaf(sc[j0 + i], vv[i], a);
+            if (VPRE) {
+                // The tile's V values first, all in flight, then the chain.
+                float vv[ATTN_TILE];
+                #pragma unroll
+                for (int i = 0; i < ATTN_TILE; ++i) {
+                    int j = base + j0 + i;
+                    vv[i] = i < cnt ? kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 1)[kvh * hd + d]
+                                    : 0.0f;
+                }
+                #pragma unroll
+                for (int i = 0; i < ATTN_TILE; ++i) {
+                    if (i < cnt) a = fmaf(sc[j0 + i], vv[i], a);
+                }
+            } else {
+                #pragma unroll 8
+                for (int i = 0; i < cnt; ++i) {
+                    int j = base + j0 + i;
+                    float vv = kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 1)[kvh * hd + d];
+                    a = fmaf(sc[j0 + i], vv, a);
+                }
             }
             at[pi] = a;
         }
@@ -1223,6 +1233,31 @@ extern "C" __global__ void attention_paged(const float* q, const unsigned long l
         __syncthreads();
     }
     if (tid < hd) out[(long long)t * qd + h * hd + tid] = acc / l;
+}
+
+
+// The throughput form: one position per group at a time, so that many
+// blocks fit an SM (prefill, wide decode steps).
+extern "C" __global__ void attention_paged(const float* q, const unsigned long long* pages,
+                                           const unsigned long long* seq_off,
+                                           const unsigned long long* pos, float* out,
+                                           int n_heads, int n_kv_heads, int head_dim, int layer,
+                                           int page_len, int aux, float scale) {
+    attention_body<1, false>(q, pages, seq_off, pos, out, n_heads, n_kv_heads, head_dim, layer, page_len, aux,
+                             scale);
+}
+
+// The latency form, for steps of fewer blocks than the device has SMs
+// (small-batch decode): ATTN_BATCH positions per group at a time and each
+// tile's V values loaded before its chain, so a block has its loads in
+// flight together at the cost of registers. The same operations.
+extern "C" __global__ void attention_decode(const float* q, const unsigned long long* pages,
+                                            const unsigned long long* seq_off,
+                                            const unsigned long long* pos, float* out,
+                                            int n_heads, int n_kv_heads, int head_dim, int layer,
+                                            int page_len, int aux, float scale) {
+    attention_body<ATTN_BATCH, true>(q, pages, seq_off, pos, out, n_heads, n_kv_heads, head_dim, layer, page_len,
+                                     aux, scale);
 }
 
 // The device's FP32 FMA rate, for `lmrr bench`: 8 independent fmaf chains

@@ -247,9 +247,11 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
         }];
         let (mut cpu, mut dev) = (vec![0.0; shape.q_dim()], vec![0.0; shape.q_dim()]);
         attention(&th, &tasks, &shape, 0.125, &mut cpu);
-        gpu.attention_resident(&tasks, &shape, 0.125, 16, &mut dev)
-            .expect("gpu attention_paged");
-        out.push(("attention_paged", diff(&cpu, &dev)));
+        for (label, decode) in [("attention_paged", false), ("attention_decode", true)] {
+            gpu.attention_resident(&tasks, &shape, 0.125, 16, decode, &mut dev)
+                .expect(label);
+            out.push((label, diff(&cpu, &dev)));
+        }
     }
     let table = RopeTable::new(64, 100_000.0, 1024);
     let (mut cpu, mut dev) = (x[..576].to_vec(), x[..576].to_vec());
@@ -565,14 +567,16 @@ fn main() {
             cpu.len(),
         );
         for page_len in [1usize, 7, 16, 64] {
-            let mut paged = vec![f32::NAN; cpu.len()];
-            gpu.attention_resident(&tasks, &shape, 0.125, page_len, &mut paged)
-                .expect("gpu attention_paged");
-            report(
-                format!("attention_paged pages of {page_len}, positions {positions:?}"),
-                diff(&cpu, &paged),
-                cpu.len(),
-            );
+            for (label, decode) in [("attention_paged", false), ("attention_decode", true)] {
+                let mut paged = vec![f32::NAN; cpu.len()];
+                gpu.attention_resident(&tasks, &shape, 0.125, page_len, decode, &mut paged)
+                    .expect(label);
+                report(
+                    format!("{label} pages of {page_len}, positions {positions:?}"),
+                    diff(&cpu, &paged),
+                    cpu.len(),
+                );
+            }
         }
     }
     // matmul_fused against the separate ops: the norm then q, k, v; the
@@ -677,14 +681,16 @@ fn main() {
         }];
         let mut cpu = vec![0.0; shape.q_dim()];
         attention(&th, &tasks, &shape, 0.088, &mut cpu);
-        let mut paged = vec![f32::NAN; cpu.len()];
-        gpu.attention_resident(&tasks, &shape, 0.088, 16, &mut paged)
-            .expect("gpu attention_paged");
-        report(
-            format!("attention_paged {nh}/{nkv} heads × {hd}, position {pos}"),
-            diff(&cpu, &paged),
-            cpu.len(),
-        );
+        for (label, decode) in [("attention_paged", false), ("attention_decode", true)] {
+            let mut paged = vec![f32::NAN; cpu.len()];
+            gpu.attention_resident(&tasks, &shape, 0.088, 16, decode, &mut paged)
+                .expect(label);
+            report(
+                format!("{label} {nh}/{nkv} heads × {hd}, position {pos}"),
+                diff(&cpu, &paged),
+                cpu.len(),
+            );
+        }
     }
     // mini-v4: hyper-connection coefficients (sigmoid + Sinkhorn) over odd
     // stream counts, zero and many rounds; the stream mixes with d not a

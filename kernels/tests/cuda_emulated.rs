@@ -448,25 +448,27 @@ fn paged_attention_matches_the_cpu() {
         let q: Vec<f32> = qs.concat();
         let seq_off = vec![0u64; tasks.len()];
         let pos: Vec<u64> = positions.iter().map(|&p| p as u64).collect();
-        let out = job(
-            &format!(
-                "attention {} {nh} {nkv} {hd} {page_len} {}",
-                tasks.len(),
-                scale.to_bits()
-            ),
-            &[
-                &bytes(&q),
-                &bytes(&store),
-                &bytes64(&index),
-                &bytes64(&seq_off),
-                &bytes64(&pos),
-            ],
-        );
-        assert_eq!(
-            differing(&cpu, &floats(&out[0])),
-            0,
-            "attention_paged {nh}/{nkv} × {hd}, positions {positions:?}, pages of {page_len}"
-        );
+        for (kernel, decode) in [("attention_paged", 0), ("attention_decode", 1)] {
+            let out = job(
+                &format!(
+                    "attention {} {nh} {nkv} {hd} {page_len} {} {decode}",
+                    tasks.len(),
+                    scale.to_bits()
+                ),
+                &[
+                    &bytes(&q),
+                    &bytes(&store),
+                    &bytes64(&index),
+                    &bytes64(&seq_off),
+                    &bytes64(&pos),
+                ],
+            );
+            assert_eq!(
+                differing(&cpu, &floats(&out[0])),
+                0,
+                "{kernel} {nh}/{nkv} × {hd}, positions {positions:?}, pages of {page_len}"
+            );
+        }
     }
 }
 

@@ -224,12 +224,12 @@ int main() {
         write_array(out);
         write_array(x);
     } else if (job == "attention") {
-        // attention tasks nh nkv hd page_len scale_bits: q, pages (floats,
+        // attention tasks nh nkv hd page_len scale_bits [decode]: q, pages (floats,
         // whole pages of one layer), page index per table entry, seq_off,
         // pos (u64 each)
-        int tasks, nh, nkv, hd, page_len;
+        int tasks, nh, nkv, hd, page_len, decode = 0;
         unsigned scale_bits;
-        hs >> tasks >> nh >> nkv >> hd >> page_len >> scale_bits;
+        hs >> tasks >> nh >> nkv >> hd >> page_len >> scale_bits >> decode;
         float scale = __uint_as_float(scale_bits);
         auto q = read_as<float>();
         auto pages = read_as<float>();
@@ -244,8 +244,12 @@ int main() {
         std::vector<unsigned long long> so(seq_off.begin(), seq_off.end()), ps(pos.begin(), pos.end());
         std::vector<float> out((size_t)tasks * nh * hd, std::nanf(""));
         emu::launch((unsigned)(tasks * nh), ATTN_THREADS, [&] {
-            attention_paged(q.data(), table.data(), so.data(), ps.data(), out.data(), nh, nkv, hd, 0, page_len, 0,
-                            scale);
+            if (decode)
+                attention_decode(q.data(), table.data(), so.data(), ps.data(), out.data(), nh, nkv, hd, 0, page_len, 0,
+                                 scale);
+            else
+                attention_paged(q.data(), table.data(), so.data(), ps.data(), out.data(), nh, nkv, hd, 0, page_len, 0,
+                                scale);
         });
         write_array(out);
     } else {

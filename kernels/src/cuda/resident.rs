@@ -87,6 +87,11 @@ pub struct Tuning {
     /// `matmul_gemm_pipelined` (the next chunk's loads in flight during this
     /// one's FMAs); 0: `matmul_gemm_wide`, staging then computing.
     pub gemm_pipelined: bool,
+    /// `LMRR_CUDA_ATTN_DECODE_MAX`: attention steps of at most this many
+    /// blocks (tokens × heads) take `attention_decode` (a block's loads in
+    /// flight together, more registers) rather than `attention_paged`; 0:
+    /// never.
+    pub attn_decode_max: usize,
     /// `LMRR_CUDA_SPLIT_BLOCKS`: a `matmul_gemm` whose tiles are fewer
     /// than this many blocks is split over its chunks (partials, then
     /// `sum_chunks`) to about this many blocks; 0: never split.
@@ -102,6 +107,7 @@ impl Default for Tuning {
             gemm_min: 64,
             gemm_wide_min: 64,
             gemm_pipelined: true,
+            attn_decode_max: 132,
             split_blocks: 4096,
         }
     }
@@ -124,6 +130,7 @@ impl Tuning {
             ("LMRR_CUDA_GEMM_MIN", &mut t.gemm_min),
             ("LMRR_CUDA_GEMM_WIDE_MIN", &mut t.gemm_wide_min),
             ("LMRR_CUDA_SPLIT_BLOCKS", &mut t.split_blocks),
+            ("LMRR_CUDA_ATTN_DECODE_MAX", &mut t.attn_decode_max),
         ] {
             if let Some(v) = get(var) {
                 *slot = v.trim().parse().map_err(|_| {
@@ -170,6 +177,7 @@ mod tuning_tests {
             ("LMRR_CUDA_GEMM_WIDE_MIN", "128"),
             ("LMRR_CUDA_SPLIT_BLOCKS", "0"),
             ("LMRR_CUDA_GEMM_PIPELINED", "0"),
+            ("LMRR_CUDA_ATTN_DECODE_MAX", "0"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -181,6 +189,7 @@ mod tuning_tests {
                 gemm_wide_min: 128,
                 split_blocks: 0,
                 gemm_pipelined: false,
+                attn_decode_max: 0,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
@@ -222,6 +231,7 @@ pub(crate) struct Kernels {
     add_rows: CudaFunction,
     gather_rows: CudaFunction,
     attention_paged: CudaFunction,
+    attention_decode: CudaFunction,
     swiglu: CudaFunction,
     fma_peak: CudaFunction,
 }
@@ -248,6 +258,7 @@ impl Kernels {
             add_rows: f("add_rows")?,
             gather_rows: f("gather_rows")?,
             attention_paged: f("attention_paged")?,
+            attention_decode: f("attention_decode")?,
             swiglu: f("swiglu")?,
             fma_peak: f("fma_peak")?,
         })
@@ -1183,6 +1194,25 @@ impl Gpu {
         scale: f32,
         out: u64,
     ) -> Result<(), GpuError> {
+        let decode = n * shape.n_heads <= self.res.tuning.attn_decode_max;
+        self.attention_with(decode, q, table, n, shape, layout, layer, scale, out)
+    }
+
+    /// [`Gpu::attention_paged`] by `attention_decode` (`decode`) or
+    /// `attention_paged`, whatever the step's size.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_with(
+        &self,
+        decode: bool,
+        q: u64,
+        table: PageTable,
+        n: usize,
+        shape: &crate::AttnShape,
+        layout: PageLayout,
+        layer: usize,
+        scale: f32,
+        out: u64,
+    ) -> Result<(), GpuError> {
         if n == 0 {
             return Ok(());
         }
@@ -1212,7 +1242,12 @@ impl Gpu {
             block_dim: (ATTN_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.stream.launch_builder(&self.res.attention_paged);
+        let f = if decode {
+            &self.res.attention_decode
+        } else {
+            &self.res.attention_paged
+        };
+        let mut b = self.stream.launch_builder(f);
         b.arg(&q)
             .arg(&table.pages)
             .arg(&table.seq_off)
@@ -1225,7 +1260,8 @@ impl Gpu {
             .arg(&pl)
             .arg(&aux)
             .arg(&scale);
-        // SAFETY: matches `attention_paged`; token t's page list covers
+        // SAFETY: matches `attention_paged` / `attention_decode` (the same
+        // parameters); token t's page list covers
         // positions 0..=pos[t], each entry the address of a whole page.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
@@ -1425,7 +1461,8 @@ impl Gpu {
             .collect()
     }
 
-    /// [`crate::attention`] by `attention_paged`: each task's keys and
+    /// [`crate::attention`] by `attention_decode` (`decode`) or
+    /// `attention_paged`: each task's keys and
     /// values are copied into device pages of `page_len` positions (layer 0
     /// of a one-layer layout), in a page order other than the positions'
     /// (the table, not the memory order, must decide).
@@ -1435,6 +1472,7 @@ impl Gpu {
         shape: &crate::AttnShape,
         scale: f32,
         page_len: usize,
+        decode: bool,
         out: &mut [f32],
     ) -> Result<(), GpuError> {
         let (qd, kvd) = (shape.q_dim(), shape.kv_dim());
@@ -1501,7 +1539,8 @@ impl Gpu {
             seq_off: at(pages_len),
             pos: at(pages_len + tasks.len()),
         };
-        self.attention_paged(
+        self.attention_with(
+            decode,
             dq.ptr,
             table,
             tasks.len(),

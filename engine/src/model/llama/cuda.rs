@@ -25,6 +25,7 @@ use lmrr_kernels::cuda::resident::{
     DevBuf, DevMatrix, Fused, Graph, PageLayout, PageTable, Pinned, SplitScratch,
 };
 use lmrr_kernels::cuda::Gpu;
+use lmrr_kernels::Threads;
 
 use crate::kv::KvCache;
 use crate::model::device_kv::{pack_inputs, KvMirror};
@@ -306,6 +307,7 @@ impl Resident {
         spans: &[SeqSpan],
         tok: &[(usize, usize)],
         rows: &[usize],
+        threads: &Threads,
     ) -> Result<Vec<Vec<f32>>, EngineError> {
         let mut guard = self
             .state
@@ -314,7 +316,7 @@ impl Resident {
         let st = &mut *guard;
         self.gpu.bind().map_err(gpu_err)?;
         let t0 = std::time::Instant::now();
-        let out = self.step(m, st, kv, spans, tok, rows);
+        let out = self.step(m, st, kv, spans, tok, rows, threads);
         if self.profiling {
             self.add_time("step", t0.elapsed().as_secs_f64());
         }
@@ -337,6 +339,7 @@ impl Resident {
         spans: &[SeqSpan],
         tok: &[(usize, usize)],
         rows: &[usize],
+        threads: &Threads,
     ) -> Result<Vec<Vec<f32>>, EngineError> {
         let gpu = &*self.gpu;
         let (n, w) = (tok.len(), rows.len());
@@ -491,7 +494,7 @@ impl Resident {
         })?;
         let logits = hl.as_slice().map_err(gpu_err)?;
         let out = self.timed("logits rows into per-span vectors", || {
-            Ok(crate::model::split_rows(spans, &logits[..w * vocab], vocab))
+            Ok(crate::model::split_rows(spans, &logits[..w * vocab], vocab, threads))
         })?;
         let mirror = st
             .mirror

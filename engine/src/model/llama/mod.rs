@@ -229,10 +229,10 @@ impl Llama {
         #[cfg(feature = "cuda")]
         if let Some(r) = &self.resident {
             if n == 0 {
-                return Ok(split_rows(spans, &[], vocab));
+                return Ok(split_rows(spans, &[], vocab, threads));
             }
             let rows = wanted_rows(spans);
-            return r.forward(self, kv, spans, &tok, &rows);
+            return r.forward(self, kv, spans, &tok, &rows, threads);
         }
         let mut sc = Scratch {
             x: vec![0.0; n * d],
@@ -310,7 +310,7 @@ impl Llama {
         let mut logits = vec![0.0; m * vocab];
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         ops.matmuls(&hn, m, &mut [(&head.matrix(), &mut logits)])?;
-        Ok(split_rows(spans, &logits, vocab))
+        Ok(split_rows(spans, &logits, vocab, threads))
     }
 }
 

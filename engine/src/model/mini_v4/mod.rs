@@ -503,7 +503,7 @@ impl MiniV4 {
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         ops.matmuls(&hn, m, &mut [(&head.matrix(), &mut logits)])?;
         Profile::add(&self.profile.total, t_step);
-        Ok(split_rows(spans, &logits, vocab))
+        Ok(split_rows(spans, &logits, vocab, threads))
     }
 
     /// The MoE of `n` tokens of normalised input `hn` into `out` `(n, d)`.
