@@ -170,12 +170,12 @@ extern "C" __global__ void exp_slice(const float* x, float* out, int n) {
     if (i < n) out[i] = det_exp(x[i]);
 }
 
+// SwiGLU of one element: silu(g) · u, the CPU's operations.
+__device__ __forceinline__ float swiglu_of(float g, float u) { return (g / (1.0f + det_exp(-g))) * u; }
+
 extern "C" __global__ void swiglu(const float* g, const float* u, float* out, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        float a = g[i];
-        out[i] = (a / (1.0f + det_exp(-a))) * u[i];
-    }
+    if (i < n) out[i] = swiglu_of(g[i], u[i]);
 }
 
 // Rotate-half RoPE of one row of `width` = heads * d values at position pos,
@@ -458,9 +458,13 @@ extern "C" __global__ void matmul_tile(int kind, const float* x, const unsigned 
 #define MR_GROUPS 16
 #define MR_MAX_CHUNKS 256
 
-// The body of matmul_rows for one (row o of W, token tile t0).
+// The body of matmul_rows for one (row o of W, token tile t0); with u
+// non-null, the input is SwiGLU(x, u), each element computed as the swiglu
+// kernel computes it (down's input made on the fly).
+template <bool SWI = false>
 __device__ __forceinline__ void mm_rows_block(int kind, const float* x, const unsigned char* w, float* y,
-                                              int n, int rows, int k, long long row_bytes, int o, int t0) {
+                                              int n, int rows, int k, long long row_bytes, int o, int t0,
+                                              const float* u = nullptr) {
     __shared__ float part[MM_TOKENS][MR_MAX_CHUNKS];
     int tn = min(MM_TOKENS, n - t0);
     int g = threadIdx.x >> 3, j = threadIdx.x & 7;
@@ -485,7 +489,10 @@ __device__ __forceinline__ void mm_rows_block(int kind, const float* x, const un
                 #pragma unroll
                 for (int s = 0; s < CHUNK / LANES; ++s) {
                     int i = base + s * LANES;
-                    if (i < cend) l = fmaf(xr[i], wv[s], l);
+                    if (i < cend) {
+                        float xv = SWI ? swiglu_of(xr[i], u[(long long)(t0 + tt) * k + i]) : xr[i];
+                        l = fmaf(xv, wv[s], l);
+                    }
                 }
                 l = l + __shfl_xor_sync(0xffffffffu, l, 4);
                 l = l + __shfl_xor_sync(0xffffffffu, l, 2);
@@ -513,6 +520,13 @@ __device__ __forceinline__ void mm_rows_block(int kind, const float* x, const un
 extern "C" __global__ void matmul_rows(int kind, const float* x, const unsigned char* w, float* y,
                                        int n, int rows, int k, long long row_bytes) {
     mm_rows_block(kind, x, w, y, n, rows, k, row_bytes, blockIdx.x % rows, (blockIdx.x / rows) * MM_TOKENS);
+}
+
+// matmul_rows of SwiGLU(g, u) (down after gate and up): the swiglu launch
+// folded into down's input loads, each input element the swiglu kernel's.
+extern "C" __global__ void matmul_rows_swiglu(int kind, const float* g, const float* u, const unsigned char* w,
+                                              float* y, int n, int rows, int k, long long row_bytes) {
+    mm_rows_block<true>(kind, g, w, y, n, rows, k, row_bytes, blockIdx.x % rows, (blockIdx.x / rows) * MM_TOKENS, u);
 }
 
 // Up to three matmuls of one input in one launch (q, k, v; gate, up): blocks

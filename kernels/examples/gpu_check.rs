@@ -477,6 +477,33 @@ fn main() {
             );
         }
     }
+    // Down with SwiGLU made in its input loads (matmul_rows_swiglu) against
+    // the CPU's swiglu then matmul: one token and a partial token tile,
+    // f32 and Q4_1.
+    for &(n, rows, cols) in &[(1usize, 576usize, 1536usize), (11, 40, 224)] {
+        let g = r.uniform_vec(n * cols, 6.0);
+        let u = r.uniform_vec(n * cols, 2.0);
+        let mut a = vec![0.0; g.len()];
+        swiglu(&g, &u, &mut a);
+        let wf = r.uniform_vec(rows * cols, 0.5);
+        let q41 = blocks(&mut r, QuantKind::Q4_1, rows * cols / 32);
+        for (label, w) in [
+            ("f32", Weights::F32(&wf)),
+            ("Q4_1", Weights::Quant(QuantKind::Q4_1, &q41)),
+        ] {
+            let m = Matrix::new(w, rows, cols).expect("shape");
+            let mut cpu = vec![0.0; n * rows];
+            matmul(&th, &a, n, &m, &mut cpu);
+            let dev = gpu
+                .rows_swiglu_resident(&g, &u, n, &m)
+                .expect("gpu matmul_rows_swiglu");
+            report(
+                format!("matmul_rows_swiglu {label} {n}×{cols}·{cols}×{rows}"),
+                diff(&cpu, &dev),
+                cpu.len(),
+            );
+        }
+    }
     // det_exp over a wide range and the special values.
     let mut x: Vec<f32> = (0..200_000).map(|i| -100.0 + i as f32 * 0.001).collect();
     x.extend([

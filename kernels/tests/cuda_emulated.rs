@@ -241,6 +241,37 @@ fn matmul_kernels_match_the_cpu() {
 }
 
 #[test]
+fn down_with_swiglu_in_its_input_matches_swiglu_then_matmul() {
+    if emulator().is_none() {
+        return;
+    }
+    let th = Threads::new(2).expect("threads");
+    let mut r = SplitMix64(11);
+    // (rows, cols, tokens): one token; a partial token tile; ragged chunks.
+    for &(rows, cols, n) in &[(24usize, 1536usize, 1usize), (9, 224, 11)] {
+        let g = r.uniform_vec(n * cols, 6.0);
+        let u = r.uniform_vec(n * cols, 2.0);
+        let mut a = vec![0.0; g.len()];
+        swiglu(&g, &u, &mut a);
+        let st = Stored::new(&mut r, rows * cols, 0.5);
+        for (label, kind, w, raw) in st.each() {
+            let m = Matrix::new(w, rows, cols).expect("shape");
+            let mut cpu = vec![0.0; n * rows];
+            matmul(&th, &a, n, &m, &mut cpu);
+            let out = job(
+                &format!("rows_swiglu {kind} {n} {rows} {cols}"),
+                &[&bytes(&g), &bytes(&u), &raw],
+            );
+            assert_eq!(
+                differing(&cpu, &floats(&out[0])),
+                0,
+                "matmul_rows_swiglu {label} {n}×{cols}·{cols}×{rows}"
+            );
+        }
+    }
+}
+
+#[test]
 fn matmul_multi_matches_three_matmuls() {
     if emulator().is_none() {
         return;

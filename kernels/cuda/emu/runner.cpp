@@ -110,6 +110,19 @@ int main() {
             return 2;
         }
         write_array(y);
+    } else if (job == "rows_swiglu") {
+        // rows_swiglu kind n rows k: g, u (n·k floats each), w
+        int kind, n, rows, k;
+        hs >> kind >> n >> rows >> k;
+        auto g = read_as<float>();
+        auto u = read_as<float>();
+        auto w = read_array();
+        long long row_bytes = rows ? (long long)(w.size() / rows) : 0;
+        std::vector<float> y((size_t)n * rows, std::nanf(""));
+        unsigned b = (unsigned)(rows * ((n + MM_TOKENS - 1) / MM_TOKENS));
+        emu::launch(b, 8 * MR_GROUPS,
+                    [&] { matmul_rows_swiglu(kind, g.data(), u.data(), w.data(), y.data(), n, rows, k, row_bytes); });
+        write_array(y);
     } else if (job == "multi") {
         // multi kind n k rows0 rows1 rows2: three matrices, one launch
         int kind, n, k, r0, r1, r2;

@@ -87,6 +87,11 @@ pub struct Tuning {
     /// `matmul_gemm_pipelined` (the next chunk's loads in flight during this
     /// one's FMAs); 0: `matmul_gemm_wide`, staging then computing.
     pub gemm_pipelined: bool,
+    /// `LMRR_CUDA_DOWN_SWIGLU` (default 1): in steps that take
+    /// `matmul_rows`, down reads SwiGLU(gate, up) made in its own loads
+    /// (`matmul_rows_swiglu`: one launch a layer fewer); 0: the swiglu
+    /// kernel, then down.
+    pub down_swiglu: bool,
     /// `LMRR_CUDA_ATTN_DECODE_MAX`: attention steps of at most this many
     /// blocks (tokens × heads) take `attention_decode` (a block's loads in
     /// flight together, more registers) rather than `attention_paged`; 0:
@@ -108,6 +113,7 @@ impl Default for Tuning {
             gemm_wide_min: 64,
             gemm_pipelined: true,
             attn_decode_max: 132,
+            down_swiglu: true,
             split_blocks: 4096,
         }
     }
@@ -138,16 +144,17 @@ impl Tuning {
                 })?;
             }
         }
-        if let Some(v) = get("LMRR_CUDA_GEMM_PIPELINED") {
-            t.gemm_pipelined = match v.trim() {
-                "1" => true,
-                "0" => false,
-                _ => {
-                    return Err(GpuError::Config(format!(
-                        "LMRR_CUDA_GEMM_PIPELINED={v:?}: want 0 or 1"
-                    )))
-                }
-            };
+        for (var, slot) in [
+            ("LMRR_CUDA_GEMM_PIPELINED", &mut t.gemm_pipelined),
+            ("LMRR_CUDA_DOWN_SWIGLU", &mut t.down_swiglu),
+        ] {
+            if let Some(v) = get(var) {
+                *slot = match v.trim() {
+                    "1" => true,
+                    "0" => false,
+                    _ => return Err(GpuError::Config(format!("{var}={v:?}: want 0 or 1"))),
+                };
+            }
         }
         // matmul_fused holds at most MM_TOKENS tokens of partials.
         t.fused_max = t.fused_max.min(MM_TOKENS);
@@ -178,6 +185,7 @@ mod tuning_tests {
             ("LMRR_CUDA_SPLIT_BLOCKS", "0"),
             ("LMRR_CUDA_GEMM_PIPELINED", "0"),
             ("LMRR_CUDA_ATTN_DECODE_MAX", "0"),
+            ("LMRR_CUDA_DOWN_SWIGLU", "0"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -190,6 +198,7 @@ mod tuning_tests {
                 split_blocks: 0,
                 gemm_pipelined: false,
                 attn_decode_max: 0,
+                down_swiglu: false,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
@@ -201,6 +210,7 @@ mod tuning_tests {
             ("LMRR_CUDA_GEMM_MIN", "lots"),
             ("LMRR_CUDA_SPLIT_BLOCKS", "-1"),
             ("LMRR_CUDA_GEMM_PIPELINED", "yes"),
+            ("LMRR_CUDA_DOWN_SWIGLU", "2"),
         ] {
             match with(&[(var, v)]) {
                 Err(GpuError::Config(m)) => assert!(m.contains(var) && m.contains(v), "{m}"),
@@ -214,6 +224,7 @@ mod tuning_tests {
 pub(crate) struct Kernels {
     pub(crate) matmul_tile: CudaFunction,
     pub(crate) matmul_rows: CudaFunction,
+    matmul_rows_swiglu: CudaFunction,
     matmul_multi: CudaFunction,
     rope_kv: CudaFunction,
     rms_norm_warp: CudaFunction,
@@ -242,6 +253,7 @@ impl Kernels {
         Ok(Self {
             matmul_tile: f("matmul_tile")?,
             matmul_rows: f("matmul_rows")?,
+            matmul_rows_swiglu: f("matmul_rows_swiglu")?,
             matmul_multi: f("matmul_multi")?,
             rope_kv: f("rope_kv")?,
             rms_norm_warp: f("rms_norm_warp")?,
@@ -752,6 +764,71 @@ impl Gpu {
         // SAFETY: matches `matmul_multi`; x holds n·cols floats, each y
         // n·rows; an absent third matrix has 0 rows and gets no block.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+    }
+
+    /// `y (n, rows) = SwiGLU(g, u) · Wᵀ` by `matmul_rows_swiglu` (g and u
+    /// `(n, cols)`): matmul_rows' bits on the swiglu kernel's values, one
+    /// launch. `cols` at most `64 · MR_MAX_CHUNKS`.
+    pub fn mm_rows_swiglu(
+        &self,
+        g: u64,
+        u: u64,
+        n: usize,
+        w: &DevMatrix,
+        y: u64,
+    ) -> Result<(), GpuError> {
+        if n == 0 || w.rows == 0 {
+            return Ok(());
+        }
+        if w.cols.div_ceil(64) > MR_MAX_CHUNKS {
+            return Err(GpuError::Shape {
+                what: "matmul_rows_swiglu",
+                detail: format!("rows of {} (at most {})", w.cols, 64 * MR_MAX_CHUNKS),
+            });
+        }
+        let (ni, ri, ki) = mm_dims(n, w)?;
+        let blocks = as_i32("matmul", w.rows * n.div_ceil(MM_TOKENS))? as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (MR_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.res.matmul_rows_swiglu);
+        b.arg(&w.kind)
+            .arg(&g)
+            .arg(&u)
+            .arg(&w.buf.ptr)
+            .arg(&y)
+            .arg(&ni)
+            .arg(&ri)
+            .arg(&ki)
+            .arg(&w.row_bytes);
+        // SAFETY: matches `matmul_rows_swiglu`; g and u hold n·cols floats,
+        // y n·rows; cols within the partials matmul_rows holds.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+    }
+
+    /// [`Gpu::mm_rows_swiglu`] on host operands (for `gpu_check`).
+    pub fn rows_swiglu_resident(
+        &self,
+        g: &[f32],
+        u: &[f32],
+        n: usize,
+        w: &Matrix,
+    ) -> Result<Vec<f32>, GpuError> {
+        if g.len() != n * w.cols || u.len() != g.len() {
+            return Err(GpuError::Shape {
+                what: "matmul_rows_swiglu",
+                detail: format!("g {}, u {}, n {n} × cols {}", g.len(), u.len(), w.cols),
+            });
+        }
+        let (dg, du) = (self.upload(g, "g")?, self.upload(u, "u")?);
+        let dw = self.upload_matrix(w, "w")?;
+        let dy = self.alloc(n * w.rows * 4, "y")?;
+        self.mm_rows_swiglu(dg.ptr, du.ptr, n, &dw, dy.ptr)?;
+        let mut y = vec![0.0; n * w.rows];
+        self.dtoh(dy.ptr, &mut y)?;
+        Ok(y)
     }
 
     /// How this device's resident path chooses its kernels.

@@ -619,7 +619,12 @@ impl Resident {
             self.timed(part, || f().map_err(e))
         };
         t("embedding", &|| g.embed(&self.embed, ids, n, a.x))?;
-        let (fused_max, swiglu_max) = (g.tuning().fused_max, g.tuning().swiglu_max);
+        let tun = g.tuning();
+        let (fused_max, swiglu_max) = (tun.fused_max, tun.swiglu_max);
+        // Down reads SwiGLU(gate, up) itself where the step takes matmul_rows.
+        let down_swiglu = tun.down_swiglu
+            && n < tun.gemm_min.max(1)
+            && ff.div_ceil(64) <= lmrr_kernels::cuda::resident::MR_MAX_CHUNKS;
         if n <= fused_max && w <= fused_max {
             return self.launch_fused(m, a, table, dst, slot, rows, layout, n, w);
         }
@@ -666,13 +671,22 @@ impl Resident {
                 t("matmul gate, up, swiglu", &|| {
                     g.mm_fused(a.h, n, None, Fused::Swiglu, &[(&l.gate, a.a), (&l.up, a.u)])
                 })?;
+                t("matmul down", &|| g.mm_split(a.a, n, &l.down, a.o, sp))?;
+            } else if down_swiglu {
+                // SwiGLU made in down's input loads: one launch fewer.
+                t("matmul gate, up", &|| {
+                    g.mm_multi(a.h, n, &[(&l.gate, a.g), (&l.up, a.u)], sp)
+                })?;
+                t("matmul down (SwiGLU in its input)", &|| {
+                    g.mm_rows_swiglu(a.g, a.u, n, &l.down, a.o)
+                })?;
             } else {
                 t("matmul gate, up", &|| {
                     g.mm_multi(a.h, n, &[(&l.gate, a.g), (&l.up, a.u)], sp)
                 })?;
                 t("swiglu", &|| g.swiglu_dev(a.g, a.u, a.a, n * ff))?;
+                t("matmul down", &|| g.mm_split(a.a, n, &l.down, a.o, sp))?;
             }
-            t("matmul down", &|| g.mm_split(a.a, n, &l.down, a.o, sp))?;
         }
         t("output head", &|| {
             if !self.layers.is_empty() {
