@@ -145,13 +145,13 @@ done
 # tokens; matmul_gemm from 9 tokens, unsplit;
 # matmul_gemm_wide from 9 tokens, always split over chunks;
 # matmul_gemm_wide unpipelined from 9 tokens; matmul_rows for every step;
-# the swiglu kernel before down and attention_paged for every step (the
-# defaults fold SwiGLU into down's loads and take attention_decode for small
+# SwiGLU in down's input loads with attention_paged for every step (the
+# defaults keep the swiglu kernel and take attention_decode for small
 # steps); attention_decode for every step.
 for tun in "LMRR_CUDA_FUSED_MAX=8" "LMRR_CUDA_SWIGLU_MAX=8" "LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=0" \
            "LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_WIDE_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=1000000" \
            "LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_PIPELINED=0" "LMRR_CUDA_GEMM_MIN=1000000" \
-           "LMRR_CUDA_DOWN_SWIGLU=0 LMRR_CUDA_ATTN_DECODE_MAX=0" "LMRR_CUDA_ATTN_DECODE_MAX=100000"; do
+           "LMRR_CUDA_DOWN_SWIGLU=1 LMRR_CUDA_ATTN_DECODE_MAX=0" "LMRR_CUDA_ATTN_DECODE_MAX=100000"; do
   for s in incident multi-user; do
     rm -f "$tmp/tun.lmrr"
     env $tun "$bin/lmrr" run --script "examples/$s.toml" --device cuda --record "$tmp/tun.lmrr" >/dev/null 2>&1 || fail=1
