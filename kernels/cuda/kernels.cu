@@ -12,6 +12,26 @@
 #define CHUNK 64
 #define LANES 8
 
+// Programmatic dependent launch (sm_90 on, LMRR_CUDA_PDL=1): the resident
+// path may launch a kernel before the one ahead of it in the stream has
+// finished, so every resident kernel first waits until that one has
+// completed and its writes are visible (griddepcontrol.wait), and only then
+// lets the next kernel be launched (launch_dependents): no kernel touches
+// memory before its predecessor is done, so no value changes; what overlaps
+// is the next launch's set-up with this kernel's run. Compiled for an
+// earlier architecture (the default), both are nothing.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_ENTRY()                                            \
+    do {                                                       \
+        asm volatile("griddepcontrol.wait;" ::: "memory");     \
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); \
+    } while (0)
+#else
+#define PDL_ENTRY() \
+    do {            \
+    } while (0)
+#endif
+
 __device__ __forceinline__ float lane_tree(const float l[LANES]) {
     float t0 = l[0] + l[4], t1 = l[1] + l[5], t2 = l[2] + l[6], t3 = l[3] + l[7];
     float u0 = t0 + t2, u1 = t1 + t3;
@@ -174,6 +194,7 @@ extern "C" __global__ void exp_slice(const float* x, float* out, int n) {
 __device__ __forceinline__ float swiglu_of(float g, float u) { return (g / (1.0f + det_exp(-g))) * u; }
 
 extern "C" __global__ void swiglu(const float* g, const float* u, float* out, int n) {
+    PDL_ENTRY();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = swiglu_of(g[i], u[i]);
 }
@@ -388,6 +409,7 @@ __device__ __forceinline__ float warp_dot(int kind, const float* x, const void* 
 // stream neighbouring rows.
 extern "C" __global__ void matmul_tile(int kind, const float* x, const unsigned char* w, float* y,
                                        int n, int rows, int k, long long row_bytes) {
+    PDL_ENTRY();
     long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     int tiles = (n + MM_TOKENS - 1) / MM_TOKENS;
@@ -519,6 +541,7 @@ __device__ __forceinline__ void mm_rows_block(int kind, const float* x, const un
 // row in flight at once (decode latency), for k up to 64 * MR_MAX_CHUNKS.
 extern "C" __global__ void matmul_rows(int kind, const float* x, const unsigned char* w, float* y,
                                        int n, int rows, int k, long long row_bytes) {
+    PDL_ENTRY();
     mm_rows_block(kind, x, w, y, n, rows, k, row_bytes, blockIdx.x % rows, (blockIdx.x / rows) * MM_TOKENS);
 }
 
@@ -526,6 +549,7 @@ extern "C" __global__ void matmul_rows(int kind, const float* x, const unsigned 
 // folded into down's input loads, each input element the swiglu kernel's.
 extern "C" __global__ void matmul_rows_swiglu(int kind, const float* g, const float* u, const unsigned char* w,
                                               float* y, int n, int rows, int k, long long row_bytes) {
+    PDL_ENTRY();
     mm_rows_block<true>(kind, g, w, y, n, rows, k, row_bytes, blockIdx.x % rows, (blockIdx.x / rows) * MM_TOKENS, u);
 }
 
@@ -536,6 +560,7 @@ extern "C" __global__ void matmul_multi(int kind, const float* x, int n, int k,
                                         const unsigned char* w0, float* y0, int rows0, long long rb0,
                                         const unsigned char* w1, float* y1, int rows1, long long rb1,
                                         const unsigned char* w2, float* y2, int rows2, long long rb2) {
+    PDL_ENTRY();
     int tiles = (n + MM_TOKENS - 1) / MM_TOKENS;
     int b = blockIdx.x;
     if (b < rows0 * tiles) {
@@ -555,6 +580,7 @@ extern "C" __global__ void matmul_multi(int kind, const float* x, int n, int k,
 // and the next block's norm in one launch; each value as the two kernels
 // compute it).
 extern "C" __global__ void add_norm(float* x, const float* y, const float* w, float* out, int rows, int d, float eps) {
+    PDL_ENTRY();
     long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (r >= rows) return;
@@ -575,6 +601,7 @@ extern "C" __global__ void add_norm(float* x, const float* y, const float* w, fl
 // them one after another). d ≤ 64 * MR_MAX_CHUNKS.
 extern "C" __global__ void norm_block(float* x, const float* y, const float* w, float* out,
                                       int rows, int d, float eps, int add) {
+    PDL_ENTRY();
     __shared__ float part[MR_MAX_CHUNKS];
     __shared__ float inv_s;
     long long r = blockIdx.x;
@@ -617,6 +644,7 @@ extern "C" __global__ void norm_block(float* x, const float* y, const float* w, 
 #define NR_MAX_CHUNKS 128
 extern "C" __global__ void norm_reg(float* x, const float* y, const float* w, float* out,
                                     int rows, int d, float eps, int add) {
+    PDL_ENTRY();
     __shared__ float part[NR_MAX_CHUNKS];
     long long r = blockIdx.x;
     if (r >= rows) return;  // uniform over the block
@@ -746,6 +774,7 @@ extern "C" __global__ void matmul_fused(int kind, const float* x, int n, int k, 
                                         int mode, const unsigned char* w0, float* y0, int rows0, long long rb0,
                                         const unsigned char* w1, float* y1, int rows1, long long rb1,
                                         const unsigned char* w2, float* y2, int rows2, long long rb2) {
+    PDL_ENTRY();
     __shared__ float part[MM_TOKENS][MR_MAX_CHUNKS];
     __shared__ float part2[MM_TOKENS][MR_MAX_CHUNKS];
     __shared__ float inv[MM_TOKENS];
@@ -964,6 +993,7 @@ __device__ __forceinline__ void gemm_tiles(int kind, const float* x, const unsig
 
 extern "C" __global__ void matmul_gemm(int kind, const float* x, const unsigned char* w, float* y,
                                        int n, int rows, int k, long long row_bytes, float* part, int cpb) {
+    PDL_ENTRY();
     __shared__ float ws[GM_ROWS][CHUNK + 1];
     __shared__ float xs[GM_TOKS][CHUNK];
     gemm_tiles<GM_GR, GM_GT, false>(kind, x, w, y, n, rows, k, row_bytes, part, cpb, ws, xs);
@@ -971,6 +1001,7 @@ extern "C" __global__ void matmul_gemm(int kind, const float* x, const unsigned 
 
 extern "C" __global__ void matmul_gemm_wide(int kind, const float* x, const unsigned char* w, float* y,
                                             int n, int rows, int k, long long row_bytes, float* part, int cpb) {
+    PDL_ENTRY();
     __shared__ float ws[GW_ROWS][CHUNK + 1];
     __shared__ float xs[GW_TOKS][CHUNK];
     gemm_tiles<GW_GR, GW_GT, false>(kind, x, w, y, n, rows, k, row_bytes, part, cpb, ws, xs);
@@ -980,6 +1011,7 @@ extern "C" __global__ void matmul_gemm_wide(int kind, const float* x, const unsi
 extern "C" __global__ void matmul_gemm_pipelined(int kind, const float* x, const unsigned char* w, float* y,
                                                  int n, int rows, int k, long long row_bytes, float* part,
                                                  int cpb) {
+    PDL_ENTRY();
     __shared__ float ws[GW_ROWS][CHUNK + 1];
     __shared__ float xs[GW_TOKS][CHUNK];
     gemm_tiles<GW_GR, GW_GT, true>(kind, x, w, y, n, rows, k, row_bytes, part, cpb, ws, xs);
@@ -988,6 +1020,7 @@ extern "C" __global__ void matmul_gemm_pipelined(int kind, const float* x, const
 // The chunk partials of a split matmul_gemm summed in chunk order from
 // +0.0: y[i] = ((0 + part[0][i]) + part[1][i]) + …, over count = n·rows.
 extern "C" __global__ void sum_chunks(const float* part, float* y, int chunks, long long count) {
+    PDL_ENTRY();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count) return;
     float t = 0.0f;
@@ -997,6 +1030,7 @@ extern "C" __global__ void sum_chunks(const float* part, float* y, int chunks, l
 
 // rms_norm with one warp per row (the sum of squares by warp_dot).
 extern "C" __global__ void rms_norm_warp(const float* x, const float* w, float* out, int rows, int d, float eps) {
+    PDL_ENTRY();
     long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (r >= rows) return;
@@ -1009,6 +1043,7 @@ extern "C" __global__ void rms_norm_warp(const float* x, const float* w, float* 
 // Embedding rows: out[t][c] = widened weight c of row ids[t].
 extern "C" __global__ void embed_rows(int kind, const unsigned char* w, const unsigned long long* ids,
                                       float* out, int n, int d, long long row_bytes) {
+    PDL_ENTRY();
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n * d) return;
     long long t = idx / d;
@@ -1018,12 +1053,14 @@ extern "C" __global__ void embed_rows(int kind, const unsigned char* w, const un
 
 // x[i] += y[i].
 extern "C" __global__ void add_rows(float* x, const float* y, int n) {
+    PDL_ENTRY();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = x[i] + y[i];
 }
 
 // out[j] = x[rows[j]] (rows of d floats).
 extern "C" __global__ void gather_rows(const float* x, const unsigned long long* rows, float* out, int m, int d) {
+    PDL_ENTRY();
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)m * d) return;
     long long j = idx / d;
@@ -1047,6 +1084,7 @@ extern "C" __global__ void rope_kv(float* q, float* k, const float* v, const flo
                                    const unsigned long long* pos, const unsigned long long* dst,
                                    const unsigned long long* slot, int n, int qd, int kvd, int d,
                                    int layer, int page_len, int aux) {
+    PDL_ENTRY();
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int h = d / 2;
     int per = qd / 2 + kvd / 2 + kvd;
@@ -1257,6 +1295,7 @@ extern "C" __global__ void attention_paged(const float* q, const unsigned long l
                                            const unsigned long long* pos, float* out,
                                            int n_heads, int n_kv_heads, int head_dim, int layer,
                                            int page_len, int aux, float scale) {
+    PDL_ENTRY();
     attention_body<1, false>(q, pages, seq_off, pos, out, n_heads, n_kv_heads, head_dim, layer, page_len, aux,
                              scale);
 }
@@ -1270,6 +1309,7 @@ extern "C" __global__ void attention_decode(const float* q, const unsigned long 
                                             const unsigned long long* pos, float* out,
                                             int n_heads, int n_kv_heads, int head_dim, int layer,
                                             int page_len, int aux, float scale) {
+    PDL_ENTRY();
     attention_body<ATTN_BATCH, true>(q, pages, seq_off, pos, out, n_heads, n_kv_heads, head_dim, layer, page_len,
                                      aux, scale);
 }
@@ -1278,6 +1318,7 @@ extern "C" __global__ void attention_decode(const float* q, const unsigned long 
 // of `iters` steps per thread (2 FLOPs each); the sums are written so that
 // nothing is optimised away.
 extern "C" __global__ void fma_peak(float* out, int iters, float a, float b) {
+    PDL_ENTRY();
     float acc[8];
     #pragma unroll
     for (int j = 0; j < 8; ++j) acc[j] = (float)(threadIdx.x + j);

@@ -39,12 +39,23 @@ pub fn nvrtc_present() -> bool {
 /// Compiles `source` with the device path's NVRTC options (`fmad` as
 /// given) and returns the PTX: what [`Gpu::open_with`] loads.
 pub fn compile(source: &str, fmad: bool) -> Result<String, GpuError> {
+    compile_for(source, fmad, None)
+}
+
+/// [`compile`] for a virtual architecture (`Some("compute_90")`: the
+/// resident kernels with programmatic dependent launch) or NVRTC's default.
+pub fn compile_for(
+    source: &str,
+    fmad: bool,
+    arch: Option<&'static str>,
+) -> Result<String, GpuError> {
     let opts = cudarc::nvrtc::CompileOptions {
         fmad: Some(fmad),
         prec_div: Some(true),
         prec_sqrt: Some(true),
         ftz: Some(false),
         name: Some("kernels.cu".into()),
+        arch,
         ..Default::default()
     };
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, opts)
@@ -90,6 +101,10 @@ pub struct Gpu {
     pub(crate) res: resident::Kernels,
     matmul: CudaFunction,
     matmul_warp: CudaFunction,
+    /// `matmul_tile` and `matmul_rows` on operands of this call (the
+    /// resident path launches its own handles).
+    matmul_tile: CudaFunction,
+    matmul_rows: CudaFunction,
     rms_norm: CudaFunction,
     exp_slice: CudaFunction,
     swiglu: CudaFunction,
@@ -170,14 +185,31 @@ impl Gpu {
         // only costs time (and events cannot be recorded in a graph capture).
         // SAFETY: no slice is ever used on another stream.
         unsafe { ctx.disable_event_tracking() };
-        let ptx = cudarc::nvrtc::Ptx::from_src(compile(source, fmad)?);
-        let module = ctx.load_module(ptx).map_err(drv)?;
+        let ptx = compile(source, fmad)?;
+        // The resident kernels: the same PTX, or with programmatic dependent
+        // launch (Tuning::pdl) compiled for sm_90, where the device has it.
+        let mut tuning = resident::Tuning::from_env()?;
+        let major = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+            .map_err(drv)?;
+        tuning.pdl &= major >= 9;
+        let res_ptx = if tuning.pdl {
+            compile_for(source, fmad, Some("compute_90"))?
+        } else {
+            ptx.clone()
+        };
+        let res = resident::Kernels::load(&ctx, &res_ptx, tuning)?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .map_err(drv)?;
         let f = |name: &str| module.load_function(name).map_err(drv);
         // A created stream, not the legacy default one: decode steps are
         // captured as CUDA graphs, which the default stream cannot do.
         let stream = ctx.new_stream().map_err(drv)?;
         Ok(Self {
-            res: resident::Kernels::load(&module)?,
+            res,
+            matmul_tile: f("matmul_tile")?,
+            matmul_rows: f("matmul_rows")?,
             stream,
             matmul: f("matmul")?,
             matmul_warp: f("matmul_warp")?,
@@ -272,7 +304,7 @@ impl Gpu {
             MatmulKernel::Thread => (&self.matmul, grid(n * w.rows)),
             MatmulKernel::Warp => (&self.matmul_warp, grid(n * w.rows * 32)),
             MatmulKernel::Tile => (
-                &self.res.matmul_tile,
+                &self.matmul_tile,
                 grid(n.div_ceil(resident::MM_TOKENS) * w.rows * 32),
             ),
             MatmulKernel::Gemm
@@ -298,7 +330,7 @@ impl Gpu {
                     });
                 }
                 (
-                    &self.res.matmul_rows,
+                    &self.matmul_rows,
                     LaunchConfig {
                         grid_dim: (n.div_ceil(resident::MM_TOKENS) as u32 * w.rows as u32, 1, 1),
                         block_dim: (resident::MR_THREADS, 1, 1),

@@ -19,9 +19,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{
-    result, sys, CudaContext, CudaFunction, CudaModule, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{result, sys, CudaContext, LaunchConfig};
 
 use super::{as_i32, drv, Gpu, GpuError, MAX_HEAD_DIM};
 use crate::matmul::{Matrix, Weights};
@@ -98,6 +96,11 @@ pub struct Tuning {
     /// flight together, more registers) rather than `attention_paged`; 0:
     /// never.
     pub attn_decode_max: usize,
+    /// `LMRR_CUDA_PDL=1` (sm_90 and later; ignored on an earlier device):
+    /// programmatic dependent launch, each resident kernel launched while
+    /// the one ahead of it runs and waiting for it inside (`PDL_ENTRY`), the
+    /// kernels compiled for sm_90. Off until measured on a device.
+    pub pdl: bool,
     /// `LMRR_CUDA_SPLIT_BLOCKS`: a `matmul_gemm` whose tiles are fewer
     /// than this many blocks is split over its chunks (partials, then
     /// `sum_chunks`) to about this many blocks; 0: never split.
@@ -115,6 +118,7 @@ impl Default for Tuning {
             gemm_pipelined: true,
             attn_decode_max: 132,
             down_swiglu: false,
+            pdl: false,
             split_blocks: 4096,
         }
     }
@@ -148,6 +152,7 @@ impl Tuning {
         for (var, slot) in [
             ("LMRR_CUDA_GEMM_PIPELINED", &mut t.gemm_pipelined),
             ("LMRR_CUDA_DOWN_SWIGLU", &mut t.down_swiglu),
+            ("LMRR_CUDA_PDL", &mut t.pdl),
         ] {
             if let Some(v) = get(var) {
                 *slot = match v.trim() {
@@ -187,6 +192,7 @@ mod tuning_tests {
             ("LMRR_CUDA_GEMM_PIPELINED", "0"),
             ("LMRR_CUDA_ATTN_DECODE_MAX", "0"),
             ("LMRR_CUDA_DOWN_SWIGLU", "1"),
+            ("LMRR_CUDA_PDL", "1"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -200,6 +206,7 @@ mod tuning_tests {
                 gemm_pipelined: false,
                 attn_decode_max: 0,
                 down_swiglu: true,
+                pdl: true,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
@@ -223,34 +230,59 @@ mod tuning_tests {
 
 /// The resident kernels, loaded with the module.
 pub(crate) struct Kernels {
-    pub(crate) matmul_tile: CudaFunction,
-    pub(crate) matmul_rows: CudaFunction,
-    matmul_rows_swiglu: CudaFunction,
-    matmul_multi: CudaFunction,
-    rope_kv: CudaFunction,
-    rms_norm_warp: CudaFunction,
-    add_norm: CudaFunction,
-    pub(crate) matmul_gemm: CudaFunction,
-    matmul_gemm_wide: CudaFunction,
-    matmul_gemm_pipelined: CudaFunction,
-    norm_block: CudaFunction,
-    norm_reg: CudaFunction,
-    matmul_fused: CudaFunction,
-    sum_chunks: CudaFunction,
+    /// The module the handles below belong to.
+    _module: RawModule,
+    pub(crate) matmul_tile: Func,
+    pub(crate) matmul_rows: Func,
+    matmul_rows_swiglu: Func,
+    matmul_multi: Func,
+    rope_kv: Func,
+    rms_norm_warp: Func,
+    add_norm: Func,
+    pub(crate) matmul_gemm: Func,
+    matmul_gemm_wide: Func,
+    matmul_gemm_pipelined: Func,
+    norm_block: Func,
+    norm_reg: Func,
+    matmul_fused: Func,
+    sum_chunks: Func,
     /// Which kernel each step and matmul takes ([`Tuning`]).
     pub(crate) tuning: Tuning,
-    embed_rows: CudaFunction,
-    add_rows: CudaFunction,
-    gather_rows: CudaFunction,
-    attention_paged: CudaFunction,
-    attention_decode: CudaFunction,
-    swiglu: CudaFunction,
-    fma_peak: CudaFunction,
+    embed_rows: Func,
+    add_rows: Func,
+    gather_rows: Func,
+    attention_paged: Func,
+    attention_decode: Func,
+    swiglu: Func,
+    fma_peak: Func,
 }
 
 impl Kernels {
-    pub(crate) fn load(m: &Arc<CudaModule>) -> Result<Self, GpuError> {
-        let f = |name: &str| m.load_function(name).map_err(drv);
+    /// Loads the resident kernels from `ptx` (compiled for sm_90 when
+    /// `tuning.pdl`, whose launches then allow programmatic dependence).
+    pub(crate) fn load(
+        ctx: &Arc<CudaContext>,
+        ptx: &str,
+        tuning: Tuning,
+    ) -> Result<Self, GpuError> {
+        let image = std::ffi::CString::new(ptx)
+            .map_err(|_| GpuError::Compile("the PTX holds a NUL byte".into()))?;
+        ctx.bind_to_thread().map_err(drv)?;
+        // SAFETY: `image` is a NUL-terminated PTX text; the context is
+        // current on this thread.
+        let m = unsafe { result::module::load_data(image.as_ptr().cast()) }.map_err(drv)?;
+        let module = RawModule {
+            ctx: ctx.clone(),
+            m,
+        };
+        let f = |name: &str| -> Result<Func, GpuError> {
+            let c = std::ffi::CString::new(name)
+                .map_err(|_| GpuError::Compile(format!("kernel name {name:?}")))?;
+            // SAFETY: the module is loaded and alive (`module`, kept below).
+            unsafe { result::module::get_function(module.m, c) }
+                .map(Func)
+                .map_err(drv)
+        };
         Ok(Self {
             matmul_tile: f("matmul_tile")?,
             matmul_rows: f("matmul_rows")?,
@@ -266,7 +298,7 @@ impl Kernels {
             norm_reg: f("norm_reg")?,
             matmul_fused: f("matmul_fused")?,
             sum_chunks: f("sum_chunks")?,
-            tuning: Tuning::from_env()?,
+            tuning,
             embed_rows: f("embed_rows")?,
             add_rows: f("add_rows")?,
             gather_rows: f("gather_rows")?,
@@ -274,6 +306,123 @@ impl Kernels {
             attention_decode: f("attention_decode")?,
             swiglu: f("swiglu")?,
             fma_peak: f("fma_peak")?,
+            _module: module,
+        })
+    }
+}
+
+/// The resident kernels' module, loaded through the driver API so that
+/// their launches can carry attributes (programmatic dependent launch);
+/// unloaded when dropped.
+pub(crate) struct RawModule {
+    ctx: Arc<CudaContext>,
+    m: sys::CUmodule,
+}
+
+// SAFETY: a module handle is valid in every thread its context is bound to,
+// and every use binds the context first.
+unsafe impl Send for RawModule {}
+// SAFETY: as for Send; the handle is never mutated after loading.
+unsafe impl Sync for RawModule {}
+
+impl Drop for RawModule {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: loaded by `Kernels::load` and unloaded only here.
+            let _ = unsafe { result::module::unload(self.m) };
+        }
+    }
+}
+
+/// A kernel of [`RawModule`], launched by [`Launch`].
+#[derive(Clone, Copy)]
+pub(crate) struct Func(sys::CUfunction);
+
+// SAFETY: a function handle is valid in every thread of its context; it is
+// only launched after the context is bound.
+unsafe impl Send for Func {}
+// SAFETY: as for Send; the handle is never mutated.
+unsafe impl Sync for Func {}
+
+/// The arguments of one launch of a [`Func`] on the Gpu's stream
+/// (`cuLaunchKernelEx`), with programmatic stream serialization allowed
+/// when [`Tuning::pdl`] is on: the kernel may then be launched before the
+/// one ahead of it has finished, and waits for it itself (`PDL_ENTRY` in
+/// kernels.cu). Each argument is borrowed until the launch.
+pub(crate) struct Launch<'a> {
+    f: sys::CUfunction,
+    stream: sys::CUstream,
+    pdl: bool,
+    args: Vec<*mut std::ffi::c_void>,
+    _args: std::marker::PhantomData<&'a ()>,
+}
+
+impl<'a> Launch<'a> {
+    /// The next kernel parameter, by reference (its bytes are read at the
+    /// launch).
+    pub(crate) fn arg<T>(&mut self, v: &'a T) -> &mut Self {
+        self.args.push((v as *const T).cast_mut().cast());
+        self
+    }
+
+    /// Queues the kernel.
+    ///
+    /// # Safety
+    /// The arguments must match the kernel's parameters in number, order
+    /// and type, and every address among them must hold what the kernel
+    /// reads and writes at this grid.
+    pub(crate) unsafe fn launch(
+        &mut self,
+        cfg: LaunchConfig,
+    ) -> Result<(), cudarc::driver::DriverError> {
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                programmaticStreamSerializationAllowed: 1,
+            },
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream,
+            attrs: if self.pdl {
+                &mut attr
+            } else {
+                std::ptr::null_mut()
+            },
+            numAttrs: u32::from(self.pdl),
+        };
+        // SAFETY: the caller's contract; `config`, `attr` and the argument
+        // pointers outlive the call, which copies them.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                self.f,
+                self.args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+    }
+}
+
+impl Gpu {
+    /// A launch of resident kernel `f` on this device's stream (its context
+    /// bound to the calling thread).
+    pub(crate) fn kernel(&self, f: &Func) -> Result<Launch<'_>, GpuError> {
+        self.ctx.bind_to_thread().map_err(drv)?;
+        Ok(Launch {
+            f: f.0,
+            stream: self.stream.cu_stream(),
+            pdl: self.res.tuning.pdl,
+            args: Vec::with_capacity(20),
+            _args: std::marker::PhantomData,
         })
     }
 }
@@ -633,7 +782,7 @@ impl Gpu {
                 warps(w.rows * n.div_ceil(MM_TOKENS))?,
             )
         };
-        let mut b = self.stream.launch_builder(f);
+        let mut b = self.kernel(f)?;
         b.arg(&w.kind)
             .arg(&x)
             .arg(&w.buf.ptr)
@@ -691,7 +840,7 @@ impl Gpu {
             GemmTiles::Wide => &self.res.matmul_gemm_wide,
             GemmTiles::Pipelined => &self.res.matmul_gemm_pipelined,
         };
-        let mut b = self.stream.launch_builder(f);
+        let mut b = self.kernel(f)?;
         b.arg(&w.kind)
             .arg(&x)
             .arg(&w.buf.ptr)
@@ -708,7 +857,7 @@ impl Gpu {
         if part != 0 {
             let count = (n * w.rows) as i64;
             let ci = as_i32("matmul", chunks)?;
-            let mut b = self.stream.launch_builder(&self.res.sum_chunks);
+            let mut b = self.kernel(&self.res.sum_chunks)?;
             b.arg(&part).arg(&y).arg(&ci).arg(&count);
             // SAFETY: matches `sum_chunks`; part holds chunks·count floats,
             // y count.
@@ -757,7 +906,7 @@ impl Gpu {
             })
         };
         let (m0, m1, m2) = (slot(0)?, slot(1)?, slot(2)?);
-        let mut b = self.stream.launch_builder(&self.res.matmul_multi);
+        let mut b = self.kernel(&self.res.matmul_multi)?;
         b.arg(&mats[0].0.kind).arg(&x).arg(&ni).arg(&ki);
         for m in [&m0, &m1, &m2] {
             b.arg(&m.0).arg(&m.1).arg(&m.2).arg(&m.3);
@@ -794,7 +943,7 @@ impl Gpu {
             block_dim: (MR_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.stream.launch_builder(&self.res.matmul_rows_swiglu);
+        let mut b = self.kernel(&self.res.matmul_rows_swiglu)?;
         b.arg(&w.kind)
             .arg(&g)
             .arg(&u)
@@ -902,7 +1051,7 @@ impl Gpu {
             block_dim: (MR_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.stream.launch_builder(&self.res.matmul_fused);
+        let mut b = self.kernel(&self.res.matmul_fused)?;
         b.arg(&mats[0].0.kind)
             .arg(&x)
             .arg(&ni)
@@ -975,7 +1124,7 @@ impl Gpu {
         let cfg = warps(rows)?;
         match y {
             Some(y) => {
-                let mut b = self.stream.launch_builder(&self.res.add_norm);
+                let mut b = self.kernel(&self.res.add_norm)?;
                 b.arg(&x)
                     .arg(&y)
                     .arg(&w.ptr)
@@ -987,7 +1136,7 @@ impl Gpu {
                 unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
             }
             None => {
-                let mut b = self.stream.launch_builder(&self.res.rms_norm_warp);
+                let mut b = self.kernel(&self.res.rms_norm_warp)?;
                 b.arg(&x).arg(&w.ptr).arg(&out).arg(&ri).arg(&di).arg(&eps);
                 // SAFETY: matches `rms_norm_warp`; x and out hold rows·d
                 // floats, w d.
@@ -1026,7 +1175,7 @@ impl Gpu {
         );
         let li = as_i32("rope", layer)?;
         let (pl, _, aux) = layout_args(&layout)?;
-        let mut b = self.stream.launch_builder(&self.res.rope_kv);
+        let mut b = self.kernel(&self.res.rope_kv)?;
         b.arg(&qkv.0)
             .arg(&qkv.1)
             .arg(&qkv.2)
@@ -1166,7 +1315,7 @@ impl Gpu {
         } else {
             &self.res.norm_block
         };
-        let mut b = self.stream.launch_builder(f);
+        let mut b = self.kernel(f)?;
         b.arg(&x)
             .arg(&yp)
             .arg(&w.ptr)
@@ -1201,7 +1350,7 @@ impl Gpu {
             return Ok(());
         }
         let (ni, di) = (as_i32("embed", n)?, as_i32("embed", w.cols)?);
-        let mut b = self.stream.launch_builder(&self.res.embed_rows);
+        let mut b = self.kernel(&self.res.embed_rows)?;
         b.arg(&w.kind)
             .arg(&w.buf.ptr)
             .arg(&ids)
@@ -1222,7 +1371,7 @@ impl Gpu {
             return Ok(());
         }
         let ni = as_i32("add", n)?;
-        let mut b = self.stream.launch_builder(&self.res.add_rows);
+        let mut b = self.kernel(&self.res.add_rows)?;
         b.arg(&x).arg(&y).arg(&ni);
         // SAFETY: matches `add_rows`; both hold n floats.
         unsafe { b.launch(elems(n, "add")?) }
@@ -1236,7 +1385,7 @@ impl Gpu {
             return Ok(());
         }
         let ni = as_i32("swiglu", n)?;
-        let mut b = self.stream.launch_builder(&self.res.swiglu);
+        let mut b = self.kernel(&self.res.swiglu)?;
         b.arg(&g).arg(&u).arg(&out).arg(&ni);
         // SAFETY: matches `swiglu`; all hold n floats.
         unsafe { b.launch(elems(n, "swiglu")?) }
@@ -1250,7 +1399,7 @@ impl Gpu {
             return Ok(());
         }
         let (mi, di) = (as_i32("gather", m)?, as_i32("gather", d)?);
-        let mut b = self.stream.launch_builder(&self.res.gather_rows);
+        let mut b = self.kernel(&self.res.gather_rows)?;
         b.arg(&x).arg(&rows).arg(&out).arg(&mi).arg(&di);
         // SAFETY: matches `gather_rows`; every row index is below x's rows.
         unsafe { b.launch(elems(m * d, "gather")?) }
@@ -1325,7 +1474,7 @@ impl Gpu {
         } else {
             &self.res.attention_paged
         };
-        let mut b = self.stream.launch_builder(f);
+        let mut b = self.kernel(f)?;
         b.arg(&q)
             .arg(&table.pages)
             .arg(&table.seq_off)
@@ -1380,7 +1529,7 @@ impl Gpu {
         };
         let run = || -> Result<f64, GpuError> {
             let t0 = std::time::Instant::now();
-            let mut b = self.stream.launch_builder(&self.res.fma_peak);
+            let mut b = self.kernel(&self.res.fma_peak)?;
             let (a, c) = (0.999_f32, 0.001_f32);
             b.arg(&out.ptr).arg(&iters).arg(&a).arg(&c);
             // SAFETY: matches `fma_peak`; out holds blocks·threads floats.

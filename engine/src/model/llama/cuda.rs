@@ -331,6 +331,7 @@ impl Resident {
         out
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn step(
         &self,
         m: &Llama,
@@ -494,7 +495,12 @@ impl Resident {
         })?;
         let logits = hl.as_slice().map_err(gpu_err)?;
         let out = self.timed("logits rows into per-span vectors", || {
-            Ok(crate::model::split_rows(spans, &logits[..w * vocab], vocab, threads))
+            Ok(crate::model::split_rows(
+                spans,
+                &logits[..w * vocab],
+                vocab,
+                threads,
+            ))
         })?;
         let mirror = st
             .mirror
