@@ -7,10 +7,19 @@
 #   cargo build --release -p lmrr-kernels --features cuda --example gpu_check
 #   mkdir -p .gpu && cp target/release/lmrr target/release/examples/gpu_check .gpu/ && strip .gpu/*
 #   scripts/device-check.sh .gpu          # on the GPU machine; exit 0 = all identical
+#
+# DEVICE_CHECK_GPU_CHECK=0 skips gpu_check (for a run whose kernels.cu
+# compiles to the PTX an earlier gpu_check passed: say so where it is
+# quoted); DEVICE_CHECK_TUNINGS="A=1 B=2;C=3" replaces the list of kernel
+# choices the sessions are recorded under (';' between choices).
 set -uo pipefail
 bin=${1:-.gpu}
 fail=0
-"$bin/gpu_check" || fail=1
+if [ "${DEVICE_CHECK_GPU_CHECK:-1}" = 0 ]; then
+  echo "gpu_check: skipped (DEVICE_CHECK_GPU_CHECK=0)"
+else
+  "$bin/gpu_check" || fail=1
+fi
 prompt="The quick brown fox jumps over the lazy dog, and then"
 # mini-v4's indexer reads every position while the context has no more than
 # index_topk blocks (tiny: 4 blocks of 16 = 64 positions): its prompt and
@@ -147,11 +156,15 @@ done
 # matmul_gemm_wide unpipelined from 9 tokens; matmul_rows for every step;
 # SwiGLU in down's input loads with attention_paged for every step (the
 # defaults keep the swiglu kernel and take attention_decode for small
-# steps); attention_decode for every step.
-for tun in "LMRR_CUDA_FUSED_MAX=8" "LMRR_CUDA_SWIGLU_MAX=8" "LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=0" \
-           "LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_WIDE_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=1000000" \
-           "LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_PIPELINED=0" "LMRR_CUDA_GEMM_MIN=1000000" \
-           "LMRR_CUDA_DOWN_SWIGLU=1 LMRR_CUDA_ATTN_DECODE_MAX=0" "LMRR_CUDA_ATTN_DECODE_MAX=100000"; do
+# steps); attention_decode for every step; programmatic dependent launch
+# (kernels compiled for sm_90), with matmul_rows and with gemm from 9 tokens.
+tunings="LMRR_CUDA_FUSED_MAX=8;LMRR_CUDA_SWIGLU_MAX=8;LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=0"
+tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_WIDE_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=1000000"
+tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_PIPELINED=0;LMRR_CUDA_GEMM_MIN=1000000"
+tunings+=";LMRR_CUDA_DOWN_SWIGLU=1 LMRR_CUDA_ATTN_DECODE_MAX=0;LMRR_CUDA_ATTN_DECODE_MAX=100000"
+tunings+=";LMRR_CUDA_PDL=1;LMRR_CUDA_PDL=1 LMRR_CUDA_GEMM_MIN=9"
+IFS=';' read -r -a tuning_list <<<"${DEVICE_CHECK_TUNINGS:-$tunings}"
+for tun in "${tuning_list[@]}"; do
   for s in incident multi-user; do
     rm -f "$tmp/tun.lmrr"
     env $tun "$bin/lmrr" run --script "examples/$s.toml" --device cuda --record "$tmp/tun.lmrr" >/dev/null 2>&1 || fail=1
