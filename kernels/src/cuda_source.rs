@@ -61,6 +61,16 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
             "for (int c = chunks - 1; c >= 0; --c) ss = ss + part[c];",
         ),
         (
+            "norm_reg partials summed in reverse",
+            "for (int q = 0; q < chunks; ++q) ss = ss + part[q];",
+            "for (int q = chunks - 1; q >= 0; --q) ss = ss + part[q];",
+        ),
+        (
+            "matmul_rows_swiglu input as (g·u)/(1 + e^-g)",
+            "float xv = SWI ? swiglu_of(xr[i], u[(long long)(t0 + tt) * k + i]) : xr[i];",
+            "float xv = SWI ? (xr[i] * u[(long long)(t0 + tt) * k + i]) / (1.0f + det_exp(-xr[i])) : xr[i];",
+        ),
+        (
             "matmul_fused norm weight applied first",
             "float xv = nw ? (xr[i] * inv[tt]) * nw[i] : xr[i];",
             "float xv = nw ? xr[i] * (inv[tt] * nw[i]) : xr[i];",
@@ -69,6 +79,11 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
             "attention_paged P·V as mul + add",
             "a = fmaf(sc[j0 + i], vv, a);",
             "a = sc[j0 + i] * vv + a;",
+        ),
+        (
+            "attention_decode P·V as mul + add",
+            "if (i < cnt) a = fmaf(sc[j0 + i], vv[i], a);",
+            "if (i < cnt) a = sc[j0 + i] * vv[i] + a;",
         ),
         (
             "attention_paged softmax sum in reverse",

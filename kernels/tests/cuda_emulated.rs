@@ -559,6 +559,12 @@ fn the_emulation_sees_each_broken_kernel() {
         &mut at_cpu,
     );
     let store: Vec<f32> = [k.as_slice(), v.as_slice()].concat();
+    // Down with SwiGLU in its input: g = x, u another input.
+    let u = r.uniform_vec(n * cols, 2.0);
+    let mut a = vec![0.0; x.len()];
+    swiglu(&x, &u, &mut a);
+    let mut sw_cpu = vec![0.0; n * rows];
+    matmul(&th, &a, n, &m, &mut sw_cpu);
     let controls = lmrr_kernels::cuda_source::negative_controls().unwrap_or_else(|e| panic!("{e}"));
     let mut seen = 0;
     for (i, c) in controls.iter().enumerate() {
@@ -571,7 +577,9 @@ fn the_emulation_sees_each_broken_kernel() {
             "matmul_rows",
             "matmul_gemm",
             "attention_paged",
+            "attention_decode",
             "norm_block",
+            "norm_reg",
             "matmul_fused",
             "fmad",
         ]
@@ -606,7 +614,7 @@ fn the_emulation_sees_each_broken_kernel() {
             );
             d += differing(&fused_cpu, &floats(&out[0]));
         }
-        for kernel in ["warp", "block"] {
+        for kernel in ["warp", "block", "reg"] {
             let out = job_on(
                 &bin,
                 &format!("norm {kernel} {nr} {dn} 0 {}", 1e-5f32.to_bits()),
@@ -614,18 +622,32 @@ fn the_emulation_sees_each_broken_kernel() {
             );
             d += differing(&norm_cpu, &floats(&out[0]));
         }
-        let out = job_on(
-            &bin,
-            &format!("attention 1 4 2 64 {} {}", pos + 1, 0.125f32.to_bits()),
-            &[
-                &bytes(&q),
-                &bytes(&store),
-                &bytes64(&[0]),
-                &bytes64(&[0]),
-                &bytes64(&[pos as u64]),
-            ],
-        );
-        d += differing(&at_cpu, &floats(&out[0]));
+        {
+            let out = job_on(
+                &bin,
+                &format!("rows_swiglu 0 {n} {rows} {cols}"),
+                &[&bytes(&x), &bytes(&u), &bytes(&wf)],
+            );
+            d += differing(&sw_cpu, &floats(&out[0]));
+        }
+        for decode in [0, 1] {
+            let out = job_on(
+                &bin,
+                &format!(
+                    "attention 1 4 2 64 {} {} {decode}",
+                    pos + 1,
+                    0.125f32.to_bits()
+                ),
+                &[
+                    &bytes(&q),
+                    &bytes(&store),
+                    &bytes64(&[0]),
+                    &bytes64(&[0]),
+                    &bytes64(&[pos as u64]),
+                ],
+            );
+            d += differing(&at_cpu, &floats(&out[0]));
+        }
         println!("negative control `{what}`: {d} differing bits");
         assert!(
             d > 0,
