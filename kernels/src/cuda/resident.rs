@@ -1103,10 +1103,10 @@ impl Gpu {
         out: u64,
     ) -> Result<(), GpuError> {
         if d.div_ceil(64) <= NR_MAX_CHUNKS {
-            return self.norm_reg(x, y, w, rows, d, eps, out);
+            return self.norm_blocks(true, x, y, w, rows, d, eps, out);
         }
         if d.div_ceil(64) <= MR_MAX_CHUNKS {
-            return self.norm_block(x, y, w, rows, d, eps, out);
+            return self.norm_blocks(false, x, y, w, rows, d, eps, out);
         }
         self.norm_warp(x, y, w, rows, d, eps, out)
     }
@@ -1243,41 +1243,10 @@ impl Gpu {
         self.dtoh(src, &mut s[..n])
     }
 
-    /// RMSNorm (after `x += y` when given) by `norm_block`: one block per
-    /// row, its chunks in flight at once; `d` at most `64 · MR_MAX_CHUNKS`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn norm_block(
-        &self,
-        x: u64,
-        y: Option<u64>,
-        w: &DevBuf,
-        rows: usize,
-        d: usize,
-        eps: f32,
-        out: u64,
-    ) -> Result<(), GpuError> {
-        self.norm_blocks(false, x, y, w, rows, d, eps, out)
-    }
-
-    /// RMSNorm (after `x += y` when given) by `norm_reg`: one block per
-    /// row holding it in registers, a group of 8 threads per chunk; `d` at
-    /// most `64 · NR_MAX_CHUNKS`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn norm_reg(
-        &self,
-        x: u64,
-        y: Option<u64>,
-        w: &DevBuf,
-        rows: usize,
-        d: usize,
-        eps: f32,
-        out: u64,
-    ) -> Result<(), GpuError> {
-        self.norm_blocks(true, x, y, w, rows, d, eps, out)
-    }
-
-    /// `norm_reg` (`reg`) or `norm_block`: the same arguments, one block
-    /// per row.
+    /// RMSNorm (after `x += y` when given) with one block per row: by
+    /// `norm_reg` (`reg`: the row in registers, a group of 8 threads per
+    /// chunk; `d` at most `64 · NR_MAX_CHUNKS`) or `norm_block` (its chunks
+    /// in flight at once; `d` at most `64 · MR_MAX_CHUNKS`).
     #[allow(clippy::too_many_arguments)]
     fn norm_blocks(
         &self,
@@ -1632,8 +1601,10 @@ impl Gpu {
         };
         let yp = dy.as_ref().map(|b| b.ptr);
         match kernel {
-            NormKernel::Block => self.norm_block(dx.ptr, yp, &dw, rows, d, eps, dout.ptr)?,
-            NormKernel::Reg => self.norm_reg(dx.ptr, yp, &dw, rows, d, eps, dout.ptr)?,
+            NormKernel::Block => {
+                self.norm_blocks(false, dx.ptr, yp, &dw, rows, d, eps, dout.ptr)?
+            }
+            NormKernel::Reg => self.norm_blocks(true, dx.ptr, yp, &dw, rows, d, eps, dout.ptr)?,
             NormKernel::Warp => self.norm_warp(dx.ptr, yp, &dw, rows, d, eps, dout.ptr)?,
         }
         if let Some((_, sum)) = add {
