@@ -2,11 +2,12 @@
 //! and so does every source the negative controls of `gpu_check` derive from
 //! it (feature `cuda`). Needs only libnvrtc, no GPU and no driver: `.ci/run`
 //! fetches NVRTC from PyPI, so a kernel that would not compile fails CI
-//! instead of failing `Gpu::open` on a device. Skipped, with the reason
+//! instead of failing `Gpu::open` on a device; so does the compute_90 build
+//! that programmatic dependent launch loads. Skipped, with the reason
 //! printed, where libnvrtc cannot be loaded.
 #![cfg(feature = "cuda")]
 
-use lmrr_kernels::cuda::{compile, negative_controls, nvrtc_present, SOURCE};
+use lmrr_kernels::cuda::{compile, compile_for, negative_controls, nvrtc_present, SOURCE};
 
 #[test]
 fn kernels_cu_compiles_under_nvrtc() {
@@ -30,6 +31,10 @@ fn kernels_cu_compiles_under_nvrtc() {
         "embed_rows",
         "rope_kv",
         "attention_paged",
+        "attention_decode",
+        "norm_reg",
+        "matmul_rows_swiglu",
+        "matmul_gemm_pipelined",
         "fma_peak",
     ] {
         assert!(
@@ -37,6 +42,19 @@ fn kernels_cu_compiles_under_nvrtc() {
             "no kernel {name} in the PTX"
         );
     }
+    // At NVRTC's default architecture PDL_ENTRY is empty; for compute_90
+    // (programmatic dependent launch) every resident kernel waits for the
+    // one ahead of it, then lets the next launch.
+    assert!(
+        !ptx.contains("griddepcontrol"),
+        "griddepcontrol at the default architecture"
+    );
+    let sm90 = compile_for(SOURCE, false, Some("compute_90")).unwrap_or_else(|e| panic!("{e}"));
+    let waits = sm90.matches("griddepcontrol.wait").count();
+    assert!(
+        waits >= 21 && waits == sm90.matches("griddepcontrol.launch_dependents").count(),
+        "{waits} griddepcontrol.wait in the compute_90 PTX"
+    );
     // Each negative control's source compiles too (else gpu_check's control
     // would fail to open, not prove anything).
     let controls = negative_controls().unwrap_or_else(|e| panic!("{e}"));
