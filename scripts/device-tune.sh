@@ -29,8 +29,24 @@ for g in 9 32 100000; do
     LMRR_CUDA_GEMM_MIN=$g LMRR_CUDA_SPLIT_BLOCKS=$sb b --prompt-len 64 --batches 16,64
   done
 done
+echo "## programmatic dependent launch (LMRR_CUDA_PDL) against plain launches, batches 1, 8, 64 and prefill"
+for pdl in 1 0; do
+  echo "# LMRR_CUDA_PDL=$pdl"
+  LMRR_CUDA_PDL=$pdl b --prompt-len 64 --batches 1,8,64
+  LMRR_CUDA_PDL=$pdl b --prompt-len 512 --batches 1
+done
+echo "## attention_decode up to N blocks (LMRR_CUDA_ATTN_DECODE_MAX) against attention_paged, batches 1, 8, 16, 64"
+for am in 132 0 100000; do
+  echo "# LMRR_CUDA_ATTN_DECODE_MAX=$am"
+  LMRR_CUDA_ATTN_DECODE_MAX=$am b --prompt-len 64 --batches 1,8,16,64
+done
+echo "## SwiGLU in down's input (LMRR_CUDA_DOWN_SWIGLU) against the swiglu kernel, batches 1, 8"
+for ds in 0 1; do
+  echo "# LMRR_CUDA_DOWN_SWIGLU=$ds"
+  LMRR_CUDA_DOWN_SWIGLU=$ds b --prompt-len 64 --batches 1,8
+done
 echo "## pipelined staging (LMRR_CUDA_GEMM_PIPELINED) against the wide tiles, batch 64 and prefill"
-for pf in 0 1; do
+for pf in 1 0; do
   echo "# LMRR_CUDA_GEMM_PIPELINED=$pf"
   LMRR_CUDA_GEMM_PIPELINED=$pf b --prompt-len 64 --batches 64
   LMRR_CUDA_GEMM_PIPELINED=$pf b --prompt-len 512 --batches 1
