@@ -361,3 +361,54 @@ pub(crate) fn add_into(x: &mut [f32], y: &[f32]) {
         *a += b;
     }
 }
+
+#[cfg(test)]
+mod split_rows_tests {
+    use super::*;
+
+    /// A wide step's rows come out the same whether they are copied on one
+    /// thread or across several: each span gets its own rows, in order.
+    #[test]
+    fn rows_are_split_the_same_on_one_thread_and_across_threads() {
+        let vocab = 49_152;
+        let toks: Vec<Vec<u32>> = (0..9u32).map(|i| (0..(i % 4 + 1)).collect()).collect();
+        let wants = [LogitsWanted::Last, LogitsWanted::All, LogitsWanted::None];
+        let spans: Vec<SeqSpan> = toks
+            .iter()
+            .enumerate()
+            .map(|(i, t)| SeqSpan {
+                seq: i as u64,
+                start: 0,
+                tokens: t,
+                logits: wants[i % 3],
+            })
+            .collect();
+        let rows: usize = spans
+            .iter()
+            .map(|s| match s.logits {
+                LogitsWanted::None => 0,
+                LogitsWanted::Last => 1,
+                LogitsWanted::All => s.tokens.len(),
+            })
+            .sum();
+        // Large enough (rows · vocab ≥ 2^18 floats) for the threaded copy.
+        assert!(rows * vocab >= 1 << 18);
+        let logits: Vec<f32> = (0..rows * vocab).map(|i| i as f32).collect();
+        let one = split_rows(&spans, &logits, vocab, &Threads::single());
+        let many = split_rows(&spans, &logits, vocab, &Threads::new(3).expect("threads"));
+        assert_eq!(one, many);
+        let mut r0 = 0;
+        for (s, got) in spans.iter().zip(&one) {
+            let cnt = match s.logits {
+                LogitsWanted::None => 0,
+                LogitsWanted::Last => 1,
+                LogitsWanted::All => s.tokens.len(),
+            };
+            assert_eq!(got.len(), cnt * vocab, "span {}", s.seq);
+            if cnt > 0 {
+                assert_eq!(got[0], (r0 * vocab) as f32, "span {}", s.seq);
+            }
+            r0 += cnt;
+        }
+    }
+}
