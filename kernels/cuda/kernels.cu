@@ -690,7 +690,7 @@ extern "C" __global__ void norm_reg(float* x, const float* y, const float* w, fl
     }
 }
 
-// ---- Fused decode kernels (LMRR_CUDA_NEXT=1): one launch where the
+// ---- Fused decode kernels (LMRR_CUDA_FUSED_MAX, LMRR_CUDA_SWIGLU_MAX): one launch where the
 // default path has two or three, for steps of at most MM_TOKENS tokens.
 
 // Partials of one weight row wr for the tile's tokens into part[tt][c], as
