@@ -494,6 +494,16 @@ fn warps(n: usize) -> Result<LaunchConfig, GpuError> {
     Ok(super::grid(threads))
 }
 
+/// A grid of `blocks` blocks of `MR_THREADS` threads (`matmul_rows`,
+/// `matmul_multi`, `matmul_fused`, `matmul_rows_swiglu`).
+fn row_blocks(blocks: usize) -> Result<LaunchConfig, GpuError> {
+    Ok(LaunchConfig {
+        grid_dim: (as_i32("matmul", blocks)? as u32, 1, 1),
+        block_dim: (MR_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
 fn elems(n: usize, what: &'static str) -> Result<LaunchConfig, GpuError> {
     as_i32(what, n)?;
     Ok(super::grid(n))
@@ -775,14 +785,9 @@ impl Gpu {
         }
         let rows_kernel = w.cols.div_ceil(64) <= MR_MAX_CHUNKS;
         let (f, cfg) = if rows_kernel {
-            let blocks = as_i32("matmul", w.rows * n.div_ceil(MM_TOKENS))? as u32;
             (
                 &self.res.matmul_rows,
-                LaunchConfig {
-                    grid_dim: (blocks, 1, 1),
-                    block_dim: (MR_THREADS, 1, 1),
-                    shared_mem_bytes: 0,
-                },
+                row_blocks(w.rows * n.div_ceil(MM_TOKENS))?,
             )
         } else {
             (
@@ -899,14 +904,9 @@ impl Gpu {
         }
         let tiles = n.div_ceil(MM_TOKENS);
         let blocks: usize = mats.iter().map(|(w, _)| w.rows * tiles).sum();
-        let blocks = as_i32("matmul", blocks)? as u32;
         let (ni, ki) = (as_i32("matmul", n)?, as_i32("matmul", mats[0].0.cols)?);
         as_i32("matmul", n * mats[0].0.cols)?;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (MR_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = row_blocks(blocks)?;
         let slot = |i: usize| -> Result<(u64, u64, i32, i64), GpuError> {
             Ok(match mats.get(i) {
                 Some((w, y)) => (w.buf.ptr, *y, as_i32("matmul", w.rows)?, w.row_bytes),
@@ -945,12 +945,7 @@ impl Gpu {
             });
         }
         let (ni, ri, ki) = mm_dims(n, w)?;
-        let blocks = as_i32("matmul", w.rows * n.div_ceil(MM_TOKENS))? as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (MR_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = row_blocks(w.rows * n.div_ceil(MM_TOKENS))?;
         let mut b = self.kernel(&self.res.matmul_rows_swiglu)?;
         b.arg(&w.kind)
             .arg(&g)
@@ -1038,7 +1033,7 @@ impl Gpu {
             Fused::Swiglu => mats[0].0.rows,
             _ => mats.iter().map(|(w, _)| w.rows).sum(),
         };
-        let blocks = as_i32("matmul", rows_launched * tiles)? as u32;
+        let cfg = row_blocks(rows_launched * tiles)?;
         let (ni, ki) = (as_i32("matmul", n)?, as_i32("matmul", cols)?);
         as_i32("matmul", n * cols)?;
         let slot = |i: usize| -> Result<(u64, u64, i32, i64), GpuError> {
@@ -1053,11 +1048,6 @@ impl Gpu {
             Fused::Store => 0,
             Fused::Accumulate => 1,
             Fused::Swiglu => 2,
-        };
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (MR_THREADS, 1, 1),
-            shared_mem_bytes: 0,
         };
         let mut b = self.kernel(&self.res.matmul_fused)?;
         b.arg(&mats[0].0.kind)
