@@ -817,6 +817,169 @@ extern "C" __global__ void matmul_fused(int kind, const float* x, int n, int k, 
     }
 }
 
+// ---- matmul_vec (LMRR_CUDA_VEC): matmul_fused's operations with one warp
+// per (output row, token tile) instead of a block, for decode steps.
+//
+// Lane (g = lane / 8, j = lane % 8) holds lane j's weights of chunks
+// q + g, q = q0, q0 + 4, ... for VEC_ROUND chunks at once (G groups of four
+// chunks, every load issued before the first FMA, so a row of up to
+// VEC_ROUND chunks is one DRAM round trip), and runs every token of the tile
+// against them: lane j's FMA chain of each chunk, the xor-shuffle tree, the
+// four chunk partials broadcast and added in chunk order from +0.0 — the
+// order of matmul_warp, which gpu_check holds to the one-thread matmul.
+// With nw, the input is the token's RMSNorm made on the fly: inv from
+// warp_dot(x, x) (rms_norm's value, computed while the weights are in
+// flight), then (x_i * inv) * nw_i, the norm kernel's two roundings. The
+// epilogue by mode, as matmul_fused: 0 store, 1 y = y + total (the
+// residual), 2 (TWO: gate row o and up row o in one warp, their loads in
+// flight together) y0 = swiglu_of(gate, up). No shared memory and no
+// barrier: a block is VEC_WARPS independent warps.
+#define VEC_WARPS 8
+
+template <int G, bool TWO>
+__device__ __forceinline__ void vec_body(int kind, const float* x, int n, int k, const float* nw, float eps,
+                                         int mode, const unsigned char* wa, const unsigned char* wb, float* y,
+                                         int rows, int o, int t0) {
+    int lane = threadIdx.x & 31;
+    int g = lane >> 3, j = lane & 7;
+    int tn = min(MM_TOKENS, n - t0);
+    int chunks = (k + CHUNK - 1) / CHUNK;
+    float inv[MM_TOKENS], tot[MM_TOKENS], tot2[MM_TOKENS];
+    #pragma unroll
+    for (int tt = 0; tt < MM_TOKENS; ++tt) {
+        inv[tt] = 0.0f;
+        tot[tt] = 0.0f;
+        tot2[tt] = 0.0f;
+    }
+    for (int q0 = 0; q0 < chunks; q0 += 4 * G) {
+        float wv[G][CHUNK / LANES], wv2[TWO ? G : 1][CHUNK / LANES];
+        #pragma unroll
+        for (int gq = 0; gq < G; ++gq) {
+            int c = q0 + 4 * gq + g;
+            int base = c * CHUNK + j;
+            int cend = c < chunks ? min(c * CHUNK + CHUNK, k) : 0;
+            #pragma unroll
+            for (int s = 0; s < CHUNK / LANES; ++s) {
+                int i = base + s * LANES;
+                wv[gq][s] = i < cend ? weight(kind, wa, i) : 0.0f;
+                if (TWO) wv2[TWO ? gq : 0][s] = i < cend ? weight(kind, wb, i) : 0.0f;
+            }
+        }
+        if (nw && q0 == 0) {
+            #pragma unroll
+            for (int tt = 0; tt < MM_TOKENS; ++tt) {
+                if (tt < tn) {  // uniform over the warp
+                    const float* xr = x + (long long)(t0 + tt) * k;
+                    float ss = warp_dot(0, xr, xr, k);
+                    inv[tt] = 1.0f / sqrtf(ss / (float)k + eps);
+                }
+            }
+        }
+        #pragma unroll
+        for (int tt = 0; tt < MM_TOKENS; ++tt) {
+            if (tt < tn) {  // uniform over the warp
+                const float* xr = x + (long long)(t0 + tt) * k;
+                #pragma unroll
+                for (int gq = 0; gq < G; ++gq) {
+                    int q = q0 + 4 * gq;
+                    if (q < chunks) {  // uniform over the warp
+                        int c = q + g;
+                        int base = c * CHUNK + j;
+                        int cend = c < chunks ? min(c * CHUNK + CHUNK, k) : 0;
+                        float l = 0.0f, l2 = 0.0f;
+                        #pragma unroll
+                        for (int s = 0; s < CHUNK / LANES; ++s) {
+                            int i = base + s * LANES;
+                            if (i < cend) {
+                                float xv = nw ? (xr[i] * inv[tt]) * nw[i] : xr[i];
+                                l = fmaf(xv, wv[gq][s], l);
+                                if (TWO) l2 = fmaf(xv, wv2[TWO ? gq : 0][s], l2);
+                            }
+                        }
+                        l = l + __shfl_xor_sync(0xffffffffu, l, 4);
+                        l = l + __shfl_xor_sync(0xffffffffu, l, 2);
+                        l = l + __shfl_xor_sync(0xffffffffu, l, 1);
+                        float t = tot[tt];
+                        t = t + __shfl_sync(0xffffffffu, l, 0);
+                        float p1 = __shfl_sync(0xffffffffu, l, 8);
+                        float p2 = __shfl_sync(0xffffffffu, l, 16);
+                        float p3 = __shfl_sync(0xffffffffu, l, 24);
+                        if (q + 1 < chunks) t = t + p1;
+                        if (q + 2 < chunks) t = t + p2;
+                        if (q + 3 < chunks) t = t + p3;
+                        tot[tt] = t;
+                        if (TWO) {
+                            l2 = l2 + __shfl_xor_sync(0xffffffffu, l2, 4);
+                            l2 = l2 + __shfl_xor_sync(0xffffffffu, l2, 2);
+                            l2 = l2 + __shfl_xor_sync(0xffffffffu, l2, 1);
+                            float u = tot2[tt];
+                            u = u + __shfl_sync(0xffffffffu, l2, 0);
+                            float r1 = __shfl_sync(0xffffffffu, l2, 8);
+                            float r2 = __shfl_sync(0xffffffffu, l2, 16);
+                            float r3 = __shfl_sync(0xffffffffu, l2, 24);
+                            if (q + 1 < chunks) u = u + r1;
+                            if (q + 2 < chunks) u = u + r2;
+                            if (q + 3 < chunks) u = u + r3;
+                            tot2[tt] = u;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if (lane == 0) {
+        #pragma unroll
+        for (int tt = 0; tt < MM_TOKENS; ++tt) {
+            if (tt < tn) {
+                long long at = (long long)(t0 + tt) * rows + o;
+                if (TWO) {
+                    y[at] = swiglu_of(tot[tt], tot2[tt]);
+                } else if (mode == 1) {
+                    y[at] = y[at] + tot[tt];
+                } else {
+                    y[at] = tot[tt];
+                }
+            }
+        }
+    }
+}
+
+// Lanes' weights held at once: VEC_G groups of four chunks a row (24 chunks,
+// 1,536 elements: a decode row of the small models in one round), half as
+// many a row when two rows share the warp.
+#define VEC_G 6
+
+extern "C" __global__ void matmul_vec(int kind, const float* x, int n, int k, const float* nw, float eps,
+                                      int mode, const unsigned char* w0, float* y0, int rows0, long long rb0,
+                                      const unsigned char* w1, float* y1, int rows1, long long rb1,
+                                      const unsigned char* w2, float* y2, int rows2, long long rb2) {
+    PDL_ENTRY();
+    int tiles = (n + MM_TOKENS - 1) / MM_TOKENS;
+    long long b = (long long)blockIdx.x * VEC_WARPS + (threadIdx.x >> 5);
+    if (mode == 2) {
+        if (b >= (long long)rows0 * tiles) return;  // uniform over the warp
+        int o = (int)(b % rows0), t0 = (int)(b / rows0) * MM_TOKENS;
+        vec_body<VEC_G / 2, true>(kind, x, n, k, nw, eps, mode, w0 + o * rb0, w1 + o * rb1, y0, rows0, o, t0);
+        return;
+    }
+    const unsigned char* w = w0;
+    float* y = y0;
+    int rows = rows0;
+    long long rb = rb0;
+    if (b >= (long long)rows0 * tiles) {
+        b -= (long long)rows0 * tiles;
+        if (b < (long long)rows1 * tiles) {
+            w = w1, y = y1, rows = rows1, rb = rb1;
+        } else {
+            b -= (long long)rows1 * tiles;
+            if (b >= (long long)rows2 * tiles) return;  // uniform over the warp
+            w = w2, y = y2, rows = rows2, rb = rb2;
+        }
+    }
+    int o = (int)(b % rows), t0 = (int)(b / rows) * MM_TOKENS;
+    vec_body<VEC_G, false>(kind, x, n, k, nw, eps, mode, w + o * rb, nullptr, y, rows, o, t0);
+}
+
 #define GM_GR 4
 #define GM_GT 2
 #define GM_ROWS (8 * GM_GR)
