@@ -821,26 +821,25 @@ extern "C" __global__ void matmul_fused(int kind, const float* x, int n, int k, 
 // per (output row, token tile) instead of a block, for decode steps.
 //
 // Lane (g = lane / 8, j = lane % 8) holds lane j's weights of chunks
-// q + g, q = q0, q0 + 4, ... for 4·VEC_G chunks at once (every load issued
-// before the first FMA, so a row of up to 4·VEC_G chunks is one DRAM round
-// trip), and runs each token of the tile against them in turn: lane j's FMA
-// chain of each chunk, the xor-shuffle tree, the four chunk partials
-// broadcast and added in chunk order from +0.0 — the order of matmul_warp,
-// which gpu_check holds to the one-thread matmul. With nw, the input is the
-// token's RMSNorm made on the fly: inv from warp_dot(x, x) (rms_norm's
-// value, computed while the weights are in flight), then
-// (x_i * inv) * nw_i, the norm kernel's two roundings. The epilogue by
-// mode, as matmul_fused: 0 store, 1 y = y + total (the residual), 2 (TWO:
-// gate row o and up row o in one warp, their loads in flight together)
-// y0 = swiglu_of(gate, up). No shared memory and no barrier: a block is
-// VEC_WARPS independent warps.
+// q + g, q = q0, q0 + 4, ... for VEC_ROUND chunks at once (G groups of four
+// chunks, every load issued before the first FMA, so a row of up to
+// VEC_ROUND chunks is one DRAM round trip), and runs every token of the tile
+// against them: lane j's FMA chain of each chunk, the xor-shuffle tree, the
+// four chunk partials broadcast and added in chunk order from +0.0 — the
+// order of matmul_warp, which gpu_check holds to the one-thread matmul.
+// With nw, the input is the token's RMSNorm made on the fly: inv from
+// warp_dot(x, x) (rms_norm's value, computed while the weights are in
+// flight), then (x_i * inv) * nw_i, the norm kernel's two roundings. The
+// epilogue by mode, as matmul_fused: 0 store, 1 y = y + total (the
+// residual), 2 (TWO: gate row o and up row o in one warp, their loads in
+// flight together) y0 = swiglu_of(gate, up). No shared memory and no
+// barrier: a block is VEC_WARPS independent warps.
 #define VEC_WARPS 8
 
-template <int G, bool TWO, int KIND>
+template <int G, bool TWO>
 __device__ __forceinline__ void vec_body(int kind, const float* x, int n, int k, const float* nw, float eps,
                                          int mode, const unsigned char* wa, const unsigned char* wb, float* y,
                                          int rows, int o, int t0) {
-    if (KIND >= 0) kind = KIND;  // a storage fixed at compile time: its loads alone
     int lane = threadIdx.x & 31;
     int g = lane >> 3, j = lane & 7;
     int tn = min(MM_TOKENS, n - t0);
@@ -867,18 +866,18 @@ __device__ __forceinline__ void vec_body(int kind, const float* x, int n, int k,
             }
         }
         if (nw && q0 == 0) {
-            #pragma unroll 1
-            for (int tt = 0; tt < tn; ++tt) {  // uniform over the warp
-                const float* xr = x + (long long)(t0 + tt) * k;
-                float ss = warp_dot(0, xr, xr, k);
-                inv[tt] = 1.0f / sqrtf(ss / (float)k + eps);
+            #pragma unroll
+            for (int tt = 0; tt < MM_TOKENS; ++tt) {
+                if (tt < tn) {  // uniform over the warp
+                    const float* xr = x + (long long)(t0 + tt) * k;
+                    float ss = warp_dot(0, xr, xr, k);
+                    inv[tt] = 1.0f / sqrtf(ss / (float)k + eps);
+                }
             }
         }
-        // Tokens one after another (not unrolled: the kernel stays small;
-        // inv, tot and tot2 live in local memory, a few accesses a token).
-        #pragma unroll 1
-        for (int tt = 0; tt < tn; ++tt) {  // uniform over the warp
-            {
+        #pragma unroll
+        for (int tt = 0; tt < MM_TOKENS; ++tt) {
+            if (tt < tn) {  // uniform over the warp
                 const float* xr = x + (long long)(t0 + tt) * k;
                 #pragma unroll
                 for (int gq = 0; gq < G; ++gq) {
@@ -929,9 +928,9 @@ __device__ __forceinline__ void vec_body(int kind, const float* x, int n, int k,
         }
     }
     if (lane == 0) {
-        #pragma unroll 1
-        for (int tt = 0; tt < tn; ++tt) {
-            {
+        #pragma unroll
+        for (int tt = 0; tt < MM_TOKENS; ++tt) {
+            if (tt < tn) {
                 long long at = (long long)(t0 + tt) * rows + o;
                 if (TWO) {
                     y[at] = swiglu_of(tot[tt], tot2[tt]);
@@ -945,22 +944,22 @@ __device__ __forceinline__ void vec_body(int kind, const float* x, int n, int k,
     }
 }
 
-// Lanes' weights held at once: VEC_G groups of four chunks a row (12
-// chunks, 768 elements: a 576-wide row in one round), for each of the two
-// rows when they share the warp.
-#define VEC_G 3
+// Lanes' weights held at once: VEC_G groups of four chunks a row (24 chunks,
+// 1,536 elements: a decode row of the small models in one round), half as
+// many a row when two rows share the warp.
+#define VEC_G 6
 
-template <int KIND>
-__device__ __forceinline__ void vec_entry(int kind, const float* x, int n, int k, const float* nw, float eps,
-                                          int mode, const unsigned char* w0, float* y0, int rows0, long long rb0,
-                                          const unsigned char* w1, float* y1, int rows1, long long rb1,
-                                          const unsigned char* w2, float* y2, int rows2, long long rb2) {
+extern "C" __global__ void matmul_vec(int kind, const float* x, int n, int k, const float* nw, float eps,
+                                      int mode, const unsigned char* w0, float* y0, int rows0, long long rb0,
+                                      const unsigned char* w1, float* y1, int rows1, long long rb1,
+                                      const unsigned char* w2, float* y2, int rows2, long long rb2) {
+    PDL_ENTRY();
     int tiles = (n + MM_TOKENS - 1) / MM_TOKENS;
     long long b = (long long)blockIdx.x * VEC_WARPS + (threadIdx.x >> 5);
     if (mode == 2) {
         if (b >= (long long)rows0 * tiles) return;  // uniform over the warp
         int o = (int)(b % rows0), t0 = (int)(b / rows0) * MM_TOKENS;
-        vec_body<VEC_G, true, KIND>(kind, x, n, k, nw, eps, mode, w0 + o * rb0, w1 + o * rb1, y0, rows0, o, t0);
+        vec_body<VEC_G / 2, true>(kind, x, n, k, nw, eps, mode, w0 + o * rb0, w1 + o * rb1, y0, rows0, o, t0);
         return;
     }
     const unsigned char* w = w0;
@@ -978,28 +977,7 @@ __device__ __forceinline__ void vec_entry(int kind, const float* x, int n, int k
         }
     }
     int o = (int)(b % rows), t0 = (int)(b / rows) * MM_TOKENS;
-    vec_body<VEC_G, false, KIND>(kind, x, n, k, nw, eps, mode, w + o * rb, nullptr, y, rows, o, t0);
-}
-
-// Three entries, so that each storage's registers are its own: f32 and
-// bf16 rows compiled for their storage (a load per weight; two blocks an SM
-// without spilling), and the GGUF kinds through the general widening.
-#define VEC_ARGS                                                                                                  \
-    int kind, const float *x, int n, int k, const float *nw, float eps, int mode, const unsigned char *w0,       \
-        float *y0, int rows0, long long rb0, const unsigned char *w1, float *y1, int rows1, long long rb1,        \
-        const unsigned char *w2, float *y2, int rows2, long long rb2
-#define VEC_PASS kind, x, n, k, nw, eps, mode, w0, y0, rows0, rb0, w1, y1, rows1, rb1, w2, y2, rows2, rb2
-extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, 2) matmul_vec_f32(VEC_ARGS) {
-    PDL_ENTRY();
-    vec_entry<0>(VEC_PASS);
-}
-extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, 2) matmul_vec_bf16(VEC_ARGS) {
-    PDL_ENTRY();
-    vec_entry<1>(VEC_PASS);
-}
-extern "C" __global__ void matmul_vec(VEC_ARGS) {
-    PDL_ENTRY();
-    vec_entry<-1>(VEC_PASS);
+    vec_body<VEC_G, false>(kind, x, n, k, nw, eps, mode, w + o * rb, nullptr, y, rows, o, t0);
 }
 
 #define GM_GR 4

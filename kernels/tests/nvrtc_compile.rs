@@ -36,8 +36,6 @@ fn kernels_cu_compiles_under_nvrtc() {
         "matmul_rows_swiglu",
         "matmul_gemm_pipelined",
         "matmul_vec",
-        "matmul_vec_f32",
-        "matmul_vec_bf16",
         "fma_peak",
     ] {
         assert!(
@@ -55,7 +53,7 @@ fn kernels_cu_compiles_under_nvrtc() {
     let sm90 = compile_for(SOURCE, false, Some("compute_90")).unwrap_or_else(|e| panic!("{e}"));
     let waits = sm90.matches("griddepcontrol.wait").count();
     assert!(
-        waits >= 24 && waits == sm90.matches("griddepcontrol.launch_dependents").count(),
+        waits >= 22 && waits == sm90.matches("griddepcontrol.launch_dependents").count(),
         "{waits} griddepcontrol.wait in the compute_90 PTX"
     );
     // Each negative control's source compiles too (else gpu_check's control

@@ -41,7 +41,6 @@ inline thread_local Block* tl_ctx = nullptr;
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __launch_bounds__(...)
 #define __shared__ static
 
 inline void __syncthreads() { emu::tl_ctx->block->arrive_and_wait(); }

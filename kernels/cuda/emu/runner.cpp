@@ -43,14 +43,6 @@ static void write_array(const std::vector<T>& v) {
 
 static unsigned blocks_of(long long threads, unsigned per) { return (unsigned)((threads + per - 1) / per); }
 
-// matmul_vec's entry for a storage, as the launcher picks it.
-#define VEC_BY_KIND(...)                          \
-    do {                                          \
-        if (kind == 0) matmul_vec_f32(__VA_ARGS__);  \
-        else if (kind == 1) matmul_vec_bf16(__VA_ARGS__); \
-        else matmul_vec(__VA_ARGS__);             \
-    } while (0)
-
 int main() {
     std::string line;
     {
@@ -82,7 +74,7 @@ int main() {
         } else if (kernel == "vec") {
             long long warps = (long long)rows * ((n + MM_TOKENS - 1) / MM_TOKENS);
             emu::launch(blocks_of(warps * 32, 32 * VEC_WARPS), 32 * VEC_WARPS, [&] {
-                VEC_BY_KIND(kind, xp, n, k, nullptr, 0.0f, 0, wp, yp, rows, row_bytes, nullptr, nullptr, 0,
+                matmul_vec(kind, xp, n, k, nullptr, 0.0f, 0, wp, yp, rows, row_bytes, nullptr, nullptr, 0,
                            0, nullptr, nullptr, 0, 0);
             });
         } else if (kernel == "rows") {
@@ -150,7 +142,7 @@ int main() {
         unsigned b = (unsigned)((r0 + r1 + r2) * tiles);
         if (job == "multiv") {
             emu::launch(blocks_of((long long)b * 32, 32 * VEC_WARPS), 32 * VEC_WARPS, [&] {
-                VEC_BY_KIND(kind, x.data(), n, k, nullptr, 0.0f, 0, w0.data(), y0.data(), r0, rb(w0, r0), w1.data(),
+                matmul_vec(kind, x.data(), n, k, nullptr, 0.0f, 0, w0.data(), y0.data(), r0, rb(w0, r0), w1.data(),
                            y1.data(), r1, rb(w1, r1), w2.data(), y2.data(), r2, rb(w2, r2));
             });
         } else {
@@ -183,7 +175,7 @@ int main() {
         const float* nwp = has_norm ? nw.data() : nullptr;
         if (job == "fusedv") {
             emu::launch(blocks_of((long long)b * 32, 32 * VEC_WARPS), 32 * VEC_WARPS, [&] {
-                VEC_BY_KIND(kind, x.data(), n, k, nwp, eps, mode, w0.data(), y0.data(), r0, rb(w0, r0), w1.data(),
+                matmul_vec(kind, x.data(), n, k, nwp, eps, mode, w0.data(), y0.data(), r0, rb(w0, r0), w1.data(),
                            y1.data(), r1, rb(w1, r1), w2.data(), y2.data(), r2, rb(w2, r2));
             });
         } else {

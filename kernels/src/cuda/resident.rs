@@ -266,8 +266,6 @@ pub(crate) struct Kernels {
     norm_reg: Func,
     matmul_fused: Func,
     matmul_vec: Func,
-    matmul_vec_f32: Func,
-    matmul_vec_bf16: Func,
     sum_chunks: Func,
     /// Which kernel each step and matmul takes ([`Tuning`]).
     pub(crate) tuning: Tuning,
@@ -321,8 +319,6 @@ impl Kernels {
             norm_reg: f("norm_reg")?,
             matmul_fused: f("matmul_fused")?,
             matmul_vec: f("matmul_vec")?,
-            matmul_vec_f32: f("matmul_vec_f32")?,
-            matmul_vec_bf16: f("matmul_vec_bf16")?,
             sum_chunks: f("sum_chunks")?,
             tuning,
             embed_rows: f("embed_rows")?,
@@ -1163,13 +1159,7 @@ impl Gpu {
         let (m0, m1, m2) = (slot(0)?, slot(1)?, slot(2)?);
         let (nw, eps) = norm.unwrap_or((0u64, 0.0f32));
         let mode_i = mode.code();
-        // Each storage's own entry (f32 and bf16 compiled for theirs).
-        let f = match first.0.kind {
-            0 => &self.res.matmul_vec_f32,
-            1 => &self.res.matmul_vec_bf16,
-            _ => &self.res.matmul_vec,
-        };
-        let mut b = self.kernel(f)?;
+        let mut b = self.kernel(&self.res.matmul_vec)?;
         b.arg(&first.0.kind)
             .arg(&x)
             .arg(&ni)
