@@ -163,7 +163,7 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
     let q41 = blocks(&mut r, QuantKind::Q4_1, rows * cols / 32);
     let wf = r.uniform_vec(rows * cols, 0.5);
     let mut out = Vec::new();
-    let (mut mm, mut warp, mut tile, mut rowsk, mut gemm, mut vec) = (0, 0, 0, 0, 0, 0);
+    let (mut mm, mut warp, mut tile, mut rowsk, mut gemm) = (0, 0, 0, 0, 0);
     for w in [Weights::F32(&wf), Weights::Quant(QuantKind::Q4_1, &q41)] {
         let m = Matrix::new(w, rows, cols).expect("shape");
         let (mut cpu, mut dev) = (vec![0.0; n * rows], vec![0.0; n * rows]);
@@ -180,9 +180,6 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
         gpu.matmul_with(MatmulKernel::Rows, &x, n, &m, &mut dev, 1)
             .expect("gpu matmul_rows");
         rowsk += diff(&cpu, &dev);
-        gpu.matmul_with(MatmulKernel::Vec, &x, n, &m, &mut dev, 1)
-            .expect("gpu matmul_vec");
-        vec += diff(&cpu, &dev);
         gpu.matmul_with(MatmulKernel::Gemm, &x, n, &m, &mut dev, 1)
             .expect("gpu matmul_gemm");
         gemm += diff(&cpu, &dev);
@@ -203,7 +200,6 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
     out.push(("matmul_tile", tile));
     out.push(("matmul_rows", rowsk));
     out.push(("matmul_gemm", gemm));
-    out.push(("matmul_vec", vec));
     {
         let nw = r.uniform_vec(cols, 1.5);
         let mut h = vec![0.0; x.len()];
@@ -211,31 +207,10 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
         let m = Matrix::new(Weights::F32(&wf), rows, cols).expect("shape");
         let mut cpu = vec![0.0; n * rows];
         matmul(&th, &h, n, &m, &mut cpu);
-        for (label, vec) in [("matmul_fused", false), ("matmul_vec norm", true)] {
-            let got = gpu
-                .fused_resident(vec, &x, n, Some((&nw, 1e-5)), Fused::Store, &[&m], &[])
-                .expect(label);
-            out.push((label, diff(&cpu, &got[0])));
-        }
-        // Gate and up in one warp, SwiGLU in the epilogue.
-        let wu = r.uniform_vec(rows * cols, 0.5);
-        let mu = Matrix::new(Weights::F32(&wu), rows, cols).expect("shape");
-        let mut up = vec![0.0; n * rows];
-        matmul(&th, &h, n, &mu, &mut up);
-        let mut a = vec![0.0; up.len()];
-        swiglu(&cpu, &up, &mut a);
         let got = gpu
-            .fused_resident(
-                true,
-                &x,
-                n,
-                Some((&nw, 1e-5)),
-                Fused::Swiglu,
-                &[&m, &mu],
-                &[],
-            )
-            .expect("matmul_vec swiglu");
-        out.push(("matmul_vec swiglu", diff(&a, &got[0])));
+            .fused_resident(&x, n, Some((&nw, 1e-5)), Fused::Store, &[&m], &[])
+            .expect("gpu matmul_fused");
+        out.push(("matmul_fused", diff(&cpu, &got[0])));
     }
     let w = r.uniform_vec(cols, 1.5);
     let (mut cpu, mut dev) = (vec![0.0; x.len()], vec![0.0; x.len()]);
@@ -422,14 +397,6 @@ fn main() {
             report(
                 format!("matmul_rows {label} {n}×{cols} · {cols}×{rows}"),
                 diff(&cpu, &rk),
-                cpu.len(),
-            );
-            let mut vk = vec![f32::NAN; n * rows];
-            gpu.matmul_with(MatmulKernel::Vec, &x, n, &m, &mut vk, 1)
-                .expect("gpu matmul_vec");
-            report(
-                format!("matmul_vec {label} {n}×{cols} · {cols}×{rows}"),
-                diff(&cpu, &vk),
                 cpu.len(),
             );
             let mut gm = vec![f32::NAN; n * rows];
@@ -668,54 +635,49 @@ fn main() {
                 matmul(&th, inp, n, &ms[i], &mut y);
                 y
             };
-            // matmul_fused (a block per row) and matmul_vec (a warp per
-            // row), the same operations.
-            for (kname, vec) in [("matmul_fused", false), ("matmul_vec", true)] {
+            let got = gpu
+                .fused_resident(
+                    &x,
+                    n,
+                    Some((&nw, 1e-5)),
+                    Fused::Store,
+                    &[&ms[0], &ms[1], &ms[2]],
+                    &[],
+                )
+                .expect("gpu matmul_fused");
+            let d: usize = (0..3).map(|i| diff(&mm(&h, i), &got[i])).sum();
+            report(
+                format!("matmul_fused norm + q/k/v {label} {n}×{cols}"),
+                d,
+                n * 40,
+            );
+            let base = r.uniform_vec(n * 24, 4.0);
+            let got = gpu
+                .fused_resident(&x, n, None, Fused::Accumulate, &[&ms[0]], &base)
+                .expect("gpu matmul_fused");
+            let want: Vec<f32> = base.iter().zip(mm(&x, 0)).map(|(a, b)| a + b).collect();
+            report(
+                format!("matmul_fused residual {label} {n}×{cols}"),
+                diff(&want, &got[0]),
+                n * 24,
+            );
+            // SwiGLU with the norm made in the kernel, and of an input
+            // already normalized (the unfused step's epilogue form).
+            for (norm, input, case) in [
+                (Some((&nw[..], 1e-5)), &h, "norm + gate/up + swiglu"),
+                (None, &x, "gate/up + swiglu"),
+            ] {
                 let got = gpu
-                    .fused_resident(
-                        vec,
-                        &x,
-                        n,
-                        Some((&nw, 1e-5)),
-                        Fused::Store,
-                        &[&ms[0], &ms[1], &ms[2]],
-                        &[],
-                    )
-                    .expect(kname);
-                let d: usize = (0..3).map(|i| diff(&mm(&h, i), &got[i])).sum();
+                    .fused_resident(&x, n, norm, Fused::Swiglu, &[&ms[1], &ms[2]], &[])
+                    .expect("gpu matmul_fused");
+                let (g, u) = (mm(input, 1), mm(input, 2));
+                let mut a = vec![0.0; g.len()];
+                swiglu(&g, &u, &mut a);
                 report(
-                    format!("{kname} norm + q/k/v {label} {n}×{cols}"),
-                    d,
-                    n * 40,
+                    format!("matmul_fused {case} {label} {n}×{cols}"),
+                    diff(&a, &got[0]),
+                    n * 8,
                 );
-                let base = r.uniform_vec(n * 24, 4.0);
-                let got = gpu
-                    .fused_resident(vec, &x, n, None, Fused::Accumulate, &[&ms[0]], &base)
-                    .expect(kname);
-                let want: Vec<f32> = base.iter().zip(mm(&x, 0)).map(|(a, b)| a + b).collect();
-                report(
-                    format!("{kname} residual {label} {n}×{cols}"),
-                    diff(&want, &got[0]),
-                    n * 24,
-                );
-                // SwiGLU with the norm made in the kernel, and of an input
-                // already normalized (the unfused step's epilogue form).
-                for (norm, input, case) in [
-                    (Some((&nw[..], 1e-5)), &h, "norm + gate/up + swiglu"),
-                    (None, &x, "gate/up + swiglu"),
-                ] {
-                    let got = gpu
-                        .fused_resident(vec, &x, n, norm, Fused::Swiglu, &[&ms[1], &ms[2]], &[])
-                        .expect(kname);
-                    let (g, u) = (mm(input, 1), mm(input, 2));
-                    let mut a = vec![0.0; g.len()];
-                    swiglu(&g, &u, &mut a);
-                    report(
-                        format!("{kname} {case} {label} {n}×{cols}"),
-                        diff(&a, &got[0]),
-                        n * 8,
-                    );
-                }
             }
         }
     }
@@ -965,7 +927,6 @@ fn main() {
             let tw = per_launch(MatmulKernel::Warp);
             let tt = per_launch(MatmulKernel::Tile);
             let tr = per_launch(MatmulKernel::Rows);
-            let tv = per_launch(MatmulKernel::Vec);
             let tg = per_launch(MatmulKernel::Gemm);
             let ts = per_launch(MatmulKernel::GemmSplit(1));
             let tw2 = per_launch(MatmulKernel::GemmWide);
@@ -973,7 +934,7 @@ fn main() {
             let tp = per_launch(MatmulKernel::GemmPipelined);
             let tps = per_launch(MatmulKernel::GemmPipelinedSplit(1));
             println!(
-                "  {what:<22} {label:<5} {n:>3}×{cols}·{cols}×{rows}: thread {:>8.1} µs, warp {:>7.1} µs ({:>5.1}×), tile {:>7.1} µs ({:>5.1}×), rows {:>7.1} µs ({:>5.1}×), vec {:>7.1} µs ({:>5.1}×), gemm {:>7.1} µs ({:>5.1}×, {:>5.2} TFLOP/s), gemm split {:>7.1} µs ({:>5.2} TFLOP/s), wide {:>7.1} µs ({:>5.2} TFLOP/s), wide split {:>7.1} µs ({:>5.2} TFLOP/s), pipelined {:>7.1} µs ({:>5.2} TFLOP/s), pipelined split {:>7.1} µs ({:>5.2} TFLOP/s); rows reads weights at {:>6.0} GB/s, vec at {:>6.0} GB/s",
+                "  {what:<22} {label:<5} {n:>3}×{cols}·{cols}×{rows}: thread {:>8.1} µs, warp {:>7.1} µs ({:>5.1}×), tile {:>7.1} µs ({:>5.1}×), rows {:>7.1} µs ({:>5.1}×), gemm {:>7.1} µs ({:>5.1}×, {:>5.2} TFLOP/s), gemm split {:>7.1} µs ({:>5.2} TFLOP/s), wide {:>7.1} µs ({:>5.2} TFLOP/s), wide split {:>7.1} µs ({:>5.2} TFLOP/s), pipelined {:>7.1} µs ({:>5.2} TFLOP/s), pipelined split {:>7.1} µs ({:>5.2} TFLOP/s); rows reads weights at {:>6.0} GB/s",
                 t * 1e6,
                 tw * 1e6,
                 t / tw,
@@ -981,8 +942,6 @@ fn main() {
                 t / tt,
                 tr * 1e6,
                 t / tr,
-                tv * 1e6,
-                t / tv,
                 tg * 1e6,
                 t / tg,
                 2.0 * (n * rows * cols) as f64 / tg / 1e12,
@@ -996,8 +955,7 @@ fn main() {
                 2.0 * (n * rows * cols) as f64 / tp / 1e12,
                 tps * 1e6,
                 2.0 * (n * rows * cols) as f64 / tps / 1e12,
-                bytes as f64 / tr / 1e9,
-                bytes as f64 / tv / 1e9
+                bytes as f64 / tr / 1e9
             );
         }
     }

@@ -76,21 +76,6 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
             "float xv = nw ? xr[i] * (inv[tt] * nw[i]) : xr[i];",
         ),
         (
-            "matmul_vec chunk partials 1 and 2 swapped",
-            "if (q + 1 < chunks) t = t + p1;\n                        if (q + 2 < chunks) t = t + p2;",
-            "if (q + 2 < chunks) t = t + p2;\n                        if (q + 1 < chunks) t = t + p1;",
-        ),
-        (
-            "matmul_vec up's chunk partials 1 and 2 swapped",
-            "if (q + 1 < chunks) u = u + r1;\n                            if (q + 2 < chunks) u = u + r2;",
-            "if (q + 2 < chunks) u = u + r2;\n                            if (q + 1 < chunks) u = u + r1;",
-        ),
-        (
-            "matmul_fused and matmul_vec norm as the root of the reciprocal",
-            "inv[tt] = 1.0f / sqrtf(ss / (float)k + eps);",
-            "inv[tt] = sqrtf(1.0f / (ss / (float)k + eps));",
-        ),
-        (
             "attention_paged P·V as mul + add",
             "a = fmaf(sc[j0 + i], vv, a);",
             "a = sc[j0 + i] * vv + a;",

@@ -205,8 +205,6 @@ fn matmul_kernels_match_the_cpu() {
         (65, 64, 40),
         // Whole and partial wide tiles (64 rows × 32 tokens), ragged chunks.
         (130, 224, 70),
-        // More chunks than matmul_vec holds at once (26 > 24): two rounds.
-        (6, 1632, 10),
     ] {
         let x = r.uniform_vec(n * cols, 2.0);
         let st = Stored::new(&mut r, rows * cols, 0.5);
@@ -218,7 +216,6 @@ fn matmul_kernels_match_the_cpu() {
                 "warp",
                 "tile",
                 "rows",
-                "vec",
                 "gemm",
                 "gemm_split1",
                 "gemm_split2",
@@ -287,30 +284,22 @@ fn matmul_multi_matches_three_matmuls() {
         .iter()
         .map(|&rows| r.uniform_vec(rows * cols, 0.5))
         .collect();
-    // matmul_multi (a block per row), and matmul_vec's mode 0 (a warp per row).
-    for job_name in ["multi", "multiv"] {
-        let out = job(
-            &format!("{job_name} 0 {n} {cols} 24 8 8"),
-            &[&bytes(&x), &bytes(&ws[0]), &bytes(&ws[1]), &bytes(&ws[2])],
-        );
-        for (i, w) in ws.iter().enumerate() {
-            let rows = w.len() / cols;
-            let m = Matrix::new(Weights::F32(w), rows, cols).expect("shape");
-            let mut cpu = vec![0.0; n * rows];
-            matmul(&th, &x, n, &m, &mut cpu);
-            assert_eq!(
-                differing(&cpu, &floats(&out[i])),
-                0,
-                "{job_name}: matrix {i}"
-            );
-        }
+    let out = job(
+        &format!("multi 0 {n} {cols} 24 8 8"),
+        &[&bytes(&x), &bytes(&ws[0]), &bytes(&ws[1]), &bytes(&ws[2])],
+    );
+    for (i, w) in ws.iter().enumerate() {
+        let rows = w.len() / cols;
+        let m = Matrix::new(Weights::F32(w), rows, cols).expect("shape");
+        let mut cpu = vec![0.0; n * rows];
+        matmul(&th, &x, n, &m, &mut cpu);
+        assert_eq!(differing(&cpu, &floats(&out[i])), 0, "matrix {i}");
     }
 }
 
-/// `matmul_fused` and `matmul_vec` against the separate CPU ops they stand
-/// for: the norm then q, k, v; the residual add after a matmul; the norm
-/// then gate, up and SwiGLU; on several token counts and storages (1088
-/// columns: 17 chunks, two rounds of matmul_vec's SwiGLU form).
+/// `matmul_fused` against the separate CPU ops it stands for: the norm then
+/// q, k, v; the residual add after a matmul; the norm then gate, up and
+/// SwiGLU; on several token counts and storages.
 #[test]
 fn fused_matmuls_match_the_separate_ops() {
     if emulator().is_none() {
@@ -348,49 +337,47 @@ fn fused_matmuls_match_the_separate_ops() {
                 matmul(&th, inp, n, &mat(i), &mut y);
                 y
             };
-            for fj in ["fused", "fusedv"] {
-                let what = format!("{fj}: {label} {n}×{cols}");
-                // Norm, then three matmuls.
-                let out = job(
-                    &format!("{fj} {kind} {n} {cols} 0 1 {} 24 8 8", eps.to_bits()),
-                    &[&bytes(&x), &bytes(&nw), &raw(0), &raw(1), &raw(2), &[]],
+            let what = format!("{label} {n}×{cols}");
+            // Norm, then three matmuls.
+            let out = job(
+                &format!("fused {kind} {n} {cols} 0 1 {} 24 8 8", eps.to_bits()),
+                &[&bytes(&x), &bytes(&nw), &raw(0), &raw(1), &raw(2), &[]],
+            );
+            for (i, got) in out.iter().enumerate().take(3) {
+                assert_eq!(
+                    differing(&mm(&h, i), &floats(got)),
+                    0,
+                    "norm + matmul {i}, {what}"
                 );
-                for (i, got) in out.iter().enumerate().take(3) {
-                    assert_eq!(
-                        differing(&mm(&h, i), &floats(got)),
-                        0,
-                        "norm + matmul {i}, {what}"
-                    );
-                }
-                // Accumulate into the residual.
-                let base = r.uniform_vec(n * 24, 4.0);
+            }
+            // Accumulate into the residual.
+            let base = r.uniform_vec(n * 24, 4.0);
+            let out = job(
+                &format!("fused {kind} {n} {cols} 1 0 0 24 0 0"),
+                &[&bytes(&x), &[], &raw(0), &[], &[], &bytes(&base)],
+            );
+            let want: Vec<f32> = base.iter().zip(mm(&x, 0)).map(|(a, b)| a + b).collect();
+            assert_eq!(differing(&want, &floats(&out[0])), 0, "residual, {what}");
+            // Gate and up (rows 8 and 8), SwiGLU: with the norm made in the
+            // kernel (the fused step), and of an input already normalized
+            // (the unfused step's gate/up with the SwiGLU epilogue).
+            for (norm, input, case) in [
+                (true, &h, "norm + gate/up + swiglu"),
+                (false, &x, "gate/up + swiglu"),
+            ] {
+                let (flag, nwb) = if norm {
+                    (1, bytes(&nw))
+                } else {
+                    (0, Vec::new())
+                };
                 let out = job(
-                    &format!("{fj} {kind} {n} {cols} 1 0 0 24 0 0"),
-                    &[&bytes(&x), &[], &raw(0), &[], &[], &bytes(&base)],
+                    &format!("fused {kind} {n} {cols} 2 {flag} {} 8 8 0", eps.to_bits()),
+                    &[&bytes(&x), &nwb, &raw(1), &raw(2), &[], &[]],
                 );
-                let want: Vec<f32> = base.iter().zip(mm(&x, 0)).map(|(a, b)| a + b).collect();
-                assert_eq!(differing(&want, &floats(&out[0])), 0, "residual, {what}");
-                // Gate and up (rows 8 and 8), SwiGLU: with the norm made in the
-                // kernel (the fused step), and of an input already normalized
-                // (the unfused step's gate/up with the SwiGLU epilogue).
-                for (norm, input, case) in [
-                    (true, &h, "norm + gate/up + swiglu"),
-                    (false, &x, "gate/up + swiglu"),
-                ] {
-                    let (flag, nwb) = if norm {
-                        (1, bytes(&nw))
-                    } else {
-                        (0, Vec::new())
-                    };
-                    let out = job(
-                        &format!("{fj} {kind} {n} {cols} 2 {flag} {} 8 8 0", eps.to_bits()),
-                        &[&bytes(&x), &nwb, &raw(1), &raw(2), &[], &[]],
-                    );
-                    let (g, u) = (mm(input, 1), mm(input, 2));
-                    let mut a = vec![0.0; g.len()];
-                    swiglu(&g, &u, &mut a);
-                    assert_eq!(differing(&a, &floats(&out[0])), 0, "{case}, {what}");
-                }
+                let (g, u) = (mm(input, 1), mm(input, 2));
+                let mut a = vec![0.0; g.len()];
+                swiglu(&g, &u, &mut a);
+                assert_eq!(differing(&a, &floats(&out[0])), 0, "{case}, {what}");
             }
         }
     }
@@ -543,18 +530,6 @@ fn the_emulation_sees_each_broken_kernel() {
     let mut fused_cpu = vec![0.0; nr * 8];
     let fm = Matrix::new(Weights::F32(&fw), 8, dn).expect("shape");
     matmul(&th, &norm_cpu, nr, &fm, &mut fused_cpu);
-    // Gate (fw) and up (fu) of the normalized rows, SwiGLU.
-    let fu = r.uniform_vec(8 * dn, 0.5);
-    let mut up_cpu = vec![0.0; nr * 8];
-    matmul(
-        &th,
-        &norm_cpu,
-        nr,
-        &Matrix::new(Weights::F32(&fu), 8, dn).expect("shape"),
-        &mut up_cpu,
-    );
-    let mut swi_cpu = vec![0.0; nr * 8];
-    swiglu(&fused_cpu, &up_cpu, &mut swi_cpu);
     // Scores of one size (keys small): many p of a tile alike, so that the
     // order of their sum shows.
     let shape = AttnShape {
@@ -606,7 +581,6 @@ fn the_emulation_sees_each_broken_kernel() {
             "norm_block",
             "norm_reg",
             "matmul_fused",
-            "matmul_vec",
             "fmad",
         ]
         .iter()
@@ -620,7 +594,6 @@ fn the_emulation_sees_each_broken_kernel() {
             "warp",
             "tile",
             "rows",
-            "vec",
             "gemm",
             "gemm_split1",
             "gemm_wide",
@@ -633,19 +606,13 @@ fn the_emulation_sees_each_broken_kernel() {
             );
             d += differing(&mm_cpu, &floats(&out[0]));
         }
-        for fj in ["fused", "fusedv"] {
+        {
             let out = job_on(
                 &bin,
-                &format!("{fj} 0 {nr} {dn} 0 1 {} 8 0 0", 1e-5f32.to_bits()),
+                &format!("fused 0 {nr} {dn} 0 1 {} 8 0 0", 1e-5f32.to_bits()),
                 &[&bytes(&nx), &bytes(&nw), &bytes(&fw), &[], &[], &[]],
             );
             d += differing(&fused_cpu, &floats(&out[0]));
-            let out = job_on(
-                &bin,
-                &format!("{fj} 0 {nr} {dn} 2 1 {} 8 8 0", 1e-5f32.to_bits()),
-                &[&bytes(&nx), &bytes(&nw), &bytes(&fw), &bytes(&fu), &[], &[]],
-            );
-            d += differing(&swi_cpu, &floats(&out[0]));
         }
         for kernel in ["warp", "block", "reg"] {
             let out = job_on(

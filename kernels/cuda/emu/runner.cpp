@@ -71,12 +71,6 @@ int main() {
         } else if (kernel == "tile") {
             long long warps = (long long)rows * ((n + MM_TOKENS - 1) / MM_TOKENS);
             emu::launch(blocks_of(warps * 32, 128), 128, [&] { matmul_tile(kind, xp, wp, yp, n, rows, k, row_bytes); });
-        } else if (kernel == "vec") {
-            long long warps = (long long)rows * ((n + MM_TOKENS - 1) / MM_TOKENS);
-            emu::launch(blocks_of(warps * 32, 32 * VEC_WARPS), 32 * VEC_WARPS, [&] {
-                matmul_vec(kind, xp, n, k, nullptr, 0.0f, 0, wp, yp, rows, row_bytes, nullptr, nullptr, 0,
-                           0, nullptr, nullptr, 0, 0);
-            });
         } else if (kernel == "rows") {
             unsigned b = (unsigned)(rows * ((n + MM_TOKENS - 1) / MM_TOKENS));
             emu::launch(b, 8 * MR_GROUPS, [&] { matmul_rows(kind, xp, wp, yp, n, rows, k, row_bytes); });
@@ -129,9 +123,8 @@ int main() {
         emu::launch(b, 8 * MR_GROUPS,
                     [&] { matmul_rows_swiglu(kind, g.data(), u.data(), w.data(), y.data(), n, rows, k, row_bytes); });
         write_array(y);
-    } else if (job == "multi" || job == "multiv") {
-        // multi[v] kind n k rows0 rows1 rows2: three matrices, one launch
-        // (matmul_multi, or matmul_vec in mode 0 for multiv)
+    } else if (job == "multi") {
+        // multi kind n k rows0 rows1 rows2: three matrices, one launch
         int kind, n, k, r0, r1, r2;
         hs >> kind >> n >> k >> r0 >> r1 >> r2;
         auto x = read_as<float>();
@@ -140,25 +133,17 @@ int main() {
         auto rb = [](const std::vector<unsigned char>& w, int r) { return r ? (long long)(w.size() / r) : 0LL; };
         int tiles = (n + MM_TOKENS - 1) / MM_TOKENS;
         unsigned b = (unsigned)((r0 + r1 + r2) * tiles);
-        if (job == "multiv") {
-            emu::launch(blocks_of((long long)b * 32, 32 * VEC_WARPS), 32 * VEC_WARPS, [&] {
-                matmul_vec(kind, x.data(), n, k, nullptr, 0.0f, 0, w0.data(), y0.data(), r0, rb(w0, r0), w1.data(),
-                           y1.data(), r1, rb(w1, r1), w2.data(), y2.data(), r2, rb(w2, r2));
-            });
-        } else {
-            emu::launch(b, 8 * MR_GROUPS, [&] {
-                matmul_multi(kind, x.data(), n, k, w0.data(), y0.data(), r0, rb(w0, r0), w1.data(), y1.data(), r1,
-                             rb(w1, r1), w2.data(), y2.data(), r2, rb(w2, r2));
-            });
-        }
+        emu::launch(b, 8 * MR_GROUPS, [&] {
+            matmul_multi(kind, x.data(), n, k, w0.data(), y0.data(), r0, rb(w0, r0), w1.data(), y1.data(), r1,
+                         rb(w1, r1), w2.data(), y2.data(), r2, rb(w2, r2));
+        });
         y2.resize((size_t)n * r2);
         write_array(y0);
         write_array(y1);
         write_array(y2);
-    } else if (job == "fused" || job == "fusedv") {
-        // fused[v] kind n k mode has_norm eps_bits rows0 rows1 rows2: x, nw,
-        // w0, w1, w2, y0 (its start, for mode 1) -> y0, y1, y2 (matmul_fused,
-        // or matmul_vec for fusedv)
+    } else if (job == "fused") {
+        // fused kind n k mode has_norm eps_bits rows0 rows1 rows2: x, nw,
+        // w0, w1, w2, y0 (its start, for mode 1) -> y0, y1, y2
         int kind, n, k, mode, has_norm, r0, r1, r2;
         unsigned eps_bits;
         hs >> kind >> n >> k >> mode >> has_norm >> eps_bits >> r0 >> r1 >> r2;
@@ -173,17 +158,10 @@ int main() {
         int tiles = (n + MM_TOKENS - 1) / MM_TOKENS;
         unsigned b = (unsigned)((mode == 2 ? r0 : r0 + r1 + r2) * tiles);
         const float* nwp = has_norm ? nw.data() : nullptr;
-        if (job == "fusedv") {
-            emu::launch(blocks_of((long long)b * 32, 32 * VEC_WARPS), 32 * VEC_WARPS, [&] {
-                matmul_vec(kind, x.data(), n, k, nwp, eps, mode, w0.data(), y0.data(), r0, rb(w0, r0), w1.data(),
-                           y1.data(), r1, rb(w1, r1), w2.data(), y2.data(), r2, rb(w2, r2));
-            });
-        } else {
-            emu::launch(b, 8 * MR_GROUPS, [&] {
-                matmul_fused(kind, x.data(), n, k, nwp, eps, mode, w0.data(), y0.data(), r0, rb(w0, r0), w1.data(),
-                             y1.data(), r1, rb(w1, r1), w2.data(), y2.data(), r2, rb(w2, r2));
-            });
-        }
+        emu::launch(b, 8 * MR_GROUPS, [&] {
+            matmul_fused(kind, x.data(), n, k, nwp, eps, mode, w0.data(), y0.data(), r0, rb(w0, r0), w1.data(),
+                         y1.data(), r1, rb(w1, r1), w2.data(), y2.data(), r2, rb(w2, r2));
+        });
         y1.resize((size_t)n * r1);
         y2.resize((size_t)n * r2);
         write_array(y0);

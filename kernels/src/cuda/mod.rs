@@ -145,10 +145,6 @@ pub enum MatmulKernel {
     GemmPipelined,
     /// `matmul_gemm_pipelined` split over chunks, this many per block.
     GemmPipelinedSplit(usize),
-    /// `matmul_vec`: one warp per (row, token tile), every chunk of a row
-    /// loaded at once: the resident path's decode matmul under
-    /// `LMRR_CUDA_VEC`.
-    Vec,
 }
 
 pub(crate) fn grid(n: usize) -> LaunchConfig {
@@ -286,9 +282,6 @@ impl Gpu {
             ),
         };
         let row_bytes = (bytes.len() / w.rows.max(1)) as i64;
-        if kernel == MatmulKernel::Vec {
-            return self.vec_check(x, n, w, y, reps);
-        }
         if let MatmulKernel::Gemm
         | MatmulKernel::GemmSplit(_)
         | MatmulKernel::GemmWide
@@ -319,11 +312,10 @@ impl Gpu {
             | MatmulKernel::GemmWide
             | MatmulKernel::GemmWideSplit(_)
             | MatmulKernel::GemmPipelined
-            | MatmulKernel::GemmPipelinedSplit(_)
-            | MatmulKernel::Vec => {
+            | MatmulKernel::GemmPipelinedSplit(_) => {
                 return Err(GpuError::Shape {
                     what: "matmul",
-                    detail: "the gemm and vec kernels are launched by their checks".into(),
+                    detail: "the gemm kernels are launched by gemm_check".into(),
                 })
             }
             MatmulKernel::Rows => {

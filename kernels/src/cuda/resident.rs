@@ -49,8 +49,6 @@ pub const GW_TOKS: usize = 32;
 const GW_THREADS: u32 = 256;
 /// Threads per block of `attention_paged` (`ATTN_THREADS` in kernels.cu).
 const ATTN_THREADS: u32 = 256;
-/// Warps per block of `matmul_vec` (`VEC_WARPS`).
-const VEC_WARPS: usize = 8;
 
 /// Which RMSNorm kernel [`Gpu::rms_norm_resident`] runs (the resident path
 /// takes `norm_reg` where the row fits it, then `norm_block`, then the warp
@@ -111,12 +109,6 @@ pub struct Tuning {
     /// against 620); 0: plain launches, the kernels at NVRTC's default
     /// architecture.
     pub pdl: bool,
-    /// `LMRR_CUDA_VEC`: the matmuls of steps below [`Tuning::gemm_min`]
-    /// tokens, and the fused steps' (norm, residual add and SwiGLU inside),
-    /// by `matmul_vec` (one warp per row and token tile, every chunk of a
-    /// row loaded at once, no barrier) rather than `matmul_rows`,
-    /// `matmul_multi` and `matmul_fused` (a block per row and tile).
-    pub vec: bool,
     /// `LMRR_CUDA_SPLIT_BLOCKS`: a `matmul_gemm` whose tiles are fewer
     /// than this many blocks is split over its chunks (partials, then
     /// `sum_chunks`) to about this many blocks; 0: never split.
@@ -135,7 +127,6 @@ impl Default for Tuning {
             attn_decode_max: 132,
             down_swiglu: false,
             pdl: true,
-            vec: false,
             split_blocks: 4096,
         }
     }
@@ -170,7 +161,6 @@ impl Tuning {
             ("LMRR_CUDA_GEMM_PIPELINED", &mut t.gemm_pipelined),
             ("LMRR_CUDA_DOWN_SWIGLU", &mut t.down_swiglu),
             ("LMRR_CUDA_PDL", &mut t.pdl),
-            ("LMRR_CUDA_VEC", &mut t.vec),
         ] {
             if let Some(v) = get(var) {
                 *slot = match v.trim() {
@@ -211,7 +201,6 @@ mod tuning_tests {
             ("LMRR_CUDA_ATTN_DECODE_MAX", "0"),
             ("LMRR_CUDA_DOWN_SWIGLU", "1"),
             ("LMRR_CUDA_PDL", "0"),
-            ("LMRR_CUDA_VEC", "1"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -226,7 +215,6 @@ mod tuning_tests {
                 attn_decode_max: 0,
                 down_swiglu: true,
                 pdl: false,
-                vec: true,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
@@ -265,7 +253,6 @@ pub(crate) struct Kernels {
     norm_block: Func,
     norm_reg: Func,
     matmul_fused: Func,
-    matmul_vec: Func,
     sum_chunks: Func,
     /// Which kernel each step and matmul takes ([`Tuning`]).
     pub(crate) tuning: Tuning,
@@ -318,7 +305,6 @@ impl Kernels {
             norm_block: f("norm_block")?,
             norm_reg: f("norm_reg")?,
             matmul_fused: f("matmul_fused")?,
-            matmul_vec: f("matmul_vec")?,
             sum_chunks: f("sum_chunks")?,
             tuning,
             embed_rows: f("embed_rows")?,
@@ -565,17 +551,6 @@ pub enum Fused {
     Swiglu,
 }
 
-impl Fused {
-    /// The kernels' `mode` argument.
-    fn code(self) -> i32 {
-        match self {
-            Fused::Store => 0,
-            Fused::Accumulate => 1,
-            Fused::Swiglu => 2,
-        }
-    }
-}
-
 /// Device scratch for split matmuls ([`Gpu::mm_split`]): an address and
 /// its capacity in floats; [`SplitScratch::NONE`] never splits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -808,9 +783,6 @@ impl Gpu {
             });
             return self.gemm_launch(x, n, w, y, kind, split.map(|cpb| (scratch.addr, cpb)));
         }
-        if tun.vec {
-            return self.vec_launch(x, n, None, Fused::Store, &[(w, y)]);
-        }
         let rows_kernel = w.cols.div_ceil(64) <= MR_MAX_CHUNKS;
         let (f, cfg) = if rows_kernel {
             (
@@ -930,9 +902,6 @@ impl Gpu {
             }
             return Ok(());
         }
-        if self.res.tuning.vec {
-            return self.vec_launch(x, n, None, Fused::Store, mats);
-        }
         let tiles = n.div_ceil(MM_TOKENS);
         let blocks: usize = mats.iter().map(|(w, _)| w.rows * tiles).sum();
         let (ni, ki) = (as_i32("matmul", n)?, as_i32("matmul", mats[0].0.cols)?);
@@ -1033,19 +1002,6 @@ impl Gpu {
         mode: Fused,
         mats: &[(&DevMatrix, u64)],
     ) -> Result<(), GpuError> {
-        self.mm_fused_by(self.res.tuning.vec, x, n, norm, mode, mats)
-    }
-
-    /// [`Gpu::mm_fused`] by `matmul_vec` (`vec`) or `matmul_fused`.
-    fn mm_fused_by(
-        &self,
-        vec: bool,
-        x: u64,
-        n: usize,
-        norm: Option<(&DevBuf, f32)>,
-        mode: Fused,
-        mats: &[(&DevMatrix, u64)],
-    ) -> Result<(), GpuError> {
         if n == 0 || mats.is_empty() {
             return Ok(());
         }
@@ -1072,10 +1028,6 @@ impl Gpu {
                 ),
             });
         }
-        let norm = norm.map(|(w, e)| (w.ptr, e));
-        if vec {
-            return self.vec_launch(x, n, norm, mode, mats);
-        }
         let tiles = n.div_ceil(MM_TOKENS);
         let rows_launched: usize = match mode {
             Fused::Swiglu => mats[0].0.rows,
@@ -1091,8 +1043,12 @@ impl Gpu {
             })
         };
         let (m0, m1, m2) = (slot(0)?, slot(1)?, slot(2)?);
-        let (nw, eps) = norm.unwrap_or((0u64, 0.0f32));
-        let mode_i = mode.code();
+        let (nw, eps) = norm.map_or((0u64, 0.0f32), |(w, e)| (w.ptr, e));
+        let mode_i: i32 = match mode {
+            Fused::Store => 0,
+            Fused::Accumulate => 1,
+            Fused::Swiglu => 2,
+        };
         let mut b = self.kernel(&self.res.matmul_fused)?;
         b.arg(&mats[0].0.kind)
             .arg(&x)
@@ -1107,73 +1063,6 @@ impl Gpu {
         // SAFETY: matches `matmul_fused`; x holds n·cols floats, each y
         // n·rows (the norm weight cols); in SwiGLU mode both matrices have
         // the rows launched; absent matrices have 0 rows and get no block.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
-    }
-
-    /// `matmul_vec`: [`Gpu::mm_fused`]'s operations (the norm made in the
-    /// kernel when `norm` names its weight's address and eps) with a warp
-    /// per (row, token tile) in blocks of [`VEC_WARPS`]; any `cols`. The
-    /// caller has checked what [`Gpu::mm_fused`] checks: one storage and
-    /// `cols` for all, at most three matrices, two of equal rows for
-    /// [`Fused::Swiglu`], one for [`Fused::Accumulate`].
-    fn vec_launch(
-        &self,
-        x: u64,
-        n: usize,
-        norm: Option<(u64, f32)>,
-        mode: Fused,
-        mats: &[(&DevMatrix, u64)],
-    ) -> Result<(), GpuError> {
-        let Some(first) = mats.first() else {
-            return Ok(());
-        };
-        if n == 0 {
-            return Ok(());
-        }
-        let cols = first.0.cols;
-        let rows_launched: usize = match mode {
-            Fused::Swiglu => first.0.rows,
-            _ => mats.iter().map(|(w, _)| w.rows).sum(),
-        };
-        let warps = rows_launched * n.div_ceil(MM_TOKENS);
-        if warps == 0 {
-            return Ok(());
-        }
-        let cfg = LaunchConfig {
-            grid_dim: (
-                as_i32("matmul_vec", warps.div_ceil(VEC_WARPS))? as u32,
-                1,
-                1,
-            ),
-            block_dim: ((32 * VEC_WARPS) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (ni, ki) = (as_i32("matmul_vec", n)?, as_i32("matmul_vec", cols)?);
-        as_i32("matmul_vec", n * cols)?;
-        let slot = |i: usize| -> Result<(u64, u64, i32, i64), GpuError> {
-            Ok(match mats.get(i) {
-                Some((w, y)) => (w.buf.ptr, *y, as_i32("matmul_vec", w.rows)?, w.row_bytes),
-                None => (0, 0, 0, 0),
-            })
-        };
-        let (m0, m1, m2) = (slot(0)?, slot(1)?, slot(2)?);
-        let (nw, eps) = norm.unwrap_or((0u64, 0.0f32));
-        let mode_i = mode.code();
-        let mut b = self.kernel(&self.res.matmul_vec)?;
-        b.arg(&first.0.kind)
-            .arg(&x)
-            .arg(&ni)
-            .arg(&ki)
-            .arg(&nw)
-            .arg(&eps)
-            .arg(&mode_i);
-        for m in [&m0, &m1, &m2] {
-            b.arg(&m.0).arg(&m.1).arg(&m.2).arg(&m.3);
-        }
-        // SAFETY: matches `matmul_vec`; x holds n·cols floats, each y
-        // n·rows (the norm weight cols); in SwiGLU mode both matrices have
-        // the rows launched; absent matrices have 0 rows and get no warp;
-        // the grid covers the warps launched, the rest return at once.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 
@@ -1668,30 +1557,6 @@ impl Gpu {
         Ok(secs)
     }
 
-    /// `matmul_vec` (mode store, no norm) on uploaded operands, `reps`
-    /// times (synchronized); the seconds they took.
-    pub(crate) fn vec_check(
-        &self,
-        x: &[f32],
-        n: usize,
-        w: &Matrix,
-        y: &mut [f32],
-        reps: usize,
-    ) -> Result<f64, GpuError> {
-        let dw = self.upload_matrix(w, "vec check weights")?;
-        let dx = self.upload(x, "vec check input")?;
-        let dy = self.alloc(y.len() * 4, "vec check output")?;
-        self.sync()?;
-        let t0 = std::time::Instant::now();
-        for _ in 0..reps.max(1) {
-            self.vec_launch(dx.ptr, n, None, Fused::Store, &[(&dw, dy.ptr)])?;
-        }
-        self.sync()?;
-        let secs = t0.elapsed().as_secs_f64();
-        self.dtoh(dy.ptr, y)?;
-        Ok(secs)
-    }
-
     /// [`crate::rms_norm`] by `rms_norm_warp`, or by `norm_block` when
     /// `block`; with `add`, of `x + add` (the residual add first: `add_norm`
     /// or `norm_block`'s add), the sum also written back into `sum`.
@@ -1738,13 +1603,11 @@ impl Gpu {
         self.dtoh(dout.ptr, out)
     }
 
-    /// [`Gpu::mm_fused`] on host operands, by `matmul_vec` (`vec`) or
-    /// `matmul_fused`: `x (n, cols)`, the norm weight
+    /// [`Gpu::mm_fused`] on host operands: `x (n, cols)`, the norm weight
     /// when given, the matrices, and (for [`Fused::Accumulate`]) the
     /// starting `y`; returns each matrix's output (SwiGLU: the one result).
     pub fn fused_resident(
         &self,
-        vec: bool,
         x: &[f32],
         n: usize,
         norm: Option<(&[f32], f32)>,
@@ -1781,7 +1644,7 @@ impl Gpu {
             (Some(b), Some((_, eps))) => Some((b, eps)),
             _ => None,
         };
-        self.mm_fused_by(vec, dx.ptr, n, nm, mode, &pairs)?;
+        self.mm_fused(dx.ptr, n, nm, mode, &pairs)?;
         let take = if mode == Fused::Swiglu { 1 } else { outs.len() };
         outs.iter()
             .zip(mats)

@@ -589,12 +589,6 @@ impl Resident {
         t("output head", &|| {
             g.gather(a.x, rows, w, d, a.hx)?;
             let head = self.head.as_ref().unwrap_or(&self.embed);
-            if g.tuning().vec {
-                // The head's many warps would each remake the norm of their
-                // row: one norm launch instead.
-                g.norm_rows(a.hx, &self.norm, w, d, eps, a.hn)?;
-                return g.mm(a.hn, w, head, a.logits);
-            }
             g.mm_fused(
                 a.hx,
                 w,
