@@ -283,6 +283,30 @@ fn main() {
             std::process::exit(1);
         }
     };
+    // GPU_CHECK_CONTROLS: only the controls whose label holds one of these
+    // comma-separated words ("none": none), for a run that must fit a device
+    // budget (each control compiles and loads the whole source, about 20 s
+    // on the H200's host); unset: all.
+    let only: Option<Vec<String>> = std::env::var("GPU_CHECK_CONTROLS")
+        .ok()
+        .map(|v| v.split(',').map(|w| w.trim().to_string()).collect());
+    let all = controls.len();
+    let controls: Vec<Control> = controls
+        .into_iter()
+        .filter(|c| {
+            only.as_ref().is_none_or(|ws| {
+                ws.iter()
+                    .any(|w| !w.is_empty() && c.label.contains(w.as_str()))
+            })
+        })
+        .collect();
+    if controls.len() < all {
+        println!(
+            "negative controls: {} of {all} run (GPU_CHECK_CONTROLS={:?})",
+            controls.len(),
+            only.map(|w| w.join(",")).unwrap_or_default()
+        );
+    }
     for Control {
         label,
         source: src,
