@@ -730,3 +730,130 @@ fn rope_kv_and_embedding_match_the_cpu() {
         assert_eq!(differing(&cpu, &floats(&out[0])), 0, "embed_rows {label}");
     }
 }
+
+/// The tails (`matmul_rows_tail`, `matmul_multi_tail`): the matmul, then
+/// the follow-up its last block runs over the whole step, against the CPU's
+/// separate ops: the residual add and the next norm after o or down;
+/// SwiGLU after gate and up; RoPE and the K/V page writes after q, k, v.
+/// One token and a full tile of eight, f32 and Q4_1 (the norm and SwiGLU).
+#[test]
+fn tails_match_the_separate_ops() {
+    if emulator().is_none() {
+        return;
+    }
+    let th = Threads::new(2).expect("threads");
+    let mut r = SplitMix64(13);
+    let eps = 1e-5f32;
+    for n in [1usize, 8] {
+        // o (576 → 576): y, the residual after the add, the next norm.
+        let (d, ff) = (576usize, 1536usize);
+        let x = r.uniform_vec(n * d, 2.0);
+        let st = Stored::new(&mut r, d * d, 0.5);
+        let resid = r.uniform_vec(n * d, 3.0);
+        let nw = r.uniform_vec(d, 1.5);
+        for (label, kind, w, raw) in st.each() {
+            if label != "f32" && label != "Q4_1" {
+                continue;
+            }
+            let m = Matrix::new(w, d, d).expect("shape");
+            let mut y = vec![0.0; n * d];
+            matmul(&th, &x, n, &m, &mut y);
+            let sum: Vec<f32> = resid.iter().zip(&y).map(|(a, b)| a + b).collect();
+            let mut h = vec![0.0; n * d];
+            rms_norm(&sum, &nw, eps, &mut h);
+            let out = job(
+                &format!("rows_tail {kind} {n} {d} {d} {}", eps.to_bits()),
+                &[&bytes(&x), &raw, &bytes(&resid), &bytes(&nw)],
+            );
+            let what = format!("rows_tail {label}, {n} tokens");
+            assert_eq!(differing(&y, &floats(&out[0])), 0, "{what}: y");
+            assert_eq!(differing(&sum, &floats(&out[1])), 0, "{what}: residual");
+            assert_eq!(differing(&h, &floats(&out[2])), 0, "{what}: norm");
+        }
+        // gate, up (576 → 1536), SwiGLU.
+        let sg = Stored::new(&mut r, ff * d, 0.5);
+        let su = Stored::new(&mut r, ff * d, 0.5);
+        for ((label, kind, wg, rg), (_, _, wu, ru)) in sg.each().into_iter().zip(su.each()) {
+            if label != "f32" && label != "Q4_1" {
+                continue;
+            }
+            let (mut g, mut u) = (vec![0.0; n * ff], vec![0.0; n * ff]);
+            matmul(&th, &x, n, &Matrix::new(wg, ff, d).expect("shape"), &mut g);
+            matmul(&th, &x, n, &Matrix::new(wu, ff, d).expect("shape"), &mut u);
+            let mut a = vec![0.0; n * ff];
+            swiglu(&g, &u, &mut a);
+            let out = job(
+                &format!("multi_tail_swiglu {kind} {n} {d} {ff}"),
+                &[&bytes(&x), &rg, &ru],
+            );
+            assert_eq!(
+                differing(&a, &floats(&out[0])),
+                0,
+                "multi_tail_swiglu {label}, {n} tokens"
+            );
+        }
+        // q, k, v (576 → 576, 192, 192), RoPE, the K/V page writes.
+        let (hd, page_len) = (64usize, 16usize);
+        let (qd, kvd) = (9 * hd, 3 * hd);
+        let table = RopeTable::new(hd, 100_000.0, 4096);
+        let (cos, sin) = table.tables();
+        let positions: Vec<usize> = (0..n)
+            .map(|t| [0usize, 1, 17, 511, 4095, 3, 64, 2000][t])
+            .collect();
+        let pos: Vec<u64> = positions.iter().map(|&p| p as u64).collect();
+        let slots: Vec<u64> = positions.iter().map(|&p| (p % page_len) as u64).collect();
+        let ws: Vec<Vec<f32>> = [qd, kvd, kvd]
+            .iter()
+            .map(|&o| r.uniform_vec(o * d, 0.5))
+            .collect();
+        let mm = |w: &[f32], rows: usize| {
+            let mut y = vec![0.0; n * rows];
+            matmul(
+                &th,
+                &x,
+                n,
+                &Matrix::new(Weights::F32(w), rows, d).expect("shape"),
+                &mut y,
+            );
+            y
+        };
+        let (q, k, v) = (mm(&ws[0], qd), mm(&ws[1], kvd), mm(&ws[2], kvd));
+        let out = job(
+            &format!("multi_tail_rope {n} {d} {qd} {kvd} {hd} {page_len}"),
+            &[
+                &bytes(&x),
+                &bytes(&ws[0]),
+                &bytes(&ws[1]),
+                &bytes(&ws[2]),
+                &bytes(cos),
+                &bytes(sin),
+                &bytes64(&pos),
+                &bytes64(&slots),
+            ],
+        );
+        let (gq, gk, pages) = (floats(&out[0]), floats(&out[1]), floats(&out[2]));
+        let pf = page_len * 2 * kvd;
+        for (t, &p) in positions.iter().enumerate() {
+            let mut cq = q[t * qd..(t + 1) * qd].to_vec();
+            let mut ck = k[t * kvd..(t + 1) * kvd].to_vec();
+            rope(&table, &mut cq, p);
+            rope(&table, &mut ck, p);
+            let what = format!("multi_tail_rope, {n} tokens, position {p}");
+            assert_eq!(differing(&cq, &gq[t * qd..(t + 1) * qd]), 0, "{what}: q");
+            assert_eq!(differing(&ck, &gk[t * kvd..(t + 1) * kvd]), 0, "{what}: k");
+            let s = p % page_len;
+            let page = &pages[t * pf..(t + 1) * pf];
+            assert_eq!(
+                differing(&ck, &page[s * kvd..(s + 1) * kvd]),
+                0,
+                "{what}: K row"
+            );
+            let vr = &page[(page_len + s) * kvd..(page_len + s + 1) * kvd];
+            assert_eq!(
+                differing(&v[t * kvd..(t + 1) * kvd], vr),
+                0,
+                "{what}: V row"
+            );
+        }
+    }
+}

@@ -167,6 +167,97 @@ int main() {
         write_array(y0);
         write_array(y1);
         write_array(y2);
+    } else if (job == "rows_tail") {
+        // rows_tail kind n rows k eps_bits: x (n·k), w, resid (n·rows), nw
+        // (rows) -> y, resid after the add, h (matmul_rows_tail, TAIL_ADD_NORM)
+        int kind, n, rows, k;
+        unsigned eps_bits;
+        hs >> kind >> n >> rows >> k >> eps_bits;
+        auto x = read_as<float>();
+        auto w = read_array();
+        auto resid = read_as<float>();
+        auto nw = read_as<float>();
+        long long row_bytes = rows ? (long long)(w.size() / rows) : 0;
+        std::vector<float> y((size_t)n * rows, std::nanf("")), h((size_t)n * rows, std::nanf(""));
+        unsigned counter = 0;
+        Tail t{};
+        t.op = TAIL_ADD_NORM;
+        t.counter = (unsigned long long)(uintptr_t)&counter;
+        t.ptr[0] = (unsigned long long)(uintptr_t)resid.data();
+        t.ptr[1] = (unsigned long long)(uintptr_t)nw.data();
+        t.ptr[2] = (unsigned long long)(uintptr_t)h.data();
+        t.iv[0] = n;
+        t.iv[1] = rows;
+        t.eps_bits = eps_bits;
+        unsigned b = (unsigned)(rows * ((n + MM_TOKENS - 1) / MM_TOKENS));
+        emu::launch(b, 8 * MR_GROUPS, [&] { matmul_rows_tail(kind, x.data(), w.data(), y.data(), n, rows, k, row_bytes, t); });
+        if (counter != 0) return 3;
+        write_array(y);
+        write_array(resid);
+        write_array(h);
+    } else if (job == "multi_tail_swiglu") {
+        // multi_tail_swiglu kind n k rows: x, w0 (gate), w1 (up) -> a
+        int kind, n, k, rows;
+        hs >> kind >> n >> k >> rows;
+        auto x = read_as<float>();
+        auto w0 = read_array(), w1 = read_array();
+        long long rb = rows ? (long long)(w0.size() / rows) : 0;
+        std::vector<float> g((size_t)n * rows), u((size_t)n * rows), a((size_t)n * rows, std::nanf(""));
+        unsigned counter = 0;
+        Tail t{};
+        t.op = TAIL_SWIGLU;
+        t.counter = (unsigned long long)(uintptr_t)&counter;
+        t.ptr[0] = (unsigned long long)(uintptr_t)a.data();
+        t.iv[0] = (long long)n * rows;
+        int tiles = (n + MM_TOKENS - 1) / MM_TOKENS;
+        emu::launch((unsigned)(2 * rows * tiles), 8 * MR_GROUPS, [&] {
+            matmul_multi_tail(kind, x.data(), n, k, w0.data(), g.data(), rows, rb, w1.data(), u.data(), rows, rb,
+                              nullptr, nullptr, 0, 0, t);
+        });
+        if (counter != 0) return 3;
+        write_array(a);
+    } else if (job == "multi_tail_rope") {
+        // multi_tail_rope n k qd kvd hd page_len: x, wq, wk, wv (f32), cos,
+        // sin, pos, slot (u64) -> q, k, pages (one page per token, as rope_kv)
+        int n, k, qd, kvd, hd, page_len;
+        hs >> n >> k >> qd >> kvd >> hd >> page_len;
+        auto x = read_as<float>();
+        auto wq = read_array(), wk = read_array(), wv = read_array();
+        auto cs = read_as<float>();
+        auto sn = read_as<float>();
+        auto pos = read_as<uint64_t>();
+        auto slot = read_as<uint64_t>();
+        std::vector<float> q((size_t)n * qd), kk((size_t)n * kvd), v((size_t)n * kvd);
+        size_t pf = (size_t)page_len * 2 * kvd;
+        std::vector<float> pages((size_t)n * pf, 0.0f);
+        std::vector<unsigned long long> dst(n), ps(pos.begin(), pos.end()), sl(slot.begin(), slot.end());
+        for (int t = 0; t < n; ++t) dst[t] = (unsigned long long)(uintptr_t)(pages.data() + t * pf);
+        unsigned counter = 0;
+        Tail t{};
+        t.op = TAIL_ROPE_KV;
+        t.counter = (unsigned long long)(uintptr_t)&counter;
+        t.ptr[0] = (unsigned long long)(uintptr_t)cs.data();
+        t.ptr[1] = (unsigned long long)(uintptr_t)sn.data();
+        t.ptr[2] = (unsigned long long)(uintptr_t)ps.data();
+        t.ptr[3] = (unsigned long long)(uintptr_t)dst.data();
+        t.ptr[4] = (unsigned long long)(uintptr_t)sl.data();
+        t.iv[0] = n;
+        t.iv[1] = qd;
+        t.iv[2] = kvd;
+        t.iv[3] = hd;
+        t.iv[4] = 0;
+        t.iv[5] = page_len;
+        t.iv[6] = 0;
+        int tiles = (n + MM_TOKENS - 1) / MM_TOKENS;
+        long long rbq = 4LL * k, rbk = 4LL * k;
+        emu::launch((unsigned)((qd + 2 * kvd) * tiles), 8 * MR_GROUPS, [&] {
+            matmul_multi_tail(0, x.data(), n, k, wq.data(), q.data(), qd, rbq, wk.data(), kk.data(), kvd, rbk,
+                              wv.data(), v.data(), kvd, rbk, t);
+        });
+        if (counter != 0) return 3;
+        write_array(q);
+        write_array(kk);
+        write_array(pages);
     } else if (job == "rope_kv") {
         // rope_kv n qd kvd hd page_len: q, k, v, cos, sin, pos, slot (u64);
         // one page of one layer per token -> q, k, pages
