@@ -153,29 +153,6 @@ fn scores(
     (cpu, dev)
 }
 
-/// `matmul_rows_tail` over `n` tokens of a `d`-wide residual: the CPU's
-/// matmul, residual add and norm (y, the residual, h, then the counter as
-/// 0.0), and the device's, in one vector each.
-fn tail_case(gpu: &Gpu, r: &mut SplitMix64, n: usize, d: usize) -> (Vec<f32>, Vec<f32>) {
-    let th = Threads::new(2).expect("threads");
-    let x = r.uniform_vec(n * d, 2.0);
-    let wf = r.uniform_vec(d * d, 0.5);
-    let resid = r.uniform_vec(n * d, 3.0);
-    let nw = r.uniform_vec(d, 1.5);
-    let m = Matrix::new(Weights::F32(&wf), d, d).expect("shape");
-    let mut y = vec![0.0; n * d];
-    matmul(&th, &x, n, &m, &mut y);
-    let sum: Vec<f32> = resid.iter().zip(&y).map(|(a, b)| a + b).collect();
-    let mut h = vec![0.0; n * d];
-    rms_norm(&sum, &nw, 1e-5, &mut h);
-    let (gy, gr, gh, c) = gpu
-        .tail_resident(&x, n, &m, &resid, &nw, 1e-5)
-        .expect("gpu matmul_rows_tail");
-    let want = [y, sum, h, vec![0.0]].concat();
-    let got = [gy, gr, gh, vec![c as f32]].concat();
-    (want, got)
-}
-
 /// Differing bits, per op, between the CPU and a (mutated) device build over
 /// a few matmuls, RMSNorm, RoPE and the mini-v4 ops.
 fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
@@ -234,12 +211,6 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
             .fused_resident(&x, n, Some((&nw, 1e-5)), Fused::Store, &[&m], &[])
             .expect("gpu matmul_fused");
         out.push(("matmul_fused", diff(&cpu, &got[0])));
-    }
-    {
-        // matmul_rows_tail: the residual add and the norm in the last block.
-        let (d, n) = (576usize, 2usize);
-        let (want, got) = tail_case(gpu, &mut r, n, d);
-        out.push(("matmul_rows_tail", diff(&want, &got)));
     }
     let w = r.uniform_vec(cols, 1.5);
     let (mut cpu, mut dev) = (vec![0.0; x.len()], vec![0.0; x.len()]);
@@ -733,17 +704,6 @@ fn main() {
                 );
             }
         }
-    }
-    // matmul_rows_tail: o or down, then the residual add and the next norm
-    // in the matmul's last block (one token, a full tile, SmolLM2's width
-    // and a ragged one).
-    for &(n, d) in &[(1usize, 576usize), (8, 576), (3, 100)] {
-        let (want, got) = tail_case(&gpu, &mut r, n, d);
-        report(
-            format!("matmul_rows_tail (y, residual, norm, counter) {n}×{d}"),
-            diff(&want, &got),
-            want.len(),
-        );
     }
     // Paged attention with head_dim 128 and 256 (two chunks and more per
     // score) and MHA.

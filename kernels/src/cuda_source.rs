@@ -76,11 +76,6 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
             "float xv = nw ? xr[i] * (inv[tt] * nw[i]) : xr[i];",
         ),
         (
-            "tail run by the first block to finish",
-            "last = prev == gridDim.x - 1;",
-            "last = prev == 0;",
-        ),
-        (
             "attention_paged P·V as mul + add",
             "a = fmaf(sc[j0 + i], vv, a);",
             "a = sc[j0 + i] * vv + a;",

@@ -565,23 +565,6 @@ fn the_emulation_sees_each_broken_kernel() {
     swiglu(&x, &u, &mut a);
     let mut sw_cpu = vec![0.0; n * rows];
     matmul(&th, &a, n, &m, &mut sw_cpu);
-    // matmul_rows_tail: 2 tokens of 96 → 96, the residual add and the norm.
-    let tr = 96usize;
-    let tx = r.uniform_vec(nr * tr, 2.0);
-    let tw = r.uniform_vec(tr * tr, 0.5);
-    let tres = r.uniform_vec(nr * tr, 3.0);
-    let tnw = r.uniform_vec(tr, 1.5);
-    let mut ty = vec![0.0; nr * tr];
-    matmul(
-        &th,
-        &tx,
-        nr,
-        &Matrix::new(Weights::F32(&tw), tr, tr).expect("shape"),
-        &mut ty,
-    );
-    let tsum: Vec<f32> = tres.iter().zip(&ty).map(|(a, b)| a + b).collect();
-    let mut tail_h = vec![0.0; tsum.len()];
-    rms_norm(&tsum, &tnw, 1e-5, &mut tail_h);
     let controls = lmrr_kernels::cuda_source::negative_controls().unwrap_or_else(|e| panic!("{e}"));
     let mut seen = 0;
     for (i, c) in controls.iter().enumerate() {
@@ -598,7 +581,6 @@ fn the_emulation_sees_each_broken_kernel() {
             "norm_block",
             "norm_reg",
             "matmul_fused",
-            "tail",
             "fmad",
         ]
         .iter()
@@ -639,16 +621,6 @@ fn the_emulation_sees_each_broken_kernel() {
                 &[&bytes(&nx), &bytes(&nx), &bytes(&nw)],
             );
             d += differing(&norm_cpu, &floats(&out[0]));
-        }
-        {
-            // The residual add and the next norm in matmul_rows' last block.
-            let out = job_on(
-                &bin,
-                &format!("rows_tail 0 {nr} {tr} {tr} {}", 1e-5f32.to_bits()),
-                &[&bytes(&tx), &bytes(&tw), &bytes(&tres), &bytes(&tnw)],
-            );
-            d += differing(&tail_h, &floats(&out[2]));
-            d += usize::from(out[3] != [0u8; 4]);
         }
         {
             let out = job_on(
@@ -797,7 +769,6 @@ fn tails_match_the_separate_ops() {
             assert_eq!(differing(&y, &floats(&out[0])), 0, "{what}: y");
             assert_eq!(differing(&sum, &floats(&out[1])), 0, "{what}: residual");
             assert_eq!(differing(&h, &floats(&out[2])), 0, "{what}: norm");
-            assert_eq!(out[3], [0u8; 4], "{what}: the counter is left at 0");
         }
         // gate, up (576 → 1536), SwiGLU.
         let sg = Stored::new(&mut r, ff * d, 0.5);
@@ -819,10 +790,6 @@ fn tails_match_the_separate_ops() {
                 differing(&a, &floats(&out[0])),
                 0,
                 "multi_tail_swiglu {label}, {n} tokens"
-            );
-            assert_eq!(
-                out[1], [0u8; 4],
-                "multi_tail_swiglu: the counter is left at 0"
             );
         }
         // q, k, v (576 → 576, 192, 192), RoPE, the K/V page writes.
@@ -865,10 +832,6 @@ fn tails_match_the_separate_ops() {
             ],
         );
         let (gq, gk, pages) = (floats(&out[0]), floats(&out[1]), floats(&out[2]));
-        assert_eq!(
-            out[3], [0u8; 4],
-            "multi_tail_rope: the counter is left at 0"
-        );
         let pf = page_len * 2 * kvd;
         for (t, &p) in positions.iter().enumerate() {
             let mut cq = q[t * qd..(t + 1) * qd].to_vec();

@@ -35,8 +35,6 @@ fn kernels_cu_compiles_under_nvrtc() {
         "norm_reg",
         "matmul_rows_swiglu",
         "matmul_gemm_pipelined",
-        "matmul_rows_tail",
-        "matmul_multi_tail",
         "fma_peak",
     ] {
         assert!(
@@ -54,7 +52,7 @@ fn kernels_cu_compiles_under_nvrtc() {
     let sm90 = compile_for(SOURCE, false, Some("compute_90")).unwrap_or_else(|e| panic!("{e}"));
     let waits = sm90.matches("griddepcontrol.wait").count();
     assert!(
-        waits >= 23 && waits == sm90.matches("griddepcontrol.launch_dependents").count(),
+        waits >= 21 && waits == sm90.matches("griddepcontrol.launch_dependents").count(),
         "{waits} griddepcontrol.wait in the compute_90 PTX"
     );
     // Each negative control's source compiles too (else gpu_check's control

@@ -109,13 +109,6 @@ pub struct Tuning {
     /// against 620); 0: plain launches, the kernels at NVRTC's default
     /// architecture.
     pub pdl: bool,
-    /// `LMRR_CUDA_TAIL_MAX`: steps of at most this many tokens (at most
-    /// [`MM_TOKENS`]) that take `matmul_rows` fold the launch after each
-    /// matmul (RoPE and the K/V page writes after q, k, v; SwiGLU after
-    /// gate and up; the residual add and the next norm after o and down)
-    /// into the matmul's last block (`matmul_rows_tail`,
-    /// `matmul_multi_tail`: four launches a layer fewer); 0: never.
-    pub tail_max: usize,
     /// `LMRR_CUDA_SPLIT_BLOCKS`: a `matmul_gemm` whose tiles are fewer
     /// than this many blocks is split over its chunks (partials, then
     /// `sum_chunks`) to about this many blocks; 0: never split.
@@ -134,7 +127,6 @@ impl Default for Tuning {
             attn_decode_max: 132,
             down_swiglu: false,
             pdl: true,
-            tail_max: 0,
             split_blocks: 4096,
         }
     }
@@ -158,7 +150,6 @@ impl Tuning {
             ("LMRR_CUDA_GEMM_WIDE_MIN", &mut t.gemm_wide_min),
             ("LMRR_CUDA_SPLIT_BLOCKS", &mut t.split_blocks),
             ("LMRR_CUDA_ATTN_DECODE_MAX", &mut t.attn_decode_max),
-            ("LMRR_CUDA_TAIL_MAX", &mut t.tail_max),
         ] {
             if let Some(v) = get(var) {
                 *slot = v.trim().parse().map_err(|_| {
@@ -182,8 +173,6 @@ impl Tuning {
         // matmul_fused holds at most MM_TOKENS tokens of partials.
         t.fused_max = t.fused_max.min(MM_TOKENS);
         t.swiglu_max = t.swiglu_max.min(MM_TOKENS);
-        // A tail runs on one block: kept to one token tile.
-        t.tail_max = t.tail_max.min(MM_TOKENS);
         Ok(t)
     }
 }
@@ -212,7 +201,6 @@ mod tuning_tests {
             ("LMRR_CUDA_ATTN_DECODE_MAX", "0"),
             ("LMRR_CUDA_DOWN_SWIGLU", "1"),
             ("LMRR_CUDA_PDL", "0"),
-            ("LMRR_CUDA_TAIL_MAX", "100"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -227,7 +215,6 @@ mod tuning_tests {
                 attn_decode_max: 0,
                 down_swiglu: true,
                 pdl: false,
-                tail_max: MM_TOKENS,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
@@ -266,8 +253,6 @@ pub(crate) struct Kernels {
     norm_block: Func,
     norm_reg: Func,
     matmul_fused: Func,
-    matmul_rows_tail: Func,
-    matmul_multi_tail: Func,
     sum_chunks: Func,
     /// Which kernel each step and matmul takes ([`Tuning`]).
     pub(crate) tuning: Tuning,
@@ -320,8 +305,6 @@ impl Kernels {
             norm_block: f("norm_block")?,
             norm_reg: f("norm_reg")?,
             matmul_fused: f("matmul_fused")?,
-            matmul_rows_tail: f("matmul_rows_tail")?,
-            matmul_multi_tail: f("matmul_multi_tail")?,
             sum_chunks: f("sum_chunks")?,
             tuning,
             embed_rows: f("embed_rows")?,
@@ -566,49 +549,6 @@ pub enum Fused {
     Accumulate,
     /// `y0 = silu(x·W0ᵀ) · (x·W1ᵀ)` (two matrices of the same rows).
     Swiglu,
-}
-
-/// What runs after a decode matmul ([`Gpu::mm_tail`]): in the matmul's last
-/// block where the step allows, else as its own launch; the same bits.
-#[derive(Clone, Copy)]
-pub enum TailOp<'a> {
-    /// After q, k, v (the three matrices, in that order): RoPE of q and k at
-    /// `pos`, the rotated K and the V rows into their page slots
-    /// ([`Gpu::rope_kv`]'s operations).
-    RopeKv {
-        tables: (&'a DevBuf, &'a DevBuf),
-        pos: u64,
-        dst: u64,
-        slot: u64,
-        head_dim: usize,
-        layout: PageLayout,
-        layer: usize,
-    },
-    /// After gate and up: `out = SwiGLU(gate, up)` ([`Gpu::swiglu_dev`]).
-    Swiglu { out: u64 },
-    /// After a matmul of `d` rows into `y`: `x += y`, then
-    /// `out = rms_norm(x)·w` ([`Gpu::add_norm`]).
-    AddNorm {
-        x: u64,
-        w: &'a DevBuf,
-        eps: f32,
-        out: u64,
-    },
-}
-
-/// What [`Gpu::tail_resident`] brings back: y, the residual after the add,
-/// the norm, and the counter as the kernel left it.
-pub type TailCheck = (Vec<f32>, Vec<f32>, Vec<f32>, u32);
-
-/// `struct Tail` of kernels.cu, field for field (every field 8 bytes).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-struct TailArgs {
-    op: u64,
-    counter: u64,
-    ptr: [u64; 6],
-    iv: [i64; 7],
-    eps_bits: u64,
 }
 
 /// Device scratch for split matmuls ([`Gpu::mm_split`]): an address and
@@ -1123,213 +1063,6 @@ impl Gpu {
         // SAFETY: matches `matmul_fused`; x holds n·cols floats, each y
         // n·rows (the norm weight cols); in SwiGLU mode both matrices have
         // the rows launched; absent matrices have 0 rows and get no block.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
-    }
-
-    /// The matmuls `mats` of `x (n, cols)` (as [`Gpu::mm_multi`]), then
-    /// `tail`: by `matmul_rows_tail` / `matmul_multi_tail` when the step
-    /// takes `matmul_rows` and has at most [`Tuning::tail_max`] tokens (the
-    /// follow-up in the matmul's last block; `counter` the address of a
-    /// device `u32` that is 0 between launches, which the kernel leaves at
-    /// 0), else as separate launches. The same bits either way.
-    pub fn mm_tail(
-        &self,
-        x: u64,
-        n: usize,
-        mats: &[(&DevMatrix, u64)],
-        scratch: SplitScratch,
-        counter: u64,
-        tail: TailOp<'_>,
-    ) -> Result<(), GpuError> {
-        let tail_max = self.res.tuning.tail_max;
-        self.mm_tail_with(tail_max, x, n, mats, scratch, counter, tail)
-    }
-
-    /// [`Gpu::mm_tail`], folding steps of at most `tail_max` tokens.
-    #[allow(clippy::too_many_arguments)]
-    fn mm_tail_with(
-        &self,
-        tail_max: usize,
-        x: u64,
-        n: usize,
-        mats: &[(&DevMatrix, u64)],
-        scratch: SplitScratch,
-        counter: u64,
-        tail: TailOp<'_>,
-    ) -> Result<(), GpuError> {
-        if n == 0 || mats.is_empty() {
-            return Ok(());
-        }
-        let tun = self.res.tuning;
-        let (w0, y0) = mats[0];
-        let cols = w0.cols;
-        let same = mats.len() <= 3
-            && mats
-                .iter()
-                .all(|(w, _)| w.kind == w0.kind && w.cols == cols && w.rows > 0);
-        let fits = match tail {
-            TailOp::RopeKv { layout, .. } => {
-                mats.len() == 3
-                    && mats[1].0.rows == layout.kv_dim
-                    && mats[2].0.rows == layout.kv_dim
-            }
-            TailOp::Swiglu { .. } => mats.len() == 2 && mats[1].0.rows == w0.rows,
-            TailOp::AddNorm { .. } => mats.len() == 1 && w0.rows.div_ceil(64) <= MR_MAX_CHUNKS,
-        };
-        let fold = same
-            && fits
-            && counter != 0
-            && n <= tail_max.min(MM_TOKENS)
-            && n < tun.gemm_min.max(1)
-            && cols.div_ceil(64) <= MR_MAX_CHUNKS;
-        if !fold {
-            self.mm_multi(x, n, mats, scratch)?;
-            return match tail {
-                TailOp::RopeKv {
-                    tables,
-                    pos,
-                    dst,
-                    slot,
-                    head_dim,
-                    layout,
-                    layer,
-                } => {
-                    let (q, k, v) = match mats {
-                        [a, b, c] => (a.1, b.1, c.1),
-                        _ => {
-                            return Err(GpuError::Shape {
-                                what: "rope_kv",
-                                detail: format!("{} matrices (q, k, v wanted)", mats.len()),
-                            })
-                        }
-                    };
-                    self.rope_kv(
-                        (q, k, v),
-                        tables,
-                        pos,
-                        dst,
-                        slot,
-                        n,
-                        w0.rows,
-                        head_dim,
-                        layout,
-                        layer,
-                    )
-                }
-                TailOp::Swiglu { out } => {
-                    let u = mats.get(1).map(|m| m.1).ok_or(GpuError::Shape {
-                        what: "swiglu",
-                        detail: "one matrix (gate and up wanted)".into(),
-                    })?;
-                    self.swiglu_dev(y0, u, out, n * w0.rows)
-                }
-                TailOp::AddNorm {
-                    x: res,
-                    w,
-                    eps,
-                    out,
-                } => self.add_norm(res, y0, w, n, w0.rows, eps, out),
-            };
-        }
-        let mut a = TailArgs {
-            counter,
-            ..TailArgs::default()
-        };
-        match tail {
-            TailOp::RopeKv {
-                tables,
-                pos,
-                dst,
-                slot,
-                head_dim,
-                layout,
-                layer,
-            } => {
-                let (pl, _, aux) = layout_args(&layout)?;
-                a.op = 1;
-                a.ptr[..5].copy_from_slice(&[tables.0.ptr, tables.1.ptr, pos, dst, slot]);
-                a.iv = [
-                    n as i64,
-                    w0.rows as i64,
-                    layout.kv_dim as i64,
-                    head_dim as i64,
-                    layer as i64,
-                    pl as i64,
-                    aux as i64,
-                ];
-                // The kernel's indices are 32-bit, as rope_kv's.
-                as_i32(
-                    "rope",
-                    n * (w0.rows / 2 + layout.kv_dim / 2 + layout.kv_dim),
-                )?;
-            }
-            TailOp::Swiglu { out } => {
-                a.op = 2;
-                a.ptr[0] = out;
-                a.iv[0] = (n * w0.rows) as i64;
-            }
-            TailOp::AddNorm {
-                x: res,
-                w,
-                eps,
-                out,
-            } => {
-                if w.bytes() < 4 * w0.rows {
-                    return Err(GpuError::Shape {
-                        what: "add_norm",
-                        detail: format!(
-                            "norm weight of {} bytes for rows of {}",
-                            w.bytes(),
-                            w0.rows
-                        ),
-                    });
-                }
-                a.op = 3;
-                a.ptr[..3].copy_from_slice(&[res, w.ptr, out]);
-                a.iv[0] = n as i64;
-                a.iv[1] = w0.rows as i64;
-                a.eps_bits = eps.to_bits() as u64;
-            }
-        }
-        let (ni, ki) = (as_i32("matmul", n)?, as_i32("matmul", cols)?);
-        as_i32("matmul", n * cols)?;
-        let tiles = n.div_ceil(MM_TOKENS);
-        if mats.len() == 1 {
-            let ri = as_i32("matmul", w0.rows)?;
-            let cfg = row_blocks(w0.rows * tiles)?;
-            let mut b = self.kernel(&self.res.matmul_rows_tail)?;
-            b.arg(&w0.kind)
-                .arg(&x)
-                .arg(&w0.buf.ptr)
-                .arg(&y0)
-                .arg(&ni)
-                .arg(&ri)
-                .arg(&ki)
-                .arg(&w0.row_bytes)
-                .arg(&a);
-            // SAFETY: matches `matmul_rows_tail` (`Tail` is TailArgs, field
-            // for field); x holds n·cols floats, y and the residual n·rows,
-            // the norm weight rows; counter is a device u32 at 0.
-            return unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv);
-        }
-        let blocks: usize = mats.iter().map(|(w, _)| w.rows * tiles).sum();
-        let cfg = row_blocks(blocks)?;
-        let slot = |i: usize| -> Result<(u64, u64, i32, i64), GpuError> {
-            Ok(match mats.get(i) {
-                Some((w, y)) => (w.buf.ptr, *y, as_i32("matmul", w.rows)?, w.row_bytes),
-                None => (0, 0, 0, 0),
-            })
-        };
-        let (m0, m1, m2) = (slot(0)?, slot(1)?, slot(2)?);
-        let mut b = self.kernel(&self.res.matmul_multi_tail)?;
-        b.arg(&w0.kind).arg(&x).arg(&ni).arg(&ki);
-        for m in [&m0, &m1, &m2] {
-            b.arg(&m.0).arg(&m.1).arg(&m.2).arg(&m.3);
-        }
-        b.arg(&a);
-        // SAFETY: matches `matmul_multi_tail`; x holds n·cols floats, each y
-        // n·rows; an absent third matrix has 0 rows and gets no block; the
-        // tail's buffers hold what its follow-up kernel's would.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 
@@ -1868,65 +1601,6 @@ impl Gpu {
             self.dtoh(dx.ptr, sum)?;
         }
         self.dtoh(dout.ptr, out)
-    }
-
-    /// `matmul_rows_tail` on host operands (for `gpu_check`): `y = x·Wᵀ`
-    /// (`n` ≤ [`MM_TOKENS`] tokens, W square), then in its last block
-    /// `resid += y` and `h = rms_norm(resid)·nw`; returns `(y, resid, h)`
-    /// and the counter as the kernel left it (0 when it resets it).
-    pub fn tail_resident(
-        &self,
-        x: &[f32],
-        n: usize,
-        w: &Matrix,
-        resid: &[f32],
-        nw: &[f32],
-        eps: f32,
-    ) -> Result<TailCheck, GpuError> {
-        let d = w.rows;
-        if w.cols != d || x.len() != n * d || resid.len() != n * d || nw.len() != d || n > MM_TOKENS
-        {
-            return Err(GpuError::Shape {
-                what: "matmul_rows_tail",
-                detail: format!(
-                    "x {}, resid {}, nw {}, W {}×{}, n {n} (W square, n ≤ {MM_TOKENS})",
-                    x.len(),
-                    resid.len(),
-                    nw.len(),
-                    w.rows,
-                    w.cols
-                ),
-            });
-        }
-        let dw = self.upload_matrix(w, "w")?;
-        let (dx, dr, dn) = (
-            self.upload(x, "x")?,
-            self.upload(resid, "resid")?,
-            self.upload(nw, "norm")?,
-        );
-        let (dy, dh) = (self.alloc(n * d * 4, "y")?, self.alloc(n * d * 4, "h")?);
-        let counter = self.upload(&[0u32], "counter")?;
-        self.mm_tail_with(
-            MM_TOKENS,
-            dx.ptr,
-            n,
-            &[(&dw, dy.ptr)],
-            SplitScratch::NONE,
-            counter.ptr,
-            TailOp::AddNorm {
-                x: dr.ptr,
-                w: &dn,
-                eps,
-                out: dh.ptr,
-            },
-        )?;
-        let (mut y, mut r, mut h, mut c) =
-            (vec![0.0; n * d], vec![0.0; n * d], vec![0.0; n * d], [7u32]);
-        self.dtoh(dy.ptr, &mut y)?;
-        self.dtoh(dr.ptr, &mut r)?;
-        self.dtoh(dh.ptr, &mut h)?;
-        self.dtoh(counter.ptr, &mut c)?;
-        Ok((y, r, h, c[0]))
     }
 
     /// [`Gpu::mm_fused`] on host operands: `x (n, cols)`, the norm weight

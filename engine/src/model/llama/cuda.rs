@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use lmrr_kernels::cuda::resident::{
-    DevBuf, DevMatrix, Fused, Graph, PageLayout, PageTable, Pinned, SplitScratch, TailOp,
+    DevBuf, DevMatrix, Fused, Graph, PageLayout, PageTable, Pinned, SplitScratch,
 };
 use lmrr_kernels::cuda::Gpu;
 use lmrr_kernels::Threads;
@@ -102,9 +102,6 @@ pub(crate) struct Resident {
     norm: DevBuf,
     layers: Vec<DevLayer>,
     rope: (DevBuf, DevBuf),
-    /// The tails' counter (one `u32`, 0 between launches; kernels.cu's
-    /// `tail_last`), set to 0 again after a failed step.
-    counter: DevBuf,
     graphs_on: AtomicBool,
     /// `LMRR_CUDA_PROFILE=1`: every part synchronized and timed (graphs
     /// off), for `lmrr bench`'s breakdown; measurement only.
@@ -154,7 +151,6 @@ impl Resident {
             head: m.lm_head.as_ref().map(|t| up(g, t)).transpose()?,
             norm: upv(g, &m.norm, "model.norm")?,
             rope: (upv(g, cos, "RoPE cos")?, upv(g, sin, "RoPE sin")?),
-            counter: g.upload(&[0u32], "the tails' counter").map_err(gpu_err)?,
             layers,
             graphs_on: AtomicBool::new(graphs_default()),
             profiling: std::env::var("LMRR_CUDA_PROFILE").is_ok_and(|v| v == "1"),
@@ -331,9 +327,6 @@ impl Resident {
             }
             st.graphs.clear();
             let _ = self.gpu.sync();
-            // A step that failed mid-launch may leave the tails' counter
-            // counting.
-            let _ = self.gpu.htod(&[0u32], self.counter.ptr());
         }
         out
     }
@@ -625,7 +618,7 @@ impl Resident {
         let g = &*self.gpu;
         let c = &m.cfg;
         let (d, ff, eps) = (c.hidden_size, c.intermediate_size, c.rms_norm_eps);
-        let kvd = m.shape.kv_dim();
+        let (qd, kvd) = (m.shape.q_dim(), m.shape.kv_dim());
         let scale = 1.0 / (m.shape.head_dim as f32).sqrt();
         let e = gpu_err;
         let t = |part, f: &dyn Fn() -> Result<(), lmrr_kernels::cuda::GpuError>| {
@@ -645,107 +638,61 @@ impl Resident {
             addr: a.part,
             floats: a.part_floats,
         };
-        let counter = self.counter.ptr();
         for (li, l) in self.layers.iter().enumerate() {
             let (k, v) = (
                 a.k + 4 * (li * n * kvd) as u64,
                 a.v + 4 * (li * n * kvd) as u64,
             );
-            // Layer 0's norm; every later layer's is made after the layer
-            // before it (the residual add of its MLP output, then the norm).
-            if li == 0 {
-                t("norms (with residual adds)", &|| {
-                    g.norm_rows(a.x, &l.attn_norm, n, d, eps, a.h)
-                })?;
-            }
-            // q, k, v, then RoPE and the K/V page writes (in q, k, v's last
-            // block where the step allows: Tuning::tail_max).
-            t("matmul q, k, v; rope, KV write", &|| {
-                g.mm_tail(
-                    a.h,
+            // The previous layer's MLP output joins the residual here.
+            t("norms (with residual adds)", &|| match li {
+                0 => g.norm_rows(a.x, &l.attn_norm, n, d, eps, a.h),
+                _ => g.add_norm(a.x, a.o, &l.attn_norm, n, d, eps, a.h),
+            })?;
+            t("matmul q, k, v", &|| {
+                g.mm_multi(a.h, n, &[(&l.q, a.q), (&l.k, k), (&l.v, v)], sp)
+            })?;
+            t("rope, KV write", &|| {
+                g.rope_kv(
+                    (a.q, k, v),
+                    (&self.rope.0, &self.rope.1),
+                    table.pos,
+                    dst,
+                    slot,
                     n,
-                    &[(&l.q, a.q), (&l.k, k), (&l.v, v)],
-                    sp,
-                    counter,
-                    TailOp::RopeKv {
-                        tables: (&self.rope.0, &self.rope.1),
-                        pos: table.pos,
-                        dst,
-                        slot,
-                        head_dim: m.shape.head_dim,
-                        layout,
-                        layer: li,
-                    },
+                    qd,
+                    m.shape.head_dim,
+                    layout,
+                    li,
                 )
             })?;
             t("attention", &|| {
                 g.attention_paged(a.q, table, n, &m.shape, layout, li, scale, a.att)
             })?;
-            t("matmul o; residual add, norm", &|| {
-                g.mm_tail(
-                    a.att,
-                    n,
-                    &[(&l.o, a.o)],
-                    sp,
-                    counter,
-                    TailOp::AddNorm {
-                        x: a.x,
-                        w: &l.mlp_norm,
-                        eps,
-                        out: a.h,
-                    },
-                )
+            t("matmul o", &|| g.mm_split(a.att, n, &l.o, a.o, sp))?;
+            t("norms (with residual adds)", &|| {
+                g.add_norm(a.x, a.o, &l.mlp_norm, n, d, eps, a.h)
             })?;
             if n <= swiglu_max {
                 // SwiGLU in gate/up's epilogue: the same values, one launch fewer.
                 t("matmul gate, up, swiglu", &|| {
                     g.mm_fused(a.h, n, None, Fused::Swiglu, &[(&l.gate, a.a), (&l.up, a.u)])
                 })?;
+                t("matmul down", &|| g.mm_split(a.a, n, &l.down, a.o, sp))?;
             } else if down_swiglu {
                 // SwiGLU made in down's input loads: one launch fewer.
                 t("matmul gate, up", &|| {
                     g.mm_multi(a.h, n, &[(&l.gate, a.g), (&l.up, a.u)], sp)
                 })?;
-            } else {
-                t("matmul gate, up; swiglu", &|| {
-                    g.mm_tail(
-                        a.h,
-                        n,
-                        &[(&l.gate, a.g), (&l.up, a.u)],
-                        sp,
-                        counter,
-                        TailOp::Swiglu { out: a.a },
-                    )
+                t("matmul down (SwiGLU in its input)", &|| {
+                    g.mm_rows_swiglu(a.g, a.u, n, &l.down, a.o)
                 })?;
+            } else {
+                t("matmul gate, up", &|| {
+                    g.mm_multi(a.h, n, &[(&l.gate, a.g), (&l.up, a.u)], sp)
+                })?;
+                t("swiglu", &|| g.swiglu_dev(a.g, a.u, a.a, n * ff))?;
+                t("matmul down", &|| g.mm_split(a.a, n, &l.down, a.o, sp))?;
             }
-            // Down, then (but after the last layer) the residual add and the
-            // next layer's norm.
-            let next = self.layers.get(li + 1);
-            t("matmul down; residual add, norm", &|| {
-                if down_swiglu && n > swiglu_max {
-                    g.mm_rows_swiglu(a.g, a.u, n, &l.down, a.o)?;
-                    return match next {
-                        Some(nl) => g.add_norm(a.x, a.o, &nl.attn_norm, n, d, eps, a.h),
-                        None => Ok(()),
-                    };
-                }
-                match next {
-                    Some(nl) => g.mm_tail(
-                        a.a,
-                        n,
-                        &[(&l.down, a.o)],
-                        sp,
-                        counter,
-                        TailOp::AddNorm {
-                            x: a.x,
-                            w: &nl.attn_norm,
-                            eps,
-                            out: a.h,
-                        },
-                    ),
-                    None => g.mm_split(a.a, n, &l.down, a.o, sp),
-                }
-            })?;
         }
         t("output head", &|| {
             if !self.layers.is_empty() {
