@@ -1079,22 +1079,22 @@ __device__ __forceinline__ float* kv_row(unsigned long long page, int layer, int
 
 // RoPE of n query rows (qd) and key rows (kvd) at positions pos[t], and the
 // rotated K rows with the V rows written into token t's page dst[t], slot
-// slot[t], of `layer` (RoPE then the page writes, in one launch). Element
-// idx of n·(qd/2 + kvd/2 + kvd): a (q or k) pair or a v value. CG: q, k
-// and v read through L2 only (a tail's reads of other blocks' writes).
-template <bool CG>
-__device__ __forceinline__ void rope_kv_at(long long idx, float* q, float* k, const float* v, const float* cos_t,
-                                           const float* sin_t, const unsigned long long* pos,
-                                           const unsigned long long* dst, const unsigned long long* slot, int qd,
-                                           int kvd, int d, int layer, int page_len, int aux) {
+// slot[t], of `layer` (RoPE then the page writes, in one launch).
+extern "C" __global__ void rope_kv(float* q, float* k, const float* v, const float* cos_t, const float* sin_t,
+                                   const unsigned long long* pos, const unsigned long long* dst,
+                                   const unsigned long long* slot, int n, int qd, int kvd, int d,
+                                   int layer, int page_len, int aux) {
+    PDL_ENTRY();
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int h = d / 2;
     int per = qd / 2 + kvd / 2 + kvd;
+    if (idx >= (long long)n * per) return;
     long long t = idx / per;
     int r = (int)(idx % per);
     int s = (int)slot[t];
     if (r >= qd / 2 + kvd / 2) {
         int c = r - qd / 2 - kvd / 2;
-        kv_row(dst[t], layer, page_len, kvd, aux, s, 1)[c] = CG ? __ldcg(v + t * kvd + c) : v[t * kvd + c];
+        kv_row(dst[t], layer, page_len, kvd, aux, s, 1)[c] = v[t * kvd + c];
         return;
     }
     bool is_k = r >= qd / 2;
@@ -1104,7 +1104,7 @@ __device__ __forceinline__ void rope_kv_at(long long idx, float* q, float* k, co
     float* p = row + head * d;
     const float* c = cos_t + (long long)pos[t] * h;
     const float* sn = sin_t + (long long)pos[t] * h;
-    float a = CG ? __ldcg(p + i) : p[i], b = CG ? __ldcg(p + i + h) : p[i + h];
+    float a = p[i], b = p[i + h];
     float lo = a * c[i] - b * sn[i];
     float hi = b * c[i] + a * sn[i];
     p[i] = lo;
@@ -1114,16 +1114,6 @@ __device__ __forceinline__ void rope_kv_at(long long idx, float* q, float* k, co
         kr[i] = lo;
         kr[i + h] = hi;
     }
-}
-
-extern "C" __global__ void rope_kv(float* q, float* k, const float* v, const float* cos_t, const float* sin_t,
-                                   const unsigned long long* pos, const unsigned long long* dst,
-                                   const unsigned long long* slot, int n, int qd, int kvd, int d,
-                                   int layer, int page_len, int aux) {
-    PDL_ENTRY();
-    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)n * (qd / 2 + kvd / 2 + kvd)) return;
-    rope_kv_at<false>(idx, q, k, v, cos_t, sin_t, pos, dst, slot, qd, kvd, d, layer, page_len, aux);
 }
 
 #define ATTN_THREADS 256
@@ -1340,125 +1330,4 @@ extern "C" __global__ void fma_peak(float* out, int iters, float a, float b) {
     #pragma unroll
     for (int j = 0; j < 8; ++j) s = s + acc[j];
     out[blockIdx.x * blockDim.x + threadIdx.x] = s;
-}
-
-// ---- Tails (LMRR_CUDA_TAIL_MAX): in decode steps, the launch that follows a
-// matmul (RoPE and the K/V page writes after q, k, v; SwiGLU after gate and
-// up; the residual add and the next norm after o and down) is run by the
-// matmul's last block instead: each block, once its outputs are written,
-// makes them visible device-wide (__threadfence) and counts itself done; the
-// block that counts last sees every output and runs the follow-up over the
-// whole step, with that kernel's operations in its order (rope_kv_at,
-// swiglu_of, norm_block's chunk partials in chunk order), then resets the
-// counter for the next launch. Reads of what other blocks wrote bypass L1
-// (__ldcg). One launch fewer per follow-up; the same bits.
-struct Tail {
-    unsigned long long op;       // TAIL_*
-    unsigned long long counter;  // an unsigned int in device memory, 0 between launches
-    unsigned long long ptr[6];
-    long long iv[7];
-    unsigned long long eps_bits;
-};
-#define TAIL_ROPE_KV 1
-#define TAIL_SWIGLU 2
-#define TAIL_ADD_NORM 3
-
-// True in the block that finishes last, every other block's writes visible.
-__device__ __forceinline__ bool tail_last(unsigned* counter) {
-    __shared__ int last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        unsigned prev = atomicAdd(counter, 1u);
-        last = prev == gridDim.x - 1;
-        if (last) atomicExch(counter, 0u);
-    }
-    __syncthreads();
-    if (last) __threadfence();
-    return last;
-}
-
-// The follow-up over the step, by the last block; y0..y2 the matmul's
-// outputs (q, k, v; gate, up; the matmul's one output).
-__device__ void tail_run(const Tail& t, float* y0, float* y1, float* y2) {
-    if (t.op == TAIL_ROPE_KV) {
-        int n = (int)t.iv[0], qd = (int)t.iv[1], kvd = (int)t.iv[2], d = (int)t.iv[3];
-        long long total = (long long)n * (qd / 2 + kvd / 2 + kvd);
-        // Each q or k pair is read and rewritten by one thread.
-        for (long long idx = threadIdx.x; idx < total; idx += blockDim.x)
-            rope_kv_at<true>(idx, y0, y1, y2, (const float*)t.ptr[0], (const float*)t.ptr[1],
-                       (const unsigned long long*)t.ptr[2], (const unsigned long long*)t.ptr[3],
-                       (const unsigned long long*)t.ptr[4], qd, kvd, d, (int)t.iv[4], (int)t.iv[5], (int)t.iv[6]);
-    } else if (t.op == TAIL_SWIGLU) {
-        float* out = (float*)t.ptr[0];
-        long long count = t.iv[0];
-        for (long long i = threadIdx.x; i < count; i += blockDim.x) out[i] = swiglu_of(__ldcg(y0 + i), __ldcg(y1 + i));
-    } else if (t.op == TAIL_ADD_NORM) {
-        // x += y0, then out = rms_norm(x) * w: norm_block's operations, a row
-        // at a time.
-        float* x = (float*)t.ptr[0];
-        const float* w = (const float*)t.ptr[1];
-        float* out = (float*)t.ptr[2];
-        int rows = (int)t.iv[0], d = (int)t.iv[1];
-        float eps = __uint_as_float((unsigned)t.eps_bits);
-        __shared__ float part[MR_MAX_CHUNKS];
-        __shared__ float inv_s;
-        int g = threadIdx.x >> 3, j = threadIdx.x & 7, groups = blockDim.x >> 3;
-        int chunks = (d + CHUNK - 1) / CHUNK;
-        for (int r = 0; r < rows; ++r) {
-            float* xr = x + (long long)r * d;
-            for (int i = threadIdx.x; i < d; i += blockDim.x) xr[i] = xr[i] + __ldcg(y0 + (long long)r * d + i);
-            __syncthreads();
-            for (int cb = 0; cb < chunks; cb += groups) {
-                int c = cb + g;
-                int cend = c < chunks ? min(c * CHUNK + CHUNK, d) : 0;
-                float l = 0.0f;
-                for (int i = c * CHUNK + j; i < cend; i += LANES) l = fmaf(xr[i], xr[i], l);
-                l = l + __shfl_xor_sync(0xffffffffu, l, 4);
-                l = l + __shfl_xor_sync(0xffffffffu, l, 2);
-                l = l + __shfl_xor_sync(0xffffffffu, l, 1);
-                if (j == 0 && c < chunks) part[c] = l;
-            }
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                float ss = 0.0f;
-                for (int c = 0; c < chunks; ++c) ss = ss + part[c];
-                inv_s = 1.0f / sqrtf(ss / (float)d + eps);
-            }
-            __syncthreads();
-            float inv = inv_s;
-            for (int i = threadIdx.x; i < d; i += blockDim.x) out[(long long)r * d + i] = (xr[i] * inv) * w[i];
-            __syncthreads();
-        }
-    }
-}
-
-// matmul_rows, then the tail (TAIL_ADD_NORM: o or down, the residual add
-// and the next norm).
-extern "C" __global__ void matmul_rows_tail(int kind, const float* x, const unsigned char* w, float* y, int n,
-                                            int rows, int k, long long row_bytes, Tail t) {
-    PDL_ENTRY();
-    mm_rows_block(kind, x, w, y, n, rows, k, row_bytes, blockIdx.x % rows, (blockIdx.x / rows) * MM_TOKENS);
-    if (tail_last((unsigned*)t.counter)) tail_run(t, y, nullptr, nullptr);
-}
-
-// matmul_multi, then the tail (TAIL_ROPE_KV after q, k, v; TAIL_SWIGLU
-// after gate and up).
-extern "C" __global__ void matmul_multi_tail(int kind, const float* x, int n, int k,
-                                             const unsigned char* w0, float* y0, int rows0, long long rb0,
-                                             const unsigned char* w1, float* y1, int rows1, long long rb1,
-                                             const unsigned char* w2, float* y2, int rows2, long long rb2, Tail t) {
-    PDL_ENTRY();
-    int tiles = (n + MM_TOKENS - 1) / MM_TOKENS;
-    int b = blockIdx.x;
-    if (b < rows0 * tiles) {
-        mm_rows_block(kind, x, w0, y0, n, rows0, k, rb0, b % rows0, (b / rows0) * MM_TOKENS);
-    } else if (b - rows0 * tiles < rows1 * tiles) {
-        b -= rows0 * tiles;
-        mm_rows_block(kind, x, w1, y1, n, rows1, k, rb1, b % rows1, (b / rows1) * MM_TOKENS);
-    } else {
-        b -= (rows0 + rows1) * tiles;
-        mm_rows_block(kind, x, w2, y2, n, rows2, k, rb2, b % rows2, (b / rows2) * MM_TOKENS);
-    }
-    if (tail_last((unsigned*)t.counter)) tail_run(t, y0, y1, y2);
 }

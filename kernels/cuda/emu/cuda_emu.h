@@ -51,14 +51,6 @@ inline std::barrier<>& emu_warp() {
 
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp().arrive_and_wait(); }
 
-// Blocks run one after another here, so a fence has nothing to order and an
-// atomic nothing to race; L1 does not exist.
-inline void __threadfence() {}
-inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
-inline unsigned atomicExch(unsigned* p, unsigned v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
-template <class T>
-inline T __ldcg(const T* p) { return *p; }
-
 inline float __shfl_sync(unsigned, float v, int src) {
     unsigned me = emu::tl_thread.x, base = me & ~31u;
     emu::tl_ctx->lanes[me] = v;
