@@ -55,6 +55,56 @@ fn kernels_cu_compiles_under_nvrtc() {
         waits >= 21 && waits == sm90.matches("griddepcontrol.launch_dependents").count(),
         "{waits} griddepcontrol.wait in the compute_90 PTX"
     );
+    // With PDL_PREFETCH (LMRR_CUDA_PDL_PREFETCH) the same kernels wait,
+    // some of them after their first weight loads, and matmul_rows' wait
+    // comes after a load of the weights.
+    let pre = compile_for(
+        &lmrr_kernels::cuda::prefetch_source(SOURCE),
+        false,
+        Some("compute_90"),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    // Each kernel's text: the kernels that wait are the same ones, each
+    // wait with its launch_dependents.
+    let waiting = |ptx: &str| -> Vec<String> {
+        ptx.split(".entry ")
+            .skip(1)
+            .filter(|k| k.contains("griddepcontrol.wait"))
+            .map(|k| k.split('(').next().unwrap_or("").to_string())
+            .collect()
+    };
+    assert_eq!(
+        waiting(&pre),
+        waiting(&sm90),
+        "the kernels that wait, with PDL_PREFETCH"
+    );
+    assert_eq!(
+        pre.matches("griddepcontrol.wait").count(),
+        pre.matches("griddepcontrol.launch_dependents").count(),
+        "a launch_dependents with every wait, with PDL_PREFETCH"
+    );
+    let rows = |ptx: &str| -> String {
+        let at = ptx.find(".entry matmul_rows(").expect("matmul_rows");
+        ptx[at..]
+            .split(".entry ")
+            .nth(1)
+            .map_or(String::new(), |s| s.to_string())
+    };
+    let body = rows(&pre);
+    let (wait, load) = (
+        body.find("griddepcontrol.wait")
+            .expect("a wait in matmul_rows"),
+        body.find("ld.global").expect("a load in matmul_rows"),
+    );
+    assert!(
+        load < wait,
+        "matmul_rows loads no weight before its wait under PDL_PREFETCH"
+    );
+    let plain = rows(&sm90);
+    assert!(
+        plain.find("griddepcontrol.wait") < plain.find("ld.global"),
+        "matmul_rows loads before its wait without PDL_PREFETCH"
+    );
     // Each negative control's source compiles too (else gpu_check's control
     // would fail to open, not prove anything).
     let controls = negative_controls().unwrap_or_else(|e| panic!("{e}"));

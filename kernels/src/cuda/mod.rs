@@ -63,6 +63,13 @@ pub fn compile_for(
     Ok(ptx.to_src())
 }
 
+/// `source` with `PDL_PREFETCH` defined: the resident kernels that load
+/// weights first issue those loads before waiting for the kernel ahead of
+/// them (`Tuning::pdl_prefetch`; kernels.cu's `PDL_ENTRY_LATE`).
+pub fn prefetch_source(source: &str) -> String {
+    format!("#define PDL_PREFETCH 1\n{source}")
+}
+
 /// Why the device path is unavailable or failed.
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
@@ -193,7 +200,9 @@ impl Gpu {
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
             .map_err(drv)?;
         tuning.pdl &= major >= 9;
-        let res_ptx = if tuning.pdl {
+        let res_ptx = if tuning.pdl && tuning.pdl_prefetch {
+            compile_for(&prefetch_source(source), fmad, Some("compute_90"))?
+        } else if tuning.pdl {
             compile_for(source, fmad, Some("compute_90"))?
         } else {
             ptx.clone()

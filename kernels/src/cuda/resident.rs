@@ -109,6 +109,13 @@ pub struct Tuning {
     /// against 620); 0: plain launches, the kernels at NVRTC's default
     /// architecture.
     pub pdl: bool,
+    /// `LMRR_CUDA_PDL_PREFETCH` (with [`Tuning::pdl`]): the resident
+    /// module compiled with `PDL_PREFETCH`, so that `matmul_rows`,
+    /// `matmul_multi`, `matmul_rows_swiglu` and `norm_reg` load their first
+    /// weights before waiting for the kernel ahead of them (weights are
+    /// never written while steps run: the same values); 0: every kernel
+    /// waits first.
+    pub pdl_prefetch: bool,
     /// `LMRR_CUDA_SPLIT_BLOCKS`: a `matmul_gemm` whose tiles are fewer
     /// than this many blocks is split over its chunks (partials, then
     /// `sum_chunks`) to about this many blocks; 0: never split.
@@ -127,6 +134,7 @@ impl Default for Tuning {
             attn_decode_max: 132,
             down_swiglu: false,
             pdl: true,
+            pdl_prefetch: false,
             split_blocks: 4096,
         }
     }
@@ -161,6 +169,7 @@ impl Tuning {
             ("LMRR_CUDA_GEMM_PIPELINED", &mut t.gemm_pipelined),
             ("LMRR_CUDA_DOWN_SWIGLU", &mut t.down_swiglu),
             ("LMRR_CUDA_PDL", &mut t.pdl),
+            ("LMRR_CUDA_PDL_PREFETCH", &mut t.pdl_prefetch),
         ] {
             if let Some(v) = get(var) {
                 *slot = match v.trim() {
@@ -201,6 +210,7 @@ mod tuning_tests {
             ("LMRR_CUDA_ATTN_DECODE_MAX", "0"),
             ("LMRR_CUDA_DOWN_SWIGLU", "1"),
             ("LMRR_CUDA_PDL", "0"),
+            ("LMRR_CUDA_PDL_PREFETCH", "1"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -215,6 +225,7 @@ mod tuning_tests {
                 attn_decode_max: 0,
                 down_swiglu: true,
                 pdl: false,
+                pdl_prefetch: true,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
