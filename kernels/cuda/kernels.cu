@@ -34,9 +34,9 @@
 
 // Prologue before the wait (LMRR_CUDA_PDL_PREFETCH: the resident module
 // compiled with PDL_PREFETCH defined): a kernel whose first loads are of
-// weights (matmul_rows and its forms; norm_reg's norm weight) issues them
-// before griddepcontrol.wait, so their DRAM latency overlaps the kernel
-// ahead of it. Weights are never written while steps run, so what they load
+// weights (matmul_rows and its forms, matmul_fused; norm_reg's norm weight)
+// issues them before griddepcontrol.wait, so their DRAM latency overlaps the
+// kernel ahead of it. Weights are never written while steps run, so what they load
 // is the same whenever they load it; everything else still waits
 // (PDL_ENTRY_LATE, right after those loads, instead of PDL_ENTRY first).
 #if defined(PDL_PREFETCH)
@@ -722,9 +722,22 @@ extern "C" __global__ void norm_reg(float* x, const float* y, const float* w, fl
 // Partials of one weight row wr for the tile's tokens into part[tt][c], as
 // mm_rows_block computes them; with nw, each input is the token's RMSNorm,
 // (x_i * inv[tt]) * nw[i], made on the fly by the same two roundings.
+// The weights of this thread's lane in the first MR_GROUPS chunks of row wr
+// (fz_partials' first pass), loaded ahead (before the PDL wait).
+__device__ __forceinline__ void fz_first(int kind, const unsigned char* wr, int k, float pre[CHUNK / LANES]) {
+    int g = threadIdx.x >> 3, j = threadIdx.x & 7;
+    int chunks = (k + CHUNK - 1) / CHUNK;
+    int cend = g < chunks ? min(g * CHUNK + CHUNK, k) : 0;
+    #pragma unroll
+    for (int s = 0; s < CHUNK / LANES; ++s) {
+        int i = g * CHUNK + j + s * LANES;
+        pre[s] = i < cend ? weight(kind, wr, i) : 0.0f;
+    }
+}
+
 __device__ __forceinline__ void fz_partials(int kind, const float* x, const unsigned char* wr, int tn, int k,
                                             int t0, const float* nw, const float* inv,
-                                            float (*part)[MR_MAX_CHUNKS]) {
+                                            float (*part)[MR_MAX_CHUNKS], const float pre[CHUNK / LANES]) {
     int g = threadIdx.x >> 3, j = threadIdx.x & 7;
     int chunks = (k + CHUNK - 1) / CHUNK;
     for (int cb = 0; cb < chunks; cb += MR_GROUPS) {
@@ -735,7 +748,7 @@ __device__ __forceinline__ void fz_partials(int kind, const float* x, const unsi
         #pragma unroll
         for (int s = 0; s < CHUNK / LANES; ++s) {
             int i = base + s * LANES;
-            wv[s] = i < cend ? weight(kind, wr, i) : 0.0f;
+            wv[s] = cb == 0 ? pre[s] : i < cend ? weight(kind, wr, i) : 0.0f;
         }
         #pragma unroll
         for (int tt = 0; tt < MM_TOKENS; ++tt) {
@@ -800,7 +813,7 @@ extern "C" __global__ void matmul_fused(int kind, const float* x, int n, int k, 
                                         int mode, const unsigned char* w0, float* y0, int rows0, long long rb0,
                                         const unsigned char* w1, float* y1, int rows1, long long rb1,
                                         const unsigned char* w2, float* y2, int rows2, long long rb2) {
-    PDL_ENTRY();
+    PDL_ENTRY_EARLY();
     __shared__ float part[MM_TOKENS][MR_MAX_CHUNKS];
     __shared__ float part2[MM_TOKENS][MR_MAX_CHUNKS];
     __shared__ float inv[MM_TOKENS];
@@ -822,9 +835,15 @@ extern "C" __global__ void matmul_fused(int kind, const float* x, int n, int k, 
     int o = b % rows, t0 = (b / rows) * MM_TOKENS;
     int tn = min(MM_TOKENS, n - t0);
     int chunks = (k + CHUNK - 1) / CHUNK;
+    // Both rows' first weights in flight before the wait (PDL_PREFETCH) and
+    // before the norm.
+    float pre0[CHUNK / LANES], pre1[CHUNK / LANES];
+    fz_first(kind, w + o * rb, k, pre0);
+    if (mode == 2) fz_first(kind, w1 + o * rb1, k, pre1);
+    PDL_ENTRY_LATE();
     if (nw) fz_norm_inv(x, tn, k, t0, eps, part, inv);
-    fz_partials(kind, x, w + o * rb, tn, k, t0, nw, inv, part);
-    if (mode == 2) fz_partials(kind, x, w1 + o * rb1, tn, k, t0, nw, inv, part2);
+    fz_partials(kind, x, w + o * rb, tn, k, t0, nw, inv, part, pre0);
+    if (mode == 2) fz_partials(kind, x, w1 + o * rb1, tn, k, t0, nw, inv, part2, pre1);
     __syncthreads();
     if (threadIdx.x < tn) {
         int tt = threadIdx.x;
