@@ -285,8 +285,8 @@ fn main() {
     };
     // GPU_CHECK_CONTROLS: only the controls whose label holds one of these
     // comma-separated words ("none": none), for a run that must fit a device
-    // budget (each control compiles and loads the whole source, about 20 s
-    // on the H200's host); unset: all.
+    // budget (each control compiles and loads the whole source: about 55 s
+    // apiece on the H200 machine); unset: all.
     let only: Option<Vec<String>> = std::env::var("GPU_CHECK_CONTROLS")
         .ok()
         .map(|v| v.split(',').map(|w| w.trim().to_string()).collect());
