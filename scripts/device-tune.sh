@@ -35,6 +35,12 @@ for pdl in 1 0; do
   LMRR_CUDA_PDL=$pdl b --prompt-len 64 --batches 1,8,64
   LMRR_CUDA_PDL=$pdl b --prompt-len 512 --batches 1
 done
+echo "## weights before the PDL wait (LMRR_CUDA_PDL_PREFETCH) against every kernel waiting first, batches 1, 8, 64 and prefill"
+for pp in 1 0 1 0; do
+  echo "# LMRR_CUDA_PDL_PREFETCH=$pp"
+  LMRR_CUDA_PDL_PREFETCH=$pp b --prompt-len 64 --batches 1,8,64
+  LMRR_CUDA_PDL_PREFETCH=$pp b --prompt-len 512 --batches 1
+done
 echo "## attention_decode up to N blocks (LMRR_CUDA_ATTN_DECODE_MAX) against attention_paged, batches 1, 8, 16, 64"
 for am in 132 0 100000; do
   echo "# LMRR_CUDA_ATTN_DECODE_MAX=$am"
