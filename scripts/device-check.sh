@@ -160,13 +160,17 @@ done
 # programmatic dependent launch (the kernels at NVRTC's default
 # architecture, not sm_90), with matmul_rows and with gemm from 9 tokens;
 # every kernel waiting before its weight loads (LMRR_CUDA_PDL_PREFETCH=0,
-# the default loads them first); fused steps with graphs off.
+# the default loads them first); fused steps with graphs off;
+# attention_decode loading earlier steps' K/V rows before its wait
+# (LMRR_CUDA_ATTN_PREFETCH=1), also for every attention step (prefill
+# chunks: rows of the step's own span must wait) with graphs off.
 tunings="LMRR_CUDA_FUSED_MAX=8;LMRR_CUDA_SWIGLU_MAX=8;LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=0"
 tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_WIDE_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=1000000"
 tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_PIPELINED=0;LMRR_CUDA_GEMM_MIN=1000000"
 tunings+=";LMRR_CUDA_DOWN_SWIGLU=1 LMRR_CUDA_ATTN_DECODE_MAX=0;LMRR_CUDA_ATTN_DECODE_MAX=100000"
 tunings+=";LMRR_CUDA_PDL=0;LMRR_CUDA_PDL=0 LMRR_CUDA_GEMM_MIN=9"
 tunings+=";LMRR_CUDA_PDL_PREFETCH=0;LMRR_CUDA_FUSED_MAX=8 LMRR_CUDA_GRAPHS=0"
+tunings+=";LMRR_CUDA_ATTN_PREFETCH=1;LMRR_CUDA_ATTN_PREFETCH=1 LMRR_CUDA_GRAPHS=0 LMRR_CUDA_ATTN_DECODE_MAX=100000"
 IFS=';' read -r -a tuning_list <<<"${DEVICE_CHECK_TUNINGS:-$tunings}"
 for tun in "${tuning_list[@]}"; do
   for s in incident multi-user; do

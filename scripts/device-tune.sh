@@ -41,6 +41,12 @@ for pp in 1 0 1 0; do
   LMRR_CUDA_PDL_PREFETCH=$pp b --prompt-len 64 --batches 1,8,64
   LMRR_CUDA_PDL_PREFETCH=$pp b --prompt-len 512 --batches 1
 done
+echo "## attention_decode's inputs and earlier steps' K/V rows before the wait (LMRR_CUDA_ATTN_PREFETCH), batches 1, 8 and after 512"
+for ap in 1 0 1 0; do
+  echo "# LMRR_CUDA_ATTN_PREFETCH=$ap"
+  LMRR_CUDA_ATTN_PREFETCH=$ap b --prompt-len 64 --batches 1,8
+  LMRR_CUDA_ATTN_PREFETCH=$ap b --prompt-len 512 --batches 1
+done
 echo "## attention_decode up to N blocks (LMRR_CUDA_ATTN_DECODE_MAX) against attention_paged, batches 1, 8, 16, 64"
 for am in 132 0 100000; do
   echo "# LMRR_CUDA_ATTN_DECODE_MAX=$am"

@@ -1186,7 +1186,15 @@ extern "C" __global__ void rope_kv(float* q, float* k, const float* v, const flo
 // Every value is the one the one-thread kernel computes, by the same
 // operations in the same order. Token t reads pages pages[seq_off[t] ..]
 // (page_len positions each) up to pos[t].
-template <int BATCH, bool VPRE>
+//
+// PRE (attention_decode with ATTN_PREFETCH and PDL_PREFETCH): before the PDL
+// wait, the block loads what no kernel of this step writes — the step's
+// inputs (positions, page tables) and the K and V rows of positions written
+// by earlier steps (below the first position any token of this token's span
+// writes now) — for the first batch of scores (chunk 0) and the first V
+// tile pass; rows of this step's positions, q and everything else are read
+// after the wait. The values are the same ones, so the arithmetic is.
+template <int BATCH, bool VPRE, bool PRE = false>
 __device__ __forceinline__ void attention_body(const float* q, const unsigned long long* pages,
                                                const unsigned long long* seq_off,
                                                const unsigned long long* pos, float* out,
@@ -1200,15 +1208,53 @@ __device__ __forceinline__ void attention_body(const float* q, const unsigned lo
     __shared__ float sc[SC_POS];
     __shared__ float tm[SC_TILES], ta[SC_TILES], tl[SC_TILES];
     __shared__ float at[ACC_T];
+    int tiles_per = min(SC_TILES, ACC_T / hd);
+    int grp = tid >> 3, lane8 = tid & 7;
+    // Positions below first_new were written by earlier steps (PRE only).
+    int first_new = 0;
+    float kpre[BATCH][CHUNK / LANES], vpre[VPRE ? ATTN_TILE : 1];
+    if (PRE) {
+        unsigned long long so = seq_off[t];
+        int n = gridDim.x / n_heads;
+        first_new = (int)pos[t];
+        for (int u = t - 1; u >= 0 && seq_off[u] == so; --u) first_new = min(first_new, (int)pos[u]);
+        for (int u = t + 1; u < n && seq_off[u] == so; ++u) first_new = min(first_new, (int)pos[u]);
+        const unsigned long long* pt0 = pages + so;
+        int npos0 = min(tiles_per * ATTN_TILE, (int)pos[t] + 1);
+        int cend0 = min(CHUNK, hd);
+        #pragma unroll
+        for (int u = 0; u < BATCH; ++u) {
+            int jj = u * 32 + grp;
+            bool old = jj < npos0 && jj < first_new;
+            const float* kr = old ? kv_row(pt0[jj / page_len], layer, page_len, kvd, aux, jj % page_len, 0) + kvh * hd
+                                  : nullptr;
+            #pragma unroll
+            for (int s2 = 0; s2 < CHUNK / LANES; ++s2) {
+                int i = lane8 + s2 * LANES;
+                kpre[u][s2] = old && i < cend0 ? kr[i] : 0.0f;
+            }
+        }
+        if (VPRE) {
+            int ntiles0 = (npos0 + ATTN_TILE - 1) / ATTN_TILE;
+            int tt = tid / hd, d = tid % hd;
+            int j0 = tt * ATTN_TILE, cnt = tid < ntiles0 * hd ? min(ATTN_TILE, npos0 - j0) : 0;
+            #pragma unroll
+            for (int i = 0; i < (VPRE ? ATTN_TILE : 1); ++i) {
+                int j = j0 + i;
+                vpre[i] = i < cnt && j < first_new
+                              ? kv_row(pt0[j / page_len], layer, page_len, kvd, aux, j % page_len, 1)[kvh * hd + d]
+                              : 0.0f;
+            }
+        }
+        PDL_ENTRY();
+    }
     for (int d = tid; d < hd; d += ATTN_THREADS) qs[d] = q[(long long)t * qd + h * hd + d];
     __syncthreads();
     const unsigned long long* pt = pages + seq_off[t];
     int p_end = (int)pos[t];
-    int tiles_per = min(SC_TILES, ACC_T / hd);
     float m = __int_as_float(0xff800000);  // -inf
     float l = 0.0f;
     float acc = 0.0f;  // dimension tid (tid < hd; MAX_HEAD_DIM == ATTN_THREADS)
-    int grp = tid >> 3, lane8 = tid & 7;
     int chunks = (hd + CHUNK - 1) / CHUNK;
     for (int base = 0; base <= p_end; base += tiles_per * ATTN_TILE) {
         int npos = min(tiles_per * ATTN_TILE, p_end + 1 - base);
@@ -1237,7 +1283,11 @@ __device__ __forceinline__ void attention_body(const float* q, const unsigned lo
                     int i = c0 + lane8 + s2 * LANES;
                     qv[s2] = i < cend ? qs[i] : 0.0f;
                     #pragma unroll
-                    for (int u = 0; u < BATCH; ++u) kv[u][s2] = i < cend ? kr[u][i] : 0.0f;
+                    for (int u = 0; u < BATCH; ++u) {
+                        // Loaded before the wait: base 0, the first batch, chunk 0, an old row.
+                        bool pre = PRE && base == 0 && jb == 0 && c == 0 && u * 32 + grp < first_new;
+                        kv[u][s2] = pre ? kpre[u][s2] : i < cend ? kr[u][i] : 0.0f;
+                    }
                 }
                 #pragma unroll
                 for (int u = 0; u < BATCH; ++u) {
@@ -1302,7 +1352,10 @@ __device__ __forceinline__ void attention_body(const float* q, const unsigned lo
                 #pragma unroll
                 for (int i = 0; i < ATTN_TILE; ++i) {
                     int j = base + j0 + i;
-                    vv[i] = i < cnt ? kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 1)[kvh * hd + d]
+                    // Loaded before the wait: base 0, this thread's first pair, an old row.
+                    bool pre = PRE && base == 0 && pi == tid && j < first_new;
+                    vv[i] = i < cnt ? (pre ? vpre[VPRE ? i : 0]
+                                           : kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 1)[kvh * hd + d])
                                     : 0.0f;
                 }
                 #pragma unroll
@@ -1354,9 +1407,15 @@ extern "C" __global__ void attention_decode(const float* q, const unsigned long 
                                             const unsigned long long* pos, float* out,
                                             int n_heads, int n_kv_heads, int head_dim, int layer,
                                             int page_len, int aux, float scale) {
+#if defined(ATTN_PREFETCH) && defined(PDL_PREFETCH)
+    // Old K/V rows and the inputs before the wait (LMRR_CUDA_ATTN_PREFETCH).
+    attention_body<ATTN_BATCH, true, true>(q, pages, seq_off, pos, out, n_heads, n_kv_heads, head_dim, layer,
+                                           page_len, aux, scale);
+#else
     PDL_ENTRY();
     attention_body<ATTN_BATCH, true>(q, pages, seq_off, pos, out, n_heads, n_kv_heads, head_dim, layer, page_len,
                                      aux, scale);
+#endif
 }
 
 // The device's FP32 FMA rate, for `lmrr bench`: 8 independent fmaf chains

@@ -6,6 +6,13 @@
 /// The kernels' source, compiled at `cuda::Gpu::open`.
 pub const SOURCE: &str = include_str!("../cuda/kernels.cu");
 
+/// `source` with `PDL_PREFETCH` defined: the resident kernels that load
+/// weights first issue those loads before waiting for the kernel ahead of
+/// them (`Tuning::pdl_prefetch`; kernels.cu's `PDL_ENTRY_LATE`).
+pub fn prefetch_source(source: &str) -> String {
+    format!("#define PDL_PREFETCH 1\n{source}")
+}
+
 /// A negative control of the device check: `source` is [`SOURCE`] with one
 /// canonical-order detail broken (or multiply-add contraction allowed when
 /// `fmad`), so some kernel must give other bits; a check that cannot see it

@@ -433,6 +433,8 @@ fn paged_attention_matches_the_cpu() {
     // running max and the merge cross super-chunks.
     let cases: &[(usize, usize, usize, &[usize], usize)] = &[
         (4, 2, 64, &[0, 31, 32, 70], 16),
+        // Two spans of two (below): the second's rows under 40 are old.
+        (4, 2, 64, &[5, 6, 40, 41], 16),
         (4, 2, 64, &[5, 40], 1),
         (3, 3, 80, &[95], 7),
         (2, 1, 128, &[200], 16),
@@ -479,28 +481,64 @@ fn paged_attention_matches_the_cpu() {
         let q: Vec<f32> = qs.concat();
         let seq_off = vec![0u64; tasks.len()];
         let pos: Vec<u64> = positions.iter().map(|&p| p as u64).collect();
-        for (kernel, decode) in [("attention_paged", 0), ("attention_decode", 1)] {
-            let out = job(
-                &format!(
-                    "attention {} {nh} {nkv} {hd} {page_len} {} {decode}",
-                    tasks.len(),
-                    scale.to_bits()
-                ),
-                &[
-                    &bytes(&q),
-                    &bytes(&store),
-                    &bytes64(&index),
-                    &bytes64(&seq_off),
-                    &bytes64(&pos),
-                ],
-            );
-            assert_eq!(
-                differing(&cpu, &floats(&out[0])),
-                0,
-                "{kernel} {nh}/{nkv} × {hd}, positions {positions:?}, pages of {page_len}"
-            );
+        for (kernel, decode, bin) in [
+            ("attention_paged", 0, emulator()),
+            ("attention_decode", 1, emulator()),
+            ("attention_decode, ATTN_PREFETCH", 1, emulator_prefetch()),
+        ] {
+            let Some(bin) = bin else { continue };
+            // One span of every task (the positions below the first are
+            // earlier steps' rows: loaded before the wait under
+            // ATTN_PREFETCH), then two spans of two tasks each where
+            // there are four (the second span's table a copy of the first).
+            let mut layouts = vec![(index.clone(), seq_off.clone())];
+            if tasks.len() == 4 {
+                layouts.push((
+                    [index.clone(), index.clone()].concat(),
+                    vec![0, 0, pages as u64, pages as u64],
+                ));
+            }
+            for (table, offs) in &layouts {
+                let out = job_on(
+                    bin,
+                    &format!(
+                        "attention {} {nh} {nkv} {hd} {page_len} {} {decode}",
+                        tasks.len(),
+                        scale.to_bits()
+                    ),
+                    &[
+                        &bytes(&q),
+                        &bytes(&store),
+                        &bytes64(table),
+                        &bytes64(offs),
+                        &bytes64(&pos),
+                    ],
+                );
+                assert_eq!(
+                    differing(&cpu, &floats(&out[0])),
+                    0,
+                    "{kernel} {nh}/{nkv} × {hd}, positions {positions:?}, pages of {page_len}, spans {offs:?}"
+                );
+            }
         }
     }
+}
+
+/// The emulation of kernels.cu as compiled with `PDL_PREFETCH` and
+/// `ATTN_PREFETCH` (LMRR_CUDA_ATTN_PREFETCH): `attention_decode`'s loads
+/// before the wait, whose values must be the ones it would load after.
+fn emulator_prefetch() -> Option<&'static PathBuf> {
+    static BIN: OnceLock<Option<PathBuf>> = OnceLock::new();
+    BIN.get_or_init(|| {
+        have_gxx().then(|| {
+            let src = format!(
+                "#define ATTN_PREFETCH 1\n{}",
+                lmrr_kernels::cuda_source::prefetch_source(lmrr_kernels::cuda_source::SOURCE)
+            );
+            build("cuda_emu_prefetch", &src, false)
+        })
+    })
+    .as_ref()
 }
 
 /// The tests above can fail: every negative control that breaks one of the

@@ -105,6 +105,36 @@ fn kernels_cu_compiles_under_nvrtc() {
         plain.find("griddepcontrol.wait") < plain.find("ld.global"),
         "matmul_rows loads before its wait without PDL_PREFETCH"
     );
+    // With ATTN_PREFETCH too (LMRR_CUDA_ATTN_PREFETCH), attention_decode
+    // loads before its wait; attention_paged still waits first.
+    let attn = compile_for(
+        &format!(
+            "#define ATTN_PREFETCH 1\n{}",
+            lmrr_kernels::cuda::prefetch_source(SOURCE)
+        ),
+        false,
+        Some("compute_90"),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let entry = |ptx: &str, name: &str| -> String {
+        let at = ptx.find(&format!(".entry {name}(")).expect(name);
+        ptx[at..]
+            .split(".entry ")
+            .nth(1)
+            .map_or(String::new(), |s| s.to_string())
+    };
+    for (name, early) in [("attention_decode", true), ("attention_paged", false)] {
+        let body = entry(&attn, name);
+        let (wait, load) = (
+            body.find("griddepcontrol.wait").expect("a wait"),
+            body.find("ld.global").expect("a load"),
+        );
+        assert_eq!(
+            load < wait,
+            early,
+            "{name}: a load before the wait under ATTN_PREFETCH"
+        );
+    }
     // Each negative control's source compiles too (else gpu_check's control
     // would fail to open, not prove anything).
     let controls = negative_controls().unwrap_or_else(|e| panic!("{e}"));

@@ -63,11 +63,19 @@ pub fn compile_for(
     Ok(ptx.to_src())
 }
 
-/// `source` with `PDL_PREFETCH` defined: the resident kernels that load
-/// weights first issue those loads before waiting for the kernel ahead of
-/// them (`Tuning::pdl_prefetch`; kernels.cu's `PDL_ENTRY_LATE`).
-pub fn prefetch_source(source: &str) -> String {
-    format!("#define PDL_PREFETCH 1\n{source}")
+pub use crate::cuda_source::prefetch_source;
+
+/// `source` as the resident module is compiled under programmatic
+/// dependent launch for `tuning`: `PDL_PREFETCH` defined with
+/// [`resident::Tuning::pdl_prefetch`], and `ATTN_PREFETCH` too with
+/// [`resident::Tuning::attn_prefetch`] (`attention_decode` loading the
+/// inputs and the K/V rows of earlier steps before its wait).
+pub fn resident_source(source: &str, tuning: &resident::Tuning) -> String {
+    match (tuning.pdl_prefetch, tuning.attn_prefetch) {
+        (true, true) => format!("#define ATTN_PREFETCH 1\n{}", prefetch_source(source)),
+        (true, false) => prefetch_source(source),
+        _ => source.to_string(),
+    }
 }
 
 /// Why the device path is unavailable or failed.
@@ -200,10 +208,8 @@ impl Gpu {
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
             .map_err(drv)?;
         tuning.pdl &= major >= 9;
-        let res_ptx = if tuning.pdl && tuning.pdl_prefetch {
-            compile_for(&prefetch_source(source), fmad, Some("compute_90"))?
-        } else if tuning.pdl {
-            compile_for(source, fmad, Some("compute_90"))?
+        let res_ptx = if tuning.pdl {
+            compile_for(&resident_source(source, &tuning), fmad, Some("compute_90"))?
         } else {
             ptx.clone()
         };

@@ -118,6 +118,13 @@ pub struct Tuning {
     /// 834-838 tok/s, batch 8 3,654-3,880 against 3,439-3,527, bf16 batch 1
     /// 888 against 767); 0: every kernel waits first.
     pub pdl_prefetch: bool,
+    /// `LMRR_CUDA_ATTN_PREFETCH` (with [`Tuning::pdl_prefetch`]):
+    /// `attention_decode` loads the step's inputs and the K/V rows that
+    /// earlier steps wrote (below the first position its span writes now)
+    /// before its wait; rows of this step's positions and q after it. Off
+    /// until measured on a device (written and checked on the CPU
+    /// emulation; device-check and device-tune cover it).
+    pub attn_prefetch: bool,
     /// `LMRR_CUDA_SPLIT_BLOCKS`: a `matmul_gemm` whose tiles are fewer
     /// than this many blocks is split over its chunks (partials, then
     /// `sum_chunks`) to about this many blocks; 0: never split.
@@ -137,6 +144,7 @@ impl Default for Tuning {
             down_swiglu: false,
             pdl: true,
             pdl_prefetch: true,
+            attn_prefetch: false,
             split_blocks: 4096,
         }
     }
@@ -172,6 +180,7 @@ impl Tuning {
             ("LMRR_CUDA_DOWN_SWIGLU", &mut t.down_swiglu),
             ("LMRR_CUDA_PDL", &mut t.pdl),
             ("LMRR_CUDA_PDL_PREFETCH", &mut t.pdl_prefetch),
+            ("LMRR_CUDA_ATTN_PREFETCH", &mut t.attn_prefetch),
         ] {
             if let Some(v) = get(var) {
                 *slot = match v.trim() {
@@ -213,6 +222,7 @@ mod tuning_tests {
             ("LMRR_CUDA_DOWN_SWIGLU", "1"),
             ("LMRR_CUDA_PDL", "0"),
             ("LMRR_CUDA_PDL_PREFETCH", "0"),
+            ("LMRR_CUDA_ATTN_PREFETCH", "1"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -228,6 +238,7 @@ mod tuning_tests {
                 down_swiglu: true,
                 pdl: false,
                 pdl_prefetch: false,
+                attn_prefetch: true,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
