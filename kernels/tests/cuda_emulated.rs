@@ -26,7 +26,11 @@ fn have_gxx() -> bool {
 /// `name`; `contract` lets the host compiler contract multiply-adds.
 fn build(name: &str, source: &str, contract: bool) -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("cuda/emu");
-    let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    // Named per process: two test processes at once (a workspace run beside
+    // a filtered one) must not rewrite the binary the other is running.
+    let tmp =
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("emu-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).expect("the emulation's folder");
     let cu = tmp.join(format!("{name}.cu"));
     std::fs::write(&cu, source).expect("write the source");
     let out = tmp.join(name);
