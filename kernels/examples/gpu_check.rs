@@ -7,7 +7,7 @@
 //! Prints one line per case and a summary; exits 1 on any differing bit, 2
 //! when no device can be opened.
 
-use lmrr_kernels::cuda::resident::{Fused, NormKernel};
+use lmrr_kernels::cuda::resident::{Fused, NormKernel, Tuning};
 use lmrr_kernels::cuda::{negative_controls, Control, Gpu, MatmulKernel};
 use lmrr_kernels::*;
 
@@ -313,7 +313,14 @@ fn main() {
         fmad,
     } in controls
     {
-        match Gpu::open_with(0, &src, fmad) {
+        // Plain launches: the kernels compiled once, at the default
+        // architecture (a control shows the check sees a broken kernel; the
+        // build users run is the one checked below).
+        let plain = Tuning {
+            pdl: false,
+            ..Tuning::default()
+        };
+        match Gpu::open_tuned(0, &src, fmad, plain) {
             Ok(g) => {
                 let per_op = control(&g);
                 let n: usize = per_op.iter().map(|x| x.1).sum();

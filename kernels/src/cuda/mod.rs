@@ -188,6 +188,18 @@ impl Gpu {
     /// allowed: negative controls for checks (contraction changes bits, so a
     /// check that cannot see it proves nothing).
     pub fn open_with(ordinal: usize, source: &str, fmad: bool) -> Result<Self, GpuError> {
+        Self::open_tuned(ordinal, source, fmad, resident::Tuning::from_env()?)
+    }
+
+    /// [`Gpu::open_with`] under `tuning` rather than the environment's (a
+    /// negative control opened with plain launches compiles one module, not
+    /// two).
+    pub fn open_tuned(
+        ordinal: usize,
+        source: &str,
+        fmad: bool,
+        tuning: resident::Tuning,
+    ) -> Result<Self, GpuError> {
         // SAFETY: these only try to open the shared libraries by name.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err(GpuError::NoDriver);
@@ -203,7 +215,7 @@ impl Gpu {
         let ptx = compile(source, fmad)?;
         // The resident kernels: the same PTX, or with programmatic dependent
         // launch (Tuning::pdl) compiled for sm_90, where the device has it.
-        let mut tuning = resident::Tuning::from_env()?;
+        let mut tuning = tuning;
         let major = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
             .map_err(drv)?;
