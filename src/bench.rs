@@ -412,6 +412,21 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             (rows * vocab * 4) as f64 / t / 1e9,
         );
     }
+    {
+        // What a batch-64 decode step costs the host to digest its written
+        // slots (every layer's K and V rows of 64 positions, SHA-256 each),
+        // on one thread and across the engine's threads (the same digests).
+        let (one, all) = slot_hashing(&model, &th, r)?;
+        let l = model.net.kv_layout();
+        println!(
+            "| slot digests of a batch-64 decode step (64 slots × {} layers × {} floats) | one thread {:.2} ms, {} threads {:.2} ms |",
+            l.layers,
+            2 * l.kv_dim + l.aux_dim,
+            one * 1e3,
+            th.count(),
+            all * 1e3
+        );
+    }
     let Some(((hash_s, total_s, steps), rf)) = extras else {
         return Ok(());
     };
@@ -504,6 +519,61 @@ fn device_limits(
     _repeats: usize,
 ) -> Result<(f64, Option<f64>)> {
     anyhow::bail!("this lmrr was built without CUDA support")
+}
+
+/// Seconds (median of `repeats`) to digest the slots a batch-64 decode step
+/// writes: 64 sequences of one page, position 0 of each written in every
+/// layer, then `finish_step` on one thread and `finish_step_on` the engine's.
+pub fn slot_hashing(
+    model: &lmrr_engine::Model,
+    th: &Threads,
+    repeats: usize,
+) -> Result<(f64, f64)> {
+    use lmrr_engine::pool::{BlockTable, PagePool, PagedKv};
+    use lmrr_engine::KvCache;
+    let layout = model.net.kv_layout();
+    let mut kv = PagedKv::new(PagePool::new(1, 64, layout)?);
+    for s in 0..64u64 {
+        let p = kv
+            .pool
+            .alloc()?
+            .ok_or_else(|| anyhow::anyhow!("a 64-page pool ran out of pages"))?;
+        kv.tables.insert(
+            s,
+            BlockTable {
+                pages: vec![p],
+                len: 1,
+            },
+        );
+    }
+    let k = vec![0.25f32; layout.kv_dim];
+    let v = vec![-0.5f32; layout.kv_dim];
+    let aux = vec![1.0f32; layout.aux_dim];
+    let write = |kv: &mut PagedKv| {
+        for s in 0..64u64 {
+            for l in 0..layout.layers {
+                kv.write(s, l, 0, &k, &v);
+                if layout.aux_dim > 0 {
+                    kv.write_aux(s, l, 0, &aux);
+                }
+            }
+        }
+    };
+    let once = |kv: &mut PagedKv, threads: Option<&Threads>| {
+        write(kv);
+        let t = std::time::Instant::now();
+        match threads {
+            Some(th) => kv.finish_step_on(th),
+            None => kv.finish_step(),
+        }
+        t.elapsed().as_secs_f64()
+    };
+    let (mut one, mut all) = (Vec::new(), Vec::new());
+    for _ in 0..repeats.max(3) {
+        one.push(once(&mut kv, None));
+        all.push(once(&mut kv, Some(th)));
+    }
+    Ok((median(one), median(all)))
 }
 
 /// A serving session on the benchmark model: `n` requests sharing a prefix,

@@ -29,6 +29,7 @@ per_family!(
     requests_that_can_never_fit_are_refused_with_numbers,
     page_hashes_cover_every_row_the_family_stores,
     storage_bytes_count_every_row_the_family_stores,
+    slot_digests_are_the_same_on_any_thread_count,
 );
 
 #[derive(Debug, Clone)]
@@ -456,6 +457,46 @@ fn filled_pool(m: &Model, ps: usize, pages: usize, toks: &[u32]) -> PagedKv {
     m.net.forward(&mut kv, &[span], &Threads::single()).unwrap();
     kv.finish_step();
     kv
+}
+
+/// `finish_step_on` hashes the written slots across threads: every slot
+/// digest and page hash equals the one-thread pass's, over several pages
+/// (a ragged last one) and every row the family keeps.
+fn slot_digests_are_the_same_on_any_thread_count(p: Preset) {
+    let m = model(p);
+    let toks: Vec<u32> = (0..45).map(|i| 3 + (i * 7) % 50).collect();
+    let ps = 8;
+    let fill = |threads: Option<&Threads>| {
+        let mut kv = PagedKv::new(PagePool::new(ps, 8, m.net.kv_layout()).unwrap());
+        let ids = (0..toks.len().div_ceil(ps))
+            .map(|_| kv.pool.alloc().unwrap().unwrap())
+            .collect();
+        kv.tables.insert(1, BlockTable { pages: ids, len: 0 });
+        let span = SeqSpan {
+            seq: 1,
+            start: 0,
+            tokens: &toks,
+            logits: LogitsWanted::None,
+        };
+        m.net.forward(&mut kv, &[span], &Threads::single()).unwrap();
+        match threads {
+            Some(t) => kv.finish_step_on(t),
+            None => kv.finish_step(),
+        }
+        let digests: Vec<[u8; 32]> = kv.tables[&1]
+            .pages
+            .iter()
+            .flat_map(|&pg| (0..ps).map(move |s| (pg, s)))
+            .map(|(pg, s)| kv.pool.slot_digest(pg, s))
+            .collect();
+        (digests, page_hashes(&kv))
+    };
+    let one = fill(None);
+    assert!(one.0.iter().any(|d| *d != [0u8; 32]), "slots were hashed");
+    for n in [2, 3] {
+        let th = Threads::new(n).unwrap();
+        assert_eq!(fill(Some(&th)), one, "{n} threads");
+    }
 }
 
 fn page_hashes(kv: &PagedKv) -> Vec<[u8; 32]> {

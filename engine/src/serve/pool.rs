@@ -26,7 +26,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use lmrr_kernels::KvView;
+use lmrr_kernels::{KvView, Threads};
 use sha2::{Digest, Sha256};
 
 use crate::kv::{next_version, BlockRows, KvBlocks, KvCache, RowView, SeqId};
@@ -195,6 +195,10 @@ impl PagePool {
     pub fn page_hash(&self, p: PageId) -> Hash {
         self.page_hash[p as usize]
     }
+    /// The digest of slot `slot` of page `p` (all zeros until written).
+    pub fn slot_digest(&self, p: PageId, slot: usize) -> Hash {
+        self.slot_digest[p as usize * self.page_size + slot]
+    }
     pub fn filled(&self, p: PageId) -> usize {
         self.filled[p as usize] as usize
     }
@@ -302,29 +306,56 @@ impl PagedKv {
     }
 
     /// Computes digests of slots written this step and the hashes of the pages
-    /// they belong to.
+    /// they belong to (one thread; [`PagedKv::finish_step_on`]).
     pub fn finish_step(&mut self) {
-        let written = std::mem::take(&mut self.written);
-        let mut pages = BTreeSet::new();
-        let pool = &mut self.pool;
-        let mut buf = Vec::with_capacity(pool.kv_dim * 4);
-        let mut h_row = |h: &mut Sha256, row: &[f32]| {
-            buf.clear();
-            buf.extend(row.iter().flat_map(|x| x.to_bits().to_le_bytes()));
-            h.update(&buf);
-        };
-        for &(p, slot) in &written {
+        self.finish_step_on(&Threads::single());
+    }
+
+    /// [`PagedKv::finish_step`] with the slots' digests spread over
+    /// `threads` (each slot's digest is a function of its rows alone, so
+    /// the values are the same whichever thread hashes it; a batch-64 step
+    /// of the `small` preset hashes 2.9 MB of rows). Page hashes follow in
+    /// page order.
+    pub fn finish_step_on(&mut self, threads: &Threads) {
+        let written: Vec<(PageId, usize)> = std::mem::take(&mut self.written).into_iter().collect();
+        let pool = &self.pool;
+        let slot_hash = |p: PageId, slot: usize| -> Hash {
             let off = pool.offset(p, slot);
+            let mut buf = Vec::with_capacity(pool.kv_dim.max(pool.aux_dim) * 4);
             let mut h = Sha256::new();
+            let mut row = |row: &[f32]| {
+                buf.clear();
+                buf.extend(row.iter().flat_map(|x| x.to_bits().to_le_bytes()));
+                h.update(&buf);
+            };
             for l in 0..pool.layers {
-                h_row(&mut h, &pool.k[l][off..off + pool.kv_dim]);
-                h_row(&mut h, &pool.v[l][off..off + pool.kv_dim]);
+                row(&pool.k[l][off..off + pool.kv_dim]);
+                row(&pool.v[l][off..off + pool.kv_dim]);
                 if pool.aux_dim > 0 {
                     let a = (p as usize * pool.page_size + slot) * pool.aux_dim;
-                    h_row(&mut h, &pool.aux[l][a..a + pool.aux_dim]);
+                    row(&pool.aux[l][a..a + pool.aux_dim]);
                 }
             }
-            pool.slot_digest[p as usize * pool.page_size + slot] = h.finalize().into();
+            h.finalize().into()
+        };
+        let digests: Vec<std::sync::Mutex<Hash>> = written
+            .iter()
+            .map(|_| std::sync::Mutex::new([0u8; 32]))
+            .collect();
+        threads.for_ranges(written.len(), threads.grain(written.len(), 1), |rs| {
+            for i in rs {
+                let (p, slot) = written[i];
+                let d = slot_hash(p, slot);
+                if let Ok(mut g) = digests[i].lock() {
+                    *g = d;
+                }
+            }
+        });
+        let pool = &mut self.pool;
+        let mut pages = BTreeSet::new();
+        for (&(p, slot), d) in written.iter().zip(digests) {
+            pool.slot_digest[p as usize * pool.page_size + slot] =
+                d.into_inner().unwrap_or_else(|e| e.into_inner());
             let f = &mut pool.filled[p as usize];
             *f = (*f).max(slot as u32 + 1);
             pages.insert(p);

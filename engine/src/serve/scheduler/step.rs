@@ -45,7 +45,7 @@ impl Scheduler<'_> {
                 .forward_patched(&mut self.kv, &spans, &self.threads, &self.patches)?
         };
         let th = std::time::Instant::now();
-        self.kv.finish_step();
+        self.kv.finish_step_on(&self.threads);
         let mut hash_time = th.elapsed();
         self.last_rows.clear();
         let rows = self.sample_rows(&sched, &logits, &mut hash_time);
