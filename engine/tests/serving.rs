@@ -443,6 +443,18 @@ fn requests_that_can_never_fit_are_refused_with_numbers(p: Preset) {
 /// A pool with `pages` pages of `ps` positions, one sequence (id 1) holding
 /// `toks` computed by the model's forward pass.
 fn filled_pool(m: &Model, ps: usize, pages: usize, toks: &[u32]) -> PagedKv {
+    filled_pool_on(m, ps, pages, toks, None)
+}
+
+/// [`filled_pool`], its slots digested by `finish_step_on(threads)` where
+/// given, else by `finish_step`.
+fn filled_pool_on(
+    m: &Model,
+    ps: usize,
+    pages: usize,
+    toks: &[u32],
+    threads: Option<&Threads>,
+) -> PagedKv {
     let mut kv = PagedKv::new(PagePool::new(ps, pages, m.net.kv_layout()).unwrap());
     let ids = (0..toks.len().div_ceil(ps))
         .map(|_| kv.pool.alloc().unwrap().unwrap())
@@ -455,7 +467,10 @@ fn filled_pool(m: &Model, ps: usize, pages: usize, toks: &[u32]) -> PagedKv {
         logits: LogitsWanted::None,
     };
     m.net.forward(&mut kv, &[span], &Threads::single()).unwrap();
-    kv.finish_step();
+    match threads {
+        Some(t) => kv.finish_step_on(t),
+        None => kv.finish_step(),
+    }
     kv
 }
 
@@ -467,22 +482,7 @@ fn slot_digests_are_the_same_on_any_thread_count(p: Preset) {
     let toks: Vec<u32> = (0..45).map(|i| 3 + (i * 7) % 50).collect();
     let ps = 8;
     let fill = |threads: Option<&Threads>| {
-        let mut kv = PagedKv::new(PagePool::new(ps, 8, m.net.kv_layout()).unwrap());
-        let ids = (0..toks.len().div_ceil(ps))
-            .map(|_| kv.pool.alloc().unwrap().unwrap())
-            .collect();
-        kv.tables.insert(1, BlockTable { pages: ids, len: 0 });
-        let span = SeqSpan {
-            seq: 1,
-            start: 0,
-            tokens: &toks,
-            logits: LogitsWanted::None,
-        };
-        m.net.forward(&mut kv, &[span], &Threads::single()).unwrap();
-        match threads {
-            Some(t) => kv.finish_step_on(t),
-            None => kv.finish_step(),
-        }
+        let kv = filled_pool_on(m, ps, 8, &toks, threads);
         let digests: Vec<[u8; 32]> = kv.tables[&1]
             .pages
             .iter()

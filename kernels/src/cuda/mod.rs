@@ -198,7 +198,7 @@ impl Gpu {
         ordinal: usize,
         source: &str,
         fmad: bool,
-        tuning: resident::Tuning,
+        mut tuning: resident::Tuning,
     ) -> Result<Self, GpuError> {
         // SAFETY: these only try to open the shared libraries by name.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
@@ -215,7 +215,6 @@ impl Gpu {
         let ptx = compile(source, fmad)?;
         // The resident kernels: the same PTX, or with programmatic dependent
         // launch (Tuning::pdl) compiled for sm_90, where the device has it.
-        let mut tuning = tuning;
         let major = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
             .map_err(drv)?;
