@@ -875,41 +875,49 @@ extern "C" __global__ void matmul_fused(int kind, const float* x, int n, int k, 
 #define GW_TOKS (8 * GW_GT)
 #define GW_THREADS (64 * GW_GR * GW_GT / 8)
 
-// The lane tree of 8 lanes over 8 outputs at once: lane j holds its lane's
-// partial of outputs 0..7 in v; three exchange steps (xor 4, 2, 1), each
-// keeping half the outputs and adding the partner's half, leave lane j with
-// output j's tree. Every add is one of the canonical tree's pairs
-// ((0,4) (1,5) (2,6) (3,7), then (0,2) (1,3), then (0,1)), with its operands
-// possibly swapped (IEEE addition is commutative).
-__device__ __forceinline__ float tree8_transpose(const float v[8], int j) {
-    int b4 = (j >> 2) & 1, b2 = (j >> 1) & 1, b1 = j & 1;
+// The lane tree of 8 lanes over 8 outputs at once, the outputs owned by
+// xor: the thread of lane j holds in v[q] its lane's partial of output q ^ j.
+// Three exchange steps (lanes xor 4, 2, 1; the lane is bits 2..4 of the
+// thread index, so the shuffle masks are 16, 8, 4) each keep the lower half
+// of v and add the partner's upper half, which holds the same outputs: the
+// partner's v[q + 4] is output (q + 4) ^ (j ^ 4) = q ^ j. Lane j is left with
+// output j's tree. Every add is one of the canonical tree's pairs ((0,4)
+// (1,5) (2,6) (3,7), then (0,2) (1,3), then (0,1)), its operands possibly
+// swapped (IEEE addition is commutative); no lane selects which half to keep.
+__device__ __forceinline__ float tree8_xor(const float v[8]) {
     float w4[4];
     #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        float keep = b4 ? v[k + 4] : v[k];
-        float send = b4 ? v[k] : v[k + 4];
-        w4[k] = keep + __shfl_xor_sync(0xffffffffu, send, 4);
-    }
+    for (int q = 0; q < 4; ++q) w4[q] = v[q] + __shfl_xor_sync(0xffffffffu, v[q + 4], 16);
     float w2[2];
     #pragma unroll
-    for (int k = 0; k < 2; ++k) {
-        float keep = b2 ? w4[k + 2] : w4[k];
-        float send = b2 ? w4[k] : w4[k + 2];
-        w2[k] = keep + __shfl_xor_sync(0xffffffffu, send, 2);
-    }
-    float keep = b1 ? w2[1] : w2[0];
-    float send = b1 ? w2[0] : w2[1];
-    return keep + __shfl_xor_sync(0xffffffffu, send, 1);
+    for (int q = 0; q < 2; ++q) w2[q] = w4[q] + __shfl_xor_sync(0xffffffffu, w4[q + 2], 8);
+    return w2[0] + __shfl_xor_sync(0xffffffffu, w2[1], 4);
 }
 
 // matmul for many tokens (prefill, batched decode): one block of GM_THREADS
 // per GM_ROWS rows × GM_TOKS tokens. Per chunk, the block stages the chunk's
 // widened weights of its rows and its tokens' inputs in shared memory; group
-// (ri, ti) of 8 threads owns 8 rows × 8 tokens, thread j of it running lane
-// j's FMA chain (elements 64c + j + 8s, s ascending) of all 64 outputs, so
-// each staged value feeds 8 FMAs. The lane trees are taken 8 outputs at a
-// time by tree8_transpose, and thread j adds row j's chunk partial to its 8
-// tokens' totals in chunk order from +0.0: matmul_warp's bits.
+// (ri, ti) of 8 threads owns 8 rows × 8 tokens, the thread of lane j running
+// lane j's FMA chain (elements 64c + j + 8s, s ascending) of all 64 outputs,
+// so each staged value feeds 8 FMAs. The lane trees are taken 8 outputs at a
+// time by tree8_xor, and the thread of lane j adds row j's chunk partial to
+// its 8 tokens' totals in chunk order from +0.0: matmul_warp's bits. A
+// staged zero past the end of k adds fma(0, 0, acc) = acc (or +0.0 for a
+// lane at -0.0, which no later add can tell apart: a total starts at +0.0).
+//
+// Shared memory traffic is what bounds this kernel, so:
+// - staged lane-major: a row's chunk holds lane l's 8 values (elements
+//   l + 8s) together at l·8, the two halves swapped for lanes 4..7
+//   (gm_pos), so a thread reads two of its lane's values in one 8-byte load
+//   and a warp's 8 lanes hit 16 distinct banks; the rows of 8-row cell c
+//   sit 2·c floats further (gm_row), so the two cells a warp reads (2m and
+//   2m + 1) fill all 32;
+// - a warp is 8 lanes × 2 row cells × 2 token cells, the row cell in bit 0
+//   of the thread index and the token cell in bit 1: threads t and t ^ 1
+//   read the same inputs, t and t ^ 2 the same weights, which lets the
+//   hardware return an 8-byte load in one pass instead of two;
+// - lane j keeps its 8 rows' partials in xor order (acc[.][q]: row q ^ j),
+//   so the tree exchanges without selects.
 //
 // Split over chunks (part non-null; for steps whose tiles are too few to
 // fill the device): block (tile, g) runs chunks [g·cpb, g·cpb + cpb) only
@@ -917,9 +925,9 @@ __device__ __forceinline__ float tree8_transpose(const float v[8], int j) {
 // then adds them in chunk order from +0.0, the same adds.
 //
 // gemm_tiles<GR, GT, PF> is the body: GR·8 rows × GT·8 tokens per block of
-// 8·GR·GT threads; matmul_gemm (4, 2), matmul_gemm_wide (8, 4) and
-// matmul_gemm_pipelined (8, 4, staging pipelined) differ in tile and
-// staging only, never in any output's operations.
+// 8·GR·GT threads (GR, GT even); matmul_gemm (4, 2), matmul_gemm_wide
+// (8, 4) and matmul_gemm_pipelined (8, 4, staging pipelined) differ in tile
+// and staging only, never in any output's operations.
 // Staged value e of a block's chunk at c0 (ragged at cend): weight row
 // o0 + e / CHUNK, or input token t0 + e / CHUNK; 0 outside the matrix.
 __device__ __forceinline__ float gm_weight(int kind, const unsigned char* w, long long row_bytes, int rows,
@@ -933,6 +941,14 @@ __device__ __forceinline__ float gm_input(const float* x, int n, int k, int t0, 
     return (t < n && i < cend) ? x[(long long)t * k + i] : 0.0f;
 }
 
+// Where staged element i (0..63) of a chunk sits within its row, and where
+// staged row r starts (see gemm_tiles' layout notes).
+__device__ __forceinline__ int gm_pos(int i) { return (i & 7) * 8 + ((i >> 3) ^ (i & 4)); }
+__device__ __forceinline__ int gm_row(int r) { return r * CHUNK + (r >> 3) * 2; }
+__device__ __forceinline__ int gm_at(int e) { return gm_row(e / CHUNK) + gm_pos(e % CHUNK); }
+// Floats of a staged tile of `r` rows (the cells' offsets included).
+#define GM_STAGE(r) ((r) * CHUNK + (r) / 8 * 2)
+
 // PF (pipelined): each thread loads its share of the next chunk into
 // registers while the block computes on the current one, and stores it to
 // shared memory after the barrier; the staged values, and so the bits, are
@@ -940,8 +956,8 @@ __device__ __forceinline__ float gm_input(const float* x, int n, int k, int t0, 
 template <int GR, int GT, bool PF>
 __device__ __forceinline__ void gemm_tiles(int kind, const float* x, const unsigned char* w, float* y,
                                            int n, int rows, int k, long long row_bytes, float* part, int cpb,
-                                           float (*ws)[CHUNK + 1], float (*xs)[CHUNK]) {
-    const int R = 8 * GR, T = 8 * GT, THREADS = 8 * GR * GT;
+                                           float* ws, float* xs) {
+    const int R = 8 * GR, T = 8 * GT, THREADS = 8 * GR * GT, HR = GR / 2;
     // Staged values per thread (R·CHUNK and T·CHUNK are multiples of THREADS).
     const int WPT = R * CHUNK / THREADS, XPT = T * CHUNK / THREADS;
     float wreg[PF ? WPT : 1], xreg[PF ? XPT : 1];
@@ -950,9 +966,12 @@ __device__ __forceinline__ void gemm_tiles(int kind, const float* x, const unsig
     int tile = blockIdx.x % tiles, group = blockIdx.x / tiles;
     int o0 = (tile % row_blocks) * R, t0 = (tile / row_blocks) * T;
     int tid = threadIdx.x;
-    int gi = tid >> 3, j = tid & 7;
-    int ri = gi % GR, ti = gi / GR;
+    int j = (tid >> 2) & 7, wi = tid >> 5;
+    int ri = (wi % HR) * 2 + (tid & 1), ti = (wi / HR) * 2 + ((tid >> 1) & 1);
     int o = o0 + ri * 8 + j;
+    // This lane's values in row cell ri (row q ^ j at wb + ((q ^ j) << 6))
+    // and token cell ti (token tt at xb + (tt << 6)); sw: the half swap.
+    int wb = gm_row(ri * 8) + j * 8, xb = gm_row(ti * 8) + j * 8, jx = j << 6, sw = j & 4;
     int chunks = (k + CHUNK - 1) / CHUNK;
     int cfirst = part ? group * cpb : 0;
     int clast = part ? min(chunks, cfirst + cpb) : chunks;
@@ -970,18 +989,12 @@ __device__ __forceinline__ void gemm_tiles(int kind, const float* x, const unsig
         int c0 = c * CHUNK, cend = min(c0 + CHUNK, k);
         if (PF) {
             #pragma unroll
-            for (int q = 0; q < WPT; ++q) {
-                int e = tid + q * THREADS;
-                ws[e / CHUNK][e % CHUNK] = wreg[q];
-            }
+            for (int q = 0; q < WPT; ++q) ws[gm_at(tid + q * THREADS)] = wreg[q];
             #pragma unroll
-            for (int q = 0; q < XPT; ++q) {
-                int e = tid + q * THREADS;
-                xs[e / CHUNK][e % CHUNK] = xreg[q];
-            }
+            for (int q = 0; q < XPT; ++q) xs[gm_at(tid + q * THREADS)] = xreg[q];
         } else {
-            for (int e = tid; e < R * CHUNK; e += THREADS) ws[e / CHUNK][e % CHUNK] = gm_weight(kind, w, row_bytes, rows, o0, c0, cend, e);
-            for (int e = tid; e < T * CHUNK; e += THREADS) xs[e / CHUNK][e % CHUNK] = gm_input(x, n, k, t0, c0, cend, e);
+            for (int e = tid; e < R * CHUNK; e += THREADS) ws[gm_at(e)] = gm_weight(kind, w, row_bytes, rows, o0, c0, cend, e);
+            for (int e = tid; e < T * CHUNK; e += THREADS) xs[gm_at(e)] = gm_input(x, n, k, t0, c0, cend, e);
         }
         __syncthreads();
         if (PF && c + 1 < clast) {
@@ -996,34 +1009,44 @@ __device__ __forceinline__ void gemm_tiles(int kind, const float* x, const unsig
         #pragma unroll
         for (int tt = 0; tt < 8; ++tt) {
             #pragma unroll
-            for (int rr = 0; rr < 8; ++rr) acc[tt][rr] = 0.0f;
+            for (int q = 0; q < 8; ++q) acc[tt][q] = 0.0f;
         }
-        #pragma unroll
-        for (int s = 0; s < CHUNK / LANES; ++s) {
-            int i = j + s * LANES;
-            if (c0 + i < cend) {
-                float xv[8], wv[8];
+        // Steps s = 2·sp and 2·sp + 1 of lane j, in that order, per output
+        // (not unrolled: unrolled, the compiler hoists every step's loads
+        // and needs twice the registers, halving the blocks an SM holds).
+        #pragma unroll 1
+        for (int sp = 0; sp < CHUNK / LANES / 2; ++sp) {
+            int so = (2 * sp) ^ sw;
+            float2 wv[8];
+            #pragma unroll
+            for (int q = 0; q < 8; ++q) wv[q] = *(const float2*)(ws + wb + ((q << 6) ^ jx) + so);
+            #pragma unroll
+            for (int th = 0; th < 2; ++th) {
+                float2 xv[4];
                 #pragma unroll
-                for (int tt = 0; tt < 8; ++tt) xv[tt] = xs[ti * 8 + tt][i];
+                for (int u = 0; u < 4; ++u) xv[u] = *(const float2*)(xs + xb + ((th * 4 + u) << 6) + so);
                 #pragma unroll
-                for (int rr = 0; rr < 8; ++rr) wv[rr] = ws[ri * 8 + rr][i];
-                #pragma unroll
-                for (int tt = 0; tt < 8; ++tt) {
+                for (int u = 0; u < 4; ++u) {
                     #pragma unroll
-                    for (int rr = 0; rr < 8; ++rr) acc[tt][rr] = fmaf(xv[tt], wv[rr], acc[tt][rr]);
+                    for (int q = 0; q < 8; ++q) acc[th * 4 + u][q] = fmaf(xv[u].x, wv[q].x, acc[th * 4 + u][q]);
+                }
+                #pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    #pragma unroll
+                    for (int q = 0; q < 8; ++q) acc[th * 4 + u][q] = fmaf(xv[u].y, wv[q].y, acc[th * 4 + u][q]);
                 }
             }
         }
         if (part) {
             #pragma unroll
             for (int tt = 0; tt < 8; ++tt) {
-                float p = tree8_transpose(acc[tt], j);
+                float p = tree8_xor(acc[tt]);
                 int t = t0 + ti * 8 + tt;
                 if (o < rows && t < n) part[((long long)c * n + t) * rows + o] = p;
             }
         } else {
             #pragma unroll
-            for (int tt = 0; tt < 8; ++tt) total[tt] = total[tt] + tree8_transpose(acc[tt], j);
+            for (int tt = 0; tt < 8; ++tt) total[tt] = total[tt] + tree8_xor(acc[tt]);
         }
         __syncthreads();
     }
@@ -1036,29 +1059,29 @@ __device__ __forceinline__ void gemm_tiles(int kind, const float* x, const unsig
     }
 }
 
-extern "C" __global__ void matmul_gemm(int kind, const float* x, const unsigned char* w, float* y,
+extern "C" __global__ void __launch_bounds__(GM_THREADS) matmul_gemm(int kind, const float* x, const unsigned char* w, float* y,
                                        int n, int rows, int k, long long row_bytes, float* part, int cpb) {
     PDL_ENTRY();
-    __shared__ float ws[GM_ROWS][CHUNK + 1];
-    __shared__ float xs[GM_TOKS][CHUNK];
+    __shared__ __align__(16) float ws[GM_STAGE(GM_ROWS)];
+    __shared__ __align__(16) float xs[GM_STAGE(GM_TOKS)];
     gemm_tiles<GM_GR, GM_GT, false>(kind, x, w, y, n, rows, k, row_bytes, part, cpb, ws, xs);
 }
 
-extern "C" __global__ void matmul_gemm_wide(int kind, const float* x, const unsigned char* w, float* y,
+extern "C" __global__ void __launch_bounds__(GW_THREADS, 2) matmul_gemm_wide(int kind, const float* x, const unsigned char* w, float* y,
                                             int n, int rows, int k, long long row_bytes, float* part, int cpb) {
     PDL_ENTRY();
-    __shared__ float ws[GW_ROWS][CHUNK + 1];
-    __shared__ float xs[GW_TOKS][CHUNK];
+    __shared__ __align__(16) float ws[GM_STAGE(GW_ROWS)];
+    __shared__ __align__(16) float xs[GM_STAGE(GW_TOKS)];
     gemm_tiles<GW_GR, GW_GT, false>(kind, x, w, y, n, rows, k, row_bytes, part, cpb, ws, xs);
 }
 
 // matmul_gemm_wide with its staging pipelined (gemm_tiles' PF).
-extern "C" __global__ void matmul_gemm_pipelined(int kind, const float* x, const unsigned char* w, float* y,
+extern "C" __global__ void __launch_bounds__(GW_THREADS, 2) matmul_gemm_pipelined(int kind, const float* x, const unsigned char* w, float* y,
                                                  int n, int rows, int k, long long row_bytes, float* part,
                                                  int cpb) {
     PDL_ENTRY();
-    __shared__ float ws[GW_ROWS][CHUNK + 1];
-    __shared__ float xs[GW_TOKS][CHUNK];
+    __shared__ __align__(16) float ws[GM_STAGE(GW_ROWS)];
+    __shared__ __align__(16) float xs[GM_STAGE(GW_TOKS)];
     gemm_tiles<GW_GR, GW_GT, true>(kind, x, w, y, n, rows, k, row_bytes, part, cpb, ws, xs);
 }
 

@@ -54,8 +54,8 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
         ),
         (
             "matmul_gemm lane tree pairs (0,1) first",
-            "w4[k] = keep + __shfl_xor_sync(0xffffffffu, send, 4);",
-            "w4[k] = keep + __shfl_xor_sync(0xffffffffu, send, 1);",
+            "w4[q] = v[q] + __shfl_xor_sync(0xffffffffu, v[q + 4], 16);",
+            "w4[q] = v[q] + __shfl_xor_sync(0xffffffffu, v[q + 4], 4);",
         ),
         (
             "matmul_gemm split: sum_chunks adds the chunks in reverse",

@@ -42,6 +42,12 @@ inline thread_local Block* tl_ctx = nullptr;
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+#define __launch_bounds__(...)
+
+struct alignas(8) float2 {
+    float x, y;
+};
 
 inline void __syncthreads() { emu::tl_ctx->block->arrive_and_wait(); }
 
