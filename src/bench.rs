@@ -427,6 +427,22 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             all * 1e3
         );
     }
+    {
+        // What a 512-token prefill step costs the host to put its K/V rows
+        // (brought back from the device on the CUDA path) into the paged
+        // pool: one `write` per (token, layer), token-outer as the GPU step
+        // did, against one `write_run` per layer (the same rows and digests).
+        let (rows, runs) = kv_writes(&model, 512, r)?;
+        let l = model.net.kv_layout();
+        println!(
+            "| host K/V writes of a 512-token step ({} layers × 2 × {} floats, pages of {}) | per row {:.2} ms, runs {:.2} ms |",
+            l.layers,
+            l.kv_dim,
+            lmrr_engine::EngineConfig::default().page_size,
+            rows * 1e3,
+            runs * 1e3
+        );
+    }
     let Some(((hash_s, total_s, steps), rf)) = extras else {
         return Ok(());
     };
@@ -574,6 +590,57 @@ pub fn slot_hashing(
         all.push(once(&mut kv, Some(th)));
     }
     Ok((median(one), median(all)))
+}
+
+/// Seconds (medians of `repeats`, alternating) to write the K/V rows of an
+/// `n`-token step of one sequence into a [`PagedKv`] with the engine's page
+/// size: per row (`write`, token-outer, layer-inner) and in runs
+/// (`write_run`, one per layer). Each timed write starts from an empty
+/// written-slot set, as a step does (`finish_step`, untimed, in between).
+///
+/// [`PagedKv`]: lmrr_engine::pool::PagedKv
+pub fn kv_writes(model: &lmrr_engine::Model, n: usize, repeats: usize) -> Result<(f64, f64)> {
+    use lmrr_engine::pool::{BlockTable, PagePool, PagedKv};
+    use lmrr_engine::{EngineConfig, KvCache};
+    let layout = model.net.kv_layout();
+    let (layers, d) = (layout.layers, layout.kv_dim);
+    let ps = EngineConfig::default().page_size;
+    let mut kv = PagedKv::new(PagePool::new(ps, n.div_ceil(ps), layout)?);
+    let mut pages = Vec::new();
+    for _ in 0..n.div_ceil(ps) {
+        pages.push(
+            kv.pool.alloc()?.ok_or_else(|| {
+                anyhow::anyhow!("a {}-page pool ran out of pages", n.div_ceil(ps))
+            })?,
+        );
+    }
+    kv.tables.insert(1, BlockTable { pages, len: 0 });
+    kv.prepare(1, 0, n)?;
+    // `(layers, n, kv_dim)`, as the device step hands them back.
+    let hk: Vec<f32> = (0..layers * n * d)
+        .map(|i| (i % 251) as f32 * 0.5)
+        .collect();
+    let hv: Vec<f32> = hk.iter().map(|x| -x).collect();
+    let (mut rows, mut runs) = (Vec::new(), Vec::new());
+    for _ in 0..repeats.max(3) {
+        let t = Instant::now();
+        for i in 0..n {
+            for l in 0..layers {
+                let r = (l * n + i) * d..(l * n + i + 1) * d;
+                kv.write(1, l, i, &hk[r.clone()], &hv[r]);
+            }
+        }
+        rows.push(t.elapsed().as_secs_f64());
+        kv.finish_step();
+        let t = Instant::now();
+        for l in 0..layers {
+            let r = l * n * d..(l + 1) * n * d;
+            kv.write_run(1, l, 0, &hk[r.clone()], &hv[r]);
+        }
+        runs.push(t.elapsed().as_secs_f64());
+        kv.finish_step();
+    }
+    Ok((median(rows), median(runs)))
 }
 
 /// A serving session on the benchmark model: `n` requests sharing a prefix,

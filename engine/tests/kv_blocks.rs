@@ -2,10 +2,17 @@
 //! block's storage, versions move on every write and never repeat, so a
 //! mirror that kept a block at version `v` holds the host's rows exactly
 //! while the host still says `v`. Checked on both stores, with the rows that
-//! `block_rows` hands out for an upload.
+//! `block_rows` hands out for an upload; and `write_run` against the
+//! per-row writes it replaces (the same rows, slot digests and page hashes;
+//! fresh versions on exactly the blocks written).
 
-use lmrr_engine::pool::{BlockTable, PagePool, PagedKv};
-use lmrr_engine::{KvCache, KvLayout, SeqKvStore};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestRunner};
+
+use lmrr_engine::kv::RowView;
+use lmrr_engine::pool::{BlockTable, PageId, PagePool, PagedKv};
+use lmrr_engine::{BlockRows, EngineError, KvBlocks, KvCache, KvLayout, SeqId, SeqKvStore};
+use lmrr_kernels::KvView;
 
 const LAYOUT: KvLayout = KvLayout {
     layers: 2,
@@ -117,4 +124,281 @@ fn paged_pool_blocks_are_its_pages() {
         },
     );
     assert_eq!(kv.blocks(9).blocks.len(), 1);
+}
+
+/// A write plan: per run `(seq, layer, pos0, len)`, in the order written.
+type Runs = Vec<(SeqId, usize, usize, usize)>;
+
+/// The K and V rows of `len` positions from `pos0`, `(len, kv_dim)` each:
+/// every (seq, layer, pos, round) its own values, so a row that lands one
+/// slot off, in another layer or from an older round shows.
+fn run_rows(seq: SeqId, layer: usize, pos0: usize, len: usize, round: u32) -> (Vec<f32>, Vec<f32>) {
+    let x = |pos: usize| {
+        (seq * 100_000) as f32 + (layer * 10_000) as f32 + pos as f32 + round as f32 * 0.25
+    };
+    let k = (pos0..pos0 + len).flat_map(|p| row(x(p))).collect();
+    let v = (pos0..pos0 + len)
+        .flat_map(|p| [-x(p), 2.0 * x(p), 1.0 + x(p)])
+        .collect();
+    (k, v)
+}
+
+/// The order the CUDA step writes in: per layer, per sequence, its runs
+/// (lengths `cuts` cycled until the sequence is covered); then, as a later
+/// step might, one run rewriting positions already written (round 1).
+fn plan(seqs: &[(SeqId, usize)], cuts: &[usize]) -> Runs {
+    let mut runs = Vec::new();
+    for layer in 0..LAYOUT.layers {
+        for (i, &(seq, len)) in seqs.iter().enumerate() {
+            let mut pos = 0;
+            for &c in cuts.iter().cycle().skip(i) {
+                if pos == len {
+                    break;
+                }
+                let m = c.max(1).min(len - pos);
+                runs.push((seq, layer, pos, m));
+                pos += m;
+            }
+        }
+    }
+    runs
+}
+
+fn bits(rows: &[f32]) -> Vec<u32> {
+    rows.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Writes `runs` into `rows` one `write` per position and into `in_runs`
+/// one `write_run` per run (round 0; the last run again in round 1), then
+/// checks that both hold the same rows (bitwise, through `view` and
+/// `block_rows`), that the versions moved on exactly the blocks the runs
+/// touched in both, and that each of `in_runs`'s is fresh: held by no
+/// other block and seen nowhere before.
+fn write_both<S: KvCache>(rows: &mut S, in_runs: &mut S, seqs: &[(SeqId, usize)], runs: &Runs) {
+    let before: Vec<_> = seqs.iter().map(|&(s, _)| rows.blocks(s)).collect();
+    let before_runs: Vec<_> = seqs.iter().map(|&(s, _)| in_runs.blocks(s)).collect();
+    let last = runs.last().copied().map(|r| (r, 1));
+    for ((seq, layer, pos0, len), round) in runs.iter().map(|&r| (r, 0)).chain(last) {
+        let (k, v) = run_rows(seq, layer, pos0, len, round);
+        let d = LAYOUT.kv_dim;
+        for j in 0..len {
+            rows.write(
+                seq,
+                layer,
+                pos0 + j,
+                &k[j * d..(j + 1) * d],
+                &v[j * d..(j + 1) * d],
+            );
+        }
+        in_runs.write_run(seq, layer, pos0, &k, &v);
+    }
+    let mut seen: Vec<u64> = before
+        .iter()
+        .chain(&before_runs)
+        .flat_map(|b| b.blocks.iter().map(|&(_, v)| v))
+        .filter(|&v| v != 0)
+        .collect();
+    let mut fresh = Vec::new();
+    for (i, &(seq, len)) in seqs.iter().enumerate() {
+        for layer in 0..LAYOUT.layers {
+            let (a, b) = (rows.view(seq, layer), in_runs.view(seq, layer));
+            assert_eq!(a.block_len, b.block_len);
+            let all = |blocks: &[&[f32]]| blocks.iter().map(|b| bits(b)).collect::<Vec<_>>();
+            assert_eq!(all(&a.k), all(&b.k), "seq {seq} layer {layer}: K");
+            assert_eq!(all(&a.v), all(&b.v), "seq {seq} layer {layer}: V");
+        }
+        let (a, b) = (rows.blocks(seq), in_runs.blocks(seq));
+        assert_eq!(a.block_len, b.block_len);
+        assert_eq!(a.blocks.len(), len.div_ceil(a.block_len));
+        for blk in 0..a.blocks.len() {
+            for layer in 0..LAYOUT.layers {
+                let (ra, rb) = (
+                    rows.block_rows(seq, blk, layer),
+                    in_runs.block_rows(seq, blk, layer),
+                );
+                assert_eq!(
+                    bits(ra.k),
+                    bits(rb.k),
+                    "seq {seq} block {blk} layer {layer}: K"
+                );
+                assert_eq!(
+                    bits(ra.v),
+                    bits(rb.v),
+                    "seq {seq} block {blk} layer {layer}: V"
+                );
+            }
+            let touched = runs.iter().any(|&(s, _, p0, n)| {
+                s == seq && p0 / a.block_len <= blk && blk <= (p0 + n - 1) / a.block_len
+            });
+            let (was, was_runs) = (before[i].blocks[blk], before_runs[i].blocks[blk]);
+            assert_eq!(
+                a.blocks[blk] != was,
+                touched,
+                "seq {seq} block {blk}, per row"
+            );
+            assert_eq!(
+                b.blocks[blk] != was_runs,
+                touched,
+                "seq {seq} block {blk}, runs"
+            );
+            assert_eq!(b.blocks[blk].0, was_runs.0, "the key stays");
+            if touched {
+                seen.push(a.blocks[blk].1);
+                fresh.push(b.blocks[blk].1);
+            }
+        }
+    }
+    let n = fresh.len();
+    fresh.sort_unstable();
+    fresh.dedup();
+    assert_eq!(fresh.len(), n, "no two blocks share a version");
+    assert!(
+        fresh.iter().all(|v| *v != 0 && !seen.contains(v)),
+        "every version a run leaves is new"
+    );
+}
+
+/// Sequences of a run test: lengths that end mid-block and a one-position
+/// sequence (a decode step's run of length 1).
+const SEQS: [(SeqId, usize); 3] = [(1, 150), (2, 1), (3, 71)];
+
+/// Run lengths: 1, runs inside a block, runs across one or two boundaries
+/// of 7- and 64-position blocks, one run of a whole sequence.
+const CUTS: [usize; 6] = [1, 5, 9, 64, 70, 3];
+
+#[test]
+fn seq_store_runs_leave_what_rows_leave() {
+    let new = || {
+        let mut kv = SeqKvStore::new(LAYOUT);
+        for &(seq, len) in &SEQS {
+            kv.prepare(seq, 0, len).unwrap();
+        }
+        kv
+    };
+    for cuts in [&CUTS[..], &[1], &[150]] {
+        write_both(&mut new(), &mut new(), &SEQS, &plan(&SEQS, cuts));
+    }
+}
+
+/// A store that keeps the provided `write_run` (a loop over `write`).
+struct PerRow(SeqKvStore);
+
+impl KvCache for PerRow {
+    fn len(&self, seq: SeqId) -> usize {
+        self.0.len(seq)
+    }
+    fn prepare(&mut self, seq: SeqId, start: usize, n: usize) -> Result<(), EngineError> {
+        self.0.prepare(seq, start, n)
+    }
+    fn write(&mut self, seq: SeqId, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
+        self.0.write(seq, layer, pos, k, v)
+    }
+    fn view(&self, seq: SeqId, layer: usize) -> KvView<'_> {
+        self.0.view(seq, layer)
+    }
+    fn write_aux(&mut self, seq: SeqId, layer: usize, pos: usize, row: &[f32]) {
+        self.0.write_aux(seq, layer, pos, row)
+    }
+    fn aux_view(&self, seq: SeqId, layer: usize) -> RowView<'_> {
+        self.0.aux_view(seq, layer)
+    }
+    fn blocks(&self, seq: SeqId) -> KvBlocks {
+        self.0.blocks(seq)
+    }
+    fn block_rows(&self, seq: SeqId, block: usize, layer: usize) -> BlockRows<'_> {
+        self.0.block_rows(seq, block, layer)
+    }
+}
+
+#[test]
+fn the_provided_write_run_is_the_row_loop() {
+    let new = || {
+        let mut kv = PerRow(SeqKvStore::new(LAYOUT));
+        for &(seq, len) in &SEQS {
+            kv.prepare(seq, 0, len).unwrap();
+        }
+        kv
+    };
+    write_both(&mut new(), &mut new(), &SEQS, &plan(&SEQS, &CUTS));
+}
+
+/// A pool of `ps`-position pages holding `seqs`, their pages handed out
+/// round-robin so that no sequence's pages are adjacent in storage.
+fn paged(ps: usize, seqs: &[(SeqId, usize)]) -> PagedKv {
+    let total = seqs.iter().map(|&(_, n)| n.div_ceil(ps)).sum();
+    let mut kv = PagedKv::new(PagePool::new(ps, total, LAYOUT).unwrap());
+    let most = seqs.iter().map(|&(_, n)| n.div_ceil(ps)).max().unwrap_or(0);
+    for i in 0..most {
+        for &(seq, n) in seqs {
+            if i < n.div_ceil(ps) {
+                let p = kv.pool.alloc().unwrap().unwrap();
+                kv.tables.entry(seq).or_default().pages.push(p);
+            }
+        }
+    }
+    for &(seq, n) in seqs {
+        kv.prepare(seq, 0, n).unwrap();
+    }
+    kv
+}
+
+/// [`write_both`] on two pools, then `finish_step` on each: every slot
+/// digest, fill count and page hash the same.
+fn paged_runs_hold(ps: usize, seqs: &[(SeqId, usize)], cuts: &[usize]) {
+    let (mut rows, mut in_runs) = (paged(ps, seqs), paged(ps, seqs));
+    write_both(&mut rows, &mut in_runs, seqs, &plan(seqs, cuts));
+    rows.finish_step();
+    in_runs.finish_step();
+    assert_eq!(rows.pool.used_pages(), in_runs.pool.used_pages());
+    for p in 0..rows.pool.used_pages() as PageId {
+        for s in 0..ps {
+            assert_eq!(
+                rows.pool.slot_digest(p, s),
+                in_runs.pool.slot_digest(p, s),
+                "page size {ps}: page {p} slot {s}"
+            );
+        }
+        assert_eq!(rows.pool.filled(p), in_runs.pool.filled(p), "page {p}");
+        assert_eq!(
+            rows.pool.page_hash(p),
+            in_runs.pool.page_hash(p),
+            "page {p}"
+        );
+    }
+}
+
+#[test]
+fn paged_runs_leave_what_rows_leave() {
+    for ps in [1, 7, 64] {
+        for cuts in [&CUTS[..], &[1], &[150]] {
+            paged_runs_hold(ps, &SEQS, cuts);
+        }
+    }
+}
+
+/// Random sequence lengths, page sizes and run cuts.
+#[test]
+fn paged_runs_leave_what_rows_leave_on_random_plans() {
+    let mut runner = TestRunner::new(Config {
+        cases: 64,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let plans = (
+        prop::sample::select(vec![1usize, 2, 3, 7, 16, 64]),
+        prop::collection::vec(1usize..90, 1..4),
+        prop::collection::vec(1usize..40, 1..8),
+    );
+    let r = runner.run(&plans, |(ps, lens, cuts)| {
+        let seqs: Vec<(SeqId, usize)> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (i as SeqId * 3 + 1, n))
+            .collect();
+        paged_runs_hold(ps, &seqs, &cuts);
+        Ok(())
+    });
+    if let Err(e) = r {
+        panic!("{e}");
+    }
 }

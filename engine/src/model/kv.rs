@@ -5,7 +5,8 @@
 //! positions `0..len`, and an auxiliary row of `aux_dim` floats where the
 //! family keeps more per position (mini-v4: its indexer keys; see
 //! [`crate::model::KvLayout`]). The forward pass calls [`KvCache::prepare`] for each span
-//! (the span must start exactly at `len`), writes rows, then reads them back
+//! (the span must start exactly at `len`), writes rows (one position at a
+//! time, or a run of consecutive positions at once), then reads them back
 //! through [`KvCache::view`] as fixed-length blocks — so a paged pool plugs in
 //! behind the same trait without touching the model. A device mirror of the
 //! store (the CUDA resident path) finds and checks rows through
@@ -31,6 +32,39 @@ pub trait KvCache: Send {
     fn prepare(&mut self, seq: SeqId, start: usize, n: usize) -> Result<(), EngineError>;
     /// Writes the K and V rows of `seq` at `pos` in `layer`.
     fn write(&mut self, seq: SeqId, layer: usize, pos: usize, k: &[f32], v: &[f32]);
+    /// Writes the K and V rows of `seq` in `layer` for the `n` positions
+    /// `pos0..pos0 + n`, where `k` and `v` hold those `n` rows back to back,
+    /// `(n, kv_dim)` each (`n = k.len() / kv_dim`; `n = 0` writes nothing).
+    ///
+    /// The end state is that of `write(seq, layer, pos0 + j, ..)` for
+    /// `j = 0..n` in that order (the same rows, and, for a paged store, the
+    /// same slots to digest at the end of the step), except for the block
+    /// versions of [`KvCache::blocks`]: every block holding one of the
+    /// positions gets a version from [`next_version`] taken during this call
+    /// (one per block, not one per row, so not the value the per-row writes
+    /// would have left), and no other block's version moves. That is all
+    /// [`KvBlocks`] asks of versions: each is fresh (never held by another
+    /// block, never handed out again), so a block written by the run no
+    /// longer matches any version a mirror recorded before it.
+    ///
+    /// The provided method loops over [`KvCache::write`] (taking `kv_dim`
+    /// from [`KvCache::view`]'s blocks of `(block_len, kv_dim)`); stores
+    /// override it with one copy per contiguous piece.
+    fn write_run(&mut self, seq: SeqId, layer: usize, pos0: usize, k: &[f32], v: &[f32]) {
+        let d = {
+            let view = self.view(seq, layer);
+            view.k
+                .first()
+                .and_then(|b| b.len().checked_div(view.block_len))
+                .unwrap_or(0)
+        };
+        if d == 0 {
+            return;
+        }
+        for (j, (k, v)) in k.chunks_exact(d).zip(v.chunks_exact(d)).enumerate() {
+            self.write(seq, layer, pos0 + j, k, v);
+        }
+    }
     /// Blocks covering positions `0..len(seq)` of `layer`.
     fn view(&self, seq: SeqId, layer: usize) -> KvView<'_>;
     /// Writes the auxiliary row of `seq` at `pos` in `layer`.
@@ -186,6 +220,28 @@ impl KvCache for SeqKvStore {
         s.k[layer][pos * d..(pos + 1) * d].copy_from_slice(k);
         s.v[layer][pos * d..(pos + 1) * d].copy_from_slice(v);
         s.versions[pos / SEQ_BLOCK] = next_version();
+    }
+
+    /// One lookup, one copy of the run's K rows and one of its V rows (a
+    /// sequence's layer is one buffer), one version per touched block.
+    fn write_run(&mut self, seq: SeqId, layer: usize, pos0: usize, k: &[f32], v: &[f32]) {
+        let d = self.kv_dim;
+        let n = k.len().checked_div(d).unwrap_or(0);
+        if n == 0 {
+            return;
+        }
+        debug_assert_eq!(
+            (k.len(), v.len()),
+            (n * d, n * d),
+            "whole rows, K and V alike"
+        );
+        let s = self.seqs.get_mut(&seq).expect("write after prepare");
+        let (a, b) = (pos0 * d, (pos0 + n) * d);
+        s.k[layer][a..b].copy_from_slice(&k[..n * d]);
+        s.v[layer][a..b].copy_from_slice(&v[..n * d]);
+        for ver in &mut s.versions[pos0 / SEQ_BLOCK..(pos0 + n).div_ceil(SEQ_BLOCK)] {
+            *ver = next_version();
+        }
     }
 
     fn view(&self, seq: SeqId, layer: usize) -> KvView<'_> {

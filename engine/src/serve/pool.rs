@@ -19,7 +19,8 @@
 //! refuses is an error with the numbers, never an abort.
 //!
 //! Each page also carries a write version from the process-wide clock
-//! ([`crate::kv::next_version`]), stamped at every write to any of its rows:
+//! ([`crate::kv::next_version`]), stamped at every write to any of its rows
+//! (once per page for a run of rows, [`KvCache::write_run`]):
 //! [`KvCache::blocks`] lists a sequence's pages with their versions, which is
 //! how the CUDA device mirror knows, without reading a row, whether its copy
 //! of a page is still this pool's.
@@ -413,6 +414,37 @@ impl KvCache for PagedKv {
         self.pool.v[layer][off..off + d].copy_from_slice(v);
         self.pool.version[p as usize] = next_version();
         self.written.insert((p, pos % ps));
+    }
+
+    /// The run split at page boundaries: per page piece one copy of its K
+    /// rows, one of its V rows, one fresh version, and its slots marked
+    /// written (the same slots, so the same digests, as per-row writes).
+    fn write_run(&mut self, seq: SeqId, layer: usize, pos0: usize, k: &[f32], v: &[f32]) {
+        let (ps, d) = (self.pool.page_size, self.pool.kv_dim);
+        let n = k.len().checked_div(d).unwrap_or(0);
+        if n == 0 {
+            return;
+        }
+        debug_assert_eq!(
+            (k.len(), v.len()),
+            (n * d, n * d),
+            "whole rows, K and V alike"
+        );
+        let pages = &self.tables[&seq].pages;
+        let end = pos0 + n;
+        let mut pos = pos0;
+        while pos < end {
+            let slot = pos % ps;
+            let m = (ps - slot).min(end - pos);
+            let p = pages[pos / ps];
+            let off = self.pool.offset(p, slot);
+            let src = (pos - pos0) * d..(pos - pos0 + m) * d;
+            self.pool.k[layer][off..off + m * d].copy_from_slice(&k[src.clone()]);
+            self.pool.v[layer][off..off + m * d].copy_from_slice(&v[src]);
+            self.pool.version[p as usize] = next_version();
+            self.written.extend((slot..slot + m).map(|s| (p, s)));
+            pos += m;
+        }
     }
 
     fn view(&self, seq: SeqId, layer: usize) -> KvView<'_> {

@@ -485,11 +485,21 @@ impl Resident {
         let s = hkv.as_slice().map_err(gpu_err)?;
         let (hk, hv) = s.split_at(per);
         self.timed("host K/V writes", || {
-            for (i, &(si, pos)) in tok.iter().enumerate() {
-                for l in 0..layers {
-                    let r = (l * n + i) * kvd..(l * n + i + 1) * kvd;
-                    kv.write(spans[si].seq, l, pos, &hk[r.clone()], &hv[r]);
+            // hk, hv: `(layers, n, kvd)`. A span's tokens are consecutive
+            // stacked rows at consecutive positions (`stacked_tokens`), so
+            // each (layer, span) is one run; layer-outer reads hk/hv and
+            // writes each layer's storage front to back. Within a layer the
+            // runs keep stacked order, so a slot that two tokens write (a
+            // cache-corruption patch) keeps the last one's rows, as on the
+            // device (`pack_inputs`).
+            for l in 0..layers {
+                let mut i0 = 0;
+                for s in spans {
+                    let r = (l * n + i0) * kvd..(l * n + i0 + s.tokens.len()) * kvd;
+                    kv.write_run(s.seq, l, s.start, &hk[r.clone()], &hv[r]);
+                    i0 += s.tokens.len();
                 }
+                debug_assert_eq!(i0, n, "the spans stack the step's tokens");
             }
             Ok(())
         })?;
