@@ -402,3 +402,40 @@ fn paged_runs_leave_what_rows_leave_on_random_plans() {
         panic!("{e}");
     }
 }
+
+/// A slot written again in a later step is digested again: a pool written
+/// over two steps (the second rewriting positions 5..80 of sequence 1 in
+/// layer 0, across pages, row by row) ends with the slot digests and page
+/// hashes of a pool that got the same final rows in one step.
+#[test]
+fn a_later_step_digests_its_slots_again() {
+    for ps in [1, 7, 64] {
+        let (mut two, mut one) = (paged(ps, &SEQS), paged(ps, &SEQS));
+        for &(seq, layer, pos0, len) in &plan(&SEQS, &CUTS) {
+            let (k, v) = run_rows(seq, layer, pos0, len, 0);
+            two.write_run(seq, layer, pos0, &k, &v);
+            one.write_run(seq, layer, pos0, &k, &v);
+        }
+        two.finish_step();
+        let (k, v) = run_rows(1, 0, 5, 75, 1);
+        let d = LAYOUT.kv_dim;
+        for j in 0..75 {
+            let r = j * d..(j + 1) * d;
+            two.write(1, 0, 5 + j, &k[r.clone()], &v[r]);
+        }
+        one.write_run(1, 0, 5, &k, &v);
+        two.finish_step();
+        one.finish_step();
+        for p in 0..one.pool.used_pages() as PageId {
+            for s in 0..ps {
+                assert_eq!(
+                    two.pool.slot_digest(p, s),
+                    one.pool.slot_digest(p, s),
+                    "page size {ps}: page {p} slot {s}"
+                );
+            }
+            assert_eq!(two.pool.filled(p), one.pool.filled(p), "page {p}");
+            assert_eq!(two.pool.page_hash(p), one.pool.page_hash(p), "page {p}");
+        }
+    }
+}

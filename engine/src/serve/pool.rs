@@ -294,7 +294,44 @@ pub struct PagedKv {
     pub pool: PagePool,
     pub tables: BTreeMap<SeqId, BlockTable>,
     /// `(page, slot)` written since the last `finish_step`.
-    written: BTreeSet<(PageId, usize)>,
+    written: Written,
+}
+
+/// The slots written since the last `finish_step`: each listed once, in the
+/// order first written, with a flag per slot (at `page · page_size + slot`,
+/// grown to the highest page written) saying whether it is listed, so that
+/// marking a row is one flag test where a set would search.
+#[derive(Default)]
+struct Written {
+    slots: Vec<(PageId, usize)>,
+    listed: Vec<bool>,
+}
+
+impl Written {
+    /// Lists slots `slots` of page `p` (pages of `page_size`).
+    fn mark(&mut self, p: PageId, slots: std::ops::Range<usize>, page_size: usize) {
+        let base = p as usize * page_size;
+        if self.listed.len() < base + page_size {
+            self.listed.resize(base + page_size, false);
+        }
+        for slot in slots {
+            let listed = &mut self.listed[base + slot];
+            if !*listed {
+                *listed = true;
+                self.slots.push((p, slot));
+            }
+        }
+    }
+
+    /// The listed slots in `(page, slot)` order; the list starts empty again.
+    fn take_sorted(&mut self, page_size: usize) -> Vec<(PageId, usize)> {
+        let mut slots = std::mem::take(&mut self.slots);
+        slots.sort_unstable();
+        for &(p, slot) in &slots {
+            self.listed[p as usize * page_size + slot] = false;
+        }
+        slots
+    }
 }
 
 impl PagedKv {
@@ -302,7 +339,7 @@ impl PagedKv {
         Self {
             pool,
             tables: BTreeMap::new(),
-            written: BTreeSet::new(),
+            written: Written::default(),
         }
     }
 
@@ -318,7 +355,7 @@ impl PagedKv {
     /// of the `small` preset hashes 2.9 MB of rows). Page hashes follow in
     /// page order.
     pub fn finish_step_on(&mut self, threads: &Threads) {
-        let written: Vec<(PageId, usize)> = std::mem::take(&mut self.written).into_iter().collect();
+        let written = self.written.take_sorted(self.pool.page_size);
         let pool = &self.pool;
         let slot_hash = |p: PageId, slot: usize| -> Hash {
             let off = pool.offset(p, slot);
@@ -413,7 +450,7 @@ impl KvCache for PagedKv {
         self.pool.k[layer][off..off + d].copy_from_slice(k);
         self.pool.v[layer][off..off + d].copy_from_slice(v);
         self.pool.version[p as usize] = next_version();
-        self.written.insert((p, pos % ps));
+        self.written.mark(p, pos % ps..pos % ps + 1, ps);
     }
 
     /// The run split at page boundaries: per page piece one copy of its K
@@ -442,7 +479,7 @@ impl KvCache for PagedKv {
             self.pool.k[layer][off..off + m * d].copy_from_slice(&k[src.clone()]);
             self.pool.v[layer][off..off + m * d].copy_from_slice(&v[src]);
             self.pool.version[p as usize] = next_version();
-            self.written.extend((slot..slot + m).map(|s| (p, s)));
+            self.written.mark(p, slot..slot + m, ps);
             pos += m;
         }
     }
@@ -475,7 +512,7 @@ impl KvCache for PagedKv {
         let off = (p as usize * ps + pos % ps) * d;
         self.pool.aux[layer][off..off + d].copy_from_slice(row);
         self.pool.version[p as usize] = next_version();
-        self.written.insert((p, pos % ps));
+        self.written.mark(p, pos % ps..pos % ps + 1, ps);
     }
 
     fn aux_view(&self, seq: SeqId, layer: usize) -> RowView<'_> {
