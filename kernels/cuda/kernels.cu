@@ -949,10 +949,59 @@ __device__ __forceinline__ int gm_at(int e) { return gm_row(e / CHUNK) + gm_pos(
 // Floats of a staged tile of `r` rows (the cells' offsets included).
 #define GM_STAGE(r) ((r) * CHUNK + (r) / 8 * 2)
 
+// A thread's share of a chunk's staging, into registers: staged element
+// tid + q·THREADS of the weights (wreg) and of the inputs (xreg). On an
+// interior tile of f32 weights over a whole chunk (fast), every element
+// is in the matrix and the address of element q is a stride from the
+// first one: one load each, no storage switch and no bounds; otherwise
+// gm_weight and gm_input, element by element. The values are the same.
+template <int R, int T, int THREADS>
+__device__ __forceinline__ void gm_fetch(int kind, const float* x, const unsigned char* w, int n, int rows, int k,
+                                         long long row_bytes, int o0, int t0, int c0, float* wreg, float* xreg) {
+    const int WPT = R * CHUNK / THREADS, XPT = T * CHUNK / THREADS, RPQ = THREADS / CHUNK;
+    int tid = threadIdx.x, cend = min(c0 + CHUNK, k);
+    bool fast = kind == 0 && o0 + R <= rows && t0 + T <= n && c0 + CHUNK <= k;
+    if (fast) {
+        long long rs = row_bytes / 4;
+        const float* wp = (const float*)w + (long long)(o0 + tid / CHUNK) * rs + c0 + tid % CHUNK;
+        #pragma unroll
+        for (int q = 0; q < WPT; ++q) wreg[q] = wp[(long long)q * RPQ * rs];
+        const float* xp = x + (long long)(t0 + tid / CHUNK) * k + c0 + tid % CHUNK;
+        #pragma unroll
+        for (int q = 0; q < XPT; ++q) xreg[q] = xp[(long long)q * RPQ * k];
+    } else {
+        #pragma unroll
+        for (int q = 0; q < WPT; ++q) wreg[q] = gm_weight(kind, w, row_bytes, rows, o0, c0, cend, tid + q * THREADS);
+        #pragma unroll
+        for (int q = 0; q < XPT; ++q) xreg[q] = gm_input(x, n, k, t0, c0, cend, tid + q * THREADS);
+    }
+}
+
+// gm_fetch and the stores of its values, for the unpipelined forms: on the
+// slow path each value goes straight to shared memory (no register array
+// held across the loop).
+template <int R, int T, int THREADS>
+__device__ __forceinline__ void gm_stage(int kind, const float* x, const unsigned char* w, int n, int rows, int k,
+                                         long long row_bytes, int o0, int t0, int c0, float* ws, float* xs) {
+    const int WPT = R * CHUNK / THREADS, XPT = T * CHUNK / THREADS;
+    int tid = threadIdx.x, cend = min(c0 + CHUNK, k);
+    if (kind == 0 && o0 + R <= rows && t0 + T <= n && c0 + CHUNK <= k) {
+        float wreg[WPT], xreg[XPT];
+        gm_fetch<R, T, THREADS>(kind, x, w, n, rows, k, row_bytes, o0, t0, c0, wreg, xreg);
+        #pragma unroll
+        for (int q = 0; q < WPT; ++q) ws[gm_at(tid + q * THREADS)] = wreg[q];
+        #pragma unroll
+        for (int q = 0; q < XPT; ++q) xs[gm_at(tid + q * THREADS)] = xreg[q];
+    } else {
+        for (int e = tid; e < R * CHUNK; e += THREADS) ws[gm_at(e)] = gm_weight(kind, w, row_bytes, rows, o0, c0, cend, e);
+        for (int e = tid; e < T * CHUNK; e += THREADS) xs[gm_at(e)] = gm_input(x, n, k, t0, c0, cend, e);
+    }
+}
+
 // PF (pipelined): each thread loads its share of the next chunk into
 // registers while the block computes on the current one, and stores it to
-// shared memory after the barrier; the staged values, and so the bits, are
-// the same.
+// shared memory after the barrier; without PF it loads and stores it before
+// the barrier. The staged values, and so the bits, are the same.
 template <int GR, int GT, bool PF>
 __device__ __forceinline__ void gemm_tiles(int kind, const float* x, const unsigned char* w, float* y,
                                            int n, int rows, int k, long long row_bytes, float* part, int cpb,
@@ -978,33 +1027,22 @@ __device__ __forceinline__ void gemm_tiles(int kind, const float* x, const unsig
     float total[8];
     #pragma unroll
     for (int tt = 0; tt < 8; ++tt) total[tt] = 0.0f;
-    if (PF && cfirst < clast) {
-        int c0 = cfirst * CHUNK, cend = min(c0 + CHUNK, k);
-        #pragma unroll
-        for (int q = 0; q < WPT; ++q) wreg[q] = gm_weight(kind, w, row_bytes, rows, o0, c0, cend, tid + q * THREADS);
-        #pragma unroll
-        for (int q = 0; q < XPT; ++q) xreg[q] = gm_input(x, n, k, t0, c0, cend, tid + q * THREADS);
-    }
+    if (PF && cfirst < clast)
+        gm_fetch<R, T, THREADS>(kind, x, w, n, rows, k, row_bytes, o0, t0, cfirst * CHUNK, wreg, xreg);
     for (int c = cfirst; c < clast; ++c) {
-        int c0 = c * CHUNK, cend = min(c0 + CHUNK, k);
+        int c0 = c * CHUNK;
         if (PF) {
             #pragma unroll
             for (int q = 0; q < WPT; ++q) ws[gm_at(tid + q * THREADS)] = wreg[q];
             #pragma unroll
             for (int q = 0; q < XPT; ++q) xs[gm_at(tid + q * THREADS)] = xreg[q];
         } else {
-            for (int e = tid; e < R * CHUNK; e += THREADS) ws[gm_at(e)] = gm_weight(kind, w, row_bytes, rows, o0, c0, cend, e);
-            for (int e = tid; e < T * CHUNK; e += THREADS) xs[gm_at(e)] = gm_input(x, n, k, t0, c0, cend, e);
+            gm_stage<R, T, THREADS>(kind, x, w, n, rows, k, row_bytes, o0, t0, c0, ws, xs);
         }
         __syncthreads();
-        if (PF && c + 1 < clast) {
-            // The next chunk's loads are in flight during this one's FMAs.
-            int n0 = c0 + CHUNK, nend = min(n0 + CHUNK, k);
-            #pragma unroll
-            for (int q = 0; q < WPT; ++q) wreg[q] = gm_weight(kind, w, row_bytes, rows, o0, n0, nend, tid + q * THREADS);
-            #pragma unroll
-            for (int q = 0; q < XPT; ++q) xreg[q] = gm_input(x, n, k, t0, n0, nend, tid + q * THREADS);
-        }
+        // The next chunk's loads are in flight during this one's FMAs.
+        if (PF && c + 1 < clast)
+            gm_fetch<R, T, THREADS>(kind, x, w, n, rows, k, row_bytes, o0, t0, c0 + CHUNK, wreg, xreg);
         float acc[8][8];
         #pragma unroll
         for (int tt = 0; tt < 8; ++tt) {

@@ -108,7 +108,8 @@ fn gemm_staging_is_free_of_bank_conflicts() {
                 let mut banks = [0u32; 32];
                 for cell in [base_cell, base_cell + 1] {
                     for j in 0..8 {
-                        let at = gm_row(cell * 8) + j * 8 + ((q << 6) ^ (j << 6)) + ((2 * sp) ^ (j & 4));
+                        let at =
+                            gm_row(cell * 8) + j * 8 + ((q << 6) ^ (j << 6)) + ((2 * sp) ^ (j & 4));
                         banks[at % 32] += 1;
                         banks[(at + 1) % 32] += 1;
                     }
