@@ -86,9 +86,12 @@ pub struct Tuning {
     /// (tiles of 64 rows × 32 tokens, 256 threads) instead of `matmul_gemm`
     /// (32 × 16, 64 threads).
     pub gemm_wide_min: usize,
-    /// `LMRR_CUDA_GEMM_PIPELINED` (default 1): the wide tiles by
-    /// `matmul_gemm_pipelined` (the next chunk's loads in flight during this
-    /// one's FMAs); 0: `matmul_gemm_wide`, staging then computing.
+    /// `LMRR_CUDA_GEMM_PIPELINED=1`: the wide tiles by
+    /// `matmul_gemm_pipelined` (the next chunk's loads held in registers
+    /// during this one's FMAs); off (0): `matmul_gemm_wide`, staging then
+    /// computing, two blocks an SM. Off since the lane-major tiles: the held
+    /// loads spill at 128 registers (H200, 4096-token gate/up: 418 against
+    /// 340 µs; 512-token prefill 22,090 against 25,674 tok/s).
     pub gemm_pipelined: bool,
     /// `LMRR_CUDA_DOWN_SWIGLU=1`: in steps that take `matmul_rows`, down
     /// reads SwiGLU(gate, up) made in its own loads (`matmul_rows_swiglu`:
@@ -121,9 +124,11 @@ pub struct Tuning {
     /// `LMRR_CUDA_ATTN_PREFETCH` (with [`Tuning::pdl_prefetch`]):
     /// `attention_decode` loads the step's inputs and the K/V rows that
     /// earlier steps wrote (below the first position its span writes now)
-    /// before its wait; rows of this step's positions and q after it. Off
-    /// until measured on a device (written and checked on the CPU
-    /// emulation; device-check and device-tune cover it).
+    /// before its wait; rows of this step's positions and q after it. Off:
+    /// bit-identical on the H200 but slower (two alternating rounds: batch 1
+    /// 700-702 against 940-951 tok/s, batch 8 3,216-3,265 against
+    /// 3,749-3,878, after 512 tokens 434-437 against 505-508); the held
+    /// rows cost the kernel its occupancy.
     pub attn_prefetch: bool,
     /// `LMRR_CUDA_SPLIT_BLOCKS`: a `matmul_gemm` whose tiles are fewer
     /// than this many blocks is split over its chunks (partials, then
@@ -139,7 +144,7 @@ impl Default for Tuning {
             swiglu_max: 0,
             gemm_min: 64,
             gemm_wide_min: 64,
-            gemm_pipelined: true,
+            gemm_pipelined: false,
             attn_decode_max: 132,
             down_swiglu: false,
             pdl: true,
@@ -217,7 +222,7 @@ mod tuning_tests {
             ("LMRR_CUDA_GEMM_MIN", " 9 "),
             ("LMRR_CUDA_GEMM_WIDE_MIN", "128"),
             ("LMRR_CUDA_SPLIT_BLOCKS", "0"),
-            ("LMRR_CUDA_GEMM_PIPELINED", "0"),
+            ("LMRR_CUDA_GEMM_PIPELINED", "1"),
             ("LMRR_CUDA_ATTN_DECODE_MAX", "0"),
             ("LMRR_CUDA_DOWN_SWIGLU", "1"),
             ("LMRR_CUDA_PDL", "0"),
@@ -233,7 +238,7 @@ mod tuning_tests {
                 gemm_min: 9,
                 gemm_wide_min: 128,
                 split_blocks: 0,
-                gemm_pipelined: false,
+                gemm_pipelined: true,
                 attn_decode_max: 0,
                 down_swiglu: true,
                 pdl: false,
