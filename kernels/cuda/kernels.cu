@@ -1479,6 +1479,154 @@ extern "C" __global__ void attention_decode(const float* q, const unsigned long 
 #endif
 }
 
+// Prefill attention: one block of ATTN_THREADS per (group, head), a group
+// being up to PF_TQ tokens of one sequence (stacked consecutively; the host
+// lists them: groups[g] = first token << 32 | count). Each tile of
+// ATTN_TILE positions is loaded once into shared memory and serves every
+// token of the group, where attention_paged loads it once per token. Per
+// token the arithmetic is attention_paged's, tile by tile:
+//  1. s_j = dot_canon(q, k_j) * scale, one thread per (token, position):
+//     lane l's FMA chain of each chunk (elements l + 8s, s ascending), the
+//     lane tree, chunk partials in order;
+//  2. the tile's max over the token's positions in it, in index order; the
+//     running max m_new = max(tile max, m); alpha = det_exp(m - m_new);
+//  3. p_j = det_exp(s_j - m_new);
+//  4. lt = the sum of the tile's p in index order, l = l * alpha + lt; per
+//     dimension a = the fmaf chain of p_j * v_j[d] in index order,
+//     acc = acc * alpha + a;
+// and out = acc / l. Tiles start at position 0 whatever the group, so the
+// tiles, and so the bits, are those of the one-token kernels (whose
+// super-chunks only batch tiles: each merge is still one tile's).
+#define PF_TQ 16
+#define PF_MAXHD 128
+#define PF_ACC (PF_TQ * PF_MAXHD / ATTN_THREADS)
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_prefill(
+    const float* q, const unsigned long long* pages, const unsigned long long* seq_off,
+    const unsigned long long* pos, const unsigned long long* groups, float* out, int n_heads, int n_kv_heads,
+    int head_dim, int layer, int page_len, int aux, float scale) {
+    PDL_ENTRY();
+    __shared__ float qs[PF_TQ][PF_MAXHD];
+    __shared__ float ks[ATTN_TILE][PF_MAXHD + 1];
+    __shared__ float vs[ATTN_TILE][PF_MAXHD];
+    __shared__ float sc[PF_TQ][ATTN_TILE];
+    __shared__ float tok_m[PF_TQ], tok_l[PF_TQ], tok_alpha[PF_TQ];
+    __shared__ int tok_end[PF_TQ];
+    int g = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
+    unsigned long long gr = groups[g];
+    int t0 = (int)(gr >> 32), cnt = (int)(gr & 0xffffffffu);
+    int tid = threadIdx.x;
+    int hd = head_dim, kvd = n_kv_heads * head_dim, qd = n_heads * head_dim;
+    int kvh = h / (n_heads / n_kv_heads);
+    const unsigned long long* pt = pages + seq_off[t0];
+    for (int i = tid; i < PF_TQ * hd; i += ATTN_THREADS) {
+        int u = i / hd, d = i % hd;
+        qs[u][d] = u < cnt ? q[(long long)(t0 + u) * qd + h * hd + d] : 0.0f;
+    }
+    if (tid < PF_TQ) {
+        tok_end[tid] = tid < cnt ? (int)pos[t0 + tid] + 1 : 0;
+        tok_m[tid] = __int_as_float(0xff800000);  // -inf
+        tok_l[tid] = 0.0f;
+    }
+    __syncthreads();
+    int end = 0;
+    for (int u = 0; u < cnt; ++u) end = max(end, tok_end[u]);
+    // Thread tid owns (token, dimension) pairs tid + r·ATTN_THREADS.
+    float acc[PF_ACC];
+    #pragma unroll
+    for (int r = 0; r < PF_ACC; ++r) acc[r] = 0.0f;
+    int chunks = (hd + CHUNK - 1) / CHUNK;
+    // Scores: token su, positions sr and sr + 16 of the tile.
+    int su = tid >> 4, sr = tid & 15;
+    for (int j0 = 0; j0 < end; j0 += ATTN_TILE) {
+        int jn = min(ATTN_TILE, end - j0);
+        for (int i = tid; i < ATTN_TILE * hd; i += ATTN_THREADS) {
+            int r = i / hd, d = i % hd;
+            float kv = 0.0f, vv = 0.0f;
+            if (r < jn) {
+                int j = j0 + r;
+                unsigned long long pg = pt[j / page_len];
+                kv = kv_row(pg, layer, page_len, kvd, aux, j % page_len, 0)[kvh * hd + d];
+                vv = kv_row(pg, layer, page_len, kvd, aux, j % page_len, 1)[kvh * hd + d];
+            }
+            ks[r][d] = kv;
+            vs[r][d] = vv;
+        }
+        __syncthreads();
+        // 1. Scores.
+        #pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            int r = sr + half * 16;
+            float total = 0.0f;
+            for (int c = 0; c < chunks; ++c) {
+                int c0 = c * CHUNK, cend = min(c0 + CHUNK, hd);
+                float l[LANES];
+                #pragma unroll
+                for (int ln = 0; ln < LANES; ++ln) l[ln] = 0.0f;
+                #pragma unroll
+                for (int s2 = 0; s2 < CHUNK / LANES; ++s2) {
+                    #pragma unroll
+                    for (int ln = 0; ln < LANES; ++ln) {
+                        int i = c0 + ln + s2 * LANES;
+                        if (i < cend) l[ln] = fmaf(qs[su][i], ks[r][i], l[ln]);
+                    }
+                }
+                total = total + lane_tree(l);
+            }
+            sc[su][r] = total * scale;
+        }
+        __syncthreads();
+        // 2. Each token's tile max, running max and alpha.
+        if (tid < cnt) {
+            int e = min(ATTN_TILE, tok_end[tid] - j0);
+            if (e > 0) {
+                float mt = __int_as_float(0xff800000);
+                for (int i = 0; i < e; ++i) {
+                    float sv = sc[tid][i];
+                    if (sv > mt) mt = sv;
+                }
+                float mp = tok_m[tid];
+                float mn = mt > mp ? mt : mp;
+                tok_alpha[tid] = det_exp(mp - mn);
+                tok_m[tid] = mn;
+            }
+        }
+        __syncthreads();
+        // 3. p.
+        for (int i = tid; i < PF_TQ * ATTN_TILE; i += ATTN_THREADS) {
+            int u = i / ATTN_TILE, r = i % ATTN_TILE;
+            if (u < cnt && j0 + r < tok_end[u]) sc[u][r] = det_exp(sc[u][r] - tok_m[u]);
+        }
+        __syncthreads();
+        // 4. The tile's sums and the merge.
+        if (tid < cnt) {
+            int e = min(ATTN_TILE, tok_end[tid] - j0);
+            if (e > 0) {
+                float lt = 0.0f;
+                for (int i = 0; i < e; ++i) lt = lt + sc[tid][i];
+                tok_l[tid] = tok_l[tid] * tok_alpha[tid] + lt;
+            }
+        }
+        #pragma unroll
+        for (int r = 0; r < PF_ACC; ++r) {
+            int pr = tid + r * ATTN_THREADS, u = pr / hd, d = pr % hd;
+            if (u < cnt) {
+                int e = min(ATTN_TILE, tok_end[u] - j0);
+                if (e > 0) {
+                    float a = 0.0f;
+                    for (int i = 0; i < e; ++i) a = fmaf(sc[u][i], vs[i][d], a);
+                    acc[r] = acc[r] * tok_alpha[u] + a;
+                }
+            }
+        }
+        __syncthreads();
+    }
+    #pragma unroll
+    for (int r = 0; r < PF_ACC; ++r) {
+        int pr = tid + r * ATTN_THREADS, u = pr / hd, d = pr % hd;
+        if (u < cnt) out[(long long)(t0 + u) * qd + h * hd + d] = acc[r] / tok_l[u];
+    }
+}
+
 // The device's FP32 FMA rate, for `lmrr bench`: 8 independent fmaf chains
 // of `iters` steps per thread (2 FLOPs each); the sums are written so that
 // nothing is optimised away.

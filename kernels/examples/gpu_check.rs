@@ -7,9 +7,16 @@
 //! Prints one line per case and a summary; exits 1 on any differing bit, 2
 //! when no device can be opened.
 
-use lmrr_kernels::cuda::resident::{Fused, NormKernel, Tuning};
+use lmrr_kernels::cuda::resident::{AttnKernel, Fused, NormKernel, Tuning};
 use lmrr_kernels::cuda::{negative_controls, Control, Gpu, MatmulKernel};
 use lmrr_kernels::*;
+
+/// The paged attention kernels, each held to the CPU.
+const ATTN_KERNELS: [(&str, AttnKernel); 3] = [
+    ("attention_paged", AttnKernel::Paged),
+    ("attention_decode", AttnKernel::Decode),
+    ("attention_prefill", AttnKernel::Prefill),
+];
 
 type Rng = SplitMix64;
 
@@ -247,8 +254,8 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
         }];
         let (mut cpu, mut dev) = (vec![0.0; shape.q_dim()], vec![0.0; shape.q_dim()]);
         attention(&th, &tasks, &shape, 0.125, &mut cpu);
-        for (label, decode) in [("attention_paged", false), ("attention_decode", true)] {
-            gpu.attention_resident(&tasks, &shape, 0.125, 16, decode, &mut dev)
+        for (label, kernel) in ATTN_KERNELS {
+            gpu.attention_resident(&tasks, &shape, 0.125, 16, kernel, &mut dev)
                 .expect(label);
             out.push((label, diff(&cpu, &dev)));
         }
@@ -591,7 +598,10 @@ fn main() {
         n_kv_heads: 3,
         head_dim: 64,
     };
-    for &positions in &[&[0usize][..], &[31, 32, 33], &[5, 100, 511, 64]] {
+    // The last: a prefill's 80 tokens of one sequence (attention_prefill's
+    // groups of 16, the second 40 past a super-chunk of 2,048 positions).
+    let prefill: Vec<usize> = (0..40).chain(2030..2070).collect();
+    for &positions in &[&[0usize][..], &[31, 32, 33], &[5, 100, 511, 64], &prefill[..]] {
         let cap = positions.iter().max().unwrap() + 1;
         let blocks = cap.div_ceil(16);
         let kb: Vec<Vec<f32>> = (0..blocks)
@@ -625,9 +635,9 @@ fn main() {
             cpu.len(),
         );
         for page_len in [1usize, 7, 16, 64] {
-            for (label, decode) in [("attention_paged", false), ("attention_decode", true)] {
+            for (label, kernel) in ATTN_KERNELS {
                 let mut paged = vec![f32::NAN; cpu.len()];
-                gpu.attention_resident(&tasks, &shape, 0.125, page_len, decode, &mut paged)
+                gpu.attention_resident(&tasks, &shape, 0.125, page_len, kernel, &mut paged)
                     .expect(label);
                 report(
                     format!("{label} pages of {page_len}, positions {positions:?}"),
@@ -739,9 +749,12 @@ fn main() {
         }];
         let mut cpu = vec![0.0; shape.q_dim()];
         attention(&th, &tasks, &shape, 0.088, &mut cpu);
-        for (label, decode) in [("attention_paged", false), ("attention_decode", true)] {
+        for (label, kernel) in ATTN_KERNELS {
+            if kernel == AttnKernel::Prefill && hd > lmrr_kernels::cuda::resident::PF_MAXHD {
+                continue;
+            }
             let mut paged = vec![f32::NAN; cpu.len()];
-            gpu.attention_resident(&tasks, &shape, 0.088, 16, decode, &mut paged)
+            gpu.attention_resident(&tasks, &shape, 0.088, 16, kernel, &mut paged)
                 .expect(label);
             report(
                 format!("{label} {nh}/{nkv} heads × {hd}, position {pos}"),

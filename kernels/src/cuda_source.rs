@@ -93,6 +93,16 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
             "if (i < cnt) a = sc[j0 + i] * vv[i] + a;",
         ),
         (
+            "attention_prefill softmax sum in reverse",
+            "for (int i = 0; i < e; ++i) lt = lt + sc[tid][i];",
+            "for (int i = e - 1; i >= 0; --i) lt = lt + sc[tid][i];",
+        ),
+        (
+            "attention_prefill P·V as mul + add",
+            "for (int i = 0; i < e; ++i) a = fmaf(sc[u][i], vs[i][d], a);",
+            "for (int i = 0; i < e; ++i) a = sc[u][i] * vs[i][d] + a;",
+        ),
+        (
             "attention_paged softmax sum in reverse",
             "for (int i = j0; i < j1; ++i) lt = lt + sc[i];",
             "for (int i = j1 - 1; i >= j0; --i) lt = lt + sc[i];",

@@ -444,6 +444,16 @@ fn paged_attention_matches_the_cpu() {
         (2, 1, 128, &[200], 16),
         (2, 1, 256, &[1100], 64),
         (2, 2, 64, &[2100], 32),
+        // attention_prefill's groups: 20 tokens of one sequence (a group of
+        // 16 and one of 4), positions past a super-chunk and unsorted.
+        (
+            3,
+            1,
+            64,
+            &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 30, 31, 32, 33, 63, 64, 2047, 2048, 2050, 100],
+            16,
+        ),
+        (2, 1, 128, &[3, 90, 91, 92, 200], 32),
     ];
     for &(nh, nkv, hd, positions, page_len) in cases {
         let shape = AttnShape {
@@ -489,17 +499,26 @@ fn paged_attention_matches_the_cpu() {
             ("attention_paged", 0, emulator()),
             ("attention_decode", 1, emulator()),
             ("attention_decode, ATTN_PREFETCH", 1, emulator_prefetch()),
+            ("attention_prefill", 2, emulator()),
         ] {
             let Some(bin) = bin else { continue };
+            // attention_prefill holds head dims up to PF_MAXHD (128).
+            if decode == 2 && hd > 128 {
+                continue;
+            }
             // One span of every task (the positions below the first are
             // earlier steps' rows: loaded before the wait under
-            // ATTN_PREFETCH), then two spans of two tasks each where
-            // there are four (the second span's table a copy of the first).
+            // ATTN_PREFETCH), then two spans of half the tasks each where
+            // their count is even (the second span's table a copy of the
+            // first; attention_prefill's groups end at the span's end).
             let mut layouts = vec![(index.clone(), seq_off.clone())];
-            if tasks.len() == 4 {
+            if tasks.len() >= 4 && tasks.len() % 2 == 0 {
+                let half = tasks.len() / 2;
                 layouts.push((
                     [index.clone(), index.clone()].concat(),
-                    vec![0, 0, pages as u64, pages as u64],
+                    (0..tasks.len())
+                        .map(|i| if i < half { 0 } else { pages as u64 })
+                        .collect(),
                 ));
             }
             for (table, offs) in &layouts {
@@ -620,6 +639,7 @@ fn the_emulation_sees_each_broken_kernel() {
             "matmul_gemm",
             "attention_paged",
             "attention_decode",
+            "attention_prefill",
             "norm_block",
             "norm_reg",
             "matmul_fused",
@@ -672,7 +692,7 @@ fn the_emulation_sees_each_broken_kernel() {
             );
             d += differing(&sw_cpu, &floats(&out[0]));
         }
-        for decode in [0, 1] {
+        for decode in [0, 1, 2] {
             let out = job_on(
                 &bin,
                 &format!(

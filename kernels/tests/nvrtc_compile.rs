@@ -32,6 +32,8 @@ fn kernels_cu_compiles_under_nvrtc() {
         "rope_kv",
         "attention_paged",
         "attention_decode",
+        "attention_prefill",
+        "matmul_gemm_wide",
         "norm_reg",
         "matmul_rows_swiglu",
         "matmul_gemm_pipelined",

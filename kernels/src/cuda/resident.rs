@@ -49,6 +49,10 @@ pub const GW_TOKS: usize = 32;
 const GW_THREADS: u32 = 256;
 /// Threads per block of `attention_paged` (`ATTN_THREADS` in kernels.cu).
 const ATTN_THREADS: u32 = 256;
+/// Tokens of one sequence per `attention_prefill` block (`PF_TQ`).
+pub const PF_TQ: usize = 16;
+/// The largest head_dim `attention_prefill` holds (`PF_MAXHD`).
+pub const PF_MAXHD: usize = 128;
 
 /// Which RMSNorm kernel [`Gpu::rms_norm_resident`] runs (the resident path
 /// takes `norm_reg` where the row fits it, then `norm_block`, then the warp
@@ -130,6 +134,12 @@ pub struct Tuning {
     /// 3,749-3,878, after 512 tokens 434-437 against 505-508); the held
     /// rows cost the kernel its occupancy.
     pub attn_prefetch: bool,
+    /// `LMRR_CUDA_ATTN_PREFILL` (default 1): attention over a step's tokens
+    /// in groups of up to [`PF_TQ`] of one sequence (`attention_prefill`:
+    /// each K/V tile loaded once for the group), where the step's
+    /// [`PageTable`] lists groups (steps whose spans are long); 0:
+    /// `attention_paged`, a block per token and head.
+    pub attn_prefill: bool,
     /// `LMRR_CUDA_SPLIT_BLOCKS`: a `matmul_gemm` whose tiles are fewer
     /// than this many blocks is split over its chunks (partials, then
     /// `sum_chunks`) to about this many blocks; 0: never split.
@@ -150,6 +160,7 @@ impl Default for Tuning {
             pdl: true,
             pdl_prefetch: true,
             attn_prefetch: false,
+            attn_prefill: true,
             split_blocks: 4096,
         }
     }
@@ -186,6 +197,7 @@ impl Tuning {
             ("LMRR_CUDA_PDL", &mut t.pdl),
             ("LMRR_CUDA_PDL_PREFETCH", &mut t.pdl_prefetch),
             ("LMRR_CUDA_ATTN_PREFETCH", &mut t.attn_prefetch),
+            ("LMRR_CUDA_ATTN_PREFILL", &mut t.attn_prefill),
         ] {
             if let Some(v) = get(var) {
                 *slot = match v.trim() {
@@ -228,6 +240,7 @@ mod tuning_tests {
             ("LMRR_CUDA_PDL", "0"),
             ("LMRR_CUDA_PDL_PREFETCH", "0"),
             ("LMRR_CUDA_ATTN_PREFETCH", "1"),
+            ("LMRR_CUDA_ATTN_PREFILL", "0"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -244,6 +257,7 @@ mod tuning_tests {
                 pdl: false,
                 pdl_prefetch: false,
                 attn_prefetch: true,
+                attn_prefill: false,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
@@ -290,6 +304,7 @@ pub(crate) struct Kernels {
     gather_rows: Func,
     attention_paged: Func,
     attention_decode: Func,
+    attention_prefill: Func,
     swiglu: Func,
     fma_peak: Func,
 }
@@ -341,6 +356,7 @@ impl Kernels {
             gather_rows: f("gather_rows")?,
             attention_paged: f("attention_paged")?,
             attention_decode: f("attention_decode")?,
+            attention_prefill: f("attention_prefill")?,
             swiglu: f("swiglu")?,
             fma_peak: f("fma_peak")?,
             _module: module,
@@ -558,6 +574,20 @@ pub enum GemmTiles {
     Wide,
     /// `matmul_gemm_pipelined`: the wide tiles, staging pipelined.
     Pipelined,
+}
+
+/// Which attention kernel (each gives the same bits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttnKernel {
+    /// `attention_paged`: a block per (token, head), one position per
+    /// group of 8 threads at a time (wide steps).
+    Paged,
+    /// `attention_decode`: the same blocks, each group's K/V loads batched
+    /// (small steps).
+    Decode,
+    /// `attention_prefill`: a block per (group of up to [`PF_TQ`] tokens of
+    /// one sequence, head), each K/V tile loaded once for the group.
+    Prefill,
 }
 
 /// Blocks of one `matmul_gemm` (or `_wide`) pass over `rows` × `n`.
@@ -1404,7 +1434,10 @@ impl Gpu {
     }
 
     /// Paged causal attention of `n` query rows: token t attends positions
-    /// `0..=pos[t]` through page addresses `pages[seq_off[t]..]`.
+    /// `0..=pos[t]` through page addresses `pages[seq_off[t]..]`; by
+    /// `attention_prefill` where the table lists groups (and
+    /// [`Tuning::attn_prefill`]), `attention_decode` for steps of at most
+    /// [`Tuning::attn_decode_max`] blocks, `attention_paged` otherwise.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_paged(
         &self,
@@ -1417,16 +1450,23 @@ impl Gpu {
         scale: f32,
         out: u64,
     ) -> Result<(), GpuError> {
-        let decode = n * shape.n_heads <= self.res.tuning.attn_decode_max;
-        self.attention_with(decode, q, table, n, shape, layout, layer, scale, out)
+        let tun = self.res.tuning;
+        let kernel = if table.n_groups > 0 && tun.attn_prefill && shape.head_dim <= PF_MAXHD {
+            AttnKernel::Prefill
+        } else if n * shape.n_heads <= tun.attn_decode_max {
+            AttnKernel::Decode
+        } else {
+            AttnKernel::Paged
+        };
+        self.attention_with(kernel, q, table, n, shape, layout, layer, scale, out)
     }
 
-    /// [`Gpu::attention_paged`] by `attention_decode` (`decode`) or
-    /// `attention_paged`, whatever the step's size.
+    /// [`Gpu::attention_paged`] by the kernel named, whatever the step's
+    /// size (`Prefill` needs the table's groups).
     #[allow(clippy::too_many_arguments)]
     pub fn attention_with(
         &self,
-        decode: bool,
+        kernel: AttnKernel,
         q: u64,
         table: PageTable,
         n: usize,
@@ -1452,7 +1492,17 @@ impl Gpu {
                 ),
             });
         }
-        let blocks = n * shape.n_heads;
+        let prefill = kernel == AttnKernel::Prefill;
+        if prefill && (shape.head_dim > PF_MAXHD || table.n_groups == 0) {
+            return Err(GpuError::Shape {
+                what: "attention_prefill",
+                detail: format!(
+                    "head_dim {} (≤ {PF_MAXHD}), {} groups (> 0)",
+                    shape.head_dim, table.n_groups
+                ),
+            });
+        }
+        let blocks = if prefill { table.n_groups } else { n } * shape.n_heads;
         let (nh, nkv, hd) = (
             as_i32("attention", shape.n_heads)?,
             as_i32("attention", shape.n_kv_heads)?,
@@ -1465,17 +1515,20 @@ impl Gpu {
             block_dim: (ATTN_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let f = if decode {
-            &self.res.attention_decode
-        } else {
-            &self.res.attention_paged
+        let f = match kernel {
+            AttnKernel::Paged => &self.res.attention_paged,
+            AttnKernel::Decode => &self.res.attention_decode,
+            AttnKernel::Prefill => &self.res.attention_prefill,
         };
         let mut b = self.kernel(f)?;
         b.arg(&q)
             .arg(&table.pages)
             .arg(&table.seq_off)
-            .arg(&table.pos)
-            .arg(&out)
+            .arg(&table.pos);
+        if prefill {
+            b.arg(&table.groups);
+        }
+        b.arg(&out)
             .arg(&nh)
             .arg(&nkv)
             .arg(&hd)
@@ -1484,8 +1537,10 @@ impl Gpu {
             .arg(&aux)
             .arg(&scale);
         // SAFETY: matches `attention_paged` / `attention_decode` (the same
-        // parameters); token t's page list covers
-        // positions 0..=pos[t], each entry the address of a whole page.
+        // parameters) and `attention_prefill` (groups after pos); token t's
+        // page list covers positions 0..=pos[t], each entry the address of a
+        // whole page; each group's tokens share one sequence's page list
+        // (`prefill_groups`) and its count is at most PF_TQ.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 }
@@ -1686,18 +1741,19 @@ impl Gpu {
             .collect()
     }
 
-    /// [`crate::attention`] by `attention_decode` (`decode`) or
-    /// `attention_paged`: each task's keys and
+    /// [`crate::attention`] by the kernel named: each sequence's keys and
     /// values are copied into device pages of `page_len` positions (layer 0
     /// of a one-layer layout), in a page order other than the positions'
-    /// (the table, not the memory order, must decide).
+    /// (the table, not the memory order, must decide). A sequence is a task,
+    /// or for `Prefill` a run of consecutive tasks over one `KvView`
+    /// (grouped by up to [`PF_TQ`]).
     pub fn attention_resident(
         &self,
         tasks: &[crate::AttnTask],
         shape: &crate::AttnShape,
         scale: f32,
         page_len: usize,
-        decode: bool,
+        kernel: AttnKernel,
         out: &mut [f32],
     ) -> Result<(), GpuError> {
         let (qd, kvd) = (shape.q_dim(), shape.kv_dim());
@@ -1714,28 +1770,47 @@ impl Gpu {
             aux_dim: 0,
         };
         let pf = layout.page_floats();
-        // Pages of all tasks, stored in reverse order of need.
-        let counts: Vec<usize> = tasks
+        // Sequences: for `Prefill`, each run of consecutive tasks over the
+        // same rows (one `KvView`) is one sequence, its pages shared and
+        // its tasks grouped by PF_TQ; otherwise every task its own.
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for (i, t) in tasks.iter().enumerate() {
+            match runs.last_mut() {
+                Some((a, c))
+                    if kernel == AttnKernel::Prefill && std::ptr::eq(tasks[*a].kv, t.kv) =>
+                {
+                    *c += 1
+                }
+                _ => runs.push((i, 1)),
+            }
+        }
+        let run_pos: Vec<usize> = runs
             .iter()
-            .map(|t| (t.pos + 1).div_ceil(page_len))
+            .map(|&(a, c)| tasks[a..a + c].iter().map(|t| t.pos).max().unwrap_or(0))
+            .collect();
+        // Pages of all sequences, stored in reverse order of need.
+        let counts: Vec<usize> = run_pos
+            .iter()
+            .map(|p| (p + 1).div_ceil(page_len))
             .collect();
         let total: usize = counts.iter().sum();
         let mut host = vec![0.0f32; total.max(1) * pf];
         let mut page_of = Vec::with_capacity(total);
         let mut next = total;
-        for t in tasks {
-            for b in 0..(t.pos + 1).div_ceil(page_len) {
+        for (&(a, _), &pos) in runs.iter().zip(&run_pos) {
+            let kv = tasks[a].kv;
+            for b in 0..(pos + 1).div_ceil(page_len) {
                 next -= 1;
                 page_of.push(next);
                 let page = &mut host[next * pf..(next + 1) * pf];
                 for s in 0..page_len {
                     let j = b * page_len + s;
-                    if j > t.pos {
+                    if j > pos {
                         break;
                     }
-                    page[s * kvd..(s + 1) * kvd].copy_from_slice(t.kv.key(j, kvd));
+                    page[s * kvd..(s + 1) * kvd].copy_from_slice(kv.key(j, kvd));
                     page[(page_len + s) * kvd..(page_len + s + 1) * kvd]
-                        .copy_from_slice(t.kv.value(j, kvd));
+                        .copy_from_slice(kv.value(j, kvd));
                 }
             }
         }
@@ -1744,17 +1819,20 @@ impl Gpu {
             .iter()
             .map(|&p| dpages.ptr + (p * pf * 4) as u64)
             .collect();
-        let mut off = 0;
-        let seq_off: Vec<u64> = counts
-            .iter()
-            .map(|&c| {
-                off += c;
-                (off - c) as u64
-            })
-            .collect();
+        let mut seq_off = Vec::with_capacity(tasks.len());
+        let mut groups = Vec::new();
+        let mut off = 0u64;
+        for (&(a, c), &pages) in runs.iter().zip(&counts) {
+            seq_off.extend(std::iter::repeat_n(off, c));
+            off += pages as u64;
+            for g in (0..c).step_by(PF_TQ) {
+                groups.push(((a + g) as u64) << 32 | PF_TQ.min(c - g) as u64);
+            }
+        }
         let pages_len = ins.len();
         ins.extend(&seq_off);
         ins.extend(tasks.iter().map(|t| t.pos as u64));
+        ins.extend(&groups);
         let q: Vec<f32> = tasks.iter().flat_map(|t| t.q.iter().copied()).collect();
         let (din, dq) = (self.upload(&ins, "table")?, self.upload(&q, "q")?);
         let dout = self.alloc(out.len() * 4, "out")?;
@@ -1763,9 +1841,15 @@ impl Gpu {
             pages: at(0),
             seq_off: at(pages_len),
             pos: at(pages_len + tasks.len()),
+            groups: at(pages_len + 2 * tasks.len()),
+            n_groups: if kernel == AttnKernel::Prefill {
+                groups.len()
+            } else {
+                0
+            },
         };
         self.attention_with(
-            decode,
+            kernel,
             dq.ptr,
             table,
             tasks.len(),
@@ -1789,10 +1873,41 @@ fn layout_args(l: &PageLayout) -> Result<(i32, i32, i32), GpuError> {
 }
 
 /// Device addresses of a step's page table (u64 arrays): every sequence's
-/// page addresses, each token's offset into them, and each token's position.
+/// page addresses, each token's offset into them, and each token's position;
+/// and, where the step's spans are long, `n_groups` groups of at most
+/// [`PF_TQ`] consecutive tokens of one sequence at `groups` (each
+/// `first token << 32 | count`, see [`prefill_groups`]), which let
+/// attention share K/V tiles (`attention_prefill`); `n_groups` 0: none.
 #[derive(Debug, Clone, Copy)]
 pub struct PageTable {
     pub pages: u64,
     pub seq_off: u64,
     pub pos: u64,
+    pub groups: u64,
+    pub n_groups: usize,
+}
+
+/// `attention_prefill`'s groups of a step whose spans hold `span_lens`
+/// tokens each, stacked in that order: every span cut into runs of at most
+/// [`PF_TQ`] tokens, each `first token << 32 | count`. None where the
+/// groups would be less than half full on average (steps of short spans,
+/// decode: `attention_paged`'s block per token serves them better).
+pub fn prefill_groups(span_lens: impl Iterator<Item = usize> + Clone) -> Option<Vec<u64>> {
+    let n: usize = span_lens.clone().sum();
+    let count: usize = span_lens.clone().map(|l| l.div_ceil(PF_TQ)).sum();
+    if n == 0 || count * PF_TQ > 2 * n || n > u32::MAX as usize {
+        return None;
+    }
+    let mut out = Vec::with_capacity(count);
+    let mut first = 0usize;
+    for len in span_lens {
+        let mut at = 0;
+        while at < len {
+            let c = PF_TQ.min(len - at);
+            out.push(((first + at) as u64) << 32 | c as u64);
+            at += c;
+        }
+        first += len;
+    }
+    Some(out)
 }

@@ -397,6 +397,17 @@ impl Resident {
             block_len,
             sink,
         );
+        // attention_prefill's groups (steps of long spans), after the pages.
+        let groups_at = st.host_in.len();
+        let n_groups = match lmrr_kernels::cuda::resident::prefill_groups(
+            spans.iter().map(|s| s.tokens.len()),
+        ) {
+            Some(g) => {
+                st.host_in.extend(&g);
+                g.len()
+            }
+            None => 0,
+        };
 
         // Buffers: grow (and drop the graphs that name the old ones).
         let need_in = st.host_in.len();
@@ -437,6 +448,8 @@ impl Resident {
             pages: at(fixed),
             seq_off: at(2 * n),
             pos: at(n),
+            groups: at(groups_at),
+            n_groups,
         };
         let (dstp, slotp, rowp) = (at(3 * n), at(4 * n), at(5 * n));
         let a = Self::addrs(m, sb, shape);
