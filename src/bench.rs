@@ -385,7 +385,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 .iter()
                 .map(|(name, s)| format!("{name} {:.1}%", 100.0 * s / step))
                 .chain(std::iter::once(format!(
-                    "other (host work outside these parts: input packing, bookkeeping, buffer growth) {:.1}%",
+                    "other (host work outside these parts: input packing, bookkeeping) {:.1}%",
                     100.0 * other / step
                 )))
                 .collect();

@@ -410,6 +410,7 @@ impl Resident {
         };
 
         // Buffers: grow (and drop the graphs that name the old ones).
+        let grown = std::time::Instant::now();
         let need_in = st.host_in.len();
         if st.inputs.as_ref().is_none_or(|(_, cap)| *cap < need_in) {
             st.graphs.clear();
@@ -437,6 +438,7 @@ impl Resident {
                 .map_err(gpu_err)?;
             st.scratch = Some((b, cap));
         }
+        let mut growth = grown.elapsed().as_secs_f64();
         let inb = st.inputs.as_ref().map(|(b, _)| b.ptr()).unwrap_or(0);
         let sb = st.scratch.as_ref().map(|(b, _)| b.ptr()).unwrap_or(0);
         self.timed("step inputs upload", || {
@@ -483,8 +485,15 @@ impl Resident {
             }
             Ok(())
         };
+        let grown = std::time::Instant::now();
         grow(&mut st.host_logits, w * vocab)?;
         grow(&mut st.host_kv, 2 * per)?;
+        growth += grown.elapsed().as_secs_f64();
+        if self.profiling {
+            // Device and pinned host buffers grown for this step's shape
+            // (once per larger shape; the rest of "other" is host work).
+            self.add_time("buffer growth", growth);
+        }
         let (Some(hl), Some(hkv)) = (st.host_logits.as_mut(), st.host_kv.as_mut()) else {
             return Err(EngineError::Device("no host buffers".into()));
         };
