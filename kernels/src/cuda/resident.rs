@@ -140,6 +140,11 @@ pub struct Tuning {
     /// [`PageTable`] lists groups (steps whose spans are long); 0:
     /// `attention_paged`, a block per token and head.
     pub attn_prefill: bool,
+    /// `LMRR_CUDA_ATTN_PREFILL_GROUP` (1..=[`PF_TQ`], default 16): tokens
+    /// per `attention_prefill` group. Fewer: more blocks (a 512-token
+    /// prefill has 32 groups of 16 per head), each K/V tile loaded for
+    /// fewer tokens.
+    pub attn_prefill_group: usize,
     /// `LMRR_CUDA_SPLIT_BLOCKS`: a `matmul_gemm` whose tiles are fewer
     /// than this many blocks is split over its chunks (partials, then
     /// `sum_chunks`) to about this many blocks; 0: never split.
@@ -161,6 +166,7 @@ impl Default for Tuning {
             pdl_prefetch: true,
             attn_prefetch: false,
             attn_prefill: true,
+            attn_prefill_group: PF_TQ,
             split_blocks: 4096,
         }
     }
@@ -184,6 +190,7 @@ impl Tuning {
             ("LMRR_CUDA_GEMM_WIDE_MIN", &mut t.gemm_wide_min),
             ("LMRR_CUDA_SPLIT_BLOCKS", &mut t.split_blocks),
             ("LMRR_CUDA_ATTN_DECODE_MAX", &mut t.attn_decode_max),
+            ("LMRR_CUDA_ATTN_PREFILL_GROUP", &mut t.attn_prefill_group),
         ] {
             if let Some(v) = get(var) {
                 *slot = v.trim().parse().map_err(|_| {
@@ -210,6 +217,8 @@ impl Tuning {
         // matmul_fused holds at most MM_TOKENS tokens of partials.
         t.fused_max = t.fused_max.min(MM_TOKENS);
         t.swiglu_max = t.swiglu_max.min(MM_TOKENS);
+        // attention_prefill holds at most PF_TQ tokens a group.
+        t.attn_prefill_group = t.attn_prefill_group.clamp(1, PF_TQ);
         Ok(t)
     }
 }
@@ -241,6 +250,7 @@ mod tuning_tests {
             ("LMRR_CUDA_PDL_PREFETCH", "0"),
             ("LMRR_CUDA_ATTN_PREFETCH", "1"),
             ("LMRR_CUDA_ATTN_PREFILL", "0"),
+            ("LMRR_CUDA_ATTN_PREFILL_GROUP", "100"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -258,9 +268,29 @@ mod tuning_tests {
                 pdl_prefetch: false,
                 attn_prefetch: true,
                 attn_prefill: false,
+                attn_prefill_group: PF_TQ,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
+    }
+
+    #[test]
+    fn prefill_groups_cut_spans_and_skip_short_ones() {
+        let g = |lens: &[usize], group| prefill_groups(lens.iter().copied(), group);
+        let parts = |v: Vec<u64>| -> Vec<(u64, u64)> {
+            v.iter().map(|x| (x >> 32, x & 0xffff_ffff)).collect()
+        };
+        assert_eq!(
+            g(&[40, 1, 16], 16).map(parts),
+            Some(vec![(0, 16), (16, 16), (32, 8), (40, 1), (41, 16)])
+        );
+        assert_eq!(g(&[20], 8).map(parts), Some(vec![(0, 8), (8, 8), (16, 4)]));
+        // Above PF_TQ, the kernel's limit.
+        assert_eq!(g(&[17], 64).map(parts), Some(vec![(0, 16), (16, 1)]));
+        // Decode steps and mostly-short steps: no groups.
+        assert_eq!(g(&[1; 64], 16), None);
+        assert_eq!(g(&[3, 3, 3, 20], 16), None);
+        assert_eq!(g(&[], 16), None);
     }
 
     #[test]
@@ -1789,10 +1819,7 @@ impl Gpu {
             .map(|&(a, c)| tasks[a..a + c].iter().map(|t| t.pos).max().unwrap_or(0))
             .collect();
         // Pages of all sequences, stored in reverse order of need.
-        let counts: Vec<usize> = run_pos
-            .iter()
-            .map(|p| (p + 1).div_ceil(page_len))
-            .collect();
+        let counts: Vec<usize> = run_pos.iter().map(|p| (p + 1).div_ceil(page_len)).collect();
         let total: usize = counts.iter().sum();
         let mut host = vec![0.0f32; total.max(1) * pf];
         let mut page_of = Vec::with_capacity(total);
@@ -1889,13 +1916,18 @@ pub struct PageTable {
 
 /// `attention_prefill`'s groups of a step whose spans hold `span_lens`
 /// tokens each, stacked in that order: every span cut into runs of at most
-/// [`PF_TQ`] tokens, each `first token << 32 | count`. None where the
-/// groups would be less than half full on average (steps of short spans,
-/// decode: `attention_paged`'s block per token serves them better).
-pub fn prefill_groups(span_lens: impl Iterator<Item = usize> + Clone) -> Option<Vec<u64>> {
+/// `group` tokens (clamped to 1..=[`PF_TQ`]), each `first token << 32 |
+/// count`. None where the groups would be less than half full on average
+/// (steps of short spans, decode: `attention_paged`'s block per token
+/// serves them better).
+pub fn prefill_groups(
+    span_lens: impl Iterator<Item = usize> + Clone,
+    group: usize,
+) -> Option<Vec<u64>> {
+    let group = group.clamp(1, PF_TQ);
     let n: usize = span_lens.clone().sum();
-    let count: usize = span_lens.clone().map(|l| l.div_ceil(PF_TQ)).sum();
-    if n == 0 || count * PF_TQ > 2 * n || n > u32::MAX as usize {
+    let count: usize = span_lens.clone().map(|l| l.div_ceil(group)).sum();
+    if n == 0 || count * group > 2 * n || n > u32::MAX as usize {
         return None;
     }
     let mut out = Vec::with_capacity(count);
@@ -1903,7 +1935,7 @@ pub fn prefill_groups(span_lens: impl Iterator<Item = usize> + Clone) -> Option<
     for len in span_lens {
         let mut at = 0;
         while at < len {
-            let c = PF_TQ.min(len - at);
+            let c = group.min(len - at);
             out.push(((first + at) as u64) << 32 | c as u64);
             at += c;
         }

@@ -401,6 +401,7 @@ impl Resident {
         let groups_at = st.host_in.len();
         let n_groups = match lmrr_kernels::cuda::resident::prefill_groups(
             spans.iter().map(|s| s.tokens.len()),
+            gpu.tuning().attn_prefill_group,
         ) {
             Some(g) => {
                 st.host_in.extend(&g);
