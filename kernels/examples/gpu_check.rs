@@ -601,7 +601,12 @@ fn main() {
     // The last: a prefill's 80 tokens of one sequence (attention_prefill's
     // groups of 16, the second 40 past a super-chunk of 2,048 positions).
     let prefill: Vec<usize> = (0..40).chain(2030..2070).collect();
-    for &positions in &[&[0usize][..], &[31, 32, 33], &[5, 100, 511, 64], &prefill[..]] {
+    for &positions in &[
+        &[0usize][..],
+        &[31, 32, 33],
+        &[5, 100, 511, 64],
+        &prefill[..],
+    ] {
         let cap = positions.iter().max().unwrap() + 1;
         let blocks = cap.div_ceil(16);
         let kb: Vec<Vec<f32>> = (0..blocks)
