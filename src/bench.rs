@@ -428,20 +428,29 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         );
     }
     {
-        // What a 512-token prefill step costs the host to put its K/V rows
-        // (brought back from the device on the CUDA path) into the paged
-        // pool: one `write` per (token, layer), token-outer as the GPU step
-        // did, against one `write_run` per layer (the same rows and digests).
-        let (rows, runs) = kv_writes(&model, 512, r)?;
+        // What a step costs the host to put its K/V rows (brought back
+        // from the device on the CUDA path) into the paged pool: one
+        // `write` per (token, layer), token-outer as the GPU step once did;
+        // one `write_run` per (layer, sequence), layer-outer; one
+        // `write_step`, its layers spread over the engine's threads (the
+        // same rows and digests). A 512-token prefill and a batch-64 decode.
         let l = model.net.kv_layout();
-        println!(
-            "| host K/V writes of a 512-token step ({} layers × 2 × {} floats, pages of {}) | per row {:.2} ms, runs {:.2} ms |",
-            l.layers,
-            l.kv_dim,
-            lmrr_engine::EngineConfig::default().page_size,
-            rows * 1e3,
-            runs * 1e3
-        );
+        let ps = lmrr_engine::EngineConfig::default().page_size;
+        for (what, seqs, n) in [
+            ("a 512-token step", 1, 512),
+            ("a batch-64 decode step (64 sequences × 1 row)", 64, 1),
+        ] {
+            let [rows, runs, step] = kv_writes(&model, seqs, n, &th, r)?;
+            println!(
+                "| host K/V writes of {what} ({} layers × 2 × {} floats, pages of {ps}) | per row {:.3} ms, runs {:.3} ms, step on {} threads {:.3} ms |",
+                l.layers,
+                l.kv_dim,
+                rows * 1e3,
+                runs * 1e3,
+                th.count(),
+                step * 1e3
+            );
+        }
     }
     let Some(((hash_s, total_s, steps), rf)) = extras else {
         return Ok(());
@@ -592,55 +601,81 @@ pub fn slot_hashing(
     Ok((median(one), median(all)))
 }
 
-/// Seconds (medians of `repeats`, alternating) to write the K/V rows of an
-/// `n`-token step of one sequence into a [`PagedKv`] with the engine's page
-/// size: per row (`write`, token-outer, layer-inner) and in runs
-/// (`write_run`, one per layer). Each timed write starts from an empty
-/// written-slot set, as a step does (`finish_step`, untimed, in between).
+/// Seconds (medians of `repeats`, alternating) to write the K/V rows of a
+/// step of `seqs` sequences of `n` tokens each (stacked sequence after
+/// sequence, positions `0..n` of each) into a [`PagedKv`] with the engine's
+/// page size: per row (`write`, token-outer, layer-inner), in runs
+/// (`write_run`, layer-outer, one per (layer, sequence)) and as one
+/// `write_step` on `th`. Each timed write starts from an empty written-slot
+/// set, as a step does (`finish_step`, untimed, in between).
 ///
 /// [`PagedKv`]: lmrr_engine::pool::PagedKv
-pub fn kv_writes(model: &lmrr_engine::Model, n: usize, repeats: usize) -> Result<(f64, f64)> {
+pub fn kv_writes(
+    model: &lmrr_engine::Model,
+    seqs: usize,
+    n: usize,
+    th: &Threads,
+    repeats: usize,
+) -> Result<[f64; 3]> {
     use lmrr_engine::pool::{BlockTable, PagePool, PagedKv};
-    use lmrr_engine::{EngineConfig, KvCache};
+    use lmrr_engine::{EngineConfig, KvCache, KvRun};
     let layout = model.net.kv_layout();
     let (layers, d) = (layout.layers, layout.kv_dim);
     let ps = EngineConfig::default().page_size;
-    let mut kv = PagedKv::new(PagePool::new(ps, n.div_ceil(ps), layout)?);
-    let mut pages = Vec::new();
-    for _ in 0..n.div_ceil(ps) {
-        pages.push(
-            kv.pool.alloc()?.ok_or_else(|| {
-                anyhow::anyhow!("a {}-page pool ran out of pages", n.div_ceil(ps))
-            })?,
-        );
+    let per_seq = n.div_ceil(ps);
+    let mut kv = PagedKv::new(PagePool::new(ps, (seqs * per_seq).max(1), layout)?);
+    for s in 0..seqs as u64 {
+        let mut pages = Vec::new();
+        for _ in 0..per_seq {
+            pages.push(kv.pool.alloc()?.ok_or_else(|| {
+                anyhow::anyhow!("a {}-page pool ran out of pages", seqs * per_seq)
+            })?);
+        }
+        kv.tables.insert(s, BlockTable { pages, len: 0 });
+        kv.prepare(s, 0, n)?;
     }
-    kv.tables.insert(1, BlockTable { pages, len: 0 });
-    kv.prepare(1, 0, n)?;
-    // `(layers, n, kv_dim)`, as the device step hands them back.
-    let hk: Vec<f32> = (0..layers * n * d)
+    // `(layers, seqs · n, kv_dim)`, as the device step hands them back.
+    let rows_n = seqs * n;
+    let hk: Vec<f32> = (0..layers * rows_n * d)
         .map(|i| (i % 251) as f32 * 0.5)
         .collect();
     let hv: Vec<f32> = hk.iter().map(|x| -x).collect();
-    let (mut rows, mut runs) = (Vec::new(), Vec::new());
+    let runs: Vec<KvRun> = (0..seqs)
+        .map(|s| KvRun {
+            seq: s as u64,
+            pos0: 0,
+            row0: s * n,
+            n,
+        })
+        .collect();
+    let mut t = [Vec::new(), Vec::new(), Vec::new()];
     for _ in 0..repeats.max(3) {
-        let t = Instant::now();
-        for i in 0..n {
-            for l in 0..layers {
-                let r = (l * n + i) * d..(l * n + i + 1) * d;
-                kv.write(1, l, i, &hk[r.clone()], &hv[r]);
+        let t0 = Instant::now();
+        for r in &runs {
+            for i in 0..n {
+                for l in 0..layers {
+                    let at = (l * rows_n + r.row0 + i) * d..(l * rows_n + r.row0 + i + 1) * d;
+                    kv.write(r.seq, l, i, &hk[at.clone()], &hv[at]);
+                }
             }
         }
-        rows.push(t.elapsed().as_secs_f64());
+        t[0].push(t0.elapsed().as_secs_f64());
         kv.finish_step();
-        let t = Instant::now();
+        let t0 = Instant::now();
         for l in 0..layers {
-            let r = l * n * d..(l + 1) * n * d;
-            kv.write_run(1, l, 0, &hk[r.clone()], &hv[r]);
+            for r in &runs {
+                let at = (l * rows_n + r.row0) * d..(l * rows_n + r.row0 + n) * d;
+                kv.write_run(r.seq, l, 0, &hk[at.clone()], &hv[at]);
+            }
         }
-        runs.push(t.elapsed().as_secs_f64());
+        t[1].push(t0.elapsed().as_secs_f64());
+        kv.finish_step();
+        let t0 = Instant::now();
+        kv.write_step(&runs, layers, &hk, &hv, th);
+        t[2].push(t0.elapsed().as_secs_f64());
         kv.finish_step();
     }
-    Ok((median(rows), median(runs)))
+    Ok(t.map(median))
 }
 
 /// A serving session on the benchmark model: `n` requests sharing a prefix,

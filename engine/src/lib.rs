@@ -28,7 +28,7 @@ pub use config::LlamaConfig;
 pub use error::EngineError;
 pub use generate::{generate, FinishReason, GenerateOptions, Generation};
 pub use identity::{ModelIdentity, Sha256Digest};
-pub use kv::{BlockRows, KvBlocks, KvCache, SeqId, SeqKvStore};
+pub use kv::{BlockRows, KvBlocks, KvCache, KvRun, SeqId, SeqKvStore};
 pub use llama::Llama;
 pub use mini_v4::{MiniV4, MiniV4Config};
 pub use model::{Device, Family, KvLayout, LogitsWanted, ModelFamily, SeqSpan};

@@ -6,7 +6,8 @@
 //! family keeps more per position (mini-v4: its indexer keys; see
 //! [`crate::model::KvLayout`]). The forward pass calls [`KvCache::prepare`] for each span
 //! (the span must start exactly at `len`), writes rows (one position at a
-//! time, or a run of consecutive positions at once), then reads them back
+//! time, a run of consecutive positions at once, or a whole step's runs in
+//! every layer at once, spread over the engine's threads), then reads them back
 //! through [`KvCache::view`] as fixed-length blocks — so a paged pool plugs in
 //! behind the same trait without touching the model. A device mirror of the
 //! store (the CUDA resident path) finds and checks rows through
@@ -15,8 +16,9 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
 
-use lmrr_kernels::KvView;
+use lmrr_kernels::{KvView, Threads};
 
 use crate::model::KvLayout;
 use crate::EngineError;
@@ -51,18 +53,58 @@ pub trait KvCache: Send {
     /// from [`KvCache::view`]'s blocks of `(block_len, kv_dim)`); stores
     /// override it with one copy per contiguous piece.
     fn write_run(&mut self, seq: SeqId, layer: usize, pos0: usize, k: &[f32], v: &[f32]) {
-        let d = {
-            let view = self.view(seq, layer);
-            view.k
-                .first()
-                .and_then(|b| b.len().checked_div(view.block_len))
-                .unwrap_or(0)
-        };
+        let d = view_kv_dim(&self.view(seq, layer));
         if d == 0 {
             return;
         }
         for (j, (k, v)) in k.chunks_exact(d).zip(v.chunks_exact(d)).enumerate() {
             self.write(seq, layer, pos0 + j, k, v);
+        }
+    }
+    /// Writes a whole step's K and V rows in layers `0..layers`: `k` and `v`
+    /// are `(layers, rows, kv_dim)` each (the step's `rows` stacked rows per
+    /// layer, `rows · kv_dim = k.len() / layers`), and each [`KvRun`] puts
+    /// stacked rows `row0..row0 + n` at positions `pos0..pos0 + n` of `seq`.
+    ///
+    /// The end state is that of the provided method: for each layer in
+    /// order, [`KvCache::write_run`] of each run in `runs` order — so where
+    /// two runs write one slot (a cache-corruption patch) the later one's
+    /// rows stay, in every layer. Versions as [`KvCache::write_run`] says:
+    /// every block holding a position of some run (with `n > 0`) gets a
+    /// version from [`next_version`] taken during this call, fresh, and no
+    /// other block's version moves (the provided method takes one per
+    /// (layer, run, block); the stores here one per touched block for the
+    /// whole step, on the calling thread).
+    ///
+    /// `threads` may copy layers concurrently: the stores here do, one task
+    /// per (layer, K or V), each layer's rows being buffers of their own
+    /// ([`SeqKvStore`], [`crate::pool::PagedKv`]), and copy on the calling
+    /// thread alone below [`STEP_PARALLEL_FLOATS`]. The provided method
+    /// writes on the calling thread.
+    fn write_step(
+        &mut self,
+        runs: &[KvRun],
+        layers: usize,
+        k: &[f32],
+        v: &[f32],
+        threads: &Threads,
+    ) {
+        let _ = threads;
+        let Some(first) = runs.iter().find(|r| r.n > 0) else {
+            return;
+        };
+        let d = view_kv_dim(&self.view(first.seq, 0));
+        let per = k.len().checked_div(layers).unwrap_or(0);
+        if d == 0 || per == 0 {
+            return;
+        }
+        debug_assert_eq!(k.len(), v.len(), "K and V alike");
+        for l in 0..layers {
+            let (k, v) = (&k[l * per..(l + 1) * per], &v[l * per..(l + 1) * per]);
+            for r in runs {
+                let rows = r.row0 * d..(r.row0 + r.n) * d;
+                self.write_run(r.seq, l, r.pos0, &k[rows.clone()], &v[rows]);
+            }
         }
     }
     /// Blocks covering positions `0..len(seq)` of `layer`.
@@ -76,6 +118,85 @@ pub trait KvCache: Send {
     fn blocks(&self, seq: SeqId) -> KvBlocks;
     /// Block `block` of `seq` in `layer`, for a device mirror to upload.
     fn block_rows(&self, seq: SeqId, block: usize, layer: usize) -> BlockRows<'_>;
+}
+
+/// `kv_dim` as a view shows it (blocks of `(block_len, kv_dim)`; 0 for a
+/// view without blocks).
+fn view_kv_dim(view: &KvView<'_>) -> usize {
+    view.k
+        .first()
+        .and_then(|b| b.len().checked_div(view.block_len))
+        .unwrap_or(0)
+}
+
+/// One run of a step's stacked rows ([`KvCache::write_step`]): rows
+/// `row0..row0 + n` of each layer go to positions `pos0..pos0 + n` of `seq`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvRun {
+    pub seq: SeqId,
+    pub pos0: usize,
+    pub row0: usize,
+    pub n: usize,
+}
+
+/// Floats (K and V, all layers) below which [`KvCache::write_step`] copies
+/// on the calling thread: starting a parallel region (waking parked
+/// workers) and joining it costs 5-30 microseconds, about what one thread
+/// takes to copy this many floats into a pool. Measured (`PagedKv`, 30
+/// layers of 192 floats, decode steps of 1-512 sequences, workers parked):
+/// on the H200 host 2 threads pay from 12-16 sequences (138k-184k floats),
+/// 4-16 threads from 8-12 (92k-138k); on the 2-core development machine
+/// 2 threads from 24-48.
+pub const STEP_PARALLEL_FLOATS: usize = 1 << 17;
+
+/// One contiguous copy of a step's write: `len` floats from offset `src` of
+/// a layer's stacked rows to offset `dst` of destination buffer `buf` of
+/// that layer (the same offsets in every layer, K and V alike).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StepPiece {
+    pub buf: usize,
+    pub src: usize,
+    pub dst: usize,
+    pub len: usize,
+}
+
+/// Copies `pieces` in every layer: `dst[2l]` are layer `l`'s K buffers and
+/// `dst[2l + 1]` its V buffers (indexed by [`StepPiece::buf`]), `k` and `v`
+/// hold `per` floats per layer. Each (layer, K or V) is one task and runs
+/// its pieces in order, so of two pieces writing one place the later one
+/// stays, whatever the thread count; tasks touch disjoint buffers, so the
+/// result is the same on any number of threads.
+pub(crate) fn copy_step(
+    dst: Vec<Vec<&mut [f32]>>,
+    k: &[f32],
+    v: &[f32],
+    per: usize,
+    pieces: &[StepPiece],
+    threads: &Threads,
+) {
+    let task = |t: usize, bufs: &mut [&mut [f32]]| {
+        let src = if t % 2 == 0 { k } else { v };
+        let src = &src[t / 2 * per..(t / 2 + 1) * per];
+        for p in pieces {
+            bufs[p.buf][p.dst..p.dst + p.len].copy_from_slice(&src[p.src..p.src + p.len]);
+        }
+    };
+    let floats = dst.len() * pieces.iter().map(|p| p.len).sum::<usize>();
+    if threads.count() == 1 || floats < STEP_PARALLEL_FLOATS {
+        for (t, mut bufs) in dst.into_iter().enumerate() {
+            task(t, &mut bufs);
+        }
+        return;
+    }
+    // One lock per task, taken once by the thread that runs it: the safe
+    // way to hand each task its own `&mut` buffers through a `Fn` closure.
+    let cells: Vec<Mutex<Vec<&mut [f32]>>> = dst.into_iter().map(Mutex::new).collect();
+    threads.for_ranges(cells.len(), 1, |ts| {
+        for t in ts {
+            let mut bufs = cells[t].lock().unwrap_or_else(PoisonError::into_inner);
+            task(t, &mut bufs);
+        }
+    });
 }
 
 /// A sequence's storage as a device mirror sees it: blocks of `block_len`
@@ -241,6 +362,83 @@ impl KvCache for SeqKvStore {
         s.v[layer][a..b].copy_from_slice(&v[..n * d]);
         for ver in &mut s.versions[pos0 / SEQ_BLOCK..(pos0 + n).div_ceil(SEQ_BLOCK)] {
             *ver = next_version();
+        }
+    }
+
+    /// One copy per run and layer (K and V), the layers spread over
+    /// `threads` (`copy_step`); then, on the calling thread, one version
+    /// per touched block.
+    fn write_step(
+        &mut self,
+        runs: &[KvRun],
+        layers: usize,
+        k: &[f32],
+        v: &[f32],
+        threads: &Threads,
+    ) {
+        let d = self.kv_dim;
+        let per = k.len().checked_div(layers).unwrap_or(0);
+        if per == 0 || d == 0 {
+            return;
+        }
+        debug_assert_eq!(k.len(), v.len(), "K and V alike");
+        debug_assert!(layers <= self.layers, "{layers} layers of {}", self.layers);
+        // The touched sequences, numbered in order of first appearance.
+        let mut at: HashMap<SeqId, usize> = HashMap::new();
+        let mut pieces = Vec::with_capacity(runs.len());
+        for r in runs.iter().filter(|r| r.n > 0) {
+            let next = at.len();
+            let buf = *at.entry(r.seq).or_insert(next);
+            pieces.push(StepPiece {
+                buf,
+                src: r.row0 * d,
+                dst: r.pos0 * d,
+                len: r.n * d,
+            });
+        }
+        // Per (layer, K or V) the touched sequences' buffers, by number.
+        let mut dst: Vec<Vec<Option<&mut [f32]>>> = (0..2 * layers)
+            .map(|_| (0..at.len()).map(|_| None).collect())
+            .collect();
+        let mut versions: Vec<Option<&mut Vec<u64>>> = (0..at.len()).map(|_| None).collect();
+        for (seq, s) in self.seqs.iter_mut() {
+            let Some(&i) = at.get(seq) else {
+                continue;
+            };
+            let SeqKv {
+                k: sk,
+                v: sv,
+                versions: sver,
+                ..
+            } = s;
+            for (l, (bk, bv)) in sk.iter_mut().zip(sv.iter_mut()).take(layers).enumerate() {
+                dst[2 * l][i] = Some(bk);
+                dst[2 * l + 1][i] = Some(bv);
+            }
+            versions[i] = Some(sver);
+        }
+        let dst = dst
+            .into_iter()
+            .map(|bufs| {
+                bufs.into_iter()
+                    .map(|b| b.expect("write after prepare"))
+                    .collect()
+            })
+            .collect();
+        copy_step(dst, k, &v[..k.len()], per, &pieces, threads);
+        let mut touched: Vec<(usize, usize)> = pieces
+            .iter()
+            .flat_map(|p| {
+                let (a, b) = (p.dst / d, (p.dst + p.len) / d);
+                (a / SEQ_BLOCK..b.div_ceil(SEQ_BLOCK)).map(move |blk| (p.buf, blk))
+            })
+            .collect();
+        touched.sort_unstable();
+        touched.dedup();
+        for (i, blk) in touched {
+            if let Some(ver) = versions[i].as_mut() {
+                ver[blk] = next_version();
+            }
         }
     }
 

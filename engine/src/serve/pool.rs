@@ -20,7 +20,8 @@
 //!
 //! Each page also carries a write version from the process-wide clock
 //! ([`crate::kv::next_version`]), stamped at every write to any of its rows
-//! (once per page for a run of rows, [`KvCache::write_run`]):
+//! (once per page for a run of rows, [`KvCache::write_run`], or for a whole
+//! step's rows in every layer, [`KvCache::write_step`]):
 //! [`KvCache::blocks`] lists a sequence's pages with their versions, which is
 //! how the CUDA device mirror knows, without reading a row, whether its copy
 //! of a page is still this pool's.
@@ -30,7 +31,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use lmrr_kernels::{KvView, Threads};
 use sha2::{Digest, Sha256};
 
-use crate::kv::{next_version, BlockRows, KvBlocks, KvCache, RowView, SeqId};
+use crate::kv::{
+    copy_step, next_version, BlockRows, KvBlocks, KvCache, KvRun, RowView, SeqId, StepPiece,
+};
 use crate::model::KvLayout;
 use crate::EngineError;
 
@@ -481,6 +484,67 @@ impl KvCache for PagedKv {
             self.pool.version[p as usize] = next_version();
             self.written.mark(p, slot..slot + m, ps);
             pos += m;
+        }
+    }
+
+    /// The runs split at page boundaries once for all layers; per layer one
+    /// copy of each page piece's K rows and one of its V rows, the layers
+    /// spread over `threads` (`copy_step`); then, on the calling thread,
+    /// each piece's slots marked written and one fresh version per touched
+    /// page (the same slots, so the same digests, as per-row writes).
+    fn write_step(
+        &mut self,
+        runs: &[KvRun],
+        layers: usize,
+        k: &[f32],
+        v: &[f32],
+        threads: &Threads,
+    ) {
+        let (ps, d) = (self.pool.page_size, self.pool.kv_dim);
+        let per = k.len().checked_div(layers).unwrap_or(0);
+        if per == 0 || d == 0 {
+            return;
+        }
+        debug_assert_eq!(k.len(), v.len(), "K and V alike");
+        debug_assert!(
+            layers <= self.pool.layers,
+            "{layers} layers of {}",
+            self.pool.layers
+        );
+        let mut pieces = Vec::with_capacity(runs.len());
+        let mut touched = Vec::with_capacity(runs.len());
+        for r in runs.iter().filter(|r| r.n > 0) {
+            let pages = &self.tables[&r.seq].pages;
+            let end = r.pos0 + r.n;
+            let mut pos = r.pos0;
+            while pos < end {
+                let slot = pos % ps;
+                let m = (ps - slot).min(end - pos);
+                let p = pages[pos / ps];
+                pieces.push(StepPiece {
+                    buf: 0,
+                    src: (r.row0 + pos - r.pos0) * d,
+                    dst: self.pool.offset(p, slot),
+                    len: m * d,
+                });
+                self.written.mark(p, slot..slot + m, ps);
+                touched.push(p);
+                pos += m;
+            }
+        }
+        let pool = &mut self.pool;
+        let dst = pool
+            .k
+            .iter_mut()
+            .zip(pool.v.iter_mut())
+            .take(layers)
+            .flat_map(|(bk, bv)| [vec![bk.as_mut_slice()], vec![bv.as_mut_slice()]])
+            .collect();
+        copy_step(dst, k, &v[..k.len()], per, &pieces, threads);
+        touched.sort_unstable();
+        touched.dedup();
+        for p in touched {
+            pool.version[p as usize] = next_version();
         }
     }
 

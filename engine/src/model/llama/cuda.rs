@@ -27,7 +27,7 @@ use lmrr_kernels::cuda::resident::{
 use lmrr_kernels::cuda::Gpu;
 use lmrr_kernels::Threads;
 
-use crate::kv::KvCache;
+use crate::kv::{KvCache, KvRun};
 use crate::model::device_kv::{pack_inputs, KvMirror};
 use crate::model::{gpu_err, SeqSpan};
 use crate::weights::Tensor;
@@ -510,20 +510,26 @@ impl Resident {
         self.timed("host K/V writes", || {
             // hk, hv: `(layers, n, kvd)`. A span's tokens are consecutive
             // stacked rows at consecutive positions (`stacked_tokens`), so
-            // each (layer, span) is one run; layer-outer reads hk/hv and
-            // writes each layer's storage front to back. Within a layer the
-            // runs keep stacked order, so a slot that two tokens write (a
-            // cache-corruption patch) keeps the last one's rows, as on the
-            // device (`pack_inputs`).
-            for l in 0..layers {
-                let mut i0 = 0;
-                for s in spans {
-                    let r = (l * n + i0) * kvd..(l * n + i0 + s.tokens.len()) * kvd;
-                    kv.write_run(s.seq, l, s.start, &hk[r.clone()], &hv[r]);
-                    i0 += s.tokens.len();
-                }
-                debug_assert_eq!(i0, n, "the spans stack the step's tokens");
-            }
+            // each span is one run; `write_step` copies the layers across
+            // `threads`. The runs keep stacked order, so a slot that two
+            // tokens write (a cache-corruption patch) keeps the last one's
+            // rows, as on the device (`pack_inputs`).
+            let mut row0 = 0;
+            let runs: Vec<KvRun> = spans
+                .iter()
+                .map(|s| {
+                    let r = KvRun {
+                        seq: s.seq,
+                        pos0: s.start,
+                        row0,
+                        n: s.tokens.len(),
+                    };
+                    row0 += r.n;
+                    r
+                })
+                .collect();
+            debug_assert_eq!(row0, n, "the spans stack the step's tokens");
+            kv.write_step(&runs, layers, &hk[..per], &hv[..per], threads);
             Ok(())
         })?;
         let logits = hl.as_slice().map_err(gpu_err)?;
