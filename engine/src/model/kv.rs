@@ -129,6 +129,18 @@ fn view_kv_dim(view: &KvView<'_>) -> usize {
         .unwrap_or(0)
 }
 
+/// Rows of `d` floats in a run's `k` (and `v`, which must match): 0 when
+/// `d` is 0.
+pub(crate) fn run_rows(k: &[f32], v: &[f32], d: usize) -> usize {
+    let n = k.len().checked_div(d).unwrap_or(0);
+    debug_assert_eq!(
+        (k.len(), v.len()),
+        (n * d, n * d),
+        "whole rows, K and V alike"
+    );
+    n
+}
+
 /// One run of a step's stacked rows ([`KvCache::write_step`]): rows
 /// `row0..row0 + n` of each layer go to positions `pos0..pos0 + n` of `seq`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -347,15 +359,10 @@ impl KvCache for SeqKvStore {
     /// sequence's layer is one buffer), one version per touched block.
     fn write_run(&mut self, seq: SeqId, layer: usize, pos0: usize, k: &[f32], v: &[f32]) {
         let d = self.kv_dim;
-        let n = k.len().checked_div(d).unwrap_or(0);
+        let n = run_rows(k, v, d);
         if n == 0 {
             return;
         }
-        debug_assert_eq!(
-            (k.len(), v.len()),
-            (n * d, n * d),
-            "whole rows, K and V alike"
-        );
         let s = self.seqs.get_mut(&seq).expect("write after prepare");
         let (a, b) = (pos0 * d, (pos0 + n) * d);
         s.k[layer][a..b].copy_from_slice(&k[..n * d]);

@@ -32,7 +32,8 @@ use lmrr_kernels::{KvView, Threads};
 use sha2::{Digest, Sha256};
 
 use crate::kv::{
-    copy_step, next_version, BlockRows, KvBlocks, KvCache, KvRun, RowView, SeqId, StepPiece,
+    copy_step, next_version, run_rows, BlockRows, KvBlocks, KvCache, KvRun, RowView, SeqId,
+    StepPiece,
 };
 use crate::model::KvLayout;
 use crate::EngineError;
@@ -461,15 +462,10 @@ impl KvCache for PagedKv {
     /// written (the same slots, so the same digests, as per-row writes).
     fn write_run(&mut self, seq: SeqId, layer: usize, pos0: usize, k: &[f32], v: &[f32]) {
         let (ps, d) = (self.pool.page_size, self.pool.kv_dim);
-        let n = k.len().checked_div(d).unwrap_or(0);
+        let n = run_rows(k, v, d);
         if n == 0 {
             return;
         }
-        debug_assert_eq!(
-            (k.len(), v.len()),
-            (n * d, n * d),
-            "whole rows, K and V alike"
-        );
         let pages = &self.tables[&seq].pages;
         let end = pos0 + n;
         let mut pos = pos0;
