@@ -63,6 +63,15 @@ for pf in 1 0; do
   LMRR_CUDA_GEMM_PIPELINED=$pf b --prompt-len 64 --batches 64
   LMRR_CUDA_GEMM_PIPELINED=$pf b --prompt-len 512 --batches 1
 done
+echo "## q/k/v and gate/up in one launch (LMRR_CUDA_GEMM_MULTI), split sums folded into their readers (LMRR_CUDA_FOLD_SUMS), alternating, batches 16, 64 and prefill"
+for rep in 1 2; do
+  for mf in "0 0" "1 0" "0 1" "1 1"; do
+    set -- $mf
+    echo "# LMRR_CUDA_GEMM_MULTI=$1 LMRR_CUDA_FOLD_SUMS=$2 (round $rep)"
+    LMRR_CUDA_GEMM_MULTI=$1 LMRR_CUDA_FOLD_SUMS=$2 b --prompt-len 64 --batches 16,64
+    LMRR_CUDA_GEMM_MULTI=$1 LMRR_CUDA_FOLD_SUMS=$2 b --prompt-len 512 --batches 1
+  done
+done
 echo "## prefill of 512 tokens"
 for g in 9 100000; do
   for sb in 0 1024; do

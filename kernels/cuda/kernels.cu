@@ -209,6 +209,19 @@ extern "C" __global__ void exp_slice(const float* x, float* out, int n) {
     if (i < n) out[i] = det_exp(x[i]);
 }
 
+// Element i of a matmul's output of `count` values: y[i], or where the
+// matmul was split (part non-null), its chunk partials summed in chunk
+// order from +0.0, ((0 + part[0][i]) + part[1][i]) + …: sum_chunks' value,
+// so a kernel that reads its input through split_value needs no sum_chunks
+// launch ahead of it and reads the same bits.
+__device__ __forceinline__ float split_value(const float* y, const float* part, int chunks, long long count,
+                                             long long i) {
+    if (!part) return y[i];
+    float t = 0.0f;
+    for (int c = 0; c < chunks; ++c) t = t + part[(long long)c * count + i];
+    return t;
+}
+
 // SwiGLU of one element: silu(g) · u, the CPU's operations.
 __device__ __forceinline__ float swiglu_of(float g, float u) { return (g / (1.0f + det_exp(-g))) * u; }
 
@@ -216,6 +229,16 @@ extern "C" __global__ void swiglu(const float* g, const float* u, float* out, in
     PDL_ENTRY();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = swiglu_of(g[i], u[i]);
+}
+
+// swiglu of a gate and an up matmul's outputs, each read through
+// split_value (its chunk partials summed here where it was split: one
+// launch for sum_chunks and swiglu).
+extern "C" __global__ void swiglu_split(const float* g, const float* gpart, const float* u, const float* upart,
+                                        int chunks, float* out, long long n) {
+    PDL_ENTRY();
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = swiglu_of(split_value(g, gpart, chunks, n, i), split_value(u, upart, chunks, n, i));
 }
 
 // Rotate-half RoPE of one row of `width` = heads * d values at position pos,
@@ -620,8 +643,8 @@ extern "C" __global__ void add_norm(float* x, const float* y, const float* w, fl
 // in chunk order, and every thread writes (x * inv) * w for its elements:
 // rms_norm's bits with a row's chunks in flight at once (rms_norm_warp walks
 // them one after another). d ≤ 64 * MR_MAX_CHUNKS.
-extern "C" __global__ void norm_block(float* x, const float* y, const float* w, float* out,
-                                      int rows, int d, float eps, int add) {
+extern "C" __global__ void norm_block(float* x, const float* y, const float* ypart, int ychunks, const float* w,
+                                      float* out, int rows, int d, float eps, int add) {
     PDL_ENTRY();
     __shared__ float part[MR_MAX_CHUNKS];
     __shared__ float inv_s;
@@ -629,7 +652,8 @@ extern "C" __global__ void norm_block(float* x, const float* y, const float* w, 
     if (r >= rows) return;  // uniform over the block
     float* xr = x + r * d;
     if (add) {
-        for (int i = threadIdx.x; i < d; i += blockDim.x) xr[i] = xr[i] + y[r * d + i];
+        for (int i = threadIdx.x; i < d; i += blockDim.x)
+            xr[i] = xr[i] + split_value(y, ypart, ychunks, (long long)rows * d, r * d + i);
         __syncthreads();
     }
     int g = threadIdx.x >> 3, j = threadIdx.x & 7;
@@ -663,8 +687,8 @@ extern "C" __global__ void norm_block(float* x, const float* y, const float* w, 
 // the chunk partials, which every thread adds in chunk order from +0.0:
 // norm_block's operations, in its order. d ≤ 64 · NR_MAX_CHUNKS.
 #define NR_MAX_CHUNKS 128
-extern "C" __global__ void norm_reg(float* x, const float* y, const float* w, float* out,
-                                    int rows, int d, float eps, int add) {
+extern "C" __global__ void norm_reg(float* x, const float* y, const float* ypart, int ychunks, const float* w,
+                                    float* out, int rows, int d, float eps, int add) {
     PDL_ENTRY_EARLY();
     __shared__ float part[NR_MAX_CHUNKS];
     long long r = blockIdx.x;
@@ -691,7 +715,7 @@ extern "C" __global__ void norm_reg(float* x, const float* y, const float* w, fl
         for (int s = 0; s < CHUNK / LANES; ++s) {
             int i = base + s * LANES;
             if (i < cend) {
-                xv[s] = xv[s] + y[r * d + i];
+                xv[s] = xv[s] + split_value(y, ypart, ychunks, (long long)rows * d, r * d + i);
                 xr[i] = xv[s];
             }
         }
@@ -1005,14 +1029,14 @@ __device__ __forceinline__ void gm_stage(int kind, const float* x, const unsigne
 template <int GR, int GT, bool PF>
 __device__ __forceinline__ void gemm_tiles(int kind, const float* x, const unsigned char* w, float* y,
                                            int n, int rows, int k, long long row_bytes, float* part, int cpb,
-                                           float* ws, float* xs) {
+                                           float* ws, float* xs, int blk) {
     const int R = 8 * GR, T = 8 * GT, THREADS = 8 * GR * GT, HR = GR / 2;
     // Staged values per thread (R·CHUNK and T·CHUNK are multiples of THREADS).
     const int WPT = R * CHUNK / THREADS, XPT = T * CHUNK / THREADS;
     float wreg[PF ? WPT : 1], xreg[PF ? XPT : 1];
     int row_blocks = (rows + R - 1) / R;
     int tiles = row_blocks * ((n + T - 1) / T);
-    int tile = blockIdx.x % tiles, group = blockIdx.x / tiles;
+    int tile = blk % tiles, group = blk / tiles;
     int o0 = (tile % row_blocks) * R, t0 = (tile / row_blocks) * T;
     int tid = threadIdx.x;
     int j = (tid >> 2) & 7, wi = tid >> 5;
@@ -1102,7 +1126,7 @@ extern "C" __global__ void __launch_bounds__(GM_THREADS) matmul_gemm(int kind, c
     PDL_ENTRY();
     __shared__ __align__(16) float ws[GM_STAGE(GM_ROWS)];
     __shared__ __align__(16) float xs[GM_STAGE(GM_TOKS)];
-    gemm_tiles<GM_GR, GM_GT, false>(kind, x, w, y, n, rows, k, row_bytes, part, cpb, ws, xs);
+    gemm_tiles<GM_GR, GM_GT, false>(kind, x, w, y, n, rows, k, row_bytes, part, cpb, ws, xs, blockIdx.x);
 }
 
 extern "C" __global__ void __launch_bounds__(GW_THREADS, 2) matmul_gemm_wide(int kind, const float* x, const unsigned char* w, float* y,
@@ -1110,7 +1134,7 @@ extern "C" __global__ void __launch_bounds__(GW_THREADS, 2) matmul_gemm_wide(int
     PDL_ENTRY();
     __shared__ __align__(16) float ws[GM_STAGE(GW_ROWS)];
     __shared__ __align__(16) float xs[GM_STAGE(GW_TOKS)];
-    gemm_tiles<GW_GR, GW_GT, false>(kind, x, w, y, n, rows, k, row_bytes, part, cpb, ws, xs);
+    gemm_tiles<GW_GR, GW_GT, false>(kind, x, w, y, n, rows, k, row_bytes, part, cpb, ws, xs, blockIdx.x);
 }
 
 // matmul_gemm_wide with its staging pipelined (gemm_tiles' PF).
@@ -1120,7 +1144,29 @@ extern "C" __global__ void __launch_bounds__(GW_THREADS, 2) matmul_gemm_pipeline
     PDL_ENTRY();
     __shared__ __align__(16) float ws[GM_STAGE(GW_ROWS)];
     __shared__ __align__(16) float xs[GM_STAGE(GW_TOKS)];
-    gemm_tiles<GW_GR, GW_GT, true>(kind, x, w, y, n, rows, k, row_bytes, part, cpb, ws, xs);
+    gemm_tiles<GW_GR, GW_GT, true>(kind, x, w, y, n, rows, k, row_bytes, part, cpb, ws, xs, blockIdx.x);
+}
+
+// Up to three matmul_gemm_wide passes over one input x (n, k) in one
+// launch: matrix m takes blocks [b_m, b_m + blocks_m) in order, each block
+// exactly the block it is in its own launch (split when part_m is non-null,
+// cpb_m chunks a block), so every output, or partial, has its own launch's
+// bits. A matrix of 0 blocks is absent.
+#define GEMM_MULTI_ARGS(m) const unsigned char *w##m, float *y##m, int rows##m, long long rb##m, float *part##m, int cpb##m, int blocks##m
+extern "C" __global__ void __launch_bounds__(GW_THREADS, 2) matmul_gemm_multi(int kind, const float* x, int n, int k,
+                                                                            GEMM_MULTI_ARGS(0), GEMM_MULTI_ARGS(1),
+                                                                            GEMM_MULTI_ARGS(2)) {
+    PDL_ENTRY();
+    __shared__ __align__(16) float ws[GM_STAGE(GW_ROWS)];
+    __shared__ __align__(16) float xs[GM_STAGE(GW_TOKS)];
+    int b = blockIdx.x;  // uniform over the block
+    if (b < blocks0) {
+        gemm_tiles<GW_GR, GW_GT, false>(kind, x, w0, y0, n, rows0, k, rb0, part0, cpb0, ws, xs, b);
+    } else if (b < blocks0 + blocks1) {
+        gemm_tiles<GW_GR, GW_GT, false>(kind, x, w1, y1, n, rows1, k, rb1, part1, cpb1, ws, xs, b - blocks0);
+    } else {
+        gemm_tiles<GW_GR, GW_GT, false>(kind, x, w2, y2, n, rows2, k, rb2, part2, cpb2, ws, xs, b - blocks0 - blocks1);
+    }
 }
 
 // The chunk partials of a split matmul_gemm summed in chunk order from
@@ -1129,9 +1175,7 @@ extern "C" __global__ void sum_chunks(const float* part, float* y, int chunks, l
     PDL_ENTRY();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count) return;
-    float t = 0.0f;
-    for (int c = 0; c < chunks; ++c) t = t + part[(long long)c * count + i];
-    y[i] = t;
+    y[i] = split_value(y, part, chunks, count, i);
 }
 
 // rms_norm with one warp per row (the sum of squares by warp_dot).
@@ -1157,11 +1201,11 @@ extern "C" __global__ void embed_rows(int kind, const unsigned char* w, const un
     out[idx] = weight(kind, w + (long long)ids[t] * row_bytes, c);
 }
 
-// x[i] += y[i].
-extern "C" __global__ void add_rows(float* x, const float* y, int n) {
+// x[i] += y[i], y read through split_value.
+extern "C" __global__ void add_rows(float* x, const float* y, const float* part, int chunks, int n) {
     PDL_ENTRY();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) x[i] = x[i] + y[i];
+    if (i < n) x[i] = x[i] + split_value(y, part, chunks, n, i);
 }
 
 // out[j] = x[rows[j]] (rows of d floats).
@@ -1185,8 +1229,12 @@ __device__ __forceinline__ float* kv_row(unsigned long long page, int layer, int
 
 // RoPE of n query rows (qd) and key rows (kvd) at positions pos[t], and the
 // rotated K rows with the V rows written into token t's page dst[t], slot
-// slot[t], of `layer` (RoPE then the page writes, in one launch).
-extern "C" __global__ void rope_kv(float* q, float* k, const float* v, const float* cos_t, const float* sin_t,
+// slot[t], of `layer` (RoPE then the page writes, in one launch). q, k and
+// v are read through split_value (qpart, kpart, vpart: the partials of a
+// split q, k or v matmul, summed here): the rows are then written to q, k
+// and v as well, as sum_chunks would have left them before the rotation.
+extern "C" __global__ void rope_kv(float* q, float* k, float* v, const float* qpart, const float* kpart,
+                                   const float* vpart, int chunks, const float* cos_t, const float* sin_t,
                                    const unsigned long long* pos, const unsigned long long* dst,
                                    const unsigned long long* slot, int n, int qd, int kvd, int d,
                                    int layer, int page_len, int aux) {
@@ -1200,17 +1248,24 @@ extern "C" __global__ void rope_kv(float* q, float* k, const float* v, const flo
     int s = (int)slot[t];
     if (r >= qd / 2 + kvd / 2) {
         int c = r - qd / 2 - kvd / 2;
-        kv_row(dst[t], layer, page_len, kvd, aux, s, 1)[c] = v[t * kvd + c];
+        float val = split_value(v, vpart, chunks, (long long)n * kvd, t * kvd + c);
+        if (vpart) v[t * kvd + c] = val;
+        kv_row(dst[t], layer, page_len, kvd, aux, s, 1)[c] = val;
         return;
     }
     bool is_k = r >= qd / 2;
-    float* row = is_k ? k + t * kvd : q + t * qd;
+    int width = is_k ? kvd : qd;
+    float* base = is_k ? k : q;
+    float* row = base + t * width;
+    const float* part = is_k ? kpart : qpart;
     if (is_k) r -= qd / 2;
     int head = r / h, i = r % h;
     float* p = row + head * d;
     const float* c = cos_t + (long long)pos[t] * h;
     const float* sn = sin_t + (long long)pos[t] * h;
-    float a = p[i], b = p[i + h];
+    long long at = t * width + head * d + i;
+    float a = split_value(base, part, chunks, (long long)n * width, at);
+    float b = split_value(base, part, chunks, (long long)n * width, at + h);
     float lo = a * c[i] - b * sn[i];
     float hi = b * c[i] + a * sn[i];
     p[i] = lo;

@@ -58,9 +58,14 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
             "w4[q] = v[q] + __shfl_xor_sync(0xffffffffu, v[q + 4], 4);",
         ),
         (
-            "matmul_gemm split: sum_chunks adds the chunks in reverse",
+            "matmul_gemm split: split_value (sum_chunks, and the kernels that fold it) adds the chunks in reverse",
             "for (int c = 0; c < chunks; ++c) t = t + part[(long long)c * count + i];",
             "for (int c = chunks - 1; c >= 0; --c) t = t + part[(long long)c * count + i];",
+        ),
+        (
+            "matmul_gemm_multi: the second matrix's blocks take the first's row count",
+            "false>(kind, x, w1, y1, n, rows1, k,",
+            "false>(kind, x, w1, y1, n, rows0, k,",
         ),
         (
             "norm_block partials summed in reverse",

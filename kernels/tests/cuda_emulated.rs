@@ -628,6 +628,24 @@ fn the_emulation_sees_each_broken_kernel() {
     swiglu(&x, &u, &mut a);
     let mut sw_cpu = vec![0.0; n * rows];
     matmul(&th, &a, n, &m, &mut sw_cpu);
+    // Folded sums: partials of 3 chunks read by the norms, swiglu_split and
+    // add_rows (CPU: the chunk-order sum, then the op).
+    let (fr, fd, fc) = (2usize, 130usize, 3usize);
+    let fx = r.uniform_vec(fr * fd, 3.0);
+    let fp = r.uniform_vec(fc * fr * fd, 1.0);
+    let fnw = r.uniform_vec(fd, 1.5);
+    let fy = chunk_sums(&fp, fc, fr * fd);
+    let fsum: Vec<f32> = fx.iter().zip(&fy).map(|(a, b)| a + b).collect();
+    let mut fnorm = vec![0.0; fsum.len()];
+    rms_norm(&fsum, &fnw, 1e-5, &mut fnorm);
+    let mut fsw = vec![0.0; fsum.len()];
+    swiglu(&fy, &fy, &mut fsw);
+    let folded_cpu = [&fnorm, &fsum, &fnorm, &fsum, &fsw, &fsum];
+    // Two matrices of x in one matmul_gemm_multi launch (the first split).
+    let w2 = r.uniform_vec(70 * cols, 0.5);
+    let m2 = Matrix::new(Weights::F32(&w2), 70, cols).expect("shape");
+    let mut multi_cpu = vec![0.0; n * 70];
+    matmul(&th, &x, n, &m2, &mut multi_cpu);
     let controls = lmrr_kernels::cuda_source::negative_controls().unwrap_or_else(|e| panic!("{e}"));
     let mut seen = 0;
     for (i, c) in controls.iter().enumerate() {
@@ -639,6 +657,7 @@ fn the_emulation_sees_each_broken_kernel() {
             "matmul_tile",
             "matmul_rows",
             "matmul_gemm",
+            "matmul_gemm_multi",
             "attention_paged",
             "attention_decode",
             "attention_prefill",
@@ -693,6 +712,28 @@ fn the_emulation_sees_each_broken_kernel() {
                 &[&bytes(&x), &bytes(&u), &bytes(&wf)],
             );
             d += differing(&sw_cpu, &floats(&out[0]));
+        }
+        {
+            let out = job_on(
+                &bin,
+                &format!("split_consumers {fr} {fd} {fc} {}", 1e-5f32.to_bits()),
+                &[
+                    &bytes(&fx),
+                    &bytes(&fp),
+                    &bytes(&fnw),
+                    &bytes(&fp),
+                    &bytes(&fp),
+                ],
+            );
+            for (want, got) in folded_cpu.iter().zip(&out) {
+                d += differing(want, &floats(got));
+            }
+            let out = job_on(
+                &bin,
+                &format!("gemm_multi 0 {n} {cols} {rows} 70 0 2 0 0"),
+                &[&bytes(&x), &bytes(&wf), &bytes(&w2), &[]],
+            );
+            d += differing(&mm_cpu, &floats(&out[0])) + differing(&multi_cpu, &floats(&out[1]));
         }
         for decode in [0, 1, 2] {
             let out = job_on(
@@ -792,5 +833,206 @@ fn rope_kv_and_embedding_match_the_cpu() {
             &[&raw, &bytes64(&ids)],
         );
         assert_eq!(differing(&cpu, &floats(&out[0])), 0, "embed_rows {label}");
+    }
+}
+
+/// The CPU's sum of a split matmul's partials (`chunks` × `count`), chunk
+/// by chunk from +0.0: what `sum_chunks` computes.
+fn chunk_sums(part: &[f32], chunks: usize, count: usize) -> Vec<f32> {
+    (0..count)
+        .map(|i| (0..chunks).fold(0.0f32, |t, c| t + part[c * count + i]))
+        .collect()
+}
+
+/// `matmul_gemm_multi` (up to three matrices of one input in one launch,
+/// each split over its chunks or not) against the CPU's matmul of each, in
+/// every storage.
+#[test]
+fn gemm_multi_matches_each_matmul() {
+    if emulator().is_none() {
+        return;
+    }
+    let th = Threads::new(2).expect("threads");
+    let mut r = SplitMix64(21);
+    // (tokens, cols, rows of each, chunks a block of each, 0: unsplit):
+    // ragged rows, tokens and chunks; an absent third matrix; splits of
+    // 1, 2 and 3 chunks beside an unsplit one.
+    for &(n, cols, rows, cpb) in &[
+        (40usize, 224usize, [130usize, 64, 20], [1usize, 0, 2]),
+        (33, 160, [70, 9, 0], [0, 3, 0]),
+    ] {
+        let x = r.uniform_vec(n * cols, 2.0);
+        let st: Vec<Stored> = rows
+            .iter()
+            .map(|&m| Stored::new(&mut r, m.max(1) * cols, 0.5))
+            .collect();
+        let each: Vec<_> = st.iter().map(|s| s.each()).collect();
+        for kind in 0..5 {
+            let raws: Vec<&Vec<u8>> = each.iter().map(|e| &e[kind].3).collect();
+            let empty = Vec::new();
+            let arrays: Vec<&[u8]> = (0..3)
+                .map(|i| {
+                    if rows[i] == 0 {
+                        &empty[..]
+                    } else {
+                        &raws[i][..]
+                    }
+                })
+                .collect();
+            let out = job(
+                &format!(
+                    "gemm_multi {} {n} {cols} {} {} {} {} {} {}",
+                    each[0][kind].1, rows[0], rows[1], rows[2], cpb[0], cpb[1], cpb[2]
+                ),
+                &[&bytes(&x), arrays[0], arrays[1], arrays[2]],
+            );
+            for i in 0..3 {
+                let label = each[i][kind].0;
+                if rows[i] == 0 {
+                    assert!(floats(&out[i]).is_empty(), "absent matrix {i}");
+                    continue;
+                }
+                let m = Matrix::new(each[i][kind].2, rows[i], cols).expect("shape");
+                let mut cpu = vec![0.0; n * rows[i]];
+                matmul(&th, &x, n, &m, &mut cpu);
+                assert_eq!(
+                    differing(&cpu, &floats(&out[i])),
+                    0,
+                    "matmul_gemm_multi {label}: matrix {i} {n}×{cols}·{cols}×{} (cpb {})",
+                    rows[i],
+                    cpb[i]
+                );
+            }
+        }
+    }
+}
+
+/// The kernels that fold a split matmul's sum into their own loads
+/// (`norm_reg`, `norm_block`, `swiglu_split`, `add_rows` reading partials
+/// through `split_value`) against the CPU's chunk-order sum, then its op.
+#[test]
+fn folded_sums_match_sum_chunks_then_the_op() {
+    if emulator().is_none() {
+        return;
+    }
+    let mut r = SplitMix64(22);
+    let eps = 1e-5f32;
+    for &(rows, d, chunks) in &[(3usize, 200usize, 7usize), (2, 576, 24), (1, 64, 2)] {
+        let count = rows * d;
+        let x = r.uniform_vec(count, 3.0);
+        let part = r.uniform_vec(chunks * count, 1.0);
+        let w = r.uniform_vec(d, 1.5);
+        let gp = r.uniform_vec(chunks * count, 2.0);
+        let up = r.uniform_vec(chunks * count, 2.0);
+        let out = job(
+            &format!("split_consumers {rows} {d} {chunks} {}", eps.to_bits()),
+            &[
+                &bytes(&x),
+                &bytes(&part),
+                &bytes(&w),
+                &bytes(&gp),
+                &bytes(&up),
+            ],
+        );
+        let y = chunk_sums(&part, chunks, count);
+        let sum: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+        let mut norm = vec![0.0; count];
+        rms_norm(&sum, &w, eps, &mut norm);
+        let mut sw = vec![0.0; count];
+        swiglu(
+            &chunk_sums(&gp, chunks, count),
+            &chunk_sums(&up, chunks, count),
+            &mut sw,
+        );
+        let what = format!("{rows}×{d}, {chunks} chunks");
+        for (i, (label, want)) in [
+            ("norm_reg out", &norm),
+            ("norm_reg x + y", &sum),
+            ("norm_block out", &norm),
+            ("norm_block x + y", &sum),
+            ("swiglu_split", &sw),
+            ("add_rows", &sum),
+        ]
+        .iter()
+        .enumerate()
+        {
+            assert_eq!(differing(want, &floats(&out[i])), 0, "{label}, {what}");
+        }
+    }
+}
+
+/// `rope_kv` reading q, k and v as split matmuls' partials (each or some):
+/// the CPU's RoPE of their chunk-order sums, the rows written back, and
+/// the page rows.
+#[test]
+fn rope_kv_folds_the_split_sums() {
+    if emulator().is_none() {
+        return;
+    }
+    let mut r = SplitMix64(23);
+    let (hd, nh, nkv, page_len, chunks) = (64usize, 3usize, 1usize, 8usize, 5usize);
+    let (qd, kvd) = (nh * hd, nkv * hd);
+    let table = RopeTable::new(hd, 10_000.0, 64);
+    let (cos, sin) = table.tables();
+    let positions = [0usize, 9, 63];
+    let n = positions.len();
+    let pos: Vec<u64> = positions.iter().map(|&p| p as u64).collect();
+    let slots: Vec<u64> = positions.iter().map(|&p| (p % page_len) as u64).collect();
+    for flags in [[1u8, 1, 1], [0, 1, 1], [1, 0, 0]] {
+        let send = |r: &mut SplitMix64, width: usize, split: u8| -> (Vec<f32>, Vec<f32>) {
+            if split == 1 {
+                let p = r.uniform_vec(chunks * n * width, 1.0);
+                let s = chunk_sums(&p, chunks, n * width);
+                (p, s)
+            } else {
+                let v = r.uniform_vec(n * width, 2.0);
+                (v.clone(), v)
+            }
+        };
+        let (qs, q) = send(&mut r, qd, flags[0]);
+        let (ks, k) = send(&mut r, kvd, flags[1]);
+        let (vs, v) = send(&mut r, kvd, flags[2]);
+        let out = job(
+            &format!(
+                "rope_kv {n} {qd} {kvd} {hd} {page_len} {chunks} {} {} {}",
+                flags[0], flags[1], flags[2]
+            ),
+            &[
+                &bytes(&qs),
+                &bytes(&ks),
+                &bytes(&vs),
+                &bytes(cos),
+                &bytes(sin),
+                &bytes64(&pos),
+                &bytes64(&slots),
+            ],
+        );
+        let (gq, gk, pages, gv) = (
+            floats(&out[0]),
+            floats(&out[1]),
+            floats(&out[2]),
+            floats(&out[3]),
+        );
+        let pf = page_len * 2 * kvd;
+        for (t, &p) in positions.iter().enumerate() {
+            let mut cq = q[t * qd..(t + 1) * qd].to_vec();
+            let mut ck = k[t * kvd..(t + 1) * kvd].to_vec();
+            rope(&table, &mut cq, p);
+            rope(&table, &mut ck, p);
+            let cv = &v[t * kvd..(t + 1) * kvd];
+            let what = format!("flags {flags:?}, position {p}");
+            assert_eq!(differing(&cq, &gq[t * qd..(t + 1) * qd]), 0, "q, {what}");
+            assert_eq!(differing(&ck, &gk[t * kvd..(t + 1) * kvd]), 0, "k, {what}");
+            assert_eq!(differing(cv, &gv[t * kvd..(t + 1) * kvd]), 0, "v, {what}");
+            let s = p % page_len;
+            let page = &pages[t * pf..(t + 1) * pf];
+            assert_eq!(
+                differing(&ck, &page[s * kvd..(s + 1) * kvd]),
+                0,
+                "K page row, {what}"
+            );
+            let vr = &page[(page_len + s) * kvd..(page_len + s + 1) * kvd];
+            assert_eq!(differing(cv, vr), 0, "V page row, {what}");
+        }
     }
 }

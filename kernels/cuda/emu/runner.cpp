@@ -168,13 +168,22 @@ int main() {
         write_array(y1);
         write_array(y2);
     } else if (job == "rope_kv") {
-        // rope_kv n qd kvd hd page_len: q, k, v, cos, sin, pos, slot (u64);
-        // one page of one layer per token -> q, k, pages
-        int n, qd, kvd, hd, page_len;
-        hs >> n >> qd >> kvd >> hd >> page_len;
+        // rope_kv n qd kvd hd page_len [chunks qs ks vs]: q, k, v, cos, sin,
+        // pos, slot (u64); one page of one layer per token -> q, k, pages, v.
+        // With chunks > 0, each of q, k, v whose flag is 1 is sent as its
+        // chunk partials (chunks · n · width) and read through split_value.
+        int n, qd, kvd, hd, page_len, chunks = 0, qs = 0, ks = 0, vs = 0;
+        hs >> n >> qd >> kvd >> hd >> page_len >> chunks >> qs >> ks >> vs;
         auto q = read_as<float>();
         auto k = read_as<float>();
         auto v = read_as<float>();
+        std::vector<float> qp, kp, vp;
+        if (chunks > 0) {
+            if (qs) { qp = q; q.assign((size_t)n * qd, std::nanf("")); }
+            if (ks) { kp = k; k.assign((size_t)n * kvd, std::nanf("")); }
+            if (vs) { vp = v; v.assign((size_t)n * kvd, std::nanf("")); }
+        }
+        auto ptr = [](std::vector<float>& a) { return a.empty() ? nullptr : a.data(); };
         auto cs = read_as<float>();
         auto sn = read_as<float>();
         auto pos = read_as<uint64_t>();
@@ -185,12 +194,82 @@ int main() {
         for (int t = 0; t < n; ++t) dst[t] = (unsigned long long)(uintptr_t)(pages.data() + t * pf);
         long long per = (long long)n * (qd / 2 + kvd / 2 + kvd);
         emu::launch(blocks_of(per, 128), 128, [&] {
-            rope_kv(q.data(), k.data(), v.data(), cs.data(), sn.data(), ps.data(), dst.data(), sl.data(), n, qd, kvd,
-                    hd, 0, page_len, 0);
+            rope_kv(q.data(), k.data(), v.data(), ptr(qp), ptr(kp), ptr(vp), chunks, cs.data(), sn.data(), ps.data(),
+                    dst.data(), sl.data(), n, qd, kvd, hd, 0, page_len, 0);
         });
         write_array(q);
         write_array(k);
         write_array(pages);
+        write_array(v);
+    } else if (job == "gemm_multi") {
+        // gemm_multi kind n k rows0 rows1 rows2 cpb0 cpb1 cpb2: x, w0, w1, w2
+        // -> y0, y1, y2; matrix m split (cpb_m chunks a block, partials then
+        // sum_chunks) when cpb_m > 0; rows_m 0: absent.
+        int kind, n, k, r[3], cpb[3];
+        hs >> kind >> n >> k >> r[0] >> r[1] >> r[2] >> cpb[0] >> cpb[1] >> cpb[2];
+        auto x = read_as<float>();
+        std::vector<unsigned char> w[3] = {read_array(), read_array(), read_array()};
+        int chunks = (k + CHUNK - 1) / CHUNK;
+        std::vector<float> y[3], part[3];
+        long long rb[3];
+        int blocks[3];
+        for (int m = 0; m < 3; ++m) {
+            y[m].assign((size_t)n * r[m] + 1, std::nanf(""));
+            rb[m] = r[m] ? (long long)(w[m].size() / r[m]) : 0;
+            int tiles = ((r[m] + GW_ROWS - 1) / GW_ROWS) * ((n + GW_TOKS - 1) / GW_TOKS);
+            int groups = cpb[m] > 0 ? (chunks + cpb[m] - 1) / cpb[m] : 1;
+            blocks[m] = r[m] ? tiles * groups : 0;
+            if (cpb[m] > 0) part[m].assign((size_t)chunks * n * r[m] + 1, std::nanf(""));
+        }
+        auto pp = [&](int m) { return cpb[m] > 0 ? part[m].data() : nullptr; };
+        emu::launch((unsigned)(blocks[0] + blocks[1] + blocks[2]), GW_THREADS, [&] {
+            matmul_gemm_multi(kind, x.data(), n, k, w[0].data(), y[0].data(), r[0], rb[0], pp(0), cpb[0], blocks[0],
+                              w[1].data(), y[1].data(), r[1], rb[1], pp(1), cpb[1], blocks[1], w[2].data(),
+                              y[2].data(), r[2], rb[2], pp(2), cpb[2], blocks[2]);
+        });
+        for (int m = 0; m < 3; ++m) {
+            long long count = (long long)n * r[m];
+            if (cpb[m] > 0 && count > 0) {
+                float* p = part[m].data();
+                float* ym = y[m].data();
+                emu::launch(blocks_of(count, 128), 128, [&] { sum_chunks(p, ym, chunks, count); });
+            }
+            y[m].resize((size_t)count);
+            write_array(y[m]);
+        }
+    } else if (job == "split_consumers") {
+        // split_consumers rows d chunks eps_bits: x, part (chunks · rows · d),
+        // w, g_part, u_part (chunks · rows · d each) -> norm_reg's out and x,
+        // norm_block's out and x, swiglu_split's out, add_rows' x: each
+        // reading its y (or g, u) through split_value.
+        int rows, d, chunks;
+        unsigned eps_bits;
+        hs >> rows >> d >> chunks >> eps_bits;
+        float eps = __uint_as_float(eps_bits);
+        auto x = read_as<float>();
+        auto part = read_as<float>();
+        auto w = read_as<float>();
+        auto gp = read_as<float>();
+        auto up = read_as<float>();
+        long long count = (long long)rows * d;
+        std::vector<float> out1(count, std::nanf("")), out2(count, std::nanf("")), sw(count, std::nanf(""));
+        auto x1 = x, x2 = x, x3 = x;
+        unsigned threads = (unsigned)((8 * ((d + CHUNK - 1) / CHUNK) + 31) / 32 * 32);
+        emu::launch((unsigned)rows, threads, [&] {
+            norm_reg(x1.data(), nullptr, part.data(), chunks, w.data(), out1.data(), rows, d, eps, 1);
+        });
+        emu::launch((unsigned)rows, 8 * MR_GROUPS, [&] {
+            norm_block(x2.data(), nullptr, part.data(), chunks, w.data(), out2.data(), rows, d, eps, 1);
+        });
+        emu::launch(blocks_of(count, 128), 128,
+                    [&] { swiglu_split(nullptr, gp.data(), nullptr, up.data(), chunks, sw.data(), count); });
+        emu::launch(blocks_of(count, 128), 128, [&] { add_rows(x3.data(), nullptr, part.data(), chunks, (int)count); });
+        write_array(out1);
+        write_array(x1);
+        write_array(out2);
+        write_array(x2);
+        write_array(sw);
+        write_array(x3);
     } else if (job == "embed") {
         // embed kind n d: w, ids (u64) -> rows
         int kind, n, d;
@@ -226,11 +305,11 @@ int main() {
                 emu::launch(b, 128, [&] { rms_norm_warp(x.data(), w.data(), out.data(), rows, d, eps); });
         } else if (kernel == "block") {
             emu::launch((unsigned)rows, 8 * MR_GROUPS,
-                        [&] { norm_block(x.data(), y.data(), w.data(), out.data(), rows, d, eps, add); });
+                        [&] { norm_block(x.data(), y.data(), nullptr, 0, w.data(), out.data(), rows, d, eps, add); });
         } else if (kernel == "reg") {
             unsigned threads = (unsigned)((8 * ((d + CHUNK - 1) / CHUNK) + 31) / 32 * 32);
             emu::launch((unsigned)rows, threads,
-                        [&] { norm_reg(x.data(), y.data(), w.data(), out.data(), rows, d, eps, add); });
+                        [&] { norm_reg(x.data(), y.data(), nullptr, 0, w.data(), out.data(), rows, d, eps, add); });
         } else {
             return 2;
         }

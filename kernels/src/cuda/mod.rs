@@ -24,6 +24,7 @@ use crate::quant::QuantKind;
 use crate::{AttnShape, AttnTask, RopeTable};
 
 pub mod resident;
+pub mod split;
 
 /// Largest head dimension the attention kernel's per-thread arrays hold.
 pub const MAX_HEAD_DIM: usize = 256;

@@ -30,6 +30,8 @@ use crate::matmul::{Matrix, Weights};
 pub use crate::paged::PageLayout;
 use crate::quant::QuantKind;
 
+pub use super::split::MmOut;
+
 /// Tokens per warp of `matmul_tile` and per block of `matmul_rows`
 /// (`MM_TOKENS` in kernels.cu).
 pub const MM_TOKENS: usize = 8;
@@ -46,7 +48,7 @@ const GM_THREADS: u32 = 64;
 /// The same of `matmul_gemm_wide` (`GW_*`).
 pub const GW_ROWS: usize = 64;
 pub const GW_TOKS: usize = 32;
-const GW_THREADS: u32 = 256;
+pub(crate) const GW_THREADS: u32 = 256;
 /// Threads per block of `attention_paged` (`ATTN_THREADS` in kernels.cu).
 const ATTN_THREADS: u32 = 256;
 /// Tokens of one sequence per `attention_prefill` block (`PF_TQ`).
@@ -149,6 +151,17 @@ pub struct Tuning {
     /// than this many blocks is split over its chunks (partials, then
     /// `sum_chunks`) to about this many blocks; 0: never split.
     pub split_blocks: usize,
+    /// `LMRR_CUDA_GEMM_MULTI` (default 0, not yet measured on a device):
+    /// in steps of wide gemm tiles, the matmuls of one input (q, k, v;
+    /// gate, up) in one `matmul_gemm_multi` launch, each block the block it
+    /// is in its own launch (the same bits), rather than a launch each.
+    pub gemm_multi: bool,
+    /// `LMRR_CUDA_FOLD_SUMS` (default 0, not yet measured on a device): a
+    /// split gemm's chunk partials are summed by the kernel that reads its
+    /// output (`rope_kv`, `norm_reg`/`norm_block`, `swiglu_split`,
+    /// `add_rows`, each through `split_value`: sum_chunks' bits) rather
+    /// than by a `sum_chunks` launch ahead of it.
+    pub fold_sums: bool,
 }
 
 impl Default for Tuning {
@@ -168,6 +181,8 @@ impl Default for Tuning {
             attn_prefill: true,
             attn_prefill_group: PF_TQ,
             split_blocks: 4096,
+            gemm_multi: false,
+            fold_sums: false,
         }
     }
 }
@@ -205,6 +220,8 @@ impl Tuning {
             ("LMRR_CUDA_PDL_PREFETCH", &mut t.pdl_prefetch),
             ("LMRR_CUDA_ATTN_PREFETCH", &mut t.attn_prefetch),
             ("LMRR_CUDA_ATTN_PREFILL", &mut t.attn_prefill),
+            ("LMRR_CUDA_GEMM_MULTI", &mut t.gemm_multi),
+            ("LMRR_CUDA_FOLD_SUMS", &mut t.fold_sums),
         ] {
             if let Some(v) = get(var) {
                 *slot = match v.trim() {
@@ -251,6 +268,8 @@ mod tuning_tests {
             ("LMRR_CUDA_ATTN_PREFETCH", "1"),
             ("LMRR_CUDA_ATTN_PREFILL", "0"),
             ("LMRR_CUDA_ATTN_PREFILL_GROUP", "100"),
+            ("LMRR_CUDA_GEMM_MULTI", "1"),
+            ("LMRR_CUDA_FOLD_SUMS", "1"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -269,6 +288,8 @@ mod tuning_tests {
                 attn_prefetch: true,
                 attn_prefill: false,
                 attn_prefill_group: PF_TQ,
+                gemm_multi: true,
+                fold_sums: true,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
@@ -323,19 +344,21 @@ pub(crate) struct Kernels {
     pub(crate) matmul_gemm: Func,
     matmul_gemm_wide: Func,
     matmul_gemm_pipelined: Func,
+    pub(crate) matmul_gemm_multi: Func,
     norm_block: Func,
     norm_reg: Func,
     matmul_fused: Func,
-    sum_chunks: Func,
+    pub(crate) sum_chunks: Func,
     /// Which kernel each step and matmul takes ([`Tuning`]).
     pub(crate) tuning: Tuning,
     embed_rows: Func,
-    add_rows: Func,
+    pub(crate) add_rows: Func,
     gather_rows: Func,
     attention_paged: Func,
     attention_decode: Func,
     attention_prefill: Func,
     swiglu: Func,
+    pub(crate) swiglu_split: Func,
     fma_peak: Func,
 }
 
@@ -376,6 +399,7 @@ impl Kernels {
             matmul_gemm: f("matmul_gemm")?,
             matmul_gemm_wide: f("matmul_gemm_wide")?,
             matmul_gemm_pipelined: f("matmul_gemm_pipelined")?,
+            matmul_gemm_multi: f("matmul_gemm_multi")?,
             norm_block: f("norm_block")?,
             norm_reg: f("norm_reg")?,
             matmul_fused: f("matmul_fused")?,
@@ -388,6 +412,7 @@ impl Kernels {
             attention_decode: f("attention_decode")?,
             attention_prefill: f("attention_prefill")?,
             swiglu: f("swiglu")?,
+            swiglu_split: f("swiglu_split")?,
             fma_peak: f("fma_peak")?,
             _module: module,
         })
@@ -544,11 +569,11 @@ impl Drop for DevBuf {
 
 /// A weight matrix resident on the device, in its stored form.
 pub struct DevMatrix {
-    kind: i32,
+    pub(crate) kind: i32,
     pub rows: usize,
     pub cols: usize,
-    row_bytes: i64,
-    buf: DevBuf,
+    pub(crate) row_bytes: i64,
+    pub(crate) buf: DevBuf,
 }
 
 impl DevMatrix {
@@ -579,14 +604,14 @@ fn row_blocks(blocks: usize) -> Result<LaunchConfig, GpuError> {
     })
 }
 
-fn elems(n: usize, what: &'static str) -> Result<LaunchConfig, GpuError> {
+pub(crate) fn elems(n: usize, what: &'static str) -> Result<LaunchConfig, GpuError> {
     as_i32(what, n)?;
     Ok(super::grid(n))
 }
 
 /// A matmul's `(n, rows, cols)` as the kernels' 32-bit arguments, with
 /// `n · cols` (the input's extent) checked to fit them too.
-fn mm_dims(n: usize, w: &DevMatrix) -> Result<(i32, i32, i32), GpuError> {
+pub(crate) fn mm_dims(n: usize, w: &DevMatrix) -> Result<(i32, i32, i32), GpuError> {
     as_i32("matmul", n * w.cols)?;
     Ok((
         as_i32("matmul", n)?,
@@ -621,7 +646,7 @@ pub enum AttnKernel {
 }
 
 /// Blocks of one `matmul_gemm` (or `_wide`) pass over `rows` × `n`.
-fn gemm_tiles(tiles: GemmTiles, rows: usize, n: usize) -> usize {
+pub(crate) fn gemm_tiles(tiles: GemmTiles, rows: usize, n: usize) -> usize {
     if tiles != GemmTiles::Narrow {
         rows.div_ceil(GW_ROWS) * n.div_ceil(GW_TOKS)
     } else {
@@ -914,13 +939,40 @@ impl Gpu {
         if n == 0 || w.rows == 0 {
             return Ok(());
         }
-        let (ni, ri, ki) = mm_dims(n, w)?;
         let chunks = w.cols.div_ceil(64);
-        let kind = tiles;
-        let tiles = gemm_tiles(kind, w.rows, n);
         let (part, cpb) = match split {
             Some((p, c)) => (p, c.clamp(1, chunks.max(1))),
             None => (0, 0),
+        };
+        self.gemm_pass(x, n, w, y, tiles, part, cpb)?;
+        self.sum_split(MmOut { y, part, chunks }, n * w.rows)
+            .map(|_| ())
+    }
+
+    /// The `matmul_gemm` launch of [`Gpu::gemm_launch`] alone: into `y`
+    /// (`part` 0), or each chunk's partials into `part` by blocks of `cpb`
+    /// chunks (no sum).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemm_pass(
+        &self,
+        x: u64,
+        n: usize,
+        w: &DevMatrix,
+        y: u64,
+        kind: GemmTiles,
+        part: u64,
+        cpb: usize,
+    ) -> Result<(), GpuError> {
+        if n == 0 || w.rows == 0 {
+            return Ok(());
+        }
+        let (ni, ri, ki) = mm_dims(n, w)?;
+        let chunks = w.cols.div_ceil(64);
+        let tiles = gemm_tiles(kind, w.rows, n);
+        let cpb = if part == 0 {
+            0
+        } else {
+            cpb.clamp(1, chunks.max(1))
         };
         let groups = if part == 0 { 1 } else { chunks.div_ceil(cpb) };
         let cpbi = as_i32("matmul", cpb)?;
@@ -955,17 +1007,7 @@ impl Gpu {
             .arg(&cpbi);
         // SAFETY: matches `matmul_gemm`; x holds n·cols, y n·rows floats,
         // part (when non-null) chunks·n·rows; the grid is tiles · groups.
-        unsafe { b.launch(cfg) }.map_err(drv)?;
-        if part != 0 {
-            let count = (n * w.rows) as i64;
-            let ci = as_i32("matmul", chunks)?;
-            let mut b = self.kernel(&self.res.sum_chunks)?;
-            b.arg(&part).arg(&y).arg(&ci).arg(&count);
-            // SAFETY: matches `sum_chunks`; part holds chunks·count floats,
-            // y count.
-            unsafe { b.launch(elems(n * w.rows, "sum_chunks")?) }.map_err(drv)?;
-        }
-        Ok(())
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 
     /// Several matmuls of one input `x (n, cols)` in one launch (`mats`:
@@ -1155,12 +1197,14 @@ impl Gpu {
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 
-    /// `x += y`, then `out = rms_norm(x)·w`, `rows` rows of `d`, one launch.
+    /// `x += y`, then `out = rms_norm(x)·w`, `rows` rows of `d`, one launch
+    /// (`y` read where it is: a split matmul's partials are summed by the
+    /// norm kernel, or by `sum_chunks` ahead of the warp kernel).
     #[allow(clippy::too_many_arguments)]
     pub fn add_norm(
         &self,
         x: u64,
-        y: u64,
+        y: MmOut,
         w: &DevBuf,
         rows: usize,
         d: usize,
@@ -1174,7 +1218,7 @@ impl Gpu {
     fn norm_launch(
         &self,
         x: u64,
-        y: Option<u64>,
+        y: Option<MmOut>,
         w: &DevBuf,
         rows: usize,
         d: usize,
@@ -1187,6 +1231,10 @@ impl Gpu {
         if d.div_ceil(64) <= MR_MAX_CHUNKS {
             return self.norm_blocks(false, x, y, w, rows, d, eps, out);
         }
+        let y = match y {
+            Some(o) => Some(self.sum_split(o, rows * d)?),
+            None => None,
+        };
         self.norm_warp(x, y, w, rows, d, eps, out)
     }
 
@@ -1234,11 +1282,13 @@ impl Gpu {
 
     /// RoPE of `n` query and key rows at positions `pos`, and the rotated
     /// keys with the values `v` written into the tokens' pages (`dst`,
-    /// `slot`) of `layer`: RoPE then the page writes, one launch.
+    /// `slot`) of `layer`: RoPE then the page writes, one launch. Each of
+    /// q, k, v is read where it is: a split matmul's partials are summed
+    /// here and its rows written to its `y` as well.
     #[allow(clippy::too_many_arguments)]
     pub fn rope_kv(
         &self,
-        qkv: (u64, u64, u64),
+        qkv: (MmOut, MmOut, MmOut),
         tables: (&DevBuf, &DevBuf),
         pos: u64,
         dst: u64,
@@ -1254,6 +1304,12 @@ impl Gpu {
         }
         let kvd = layout.kv_dim;
         let per = qd / 2 + kvd / 2 + kvd;
+        // One chunk count among the partials (q, k and v share their input,
+        // so they always agree; a mismatch is summed in place first).
+        let (q, k) = super::split::agree(self, qkv.0, qkv.1, n * kvd)?;
+        let (q, v) = super::split::agree(self, q, qkv.2, n * kvd)?;
+        let (k, v) = super::split::agree(self, k, v, n * kvd)?;
+        let chunks = as_i32("rope", q.chunks.max(k.chunks).max(v.chunks))?;
         let (ni, qi, ki, di) = (
             as_i32("rope", n)?,
             as_i32("rope", qd)?,
@@ -1263,9 +1319,13 @@ impl Gpu {
         let li = as_i32("rope", layer)?;
         let (pl, _, aux) = layout_args(&layout)?;
         let mut b = self.kernel(&self.res.rope_kv)?;
-        b.arg(&qkv.0)
-            .arg(&qkv.1)
-            .arg(&qkv.2)
+        b.arg(&q.y)
+            .arg(&k.y)
+            .arg(&v.y)
+            .arg(&q.part)
+            .arg(&k.part)
+            .arg(&v.part)
+            .arg(&chunks)
             .arg(&tables.0.ptr)
             .arg(&tables.1.ptr)
             .arg(&pos)
@@ -1278,8 +1338,10 @@ impl Gpu {
             .arg(&li)
             .arg(&pl)
             .arg(&aux);
-        // SAFETY: matches `rope_kv`; positions inside the tables, every page
-        // address a whole page of `layout`, every slot below page_len.
+        // SAFETY: matches `rope_kv`; q holds n·qd floats, k and v n·kvd (and
+        // each non-null part chunks times its floats); positions inside the
+        // tables, every page address a whole page of `layout`, every slot
+        // below page_len.
         unsafe { b.launch(elems(n * per, "rope_kv")?) }
             .map(|_| ())
             .map_err(drv)
@@ -1331,7 +1393,7 @@ impl Gpu {
         &self,
         reg: bool,
         x: u64,
-        y: Option<u64>,
+        y: Option<MmOut>,
         w: &DevBuf,
         rows: usize,
         d: usize,
@@ -1354,7 +1416,9 @@ impl Gpu {
         }
         let (ri, di) = (as_i32("rms_norm", rows)?, as_i32("rms_norm", d)?);
         as_i32("rms_norm", rows * d)?;
-        let (yp, add) = (y.unwrap_or(0), i32::from(y.is_some()));
+        let add = i32::from(y.is_some());
+        let y = y.unwrap_or(MmOut::at(0));
+        let yc = as_i32("rms_norm", y.chunks)?;
         // norm_reg: a group of 8 threads per chunk, whole warps.
         let threads = if reg {
             (8 * d.div_ceil(64)).div_ceil(32).max(1) as u32 * 32
@@ -1373,7 +1437,9 @@ impl Gpu {
         };
         let mut b = self.kernel(f)?;
         b.arg(&x)
-            .arg(&yp)
+            .arg(&y.y)
+            .arg(&y.part)
+            .arg(&yc)
             .arg(&w.ptr)
             .arg(&out)
             .arg(&ri)
@@ -1381,7 +1447,8 @@ impl Gpu {
             .arg(&eps)
             .arg(&add);
         // SAFETY: matches `norm_block` / `norm_reg` (the same parameters);
-        // x, out (and y when added) hold rows·d floats, w d; d within the
+        // x, out (and y, or its partials chunks·rows·d, when added) hold
+        // rows·d floats, w d; d within the
         // partials it holds, and norm_reg has a group for every chunk.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
@@ -1423,16 +1490,7 @@ impl Gpu {
 
     /// `x[i] += y[i]` for `n` floats.
     pub fn add(&self, x: u64, y: u64, n: usize) -> Result<(), GpuError> {
-        if n == 0 {
-            return Ok(());
-        }
-        let ni = as_i32("add", n)?;
-        let mut b = self.kernel(&self.res.add_rows)?;
-        b.arg(&x).arg(&y).arg(&ni);
-        // SAFETY: matches `add_rows`; both hold n floats.
-        unsafe { b.launch(elems(n, "add")?) }
-            .map(|_| ())
-            .map_err(drv)
+        self.add_out(x, MmOut::at(y), n)
     }
 
     /// `out = silu(g) · u` for `n` floats.
@@ -1704,11 +1762,12 @@ impl Gpu {
             None => None,
         };
         let yp = dy.as_ref().map(|b| b.ptr);
+        let yo = yp.map(MmOut::at);
         match kernel {
             NormKernel::Block => {
-                self.norm_blocks(false, dx.ptr, yp, &dw, rows, d, eps, dout.ptr)?
+                self.norm_blocks(false, dx.ptr, yo, &dw, rows, d, eps, dout.ptr)?
             }
-            NormKernel::Reg => self.norm_blocks(true, dx.ptr, yp, &dw, rows, d, eps, dout.ptr)?,
+            NormKernel::Reg => self.norm_blocks(true, dx.ptr, yo, &dw, rows, d, eps, dout.ptr)?,
             NormKernel::Warp => self.norm_warp(dx.ptr, yp, &dw, rows, d, eps, dout.ptr)?,
         }
         if let Some((_, sum)) = add {

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use lmrr_kernels::cuda::resident::{
-    DevBuf, DevMatrix, Fused, Graph, PageLayout, PageTable, Pinned, SplitScratch,
+    DevBuf, DevMatrix, Fused, Graph, MmOut, PageLayout, PageTable, Pinned, SplitScratch,
 };
 use lmrr_kernels::cuda::Gpu;
 use lmrr_kernels::Threads;
@@ -226,20 +226,25 @@ impl Resident {
 
     /// Floats of split-matmul partials a step of `n` tokens holds: every
     /// layer matmul's chunks × rows for up to [`SPLIT_MAX_TOKENS`] tokens
-    /// (larger steps have tiles enough and never split; the head is never
-    /// split: its 49 k rows fill the device alone).
-    fn part_floats(m: &Llama, n: usize) -> usize {
+    /// (larger steps split only the matmuls whose partials fit; the head is
+    /// never split: its 49 k rows fill the device alone). `together`
+    /// (`LMRR_CUDA_GEMM_MULTI` or `LMRR_CUDA_FOLD_SUMS`): the matmuls of one
+    /// input (q, k, v; gate, up) hold their partials at once.
+    fn part_floats(m: &Llama, n: usize, together: bool) -> usize {
         let c = &m.cfg;
         let (d, ff) = (c.hidden_size, c.intermediate_size);
         let (qd, kvd) = (m.shape.q_dim(), m.shape.kv_dim());
         let ch = |cols: usize| cols.div_ceil(64);
-        let per = (ch(d) * qd.max(kvd).max(ff))
-            .max(ch(qd) * d)
-            .max(ch(ff) * d);
+        let widest = if together {
+            (qd + 2 * kvd).max(2 * ff)
+        } else {
+            qd.max(kvd).max(ff)
+        };
+        let per = (ch(d) * widest).max(ch(qd) * d).max(ch(ff) * d);
         n.min(SPLIT_MAX_TOKENS) * per
     }
 
-    fn floats(m: &Llama, s: StepShape) -> [usize; 14] {
+    fn floats(m: &Llama, s: StepShape, together: bool) -> [usize; 14] {
         let c = &m.cfg;
         let (d, ff, vocab) = (c.hidden_size, c.intermediate_size, c.vocab_size);
         let (qd, kvd, layers) = (m.shape.q_dim(), m.shape.kv_dim(), m.layers.len());
@@ -258,12 +263,12 @@ impl Resident {
             w * d,
             w * d,
             w * vocab,
-            Self::part_floats(m, n),
+            Self::part_floats(m, n, together),
         ]
     }
 
-    fn addrs(m: &Llama, base: u64, s: StepShape) -> Addrs {
-        let f = Self::floats(m, s);
+    fn addrs(m: &Llama, base: u64, s: StepShape, together: bool) -> Addrs {
+        let f = Self::floats(m, s, together);
         let mut at = [0u64; 14];
         let mut off = 0u64;
         for (a, &n) in at.iter_mut().zip(&f) {
@@ -290,8 +295,8 @@ impl Resident {
         }
     }
 
-    fn scratch_bytes(m: &Llama, s: StepShape) -> usize {
-        Self::floats(m, s)
+    fn scratch_bytes(m: &Llama, s: StepShape, together: bool) -> usize {
+        Self::floats(m, s, together)
             .iter()
             .map(|&n| (n * 4).div_ceil(256) * 256)
             .sum()
@@ -410,6 +415,10 @@ impl Resident {
             None => 0,
         };
 
+        let together = {
+            let t = gpu.tuning();
+            t.gemm_multi || t.fold_sums
+        };
         // Buffers: grow (and drop the graphs that name the old ones).
         let grown = std::time::Instant::now();
         let need_in = st.host_in.len();
@@ -433,7 +442,7 @@ impl Resident {
             };
             let b = gpu
                 .alloc(
-                    Self::scratch_bytes(m, cap),
+                    Self::scratch_bytes(m, cap, together),
                     &format!("activations of a {}-token step", cap.n),
                 )
                 .map_err(gpu_err)?;
@@ -455,7 +464,7 @@ impl Resident {
             n_groups,
         };
         let (dstp, slotp, rowp) = (at(3 * n), at(4 * n), at(5 * n));
-        let a = Self::addrs(m, sb, shape);
+        let a = Self::addrs(m, sb, shape, together);
 
         let decode = spans.iter().all(|s| s.tokens.len() == 1);
         let graphs = self.graphs_on.load(Ordering::Relaxed) && decode && !self.profiling;
@@ -594,7 +603,7 @@ impl Resident {
             })?;
             t("rope, KV write", &|| {
                 g.rope_kv(
-                    (a.q, k, v),
+                    (MmOut::at(a.q), MmOut::at(k), MmOut::at(v)),
                     (&self.rope.0, &self.rope.1),
                     table.pos,
                     dst,
@@ -677,22 +686,28 @@ impl Resident {
             addr: a.part,
             floats: a.part_floats,
         };
+        // With LMRR_CUDA_FOLD_SUMS a split matmul's output stays partials
+        // (`MmOut`) until the next kernel, which sums them as it reads.
+        let fold = tun.fold_sums;
+        // The MLP output of the layer before, added to the residual by the
+        // next norm (or, after the last layer, by the head's add).
+        let mut mlp_out: Option<MmOut> = None;
         for (li, l) in self.layers.iter().enumerate() {
             let (k, v) = (
                 a.k + 4 * (li * n * kvd) as u64,
                 a.v + 4 * (li * n * kvd) as u64,
             );
-            // The previous layer's MLP output joins the residual here.
-            t("norms (with residual adds)", &|| match li {
-                0 => g.norm_rows(a.x, &l.attn_norm, n, d, eps, a.h),
-                _ => g.add_norm(a.x, a.o, &l.attn_norm, n, d, eps, a.h),
+            t("norms (with residual adds)", &|| match mlp_out {
+                None => g.norm_rows(a.x, &l.attn_norm, n, d, eps, a.h),
+                Some(o) => g.add_norm(a.x, o, &l.attn_norm, n, d, eps, a.h),
             })?;
-            t("matmul q, k, v", &|| {
-                g.mm_multi(a.h, n, &[(&l.q, a.q), (&l.k, k), (&l.v, v)], sp)
+            let qkv = self.timed("matmul q, k, v", || {
+                g.mm_outs(a.h, n, &[(&l.q, a.q), (&l.k, k), (&l.v, v)], sp, fold)
+                    .map_err(e)
             })?;
             t("rope, KV write", &|| {
                 g.rope_kv(
-                    (a.q, k, v),
+                    (qkv[0], qkv[1], qkv[2]),
                     (&self.rope.0, &self.rope.1),
                     table.pos,
                     dst,
@@ -707,16 +722,17 @@ impl Resident {
             t("attention", &|| {
                 g.attention_paged(a.q, table, n, &m.shape, layout, li, scale, a.att)
             })?;
-            t("matmul o", &|| g.mm_split(a.att, n, &l.o, a.o, sp))?;
+            let o = self.timed("matmul o", || {
+                g.mm_outs(a.att, n, &[(&l.o, a.o)], sp, fold).map_err(e)
+            })?;
             t("norms (with residual adds)", &|| {
-                g.add_norm(a.x, a.o, &l.mlp_norm, n, d, eps, a.h)
+                g.add_norm(a.x, o[0], &l.mlp_norm, n, d, eps, a.h)
             })?;
             if n <= swiglu_max {
                 // SwiGLU in gate/up's epilogue: the same values, one launch fewer.
                 t("matmul gate, up, swiglu", &|| {
                     g.mm_fused(a.h, n, None, Fused::Swiglu, &[(&l.gate, a.a), (&l.up, a.u)])
                 })?;
-                t("matmul down", &|| g.mm_split(a.a, n, &l.down, a.o, sp))?;
             } else if down_swiglu {
                 // SwiGLU made in down's input loads: one launch fewer.
                 t("matmul gate, up", &|| {
@@ -725,17 +741,23 @@ impl Resident {
                 t("matmul down (SwiGLU in its input)", &|| {
                     g.mm_rows_swiglu(a.g, a.u, n, &l.down, a.o)
                 })?;
+                mlp_out = Some(MmOut::at(a.o));
+                continue;
             } else {
-                t("matmul gate, up", &|| {
-                    g.mm_multi(a.h, n, &[(&l.gate, a.g), (&l.up, a.u)], sp)
+                let gu = self.timed("matmul gate, up", || {
+                    g.mm_outs(a.h, n, &[(&l.gate, a.g), (&l.up, a.u)], sp, fold)
+                        .map_err(e)
                 })?;
-                t("swiglu", &|| g.swiglu_dev(a.g, a.u, a.a, n * ff))?;
-                t("matmul down", &|| g.mm_split(a.a, n, &l.down, a.o, sp))?;
+                t("swiglu", &|| g.swiglu_out(gu[0], gu[1], a.a, n * ff))?;
             }
+            let down = self.timed("matmul down", || {
+                g.mm_outs(a.a, n, &[(&l.down, a.o)], sp, fold).map_err(e)
+            })?;
+            mlp_out = Some(down[0]);
         }
         t("output head", &|| {
-            if !self.layers.is_empty() {
-                g.add(a.x, a.o, n * d)?;
+            if let Some(o) = mlp_out {
+                g.add_out(a.x, o, n * d)?;
             }
             g.gather(a.x, rows, w, d, a.hx)?;
             g.norm_rows(a.hx, &self.norm, w, d, eps, a.hn)?;
