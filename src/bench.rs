@@ -216,6 +216,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let most = batches.iter().copied().max().unwrap_or(1) as u64;
     let prompts: Vec<Vec<u32>> = (0..most).map(prompt).collect();
     let mut rows_out = Vec::new();
+    // Per batch, the first prefill's tok/s (into a fresh store).
+    let mut fresh_out = Vec::new();
     // Per batch, the family's breakdown of prefill and decode time.
     let mut parts_out = Vec::new();
     m.reset_profile();
@@ -223,25 +225,32 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     // capturing the step saves over launching its kernels one by one.
     let mut graphs_off = None;
     for &batch in &batches {
-        // Prefill: `batch` prompts in one step.
+        // Prefill: `batch` prompts in one step. The first into a fresh
+        // store (its K/V memory allocated and first touched in the step);
+        // then `r` into the same store with its sequences removed before
+        // each, so their buffers are reused as a serving pool's pages are:
+        // the median of those is the prefill figure.
+        let spans: Vec<SeqSpan> = (0..batch)
+            .map(|i| SeqSpan {
+                seq: i as u64,
+                start: 0,
+                tokens: &prompts[i],
+                logits: LogitsWanted::Last,
+            })
+            .collect();
         let mut kv = new_kv();
+        let t = Instant::now();
+        m.forward(&mut kv, &spans, &th)?;
+        let fresh_s = t.elapsed().as_secs_f64();
+        m.reset_profile();
         let mut pre = Vec::new();
-        for rep in 0..r {
-            let mut fresh = new_kv();
-            let spans: Vec<SeqSpan> = (0..batch)
-                .map(|i| SeqSpan {
-                    seq: i as u64,
-                    start: 0,
-                    tokens: &prompts[i],
-                    logits: LogitsWanted::Last,
-                })
-                .collect();
-            let t = Instant::now();
-            m.forward(&mut fresh, &spans, &th)?;
-            pre.push(t.elapsed().as_secs_f64());
-            if rep == 0 {
-                kv = fresh;
+        for _ in 0..r.max(1) {
+            for s in &spans {
+                kv.remove(s.seq);
             }
+            let t = Instant::now();
+            m.forward(&mut kv, &spans, &th)?;
+            pre.push(t.elapsed().as_secs_f64());
         }
         let prefill_s = median(pre);
         let prefill_parts = m.profile();
@@ -284,6 +293,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         }
         let decode_parts = m.profile();
         m.reset_profile();
+        fresh_out.push((batch, (batch * a.prompt_len) as f64 / fresh_s));
         rows_out.push((
             batch,
             (batch * a.prompt_len) as f64 / prefill_s,
@@ -356,9 +366,15 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             )
         });
         println!(
-            "| prefill, batch {batch} × {} tokens | {pre:.1} tok/s{of_peak} |",
+            "| prefill, batch {batch} × {} tokens (KV memory reused) | {pre:.1} tok/s{of_peak} |",
             a.prompt_len
         );
+        if let Some((_, f)) = fresh_out.iter().find(|f| f.0 == *batch) {
+            println!(
+                "| prefill, batch {batch} × {} tokens, first, into a fresh KV store (one sample) | {f:.1} tok/s |",
+                a.prompt_len
+            );
+        }
         println!(
             "| decode, batch {batch} (context ~{}) | {dec:.1} tok/s ({:.2} ms/step, {:.2}× the floor) |",
             a.prompt_len,
@@ -451,6 +467,20 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 step * 1e3
             );
         }
+    }
+    {
+        // What a single-sequence store costs a 512-token prefill before
+        // and after its rows are computed: prepare (growing the buffers)
+        // and write_step, in a fresh store against one whose removed
+        // sequence left its buffers (as `lmrr bench`'s prefill repeats run).
+        let [first, fresh, reused] = kv_store_reuse(&model, 512, &th, r)?;
+        println!(
+            "| SeqKvStore, a 512-token prefill's prepare + write_step ({} layers) | first store of its size in this process {:.2} ms; then a fresh store {:.2} ms, a removed sequence's buffers reused {:.2} ms |",
+            model.net.kv_layout().layers,
+            first * 1e3,
+            fresh * 1e3,
+            reused * 1e3
+        );
     }
     let Some(((hash_s, total_s, steps), rf)) = extras else {
         return Ok(());
@@ -610,6 +640,55 @@ pub fn slot_hashing(
 /// set, as a step does (`finish_step`, untimed, in between).
 ///
 /// [`PagedKv`]: lmrr_engine::pool::PagedKv
+/// `prepare` + `write_step` of one `n`-token sequence: the first time in
+/// this process (one sample: memory the allocator has not handed out
+/// before), then medians in a fresh [`SeqKvStore`] (its drop untimed; the
+/// allocator may hand back the memory of the one before) and in one store
+/// whose previous sequence was removed (its buffers kept).
+pub fn kv_store_reuse(
+    model: &lmrr_engine::Model,
+    n: usize,
+    th: &Threads,
+    repeats: usize,
+) -> Result<[f64; 3]> {
+    use lmrr_engine::KvRun;
+    let layout = model.net.kv_layout();
+    let (layers, d) = (layout.layers, layout.kv_dim);
+    let hk: Vec<f32> = (0..layers * n * d)
+        .map(|i| (i % 251) as f32 * 0.5)
+        .collect();
+    let hv: Vec<f32> = hk.iter().map(|x| -x).collect();
+    let runs = [KvRun {
+        seq: 0,
+        pos0: 0,
+        row0: 0,
+        n,
+    }];
+    let fill = |kv: &mut SeqKvStore| -> Result<()> {
+        kv.prepare(0, 0, n)?;
+        kv.write_step(&runs, layers, &hk, &hv, th);
+        Ok(())
+    };
+    let mut kept = SeqKvStore::new(layout);
+    let t0 = Instant::now();
+    fill(&mut kept)?;
+    let first = t0.elapsed().as_secs_f64();
+    let (mut fresh, mut reused) = (Vec::new(), Vec::new());
+    // Alternating, so both see the same machine.
+    for _ in 0..repeats.max(5) {
+        let mut kv = SeqKvStore::new(layout);
+        let t0 = Instant::now();
+        fill(&mut kv)?;
+        fresh.push(t0.elapsed().as_secs_f64());
+        drop(kv);
+        kept.remove(0);
+        let t0 = Instant::now();
+        fill(&mut kept)?;
+        reused.push(t0.elapsed().as_secs_f64());
+    }
+    Ok([first, median(fresh), median(reused)])
+}
+
 pub fn kv_writes(
     model: &lmrr_engine::Model,
     seqs: usize,

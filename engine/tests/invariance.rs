@@ -22,6 +22,7 @@ per_family!(
     i1_same_input_same_bits_every_run,
     i3_chunked_prefill_equals_one_shot_at_every_position,
     i5_thread_count_never_changes_a_bit,
+    a_recycled_store_buffer_never_changes_a_bit,
     i2_a_sequence_alone_equals_it_batched_with_three_others,
     page_size_and_shared_prefix_pages_never_change_a_bit,
     generate_digest_is_invariant_to_threads_and_prefill_chunk,
@@ -97,6 +98,43 @@ fn all_logits(m: &Model, toks: &[u32], chunk: usize, th: &Threads) -> Vec<u32> {
         out.extend(m.net.forward(&mut kv, &[span], th).unwrap().remove(0));
     }
     bits(&out)
+}
+
+/// A sequence in buffers its store kept from a removed, longer one (whose
+/// rows past the new sequence's length are still there) has a fresh store's
+/// logits at every position, fed whole or in chunks.
+fn a_recycled_store_buffer_never_changes_a_bit(p: Preset) {
+    let m = model(p);
+    let th = Threads::new(2).unwrap();
+    let (old, new) = (tokens(21, 150), tokens(22, 90));
+    assert_reaches_sparse(m, new.len(), "recycled");
+    for chunk in [90, 23] {
+        let mut kv = store(m);
+        let old_span = SeqSpan {
+            seq: 7,
+            start: 0,
+            tokens: &old,
+            logits: LogitsWanted::Last,
+        };
+        m.net.forward(&mut kv, &[old_span], &th).unwrap();
+        let held = kv.bytes();
+        kv.remove(7);
+        assert_eq!(kv.bytes(), held, "the removed sequence's buffers are kept");
+        let mut out = Vec::new();
+        for part in new.chunks(chunk) {
+            let span = SeqSpan {
+                seq: 8,
+                start: kv.len(8),
+                tokens: part,
+                logits: LogitsWanted::All,
+            };
+            out.extend(m.net.forward(&mut kv, &[span], &th).unwrap().remove(0));
+        }
+        assert_eq!(kv.bytes(), held, "the new sequence took the kept buffers");
+        assert_eq!(bits(&out), all_logits(m, &new, 90, &th), "chunk {chunk}");
+        kv.trim();
+        assert_eq!(kv.bytes(), held, "trim frees only kept buffers");
+    }
 }
 
 fn i1_same_input_same_bits_every_run(p: Preset) {

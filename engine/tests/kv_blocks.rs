@@ -59,10 +59,17 @@ fn seq_store_versions_move_on_write_only() {
     assert_eq!(&r.v[9..12], &row(2.0));
     let r = kv.block_rows(7, 1, 0);
     assert_eq!(&r.k[3..6], &row(3.0));
-    // A sequence dropped and made again gets new keys.
+    // A sequence dropped and made again (in the dropped one's kept
+    // buffers) gets new keys, and its one block is unwritten: a mirror
+    // uploads none of the old rows.
+    let held = kv.bytes();
     kv.remove(7);
     kv.prepare(7, 0, 1).unwrap();
-    assert_ne!(kv.blocks(7).blocks[0].0, b3.blocks[0].0);
+    assert_eq!(kv.bytes(), held);
+    let b4 = kv.blocks(7);
+    assert_eq!(b4.blocks.len(), 1);
+    assert_ne!(b4.blocks[0].0, b3.blocks[0].0);
+    assert_eq!(b4.blocks[0].1, 0);
 }
 
 #[test]
