@@ -72,6 +72,21 @@ for rep in 1 2; do
     LMRR_CUDA_GEMM_MULTI=$1 LMRR_CUDA_FOLD_SUMS=$2 b --prompt-len 512 --batches 1
   done
 done
+echo "## attention_prefill_hd64 (LMRR_CUDA_ATTN_PREFILL_HD64) against attention_prefill, alternating, prefill of 512 and 2048 tokens and 64 × 64"
+for ah in 0 1 0 1; do
+  echo "# LMRR_CUDA_ATTN_PREFILL_HD64=$ah"
+  LMRR_CUDA_ATTN_PREFILL_HD64=$ah b --prompt-len 512 --batches 1
+  LMRR_CUDA_ATTN_PREFILL_HD64=$ah b --prompt-len 2048 --batches 1
+  LMRR_CUDA_ATTN_PREFILL_HD64=$ah b --prompt-len 64 --batches 64
+done
+echo "## tokens per attention_prefill group (LMRR_CUDA_ATTN_PREFILL_GROUP) under each kernel, prefill of 512 and 2048 tokens"
+for ah in 0 1; do
+  for gs in 16 8 4; do
+    echo "# LMRR_CUDA_ATTN_PREFILL_HD64=$ah LMRR_CUDA_ATTN_PREFILL_GROUP=$gs"
+    LMRR_CUDA_ATTN_PREFILL_HD64=$ah LMRR_CUDA_ATTN_PREFILL_GROUP=$gs b --prompt-len 512 --batches 1
+    LMRR_CUDA_ATTN_PREFILL_HD64=$ah LMRR_CUDA_ATTN_PREFILL_GROUP=$gs b --prompt-len 2048 --batches 1
+  done
+done
 echo "## prefill of 512 tokens"
 for g in 9 100000; do
   for sb in 0 1024; do

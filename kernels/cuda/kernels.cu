@@ -1555,22 +1555,44 @@ extern "C" __global__ void attention_decode(const float* q, const unsigned long 
 #define PF_TQ 16
 #define PF_MAXHD 128
 #define PF_ACC (PF_TQ * PF_MAXHD / ATTN_THREADS)
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_prefill(
-    const float* q, const unsigned long long* pages, const unsigned long long* seq_off,
-    const unsigned long long* pos, const unsigned long long* groups, float* out, int n_heads, int n_kv_heads,
-    int head_dim, int layer, int page_len, int aux, float scale) {
-    PDL_ENTRY();
-    __shared__ float qs[PF_TQ][PF_MAXHD];
-    __shared__ float ks[ATTN_TILE][PF_MAXHD + 1];
-    __shared__ float vs[ATTN_TILE][PF_MAXHD];
-    __shared__ float sc[PF_TQ][ATTN_TILE];
+// The body, for any head_dim up to PF_MAXHD (HD 0: read at run time) or
+// for one head_dim HD known at compile time (a divisor of ATTN_THREADS, a
+// multiple of 8, at most PF_MAXHD; rows of K and V 16-byte aligned: kvd and
+// page_len · aux multiples of 4). With HD: the K/V tile comes in as float4
+// rows (one page lookup a row piece, not an element), the next tile's
+// loads are in flight while this tile is computed, q and k are read as
+// float4 (each lane chain's FMAs still in its order: lane l takes elements
+// l + 8s, s ascending) with one read of q serving both of a thread's
+// positions, and P·V walks the positions once for all of a thread's tokens
+// (each token's chain still its own, in position order). The same
+// operations on the same values as with HD 0.
+template <int HD>
+__device__ __forceinline__ void attention_prefill_body(const float* q, const unsigned long long* pages,
+                                                       const unsigned long long* seq_off,
+                                                       const unsigned long long* pos,
+                                                       const unsigned long long* groups, float* out, int n_heads,
+                                                       int n_kv_heads, int head_dim, int layer, int page_len, int aux,
+                                                       float scale) {
+    constexpr int MH = HD > 0 ? HD : PF_MAXHD;
+    constexpr int KS = HD > 0 ? HD + 4 : PF_MAXHD + 1;  // HD: float4 rows, 8 rows on 32 banks
+    constexpr int NACC = PF_TQ * MH / ATTN_THREADS;
+    constexpr int V4 = HD > 0 ? ATTN_TILE * HD / 4 / ATTN_THREADS : 1;  // a thread's float4s of a tile
+    // HD: a token's scores one bank apart from the next token's, so that
+    // the per-token walks of steps 2 and 4 (thread u reads row u) do not
+    // all hit one bank.
+    constexpr int SCS = HD > 0 ? ATTN_TILE + 1 : ATTN_TILE;
+    __shared__ __align__(16) float qs[PF_TQ][MH];
+    __shared__ __align__(16) float ks[ATTN_TILE][KS];
+    __shared__ __align__(16) float vs[ATTN_TILE][MH];
+    __shared__ __align__(16) float sc[PF_TQ][SCS];
     __shared__ float tok_m[PF_TQ], tok_l[PF_TQ], tok_alpha[PF_TQ];
     __shared__ int tok_end[PF_TQ];
     int g = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
     unsigned long long gr = groups[g];
     int t0 = (int)(gr >> 32), cnt = (int)(gr & 0xffffffffu);
     int tid = threadIdx.x;
-    int hd = head_dim, kvd = n_kv_heads * head_dim, qd = n_heads * head_dim;
+    const int hd = HD > 0 ? HD : head_dim;
+    int kvd = n_kv_heads * hd, qd = n_heads * hd;
     int kvh = h / (n_heads / n_kv_heads);
     const unsigned long long* pt = pages + seq_off[t0];
     for (int i = tid; i < PF_TQ * hd; i += ATTN_THREADS) {
@@ -1586,48 +1608,117 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_prefill(
     int end = 0;
     for (int u = 0; u < cnt; ++u) end = max(end, tok_end[u]);
     // Thread tid owns (token, dimension) pairs tid + r·ATTN_THREADS.
-    float acc[PF_ACC];
+    float acc[NACC];
     #pragma unroll
-    for (int r = 0; r < PF_ACC; ++r) acc[r] = 0.0f;
+    for (int r = 0; r < NACC; ++r) acc[r] = 0.0f;
     int chunks = (hd + CHUNK - 1) / CHUNK;
     // Scores: token su, positions sr and sr + 16 of the tile.
     int su = tid >> 4, sr = tid & 15;
-    for (int j0 = 0; j0 < end; j0 += ATTN_TILE) {
+    // HD: float4 f of the tile (f = tid + s·ATTN_THREADS) is row f / (HD/4),
+    // columns 4 (f % (HD/4)) on; the next tile's, in flight.
+    float4 kn[V4], vn[V4];
+    auto fetch = [&](int j0) {
         int jn = min(ATTN_TILE, end - j0);
-        for (int i = tid; i < ATTN_TILE * hd; i += ATTN_THREADS) {
-            int r = i / hd, d = i % hd;
-            float kv = 0.0f, vv = 0.0f;
+        #pragma unroll
+        for (int s = 0; s < V4; ++s) {
+            int f = tid + s * ATTN_THREADS, r = f / (MH / 4), c = f % (MH / 4);
+            float4 kk = make_float4(0.0f, 0.0f, 0.0f, 0.0f), vv = kk;
             if (r < jn) {
                 int j = j0 + r;
                 unsigned long long pg = pt[j / page_len];
-                kv = kv_row(pg, layer, page_len, kvd, aux, j % page_len, 0)[kvh * hd + d];
-                vv = kv_row(pg, layer, page_len, kvd, aux, j % page_len, 1)[kvh * hd + d];
+                int slot = j % page_len;
+                kk = *(const float4*)(kv_row(pg, layer, page_len, kvd, aux, slot, 0) + kvh * hd + 4 * c);
+                vv = *(const float4*)(kv_row(pg, layer, page_len, kvd, aux, slot, 1) + kvh * hd + 4 * c);
             }
-            ks[r][d] = kv;
-            vs[r][d] = vv;
+            kn[s] = kk;
+            vn[s] = vv;
+        }
+    };
+    if (HD > 0 && end > 0) fetch(0);
+    for (int j0 = 0; j0 < end; j0 += ATTN_TILE) {
+        int jn = min(ATTN_TILE, end - j0);
+        if (HD > 0) {
+            #pragma unroll
+            for (int s = 0; s < V4; ++s) {
+                int f = tid + s * ATTN_THREADS, r = f / (MH / 4), c = f % (MH / 4);
+                *(float4*)&ks[r][4 * c] = kn[s];
+                *(float4*)&vs[r][4 * c] = vn[s];
+            }
+        } else {
+            for (int i = tid; i < ATTN_TILE * hd; i += ATTN_THREADS) {
+                int r = i / hd, d = i % hd;
+                float kv = 0.0f, vv = 0.0f;
+                if (r < jn) {
+                    int j = j0 + r;
+                    unsigned long long pg = pt[j / page_len];
+                    kv = kv_row(pg, layer, page_len, kvd, aux, j % page_len, 0)[kvh * hd + d];
+                    vv = kv_row(pg, layer, page_len, kvd, aux, j % page_len, 1)[kvh * hd + d];
+                }
+                ks[r][d] = kv;
+                vs[r][d] = vv;
+            }
         }
         __syncthreads();
+        if (HD > 0 && j0 + ATTN_TILE < end) fetch(j0 + ATTN_TILE);
         // 1. Scores.
-        #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            int r = sr + half * 16;
-            float total = 0.0f;
-            for (int c = 0; c < chunks; ++c) {
-                int c0 = c * CHUNK, cend = min(c0 + CHUNK, hd);
-                float l[LANES];
+        if (HD > 0) {
+            float tot[2] = {0.0f, 0.0f};
+            #pragma unroll
+            for (int c = 0; c < (MH + CHUNK - 1) / CHUNK; ++c) {
+                const int c0 = c * CHUNK, cend = min(c0 + CHUNK, MH);
+                float l[2][LANES];
                 #pragma unroll
-                for (int ln = 0; ln < LANES; ++ln) l[ln] = 0.0f;
+                for (int hf = 0; hf < 2; ++hf) {
+                    #pragma unroll
+                    for (int ln = 0; ln < LANES; ++ln) l[hf][ln] = 0.0f;
+                }
                 #pragma unroll
                 for (int s2 = 0; s2 < CHUNK / LANES; ++s2) {
-                    #pragma unroll
-                    for (int ln = 0; ln < LANES; ++ln) {
-                        int i = c0 + ln + s2 * LANES;
-                        if (i < cend) l[ln] = fmaf(qs[su][i], ks[r][i], l[ln]);
+                    const int i = c0 + s2 * LANES;
+                    if (i < cend) {
+                        float4 qa = *(const float4*)&qs[su][i], qb = *(const float4*)&qs[su][i + 4];
+                        #pragma unroll
+                        for (int hf = 0; hf < 2; ++hf) {
+                            float4 ka = *(const float4*)&ks[sr + hf * 16][i];
+                            float4 kb = *(const float4*)&ks[sr + hf * 16][i + 4];
+                            l[hf][0] = fmaf(qa.x, ka.x, l[hf][0]);
+                            l[hf][1] = fmaf(qa.y, ka.y, l[hf][1]);
+                            l[hf][2] = fmaf(qa.z, ka.z, l[hf][2]);
+                            l[hf][3] = fmaf(qa.w, ka.w, l[hf][3]);
+                            l[hf][4] = fmaf(qb.x, kb.x, l[hf][4]);
+                            l[hf][5] = fmaf(qb.y, kb.y, l[hf][5]);
+                            l[hf][6] = fmaf(qb.z, kb.z, l[hf][6]);
+                            l[hf][7] = fmaf(qb.w, kb.w, l[hf][7]);
+                        }
                     }
                 }
-                total = total + lane_tree(l);
+                #pragma unroll
+                for (int hf = 0; hf < 2; ++hf) tot[hf] = tot[hf] + lane_tree(l[hf]);
             }
-            sc[su][r] = total * scale;
+            sc[su][sr] = tot[0] * scale;
+            sc[su][sr + 16] = tot[1] * scale;
+        } else {
+            #pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                int r = sr + half * 16;
+                float total = 0.0f;
+                for (int c = 0; c < chunks; ++c) {
+                    int c0 = c * CHUNK, cend = min(c0 + CHUNK, hd);
+                    float l[LANES];
+                    #pragma unroll
+                    for (int ln = 0; ln < LANES; ++ln) l[ln] = 0.0f;
+                    #pragma unroll
+                    for (int s2 = 0; s2 < CHUNK / LANES; ++s2) {
+                        #pragma unroll
+                        for (int ln = 0; ln < LANES; ++ln) {
+                            int i = c0 + ln + s2 * LANES;
+                            if (i < cend) l[ln] = fmaf(qs[su][i], ks[r][i], l[ln]);
+                        }
+                    }
+                    total = total + lane_tree(l);
+                }
+                sc[su][r] = total * scale;
+            }
         }
         __syncthreads();
         // 2. Each token's tile max, running max and alpha.
@@ -1661,25 +1752,70 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_prefill(
                 tok_l[tid] = tok_l[tid] * tok_alpha[tid] + lt;
             }
         }
-        #pragma unroll
-        for (int r = 0; r < PF_ACC; ++r) {
-            int pr = tid + r * ATTN_THREADS, u = pr / hd, d = pr % hd;
-            if (u < cnt) {
-                int e = min(ATTN_TILE, tok_end[u] - j0);
-                if (e > 0) {
-                    float a = 0.0f;
-                    for (int i = 0; i < e; ++i) a = fmaf(sc[u][i], vs[i][d], a);
-                    acc[r] = acc[r] * tok_alpha[u] + a;
+        if (HD > 0) {
+            // Thread tid's pairs: dimension tid % HD of tokens tid / HD + r·(ATTN_THREADS / HD).
+            const int d = tid % MH, u0 = tid / MH;
+            int e[NACC];
+            float a[NACC];
+            int emax = 0;
+            #pragma unroll
+            for (int r = 0; r < NACC; ++r) {
+                int u = u0 + r * (ATTN_THREADS / MH);
+                e[r] = u < cnt ? min(ATTN_TILE, tok_end[u] - j0) : 0;
+                a[r] = 0.0f;
+                emax = max(emax, e[r]);
+            }
+            for (int i = 0; i < emax; ++i) {
+                float vv = vs[i][d];
+                #pragma unroll
+                for (int r = 0; r < NACC; ++r) {
+                    if (i < e[r]) a[r] = fmaf(sc[u0 + r * (ATTN_THREADS / MH)][i], vv, a[r]);
+                }
+            }
+            #pragma unroll
+            for (int r = 0; r < NACC; ++r) {
+                if (e[r] > 0) acc[r] = acc[r] * tok_alpha[u0 + r * (ATTN_THREADS / MH)] + a[r];
+            }
+        } else {
+            #pragma unroll
+            for (int r = 0; r < NACC; ++r) {
+                int pr = tid + r * ATTN_THREADS, u = pr / hd, d = pr % hd;
+                if (u < cnt) {
+                    int e = min(ATTN_TILE, tok_end[u] - j0);
+                    if (e > 0) {
+                        float a = 0.0f;
+                        for (int i = 0; i < e; ++i) a = fmaf(sc[u][i], vs[i][d], a);
+                        acc[r] = acc[r] * tok_alpha[u] + a;
+                    }
                 }
             }
         }
         __syncthreads();
     }
     #pragma unroll
-    for (int r = 0; r < PF_ACC; ++r) {
+    for (int r = 0; r < NACC; ++r) {
         int pr = tid + r * ATTN_THREADS, u = pr / hd, d = pr % hd;
         if (u < cnt) out[(long long)(t0 + u) * qd + h * hd + d] = acc[r] / tok_l[u];
     }
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_prefill(
+    const float* q, const unsigned long long* pages, const unsigned long long* seq_off,
+    const unsigned long long* pos, const unsigned long long* groups, float* out, int n_heads, int n_kv_heads,
+    int head_dim, int layer, int page_len, int aux, float scale) {
+    PDL_ENTRY();
+    attention_prefill_body<0>(q, pages, seq_off, pos, groups, out, n_heads, n_kv_heads, head_dim, layer, page_len,
+                              aux, scale);
+}
+
+// attention_prefill for head_dim 64 (LMRR_CUDA_ATTN_PREFILL_HD64).
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_prefill_hd64(
+    const float* q, const unsigned long long* pages, const unsigned long long* seq_off,
+    const unsigned long long* pos, const unsigned long long* groups, float* out, int n_heads, int n_kv_heads,
+    int head_dim, int layer, int page_len, int aux, float scale) {
+    PDL_ENTRY();
+    attention_prefill_body<64>(q, pages, seq_off, pos, groups, out, n_heads, n_kv_heads, head_dim, layer, page_len,
+                               aux, scale);
 }
 
 // The device's FP32 FMA rate, for `lmrr bench`: 8 independent fmaf chains

@@ -12,10 +12,11 @@ use lmrr_kernels::cuda::{negative_controls, Control, Gpu, MatmulKernel};
 use lmrr_kernels::*;
 
 /// The paged attention kernels, each held to the CPU.
-const ATTN_KERNELS: [(&str, AttnKernel); 3] = [
+const ATTN_KERNELS: [(&str, AttnKernel); 4] = [
     ("attention_paged", AttnKernel::Paged),
     ("attention_decode", AttnKernel::Decode),
     ("attention_prefill", AttnKernel::Prefill),
+    ("attention_prefill_hd64", AttnKernel::PrefillHd64),
 ];
 
 type Rng = SplitMix64;
@@ -755,7 +756,9 @@ fn main() {
         let mut cpu = vec![0.0; shape.q_dim()];
         attention(&th, &tasks, &shape, 0.088, &mut cpu);
         for (label, kernel) in ATTN_KERNELS {
-            if kernel == AttnKernel::Prefill && hd > lmrr_kernels::cuda::resident::PF_MAXHD {
+            if (kernel == AttnKernel::Prefill && hd > lmrr_kernels::cuda::resident::PF_MAXHD)
+                || (kernel == AttnKernel::PrefillHd64 && hd != 64)
+            {
                 continue;
             }
             let mut paged = vec![f32::NAN; cpu.len()];

@@ -108,6 +108,16 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
             "for (int i = 0; i < e; ++i) a = sc[u][i] * vs[i][d] + a;",
         ),
         (
+            "attention_prefill_hd64 P·V as mul + add",
+            "if (i < e[r]) a[r] = fmaf(sc[u0 + r * (ATTN_THREADS / MH)][i], vv, a[r]);",
+            "if (i < e[r]) a[r] = sc[u0 + r * (ATTN_THREADS / MH)][i] * vv + a[r];",
+        ),
+        (
+            "attention_prefill_hd64 scores: q's second float4 of each 8 read from the first's",
+            "qb = *(const float4*)&qs[su][i + 4];",
+            "qb = *(const float4*)&qs[su][i];",
+        ),
+        (
             "attention_paged softmax sum in reverse",
             "for (int i = j0; i < j1; ++i) lt = lt + sc[i];",
             "for (int i = j1 - 1; i >= j0; --i) lt = lt + sc[i];",

@@ -502,10 +502,12 @@ fn paged_attention_matches_the_cpu() {
             ("attention_decode", 1, emulator()),
             ("attention_decode, ATTN_PREFETCH", 1, emulator_prefetch()),
             ("attention_prefill", 2, emulator()),
+            ("attention_prefill_hd64", 3, emulator()),
         ] {
             let Some(bin) = bin else { continue };
-            // attention_prefill holds head dims up to PF_MAXHD (128).
-            if decode == 2 && hd > 128 {
+            // attention_prefill holds head dims up to PF_MAXHD (128);
+            // attention_prefill_hd64 is for head_dim 64 alone.
+            if (decode == 2 && hd > 128) || (decode == 3 && hd != 64) {
                 continue;
             }
             // One span of every task (the positions below the first are
@@ -735,7 +737,7 @@ fn the_emulation_sees_each_broken_kernel() {
             );
             d += differing(&mm_cpu, &floats(&out[0])) + differing(&multi_cpu, &floats(&out[1]));
         }
-        for decode in [0, 1, 2] {
+        for decode in [0, 1, 2, 3] {
             let out = job_on(
                 &bin,
                 &format!(

@@ -49,6 +49,11 @@ struct alignas(8) float2 {
     float x, y;
 };
 
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+
 inline void __syncthreads() { emu::tl_ctx->block->arrive_and_wait(); }
 
 inline std::barrier<>& emu_warp() {

@@ -317,7 +317,7 @@ int main() {
         write_array(x);
     } else if (job == "attention") {
         // attention tasks nh nkv hd page_len scale_bits [decode: 1 attention_decode, 2
-        // attention_prefill]: q, pages (floats,
+        // attention_prefill, 3 attention_prefill_hd64]: q, pages (floats,
         // whole pages of one layer), page index per table entry, seq_off,
         // pos (u64 each)
         int tasks, nh, nkv, hd, page_len, decode = 0;
@@ -336,9 +336,9 @@ int main() {
             table[i] = (unsigned long long)(uintptr_t)(pages.data() + index[i] * page_floats);
         std::vector<unsigned long long> so(seq_off.begin(), seq_off.end()), ps(pos.begin(), pos.end());
         std::vector<float> out((size_t)tasks * nh * hd, std::nanf(""));
-        if (decode == 2) {
-            // attention_prefill: groups of up to PF_TQ consecutive tasks of
-            // one sequence (equal seq_off).
+        if (decode >= 2) {
+            // attention_prefill (3: attention_prefill_hd64): groups of up
+            // to PF_TQ consecutive tasks of one sequence (equal seq_off).
             std::vector<unsigned long long> groups;
             for (int t = 0; t < tasks;) {
                 int c = 1;
@@ -347,8 +347,12 @@ int main() {
                 t += c;
             }
             emu::launch((unsigned)(groups.size() * nh), ATTN_THREADS, [&] {
-                attention_prefill(q.data(), table.data(), so.data(), ps.data(), groups.data(), out.data(), nh, nkv,
-                                  hd, 0, page_len, 0, scale);
+                if (decode == 3)
+                    attention_prefill_hd64(q.data(), table.data(), so.data(), ps.data(), groups.data(), out.data(), nh,
+                                           nkv, hd, 0, page_len, 0, scale);
+                else
+                    attention_prefill(q.data(), table.data(), so.data(), ps.data(), groups.data(), out.data(), nh, nkv,
+                                      hd, 0, page_len, 0, scale);
             });
             write_array(out);
             std::fflush(stdout);

@@ -147,6 +147,12 @@ pub struct Tuning {
     /// prefill has 32 groups of 16 per head), each K/V tile loaded for
     /// fewer tokens.
     pub attn_prefill_group: usize,
+    /// `LMRR_CUDA_ATTN_PREFILL_HD64` (default 0, not yet measured on a
+    /// device): where `attention_prefill` serves a step of head_dim 64
+    /// ([`hd64_fits`]), `attention_prefill_hd64` does (float4 tiles, the
+    /// next tile's loads in flight, fewer shared-memory reads; the same
+    /// bits).
+    pub attn_prefill_hd64: bool,
     /// `LMRR_CUDA_SPLIT_BLOCKS`: a `matmul_gemm` whose tiles are fewer
     /// than this many blocks is split over its chunks (partials, then
     /// `sum_chunks`) to about this many blocks; 0: never split.
@@ -180,6 +186,7 @@ impl Default for Tuning {
             attn_prefetch: false,
             attn_prefill: true,
             attn_prefill_group: PF_TQ,
+            attn_prefill_hd64: false,
             split_blocks: 4096,
             gemm_multi: false,
             fold_sums: false,
@@ -220,6 +227,7 @@ impl Tuning {
             ("LMRR_CUDA_PDL_PREFETCH", &mut t.pdl_prefetch),
             ("LMRR_CUDA_ATTN_PREFETCH", &mut t.attn_prefetch),
             ("LMRR_CUDA_ATTN_PREFILL", &mut t.attn_prefill),
+            ("LMRR_CUDA_ATTN_PREFILL_HD64", &mut t.attn_prefill_hd64),
             ("LMRR_CUDA_GEMM_MULTI", &mut t.gemm_multi),
             ("LMRR_CUDA_FOLD_SUMS", &mut t.fold_sums),
         ] {
@@ -270,6 +278,7 @@ mod tuning_tests {
             ("LMRR_CUDA_ATTN_PREFILL_GROUP", "100"),
             ("LMRR_CUDA_GEMM_MULTI", "1"),
             ("LMRR_CUDA_FOLD_SUMS", "1"),
+            ("LMRR_CUDA_ATTN_PREFILL_HD64", "1"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -288,6 +297,7 @@ mod tuning_tests {
                 attn_prefetch: true,
                 attn_prefill: false,
                 attn_prefill_group: PF_TQ,
+                attn_prefill_hd64: true,
                 gemm_multi: true,
                 fold_sums: true,
             }
@@ -357,6 +367,7 @@ pub(crate) struct Kernels {
     attention_paged: Func,
     attention_decode: Func,
     attention_prefill: Func,
+    attention_prefill_hd64: Func,
     swiglu: Func,
     pub(crate) swiglu_split: Func,
     fma_peak: Func,
@@ -411,6 +422,7 @@ impl Kernels {
             attention_paged: f("attention_paged")?,
             attention_decode: f("attention_decode")?,
             attention_prefill: f("attention_prefill")?,
+            attention_prefill_hd64: f("attention_prefill_hd64")?,
             swiglu: f("swiglu")?,
             swiglu_split: f("swiglu_split")?,
             fma_peak: f("fma_peak")?,
@@ -643,6 +655,25 @@ pub enum AttnKernel {
     /// `attention_prefill`: a block per (group of up to [`PF_TQ`] tokens of
     /// one sequence, head), each K/V tile loaded once for the group.
     Prefill,
+    /// `attention_prefill_hd64`: `attention_prefill` for head_dim 64, its
+    /// tiles loaded as float4 rows with the next in flight (the same
+    /// operations; [`hd64_fits`] says where it may run).
+    PrefillHd64,
+}
+
+impl AttnKernel {
+    /// Whether the kernel walks the table's prefill groups.
+    pub fn is_prefill(self) -> bool {
+        matches!(self, Self::Prefill | Self::PrefillHd64)
+    }
+}
+
+/// Whether `attention_prefill_hd64` may serve `shape` over pages of
+/// `layout`: head_dim 64, and every K/V row 16-byte aligned (kv_dim and
+/// page_len · aux_dim multiples of 4, so every page and layer starts on
+/// one).
+pub fn hd64_fits(shape: &crate::AttnShape, layout: &PageLayout) -> bool {
+    shape.head_dim == 64 && layout.kv_dim % 4 == 0 && (layout.page_len * layout.aux_dim) % 4 == 0
 }
 
 /// Blocks of one `matmul_gemm` (or `_wide`) pass over `rows` × `n`.
@@ -1540,7 +1571,11 @@ impl Gpu {
     ) -> Result<(), GpuError> {
         let tun = self.res.tuning;
         let kernel = if table.n_groups > 0 && tun.attn_prefill && shape.head_dim <= PF_MAXHD {
-            AttnKernel::Prefill
+            if tun.attn_prefill_hd64 && hd64_fits(shape, &layout) {
+                AttnKernel::PrefillHd64
+            } else {
+                AttnKernel::Prefill
+            }
         } else if n * shape.n_heads <= tun.attn_decode_max {
             AttnKernel::Decode
         } else {
@@ -1580,7 +1615,16 @@ impl Gpu {
                 ),
             });
         }
-        let prefill = kernel == AttnKernel::Prefill;
+        let prefill = kernel.is_prefill();
+        if kernel == AttnKernel::PrefillHd64 && !hd64_fits(shape, &layout) {
+            return Err(GpuError::Shape {
+                what: "attention_prefill_hd64",
+                detail: format!(
+                    "head_dim {} (64), kv_dim {} and page_len {} × aux_dim {} (multiples of 4)",
+                    shape.head_dim, layout.kv_dim, layout.page_len, layout.aux_dim
+                ),
+            });
+        }
         if prefill && (shape.head_dim > PF_MAXHD || table.n_groups == 0) {
             return Err(GpuError::Shape {
                 what: "attention_prefill",
@@ -1607,6 +1651,7 @@ impl Gpu {
             AttnKernel::Paged => &self.res.attention_paged,
             AttnKernel::Decode => &self.res.attention_decode,
             AttnKernel::Prefill => &self.res.attention_prefill,
+            AttnKernel::PrefillHd64 => &self.res.attention_prefill_hd64,
         };
         let mut b = self.kernel(f)?;
         b.arg(&q)
@@ -1865,11 +1910,7 @@ impl Gpu {
         let mut runs: Vec<(usize, usize)> = Vec::new();
         for (i, t) in tasks.iter().enumerate() {
             match runs.last_mut() {
-                Some((a, c))
-                    if kernel == AttnKernel::Prefill && std::ptr::eq(tasks[*a].kv, t.kv) =>
-                {
-                    *c += 1
-                }
+                Some((a, c)) if kernel.is_prefill() && std::ptr::eq(tasks[*a].kv, t.kv) => *c += 1,
                 _ => runs.push((i, 1)),
             }
         }
@@ -1928,11 +1969,7 @@ impl Gpu {
             seq_off: at(pages_len),
             pos: at(pages_len + tasks.len()),
             groups: at(pages_len + 2 * tasks.len()),
-            n_groups: if kernel == AttnKernel::Prefill {
-                groups.len()
-            } else {
-                0
-            },
+            n_groups: if kernel.is_prefill() { groups.len() } else { 0 },
         };
         self.attention_with(
             kernel,
