@@ -1563,9 +1563,11 @@ extern "C" __global__ void attention_decode(const float* q, const unsigned long 
 // loads are in flight while this tile is computed, q and k are read as
 // float4 (each lane chain's FMAs still in its order: lane l takes elements
 // l + 8s, s ascending) with one read of q serving both of a thread's
-// positions, and P·V walks the positions once for all of a thread's tokens
-// (each token's chain still its own, in position order). The same
-// operations on the same values as with HD 0.
+// positions, each token's tile max (steps 2 and 3) is made by its
+// half-warp right after its scores (two barriers a tile fewer), and P·V
+// walks the positions once for all of a thread's tokens (each token's chain
+// still its own, in position order). The same operations on the same values
+// as with HD 0.
 template <int HD>
 __device__ __forceinline__ void attention_prefill_body(const float* q, const unsigned long long* pages,
                                                        const unsigned long long* seq_off,
@@ -1659,7 +1661,6 @@ __device__ __forceinline__ void attention_prefill_body(const float* q, const uns
             }
         }
         __syncthreads();
-        if (HD > 0 && j0 + ATTN_TILE < end) fetch(j0 + ATTN_TILE);
         // 1. Scores.
         if (HD > 0) {
             float tot[2] = {0.0f, 0.0f};
@@ -1672,7 +1673,7 @@ __device__ __forceinline__ void attention_prefill_body(const float* q, const uns
                     #pragma unroll
                     for (int ln = 0; ln < LANES; ++ln) l[hf][ln] = 0.0f;
                 }
-                #pragma unroll
+                #pragma unroll 2
                 for (int s2 = 0; s2 < CHUNK / LANES; ++s2) {
                     const int i = c0 + s2 * LANES;
                     if (i < cend) {
@@ -1695,8 +1696,42 @@ __device__ __forceinline__ void attention_prefill_body(const float* q, const uns
                 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) tot[hf] = tot[hf] + lane_tree(l[hf]);
             }
-            sc[su][sr] = tot[0] * scale;
-            sc[su][sr + 16] = tot[1] * scale;
+            float s0 = tot[0] * scale, s1 = tot[1] * scale;
+            // 2 and 3 here, without a barrier: token su's scores are its
+            // half-warp's. Its tile max by a butterfly over (score,
+            // position), the earlier position kept on a tie: the first
+            // maximal score, which the in-order walk (`if (sv > mt) mt =
+            // sv`) finds, zero's sign included; NaN and positions past the
+            // token's end never win (the walk skips them).
+            const int e = su < cnt ? min(ATTN_TILE, tok_end[su] - j0) : 0;
+            const float ninf = __int_as_float(0xff800000);
+            float mv = (sr < e && s0 == s0) ? s0 : ninf, mi = (float)sr;
+            float m1 = (sr + 16 < e && s1 == s1) ? s1 : ninf;
+            if (m1 > mv) {
+                mv = m1;
+                mi = (float)(sr + 16);
+            }
+            #pragma unroll
+            for (int o = 8; o >= 1; o >>= 1) {
+                float ov = __shfl_xor_sync(0xffffffffu, mv, o);
+                float oi = __shfl_xor_sync(0xffffffffu, mi, o);
+                if (ov > mv || (ov == mv && oi < mi)) {
+                    mv = ov;
+                    mi = oi;
+                }
+            }
+            float mp = tok_m[su];
+            float mn = mv > mp ? mv : mp;
+            float alpha = det_exp(mp - mn);
+            sc[su][sr] = sr < e ? det_exp(s0 - mn) : s0;
+            sc[su][sr + 16] = sr + 16 < e ? det_exp(s1 - mn) : s1;
+            __syncwarp();  // every lane has read tok_m[su]
+            if (sr == 0 && e > 0) {
+                tok_alpha[su] = alpha;
+                tok_m[su] = mn;
+            }
+            // The next tile's loads, in flight through the sums and P·V.
+            if (j0 + ATTN_TILE < end) fetch(j0 + ATTN_TILE);
         } else {
             #pragma unroll
             for (int half = 0; half < 2; ++half) {
@@ -1721,8 +1756,8 @@ __device__ __forceinline__ void attention_prefill_body(const float* q, const uns
             }
         }
         __syncthreads();
-        // 2. Each token's tile max, running max and alpha.
-        if (tid < cnt) {
+        // 2. Each token's tile max, running max and alpha (HD: done above).
+        if (HD == 0 && tid < cnt) {
             int e = min(ATTN_TILE, tok_end[tid] - j0);
             if (e > 0) {
                 float mt = __int_as_float(0xff800000);
@@ -1736,13 +1771,15 @@ __device__ __forceinline__ void attention_prefill_body(const float* q, const uns
                 tok_m[tid] = mn;
             }
         }
-        __syncthreads();
-        // 3. p.
-        for (int i = tid; i < PF_TQ * ATTN_TILE; i += ATTN_THREADS) {
-            int u = i / ATTN_TILE, r = i % ATTN_TILE;
-            if (u < cnt && j0 + r < tok_end[u]) sc[u][r] = det_exp(sc[u][r] - tok_m[u]);
+        if (HD == 0) {
+            __syncthreads();
+            // 3. p.
+            for (int i = tid; i < PF_TQ * ATTN_TILE; i += ATTN_THREADS) {
+                int u = i / ATTN_TILE, r = i % ATTN_TILE;
+                if (u < cnt && j0 + r < tok_end[u]) sc[u][r] = det_exp(sc[u][r] - tok_m[u]);
+            }
+            __syncthreads();
         }
-        __syncthreads();
         // 4. The tile's sums and the merge.
         if (tid < cnt) {
             int e = min(ATTN_TILE, tok_end[tid] - j0);

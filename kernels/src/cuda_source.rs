@@ -118,6 +118,11 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
             "qb = *(const float4*)&qs[su][i];",
         ),
         (
+            "attention_prefill_hd64 each tile rescaled by its own max (no running max)",
+            "float mn = mv > mp ? mv : mp;",
+            "float mn = mv;",
+        ),
+        (
             "attention_paged softmax sum in reverse",
             "for (int i = j0; i < j1; ++i) lt = lt + sc[i];",
             "for (int i = j1 - 1; i >= j0; --i) lt = lt + sc[i];",
