@@ -72,6 +72,12 @@ for rep in 1 2; do
     LMRR_CUDA_GEMM_MULTI=$1 LMRR_CUDA_FOLD_SUMS=$2 b --prompt-len 512 --batches 1
   done
 done
+echo "## RoPE and the K/V page writes inside decode attention (LMRR_CUDA_ROPE_ATTN), alternating, batches 1, 8 and after 512 tokens"
+for ra in 0 1 0 1; do
+  echo "# LMRR_CUDA_ROPE_ATTN=$ra"
+  LMRR_CUDA_ROPE_ATTN=$ra b --prompt-len 64 --batches 1,8
+  LMRR_CUDA_ROPE_ATTN=$ra b --prompt-len 512 --batches 1
+done
 echo "## attention_prefill_hd64 (LMRR_CUDA_ATTN_PREFILL_HD64) against attention_prefill, alternating, prefill of 512 and 2048 tokens and 64 × 64"
 for ah in 0 1 0 1; do
   echo "# LMRR_CUDA_ATTN_PREFILL_HD64=$ah"

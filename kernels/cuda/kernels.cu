@@ -1534,6 +1534,60 @@ extern "C" __global__ void attention_decode(const float* q, const unsigned long 
 #endif
 }
 
+// attention_decode with rope_kv's work for its own token done first, so a
+// decode step needs no rope_kv launch (LMRR_CUDA_ROPE_ATTN). Only for steps
+// whose spans are one token each (no token reads another's new row) and
+// whose tokens write distinct slots (no sink page). Block (t, h): RoPE of
+// q's head h in place (only this block reads it); RoPE of k's head kvh of
+// token t from `kraw` (the k matmul's output, left unrotated: every block
+// of the group reads it) into the page slot dst[t]/slot[t], with v's head
+// kvh — every block of the group writes these same values there before
+// reading it, so each reads its own row — and, by the group's first head,
+// into `kout` (the step's K rows, which go back to the host). Each value by
+// rope_kv's operations: lo = a·cos - b·sin, hi = b·cos + a·sin.
+extern "C" __global__ void attention_decode_rope(float* q, const float* kraw, float* kout, const float* v,
+                                                 const float* cos_t, const float* sin_t,
+                                                 const unsigned long long* pages, const unsigned long long* seq_off,
+                                                 const unsigned long long* pos, const unsigned long long* dst,
+                                                 const unsigned long long* slot, float* out, int n_heads,
+                                                 int n_kv_heads, int head_dim, int layer, int page_len, int aux,
+                                                 float scale) {
+    PDL_ENTRY();
+    int t = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
+    int tid = threadIdx.x;
+    int hd = head_dim, half = head_dim / 2, kvd = n_kv_heads * head_dim, qd = n_heads * head_dim;
+    int group = n_heads / n_kv_heads, kvh = h / group;
+    const float* c = cos_t + (long long)pos[t] * half;
+    const float* sn = sin_t + (long long)pos[t] * half;
+    int s = (int)slot[t];
+    if (tid < half) {
+        float* qr = q + (long long)t * qd + h * hd;
+        float a = qr[tid], b = qr[tid + half];
+        float lo = a * c[tid] - b * sn[tid];
+        float hi = b * c[tid] + a * sn[tid];
+        qr[tid] = lo;
+        qr[tid + half] = hi;
+    }
+    if (tid >= 128 && tid - 128 < half) {
+        int i = tid - 128;
+        long long at = (long long)t * kvd + kvh * hd + i;
+        float a = kraw[at], b = kraw[at + half];
+        float lo = a * c[i] - b * sn[i];
+        float hi = b * c[i] + a * sn[i];
+        float* kr = kv_row(dst[t], layer, page_len, kvd, aux, s, 0) + kvh * hd;
+        kr[i] = lo;
+        kr[i + half] = hi;
+        if (h % group == 0) {
+            kout[at] = lo;
+            kout[at + half] = hi;
+        }
+    }
+    if (tid < hd) kv_row(dst[t], layer, page_len, kvd, aux, s, 1)[kvh * hd + tid] = v[(long long)t * kvd + kvh * hd + tid];
+    __syncthreads();
+    attention_body<ATTN_BATCH, true>(q, pages, seq_off, pos, out, n_heads, n_kv_heads, head_dim, layer, page_len,
+                                     aux, scale);
+}
+
 // Prefill attention: one block of ATTN_THREADS per (group, head), a group
 // being up to PF_TQ tokens of one sequence (stacked consecutively; the host
 // lists them: groups[g] = first token << 32 | count). Each tile of

@@ -123,6 +123,11 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
             "float mn = mv;",
         ),
         (
+            "attention_decode_rope q's RoPE with sin's sign flipped",
+            "float lo = a * c[tid] - b * sn[tid];",
+            "float lo = a * c[tid] + b * sn[tid];",
+        ),
+        (
             "attention_paged softmax sum in reverse",
             "for (int i = j0; i < j1; ++i) lt = lt + sc[i];",
             "for (int i = j1 - 1; i >= j0; --i) lt = lt + sc[i];",

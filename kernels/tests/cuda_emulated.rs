@@ -648,6 +648,10 @@ fn the_emulation_sees_each_broken_kernel() {
     let m2 = Matrix::new(Weights::F32(&w2), 70, cols).expect("shape");
     let mut multi_cpu = vec![0.0; n * 70];
     matmul(&th, &x, n, &m2, &mut multi_cpu);
+    // A decode step through attention_decode_rope against rope_kv then
+    // attention_decode (the job runs both).
+    let (rope_line, rope_arrays) = decode_rope_inputs(&mut r, 9, 3, 64, 16, &[5, 64, 100]);
+    let rope_refs: Vec<&[u8]> = rope_arrays.iter().map(|a| a.as_slice()).collect();
     let controls = lmrr_kernels::cuda_source::negative_controls().unwrap_or_else(|e| panic!("{e}"));
     let mut seen = 0;
     for (i, c) in controls.iter().enumerate() {
@@ -663,6 +667,7 @@ fn the_emulation_sees_each_broken_kernel() {
             "attention_paged",
             "attention_decode",
             "attention_prefill",
+            "attention_decode_rope",
             "norm_block",
             "norm_reg",
             "matmul_fused",
@@ -754,6 +759,12 @@ fn the_emulation_sees_each_broken_kernel() {
                 ],
             );
             d += differing(&at_cpu, &floats(&out[0]));
+        }
+        {
+            let out = job_on(&bin, &rope_line, &rope_refs);
+            for i in 0..4 {
+                d += differing(&floats(&out[i]), &floats(&out[4 + i]));
+            }
         }
         println!("negative control `{what}`: {d} differing bits");
         assert!(
@@ -1035,6 +1046,108 @@ fn rope_kv_folds_the_split_sums() {
             );
             let vr = &page[(page_len + s) * kvd..(page_len + s + 1) * kvd];
             assert_eq!(differing(cv, vr), 0, "V page row, {what}");
+        }
+    }
+}
+
+/// The inputs of a decode step of `positions.len()` sequences (one token
+/// each, at `positions[t]`) for the `decode_rope` job: every sequence's
+/// pages of one layer in one store (in reverse order of need), earlier
+/// positions' rows random, the new position's rows NaN (a kernel that reads
+/// them before writing them shows).
+fn decode_rope_inputs(
+    r: &mut SplitMix64,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    page_len: usize,
+    positions: &[usize],
+) -> (String, Vec<Vec<u8>>) {
+    let (qd, kvd, n) = (nh * hd, nkv * hd, positions.len());
+    let pf = page_len * 2 * kvd;
+    let counts: Vec<usize> = positions
+        .iter()
+        .map(|p| (p + 1).div_ceil(page_len))
+        .collect();
+    let total: usize = counts.iter().sum();
+    let mut store = r.uniform_vec(total * pf, 2.0);
+    let (mut index, mut seq_off, mut dst_page) = (Vec::new(), Vec::new(), Vec::new());
+    let mut next = total;
+    for (&p, &c) in positions.iter().zip(&counts) {
+        seq_off.push(index.len() as u64);
+        for _ in 0..c {
+            next -= 1;
+            index.push(next as u64);
+        }
+        let page = index[seq_off[seq_off.len() - 1] as usize + p / page_len] as usize;
+        dst_page.push(page as u64);
+        let s = p % page_len;
+        for which in 0..2 {
+            let at = page * pf + which * page_len * kvd + s * kvd;
+            store[at..at + kvd].fill(f32::NAN);
+        }
+    }
+    let max_pos = positions.iter().max().copied().unwrap_or(0);
+    let table = RopeTable::new(hd, 10_000.0, max_pos + 1);
+    let (cos, sin) = table.tables();
+    let pos: Vec<u64> = positions.iter().map(|&p| p as u64).collect();
+    let slot: Vec<u64> = positions.iter().map(|&p| (p % page_len) as u64).collect();
+    let line = format!(
+        "decode_rope {n} {nh} {nkv} {hd} {page_len} {}",
+        (1.0 / (hd as f32).sqrt()).to_bits()
+    );
+    let arrays = vec![
+        bytes(&r.uniform_vec(n * qd, 2.0)),
+        bytes(&r.uniform_vec(n * kvd, 2.0)),
+        bytes(&r.uniform_vec(n * kvd, 1.0)),
+        bytes(cos),
+        bytes(sin),
+        bytes(&store),
+        bytes64(&index),
+        bytes64(&seq_off),
+        bytes64(&pos),
+        bytes64(&dst_page),
+        bytes64(&slot),
+    ];
+    (line, arrays)
+}
+
+/// `attention_decode_rope` (LMRR_CUDA_ROPE_ATTN: RoPE, the K/V page writes
+/// and decode attention in one launch) against `rope_kv` then
+/// `attention_decode`: the same attention output, rotated q, step K rows
+/// (for the host) and pages, bit for bit; grouped and ungrouped heads, head
+/// dims of one and two chunks, pages of 1, 7 and 16 positions, a new
+/// position opening a page and one deep in a sequence.
+#[test]
+fn attention_decode_rope_matches_rope_kv_then_attention_decode() {
+    if emulator().is_none() {
+        return;
+    }
+    let mut r = SplitMix64(31);
+    let cases: &[(usize, usize, usize, usize, &[usize])] = &[
+        (9, 3, 64, 16, &[0, 5, 63, 64, 200]),
+        (4, 2, 128, 7, &[3, 40]),
+        (2, 2, 64, 1, &[10]),
+    ];
+    for &(nh, nkv, hd, page_len, positions) in cases {
+        let (line, arrays) = decode_rope_inputs(&mut r, nh, nkv, hd, page_len, positions);
+        let refs: Vec<&[u8]> = arrays.iter().map(|a| a.as_slice()).collect();
+        let out = job(&line, &refs);
+        let what = format!("{nh}/{nkv} heads × {hd}, pages of {page_len}, positions {positions:?}");
+        let separate = floats(&out[0]);
+        assert!(
+            separate.iter().all(|x| x.is_finite()),
+            "{what}: rope_kv then attention_decode gave non-finite values"
+        );
+        for (i, name) in ["attention output", "rotated q", "K rows", "pages"]
+            .iter()
+            .enumerate()
+        {
+            assert_eq!(
+                differing(&floats(&out[i]), &floats(&out[4 + i])),
+                0,
+                "{what}: {name}"
+            );
         }
     }
 }

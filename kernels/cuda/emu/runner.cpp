@@ -201,6 +201,74 @@ int main() {
         write_array(k);
         write_array(pages);
         write_array(v);
+    } else if (job == "decode_rope") {
+        // decode_rope n nh nkv hd page_len scale_bits: q (n·qd), k, v (n·kvd),
+        // cos, sin, store (whole pages of one layer), index (page of each
+        // table entry), seq_off, pos, dst_page (u64 each), slot (u64) ->
+        // rope_kv then attention_decode: out, q, k, store; then
+        // attention_decode_rope on the same inputs: out, q, kout, store.
+        int n, nh, nkv, hd, page_len;
+        unsigned scale_bits;
+        hs >> n >> nh >> nkv >> hd >> page_len >> scale_bits;
+        float scale = __uint_as_float(scale_bits);
+        auto q = read_as<float>();
+        auto k = read_as<float>();
+        auto v = read_as<float>();
+        auto cs = read_as<float>();
+        auto sn = read_as<float>();
+        auto store = read_as<float>();
+        auto index = read_as<uint64_t>();
+        auto seq_off = read_as<uint64_t>();
+        auto pos = read_as<uint64_t>();
+        auto dst_page = read_as<uint64_t>();
+        auto slot = read_as<uint64_t>();
+        int kvd = nkv * hd, qd = nh * hd;
+        size_t pf = (size_t)page_len * 2 * kvd;
+        std::vector<unsigned long long> so(seq_off.begin(), seq_off.end()), ps(pos.begin(), pos.end()),
+            sl(slot.begin(), slot.end());
+        auto tables = [&](std::vector<float>& st, std::vector<unsigned long long>& table,
+                          std::vector<unsigned long long>& dst) {
+            table.resize(index.size());
+            for (size_t i = 0; i < index.size(); ++i)
+                table[i] = (unsigned long long)(uintptr_t)(st.data() + index[i] * pf);
+            dst.resize(n);
+            for (int t = 0; t < n; ++t) dst[t] = (unsigned long long)(uintptr_t)(st.data() + dst_page[t] * pf);
+        };
+        {
+            auto qa = q, ka = k, va = v, sa = store;
+            std::vector<unsigned long long> table, dst;
+            tables(sa, table, dst);
+            long long per = (long long)n * (qd / 2 + kvd / 2 + kvd);
+            emu::launch(blocks_of(per, 128), 128, [&] {
+                rope_kv(qa.data(), ka.data(), va.data(), nullptr, nullptr, nullptr, 0, cs.data(), sn.data(), ps.data(),
+                        dst.data(), sl.data(), n, qd, kvd, hd, 0, page_len, 0);
+            });
+            std::vector<float> out((size_t)n * qd, std::nanf(""));
+            emu::launch((unsigned)(n * nh), ATTN_THREADS, [&] {
+                attention_decode(qa.data(), table.data(), so.data(), ps.data(), out.data(), nh, nkv, hd, 0, page_len, 0,
+                                 scale);
+            });
+            write_array(out);
+            write_array(qa);
+            write_array(ka);
+            write_array(sa);
+        }
+        {
+            auto qb = q, sb = store;
+            std::vector<float> kout((size_t)n * kvd, std::nanf(""));
+            std::vector<unsigned long long> table, dst;
+            tables(sb, table, dst);
+            std::vector<float> out((size_t)n * qd, std::nanf(""));
+            emu::launch((unsigned)(n * nh), ATTN_THREADS, [&] {
+                attention_decode_rope(qb.data(), k.data(), kout.data(), v.data(), cs.data(), sn.data(), table.data(),
+                                      so.data(), ps.data(), dst.data(), sl.data(), out.data(), nh, nkv, hd, 0,
+                                      page_len, 0, scale);
+            });
+            write_array(out);
+            write_array(qb);
+            write_array(kout);
+            write_array(sb);
+        }
     } else if (job == "gemm_multi") {
         // gemm_multi kind n k rows0 rows1 rows2 cpb0 cpb1 cpb2: x, w0, w1, w2
         // -> y0, y1, y2; matrix m split (cpb_m chunks a block, partials then

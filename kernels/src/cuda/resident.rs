@@ -153,6 +153,11 @@ pub struct Tuning {
     /// next tile's loads in flight, fewer shared-memory reads; the same
     /// bits).
     pub attn_prefill_hd64: bool,
+    /// `LMRR_CUDA_ROPE_ATTN` (default 0, not yet measured on a device): a
+    /// decode step's RoPE and K/V page writes made by its attention blocks
+    /// (`attention_decode_rope`), one launch a layer fewer, where the step
+    /// qualifies ([`Gpu::attention_decode_rope`]).
+    pub rope_attn: bool,
     /// `LMRR_CUDA_SPLIT_BLOCKS`: a `matmul_gemm` whose tiles are fewer
     /// than this many blocks is split over its chunks (partials, then
     /// `sum_chunks`) to about this many blocks; 0: never split.
@@ -187,6 +192,7 @@ impl Default for Tuning {
             attn_prefill: true,
             attn_prefill_group: PF_TQ,
             attn_prefill_hd64: false,
+            rope_attn: false,
             split_blocks: 4096,
             gemm_multi: false,
             fold_sums: false,
@@ -228,6 +234,7 @@ impl Tuning {
             ("LMRR_CUDA_ATTN_PREFETCH", &mut t.attn_prefetch),
             ("LMRR_CUDA_ATTN_PREFILL", &mut t.attn_prefill),
             ("LMRR_CUDA_ATTN_PREFILL_HD64", &mut t.attn_prefill_hd64),
+            ("LMRR_CUDA_ROPE_ATTN", &mut t.rope_attn),
             ("LMRR_CUDA_GEMM_MULTI", &mut t.gemm_multi),
             ("LMRR_CUDA_FOLD_SUMS", &mut t.fold_sums),
         ] {
@@ -279,6 +286,7 @@ mod tuning_tests {
             ("LMRR_CUDA_GEMM_MULTI", "1"),
             ("LMRR_CUDA_FOLD_SUMS", "1"),
             ("LMRR_CUDA_ATTN_PREFILL_HD64", "1"),
+            ("LMRR_CUDA_ROPE_ATTN", "1"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -298,6 +306,7 @@ mod tuning_tests {
                 attn_prefill: false,
                 attn_prefill_group: PF_TQ,
                 attn_prefill_hd64: true,
+                rope_attn: true,
                 gemm_multi: true,
                 fold_sums: true,
             }
@@ -366,6 +375,7 @@ pub(crate) struct Kernels {
     gather_rows: Func,
     attention_paged: Func,
     attention_decode: Func,
+    attention_decode_rope: Func,
     attention_prefill: Func,
     attention_prefill_hd64: Func,
     swiglu: Func,
@@ -421,6 +431,7 @@ impl Kernels {
             gather_rows: f("gather_rows")?,
             attention_paged: f("attention_paged")?,
             attention_decode: f("attention_decode")?,
+            attention_decode_rope: f("attention_decode_rope")?,
             attention_prefill: f("attention_prefill")?,
             attention_prefill_hd64: f("attention_prefill_hd64")?,
             swiglu: f("swiglu")?,
@@ -1674,6 +1685,89 @@ impl Gpu {
         // page list covers positions 0..=pos[t], each entry the address of a
         // whole page; each group's tokens share one sequence's page list
         // (`prefill_groups`) and its count is at most PF_TQ.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+    }
+}
+
+impl Gpu {
+    /// `rope_kv` then `attention_decode` in one launch
+    /// (`attention_decode_rope`, the same bits): RoPE of `q` (n · qd, in
+    /// place) and of the unrotated K rows `kraw` (n · kvd) into `kout` and,
+    /// with the V rows `v`, into each token's page slot `dst`/`slot`; then
+    /// attention into `out`. Only for a step whose tokens are one per
+    /// sequence (none reads another's new row) and write distinct slots
+    /// (no sink page), with head_dim even and at most 256: the caller
+    /// checks the first two, this the shapes.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_decode_rope(
+        &self,
+        qkv: (u64, u64, u64),
+        kout: u64,
+        tables: (&DevBuf, &DevBuf),
+        table: PageTable,
+        dst: u64,
+        slot: u64,
+        n: usize,
+        shape: &crate::AttnShape,
+        layout: PageLayout,
+        layer: usize,
+        scale: f32,
+        out: u64,
+    ) -> Result<(), GpuError> {
+        if n == 0 {
+            return Ok(());
+        }
+        if shape.n_kv_heads == 0
+            || shape.n_heads % shape.n_kv_heads != 0
+            || shape.head_dim % 2 != 0
+            || shape.head_dim > MAX_HEAD_DIM
+            || shape.kv_dim() != layout.kv_dim
+            || table.n_groups != 0
+        {
+            return Err(GpuError::Shape {
+                what: "attention_decode_rope",
+                detail: format!(
+                    "heads {}/{} × {} (even, ≤ {MAX_HEAD_DIM}), pages of kv_dim {}, {} prefill groups (0)",
+                    shape.n_heads, shape.n_kv_heads, shape.head_dim, layout.kv_dim, table.n_groups
+                ),
+            });
+        }
+        let (nh, nkv, hd) = (
+            as_i32("attention", shape.n_heads)?,
+            as_i32("attention", shape.n_kv_heads)?,
+            as_i32("attention", shape.head_dim)?,
+        );
+        let li = as_i32("attention", layer)?;
+        let (pl, _, aux) = layout_args(&layout)?;
+        let cfg = LaunchConfig {
+            grid_dim: (as_i32("attention", n * shape.n_heads)? as u32, 1, 1),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.kernel(&self.res.attention_decode_rope)?;
+        b.arg(&qkv.0)
+            .arg(&qkv.1)
+            .arg(&kout)
+            .arg(&qkv.2)
+            .arg(&tables.0.ptr)
+            .arg(&tables.1.ptr)
+            .arg(&table.pages)
+            .arg(&table.seq_off)
+            .arg(&table.pos)
+            .arg(&dst)
+            .arg(&slot)
+            .arg(&out)
+            .arg(&nh)
+            .arg(&nkv)
+            .arg(&hd)
+            .arg(&li)
+            .arg(&pl)
+            .arg(&aux)
+            .arg(&scale);
+        // SAFETY: matches `attention_decode_rope`; q holds n·qd floats,
+        // kraw, kout and v n·kvd; positions inside the RoPE tables; each
+        // token's page list covers 0..=pos[t] and dst[t]/slot[t] is the
+        // slot of pos[t] in it (distinct over the step); out n·qd floats.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 }

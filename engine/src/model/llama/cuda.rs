@@ -467,13 +467,35 @@ impl Resident {
         let a = Self::addrs(m, sb, shape, together);
 
         let decode = spans.iter().all(|s| s.tokens.len() == 1);
-        let graphs = self.graphs_on.load(Ordering::Relaxed) && decode && !self.profiling;
+        // LMRR_CUDA_ROPE_ATTN: a decode step whose tokens write distinct
+        // slots (none to the sink page, which only cache-corruption patches
+        // bring) has its attention blocks make RoPE and the page writes. A
+        // step with the sink is launched without graphs, so that no graph
+        // captured from a fused step replays for it.
+        let sinked = sink != 0 && st.host_in[3 * n..4 * n].contains(&sink);
+        let rope_attn = {
+            let t = gpu.tuning();
+            let c = &m.cfg;
+            t.rope_attn
+                && decode
+                && !sinked
+                && n_groups == 0
+                && n * m.shape.n_heads <= t.attn_decode_max
+                && n < t.gemm_min.max(1)
+                && m.shape.kv_dim() <= c.intermediate_size
+        };
+        let graphs = self.graphs_on.load(Ordering::Relaxed)
+            && decode
+            && !self.profiling
+            && !(sinked && gpu.tuning().rope_attn);
         if graphs && !st.graphs.contains_key(&shape) {
             let seen = st.seen.entry(shape).or_insert(0);
             *seen += 1;
             if *seen >= 2 && st.graphs.len() < 64 {
                 gpu.begin_capture().map_err(gpu_err)?;
-                let r = self.launch(m, &a, ids, table, dstp, slotp, rowp, layout, n, w);
+                let r = self.launch(
+                    m, &a, ids, table, dstp, slotp, rowp, layout, n, w, rope_attn,
+                );
                 let g = gpu.end_capture().map_err(gpu_err)?;
                 r?;
                 if let Some(g) = g {
@@ -483,7 +505,9 @@ impl Resident {
         }
         match st.graphs.get(&shape).filter(|_| graphs) {
             Some(g) => g.launch().map_err(gpu_err)?,
-            None => self.launch(m, &a, ids, table, dstp, slotp, rowp, layout, n, w)?,
+            None => self.launch(
+                m, &a, ids, table, dstp, slotp, rowp, layout, n, w, rope_attn,
+            )?,
         }
 
         // Back: logits rows and the step's K/V rows.
@@ -648,7 +672,11 @@ impl Resident {
         Ok(())
     }
 
-    /// Every kernel of one step, queued on the stream.
+    /// Every kernel of one step, queued on the stream. `rope_attn`: the
+    /// step qualifies for `attention_decode_rope` (decode, distinct slots,
+    /// no split matmul), whose blocks make RoPE and the page writes: the k
+    /// matmul then writes its unrotated rows to `a.g` (free until gate),
+    /// and the kernel the rotated ones to the step's K rows.
     #[allow(clippy::too_many_arguments)]
     fn launch(
         &self,
@@ -662,6 +690,7 @@ impl Resident {
         layout: PageLayout,
         n: usize,
         w: usize,
+        rope_attn: bool,
     ) -> Result<(), EngineError> {
         let g = &*self.gpu;
         let c = &m.cfg;
@@ -701,27 +730,54 @@ impl Resident {
                 None => g.norm_rows(a.x, &l.attn_norm, n, d, eps, a.h),
                 Some(o) => g.add_norm(a.x, o, &l.attn_norm, n, d, eps, a.h),
             })?;
+            let kraw = if rope_attn { a.g } else { k };
             let qkv = self.timed("matmul q, k, v", || {
-                g.mm_outs(a.h, n, &[(&l.q, a.q), (&l.k, k), (&l.v, v)], sp, fold)
+                g.mm_outs(a.h, n, &[(&l.q, a.q), (&l.k, kraw), (&l.v, v)], sp, fold)
                     .map_err(e)
             })?;
-            t("rope, KV write", &|| {
-                g.rope_kv(
-                    (qkv[0], qkv[1], qkv[2]),
-                    (&self.rope.0, &self.rope.1),
-                    table.pos,
-                    dst,
-                    slot,
-                    n,
-                    qd,
-                    m.shape.head_dim,
-                    layout,
-                    li,
-                )
-            })?;
-            t("attention", &|| {
-                g.attention_paged(a.q, table, n, &m.shape, layout, li, scale, a.att)
-            })?;
+            if rope_attn && !qkv.iter().any(|o| o.is_split()) {
+                t("attention (with rope, KV write)", &|| {
+                    g.attention_decode_rope(
+                        (a.q, kraw, v),
+                        k,
+                        (&self.rope.0, &self.rope.1),
+                        table,
+                        dst,
+                        slot,
+                        n,
+                        &m.shape,
+                        layout,
+                        li,
+                        scale,
+                        a.att,
+                    )
+                })?;
+            } else if rope_attn {
+                // Never (no matmul splits below gemm_min, which the step
+                // checked): the unrotated K rows are not where rope_kv
+                // reads them.
+                return Err(EngineError::Device(
+                    "a fused RoPE step got split q/k/v matmuls".into(),
+                ));
+            } else {
+                t("rope, KV write", &|| {
+                    g.rope_kv(
+                        (qkv[0], qkv[1], qkv[2]),
+                        (&self.rope.0, &self.rope.1),
+                        table.pos,
+                        dst,
+                        slot,
+                        n,
+                        qd,
+                        m.shape.head_dim,
+                        layout,
+                        li,
+                    )
+                })?;
+                t("attention", &|| {
+                    g.attention_paged(a.q, table, n, &m.shape, layout, li, scale, a.att)
+                })?;
+            }
             let o = self.timed("matmul o", || {
                 g.mm_outs(a.att, n, &[(&l.o, a.o)], sp, fold).map_err(e)
             })?;
