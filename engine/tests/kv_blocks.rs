@@ -59,17 +59,25 @@ fn seq_store_versions_move_on_write_only() {
     assert_eq!(&r.v[9..12], &row(2.0));
     let r = kv.block_rows(7, 1, 0);
     assert_eq!(&r.k[3..6], &row(3.0));
-    // A sequence dropped and made again (in the dropped one's kept
-    // buffers) gets new keys, and its one block is unwritten: a mirror
-    // uploads none of the old rows.
+    // A sequence dropped and made again takes the dropped one's kept
+    // buffers with their keys and versions (the rows are unchanged, so a
+    // mirror's copy of them stays good and nothing is uploaded), until
+    // its first write moves the version.
     let held = kv.bytes();
     kv.remove(7);
     kv.prepare(7, 0, 1).unwrap();
     assert_eq!(kv.bytes(), held);
     let b4 = kv.blocks(7);
-    assert_eq!(b4.blocks.len(), 1);
-    assert_ne!(b4.blocks[0].0, b3.blocks[0].0);
-    assert_eq!(b4.blocks[0].1, 0);
+    assert_eq!(&b4.blocks[..], &b3.blocks[..1]);
+    assert_eq!(&kv.block_rows(7, 0, 1).k[9..12], &row(1.0));
+    kv.write(7, 0, 0, &row(5.0), &row(6.0));
+    let b5 = kv.blocks(7);
+    assert_eq!(b5.blocks[0].0, b3.blocks[0].0);
+    assert!(b5.blocks[0].1 > b3.blocks[0].1);
+    // A store's second sequence, made while the first is held, gets its
+    // own keys.
+    kv.prepare(8, 0, 1).unwrap();
+    assert_ne!(kv.blocks(8).blocks[0].0, b5.blocks[0].0);
 }
 
 #[test]

@@ -511,6 +511,42 @@ mod tests {
     }
 
     #[test]
+    fn a_new_sequence_in_a_removed_ones_buffers_keeps_its_device_pages() {
+        let mem = HostPages::new();
+        let mut kv = SeqKvStore::new(KV);
+        kv.prepare(3, 0, 100).unwrap();
+        fill(&mut kv, 3, 0, 100);
+        let mut m = KvMirror::new(&mem, layout(crate::kv::SEQ_BLOCK)).unwrap();
+        m.begin_step();
+        let pages = m.sync_seq(&mem, &kv, 3).unwrap();
+        assert_eq!(mem.uploads.borrow().len(), 2);
+        // Sequence 5 takes sequence 3's buffers: the same device pages,
+        // nothing uploaded, no page added (its rows are the old ones on
+        // both sides until it writes).
+        kv.remove(3);
+        kv.prepare(5, 0, 90).unwrap();
+        m.begin_step();
+        assert_eq!(m.sync_seq(&mem, &kv, 5).unwrap(), pages);
+        assert_eq!(mem.uploads.borrow().len(), 2);
+        assert_eq!(m.pages(), 2);
+        // Its own rows, as a step leaves them (device first, then the
+        // host's store and mark_written): still nothing uploaded, and the
+        // host's rows are sequence 5's.
+        fill(&mut kv, 5, 0, 90);
+        m.mark_written(&kv, 5);
+        m.begin_step();
+        assert_eq!(m.sync_seq(&mem, &kv, 5).unwrap(), pages);
+        assert_eq!(mem.uploads.borrow().len(), 2);
+        let x = (5 * 1000 + 70 * 10 + 1) as f32;
+        assert_eq!(&kv.block_rows(5, 1, 1).k[6 * 3..7 * 3], &[x, x + 0.25, -x]);
+        // A host write the mirror did not see is uploaded, as for any store.
+        kv.write(5, 0, 3, &[7.0; 3], &[8.0; 3]);
+        m.begin_step();
+        m.sync_seq(&mem, &kv, 5).unwrap();
+        assert_eq!(mem.uploads.borrow().len(), 3);
+    }
+
+    #[test]
     fn a_prefix_cache_hit_reuses_the_device_page() {
         let mem = HostPages::new();
         let pool = PagePool::new(4, 16, KV).unwrap();

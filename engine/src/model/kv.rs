@@ -272,7 +272,8 @@ impl RowView<'_> {
 /// the process, 1.0-1.1 ms in a removed sequence's buffers; `lmrr bench`).
 /// Rows past a sequence's length are never read
 /// as its rows: a recycled buffer's old rows there are as inert as the
-/// zeros of a fresh one.
+/// zeros of a fresh one. On the device the kept buffers keep their mirror
+/// pages: a block's key and version still name rows the device holds.
 #[derive(Debug)]
 pub struct SeqKvStore {
     layers: usize,
@@ -310,9 +311,10 @@ impl SeqKvStore {
     }
 
     /// Drops a sequence's KV. Its buffers are kept for a sequence this
-    /// store has not seen (which gets a new storage uid, so new block keys:
-    /// no mirror takes the old rows for its own); [`SeqKvStore::trim`]
-    /// frees them.
+    /// store has not seen, with their storage uid and block versions (the
+    /// keys and versions name the buffers' rows, which are unchanged, as a
+    /// serving pool's page ids and versions do a freed page's);
+    /// [`SeqKvStore::trim`] frees them.
     pub fn remove(&mut self, seq: SeqId) {
         if let Some(s) = self.seqs.remove(&seq) {
             if s.cap > 0 {
@@ -345,12 +347,11 @@ impl KvCache for SeqKvStore {
         let (layers, kv_dim, aux_dim) = (self.layers, self.kv_dim, self.aux_dim);
         let spare = &mut self.spare;
         let s = self.seqs.entry(seq).or_insert_with(|| match spare.pop() {
-            Some(old) => SeqKv {
-                uid: next_version(),
-                versions: Vec::new(),
-                len: 0,
-                ..old
-            },
+            // The buffers keep their uid and block versions: their rows
+            // are what they were, so a device page that matched them
+            // still does (a prepared block not yet written holds the old
+            // rows on both sides), and a prefill into them uploads nothing.
+            Some(old) => SeqKv { len: 0, ..old },
             None => SeqKv {
                 uid: next_version(),
                 k: vec![Vec::new(); layers],
