@@ -1536,8 +1536,9 @@ extern "C" __global__ void attention_decode(const float* q, const unsigned long 
 
 // attention_decode with rope_kv's work for its own token done first, so a
 // decode step needs no rope_kv launch (LMRR_CUDA_ROPE_ATTN). Only for steps
-// whose spans are one token each (no token reads another's new row) and
-// whose tokens write distinct slots (no sink page). Block (t, h): RoPE of
+// whose spans are one token each and whose tokens' pages are in no other
+// span's page list (no block reads a row another block writes; the host
+// checks). Block (t, h): RoPE of
 // q's head h in place (only this block reads it); RoPE of k's head kvh of
 // token t from `kraw` (the k matmul's output, left unrotated: every block
 // of the group reads it) into the page slot dst[t]/slot[t], with v's head

@@ -1695,9 +1695,9 @@ impl Gpu {
     /// place) and of the unrotated K rows `kraw` (n · kvd) into `kout` and,
     /// with the V rows `v`, into each token's page slot `dst`/`slot`; then
     /// attention into `out`. Only for a step whose tokens are one per
-    /// sequence (none reads another's new row) and write distinct slots
-    /// (no sink page), with head_dim even and at most 256: the caller
-    /// checks the first two, this the shapes.
+    /// sequence and whose pages are in no other token's page list (no
+    /// block reads a row another block writes), with head_dim even and at
+    /// most 256: the caller checks the first two, this the shapes.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_decode_rope(
         &self,

@@ -467,27 +467,35 @@ impl Resident {
         let a = Self::addrs(m, sb, shape, together);
 
         let decode = spans.iter().all(|s| s.tokens.len() == 1);
-        // LMRR_CUDA_ROPE_ATTN: a decode step whose tokens write distinct
-        // slots (none to the sink page, which only cache-corruption patches
-        // bring) has its attention blocks make RoPE and the page writes. A
-        // step with the sink is launched without graphs, so that no graph
-        // captured from a fused step replays for it.
-        let sinked = sink != 0 && st.host_in[3 * n..4 * n].contains(&sink);
+        // LMRR_CUDA_ROPE_ATTN: a decode step has its attention blocks make
+        // RoPE and the page writes only where no block can read a row that
+        // another block writes: every token's page is in no other span's
+        // page list (a shared page is a prefix, never written; only
+        // cache-corruption patches write one, or send a token to the sink
+        // page). A step that fails this is launched without graphs, so that
+        // no graph captured from a fused step replays for it.
+        let crossed = gpu.tuning().rope_attn && decode && {
+            let dsts = &st.host_in[3 * n..4 * n];
+            let mut refs: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
+            for p in &pages {
+                *refs.entry(*p).or_insert(0) += 1;
+            }
+            dsts.iter()
+                .any(|d| *d == sink || refs.get(d).copied().unwrap_or(0) != 1)
+        };
         let rope_attn = {
             let t = gpu.tuning();
             let c = &m.cfg;
             t.rope_attn
                 && decode
-                && !sinked
+                && !crossed
                 && n_groups == 0
                 && n * m.shape.n_heads <= t.attn_decode_max
                 && n < t.gemm_min.max(1)
                 && m.shape.kv_dim() <= c.intermediate_size
         };
-        let graphs = self.graphs_on.load(Ordering::Relaxed)
-            && decode
-            && !self.profiling
-            && !(sinked && gpu.tuning().rope_attn);
+        let graphs =
+            self.graphs_on.load(Ordering::Relaxed) && decode && !self.profiling && !crossed;
         if graphs && !st.graphs.contains_key(&shape) {
             let seen = st.seen.entry(shape).or_insert(0);
             *seen += 1;
