@@ -1613,11 +1613,7 @@ impl Gpu {
         if n == 0 {
             return Ok(());
         }
-        if shape.n_kv_heads == 0
-            || shape.n_heads % shape.n_kv_heads != 0
-            || shape.head_dim > MAX_HEAD_DIM
-            || shape.kv_dim() != layout.kv_dim
-        {
+        if !attn_shape_ok(shape, &layout) {
             return Err(GpuError::Shape {
                 what: "attention",
                 detail: format!(
@@ -1646,18 +1642,15 @@ impl Gpu {
             });
         }
         let blocks = if prefill { table.n_groups } else { n } * shape.n_heads;
-        let (nh, nkv, hd) = (
-            as_i32("attention", shape.n_heads)?,
-            as_i32("attention", shape.n_kv_heads)?,
-            as_i32("attention", shape.head_dim)?,
-        );
-        let li = as_i32("attention", layer)?;
-        let (pl, _, aux) = layout_args(&layout)?;
-        let cfg = LaunchConfig {
-            grid_dim: (as_i32("attention", blocks)? as u32, 1, 1),
-            block_dim: (ATTN_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let AttnArgs {
+            nh,
+            nkv,
+            hd,
+            li,
+            pl,
+            aux,
+            cfg,
+        } = attn_args(shape, &layout, layer, blocks)?;
         let f = match kernel {
             AttnKernel::Paged => &self.res.attention_paged,
             AttnKernel::Decode => &self.res.attention_decode,
@@ -1717,13 +1710,7 @@ impl Gpu {
         if n == 0 {
             return Ok(());
         }
-        if shape.n_kv_heads == 0
-            || shape.n_heads % shape.n_kv_heads != 0
-            || shape.head_dim % 2 != 0
-            || shape.head_dim > MAX_HEAD_DIM
-            || shape.kv_dim() != layout.kv_dim
-            || table.n_groups != 0
-        {
+        if !attn_shape_ok(shape, &layout) || shape.head_dim % 2 != 0 || table.n_groups != 0 {
             return Err(GpuError::Shape {
                 what: "attention_decode_rope",
                 detail: format!(
@@ -1732,18 +1719,15 @@ impl Gpu {
                 ),
             });
         }
-        let (nh, nkv, hd) = (
-            as_i32("attention", shape.n_heads)?,
-            as_i32("attention", shape.n_kv_heads)?,
-            as_i32("attention", shape.head_dim)?,
-        );
-        let li = as_i32("attention", layer)?;
-        let (pl, _, aux) = layout_args(&layout)?;
-        let cfg = LaunchConfig {
-            grid_dim: (as_i32("attention", n * shape.n_heads)? as u32, 1, 1),
-            block_dim: (ATTN_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let AttnArgs {
+            nh,
+            nkv,
+            hd,
+            li,
+            pl,
+            aux,
+            cfg,
+        } = attn_args(shape, &layout, layer, n * shape.n_heads)?;
         let mut b = self.kernel(&self.res.attention_decode_rope)?;
         b.arg(&qkv.0)
             .arg(&qkv.1)
@@ -2078,6 +2062,49 @@ impl Gpu {
         )?;
         self.dtoh(dout.ptr, out)
     }
+}
+
+/// Whether the attention kernels hold `shape` over pages of `layout`:
+/// whole groups of heads per K/V head, head_dim up to [`MAX_HEAD_DIM`], the
+/// pages' kv_dim the shape's.
+fn attn_shape_ok(shape: &crate::AttnShape, layout: &PageLayout) -> bool {
+    shape.n_kv_heads != 0
+        && shape.n_heads % shape.n_kv_heads == 0
+        && shape.head_dim <= MAX_HEAD_DIM
+        && shape.kv_dim() == layout.kv_dim
+}
+
+/// The attention kernels' shape arguments and a launch of `blocks` blocks.
+struct AttnArgs {
+    nh: i32,
+    nkv: i32,
+    hd: i32,
+    li: i32,
+    pl: i32,
+    aux: i32,
+    cfg: LaunchConfig,
+}
+
+fn attn_args(
+    shape: &crate::AttnShape,
+    layout: &PageLayout,
+    layer: usize,
+    blocks: usize,
+) -> Result<AttnArgs, GpuError> {
+    let (pl, _, aux) = layout_args(layout)?;
+    Ok(AttnArgs {
+        nh: as_i32("attention", shape.n_heads)?,
+        nkv: as_i32("attention", shape.n_kv_heads)?,
+        hd: as_i32("attention", shape.head_dim)?,
+        li: as_i32("attention", layer)?,
+        pl,
+        aux,
+        cfg: LaunchConfig {
+            grid_dim: (as_i32("attention", blocks)? as u32, 1, 1),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        },
+    })
 }
 
 fn layout_args(l: &PageLayout) -> Result<(i32, i32, i32), GpuError> {
