@@ -817,18 +817,14 @@ fn rope_kv_and_embedding_match_the_cpu() {
         rope(&table, &mut ck, p);
         assert_eq!(differing(&cq, &gq[t * qd..(t + 1) * qd]), 0, "q at {p}");
         assert_eq!(differing(&ck, &gk[t * kvd..(t + 1) * kvd]), 0, "k at {p}");
-        let s = p % page_len;
         let page = &pages[t * pf..(t + 1) * pf];
-        assert_eq!(
-            differing(&ck, &page[s * kvd..(s + 1) * kvd]),
-            0,
-            "K row in the page at {p}"
-        );
-        let vr = &page[(page_len + s) * kvd..(page_len + s + 1) * kvd];
-        assert_eq!(
-            differing(&v[t * kvd..(t + 1) * kvd], vr),
-            0,
-            "V row in the page at {p}"
+        assert_page_rows(
+            page,
+            p % page_len,
+            page_len,
+            &ck,
+            &v[t * kvd..(t + 1) * kvd],
+            &format!("at {p}"),
         );
     }
     // Embedding rows of every storage.
@@ -1037,15 +1033,8 @@ fn rope_kv_folds_the_split_sums() {
             assert_eq!(differing(&cq, &gq[t * qd..(t + 1) * qd]), 0, "q, {what}");
             assert_eq!(differing(&ck, &gk[t * kvd..(t + 1) * kvd]), 0, "k, {what}");
             assert_eq!(differing(cv, &gv[t * kvd..(t + 1) * kvd]), 0, "v, {what}");
-            let s = p % page_len;
             let page = &pages[t * pf..(t + 1) * pf];
-            assert_eq!(
-                differing(&ck, &page[s * kvd..(s + 1) * kvd]),
-                0,
-                "K page row, {what}"
-            );
-            let vr = &page[(page_len + s) * kvd..(page_len + s + 1) * kvd];
-            assert_eq!(differing(cv, vr), 0, "V page row, {what}");
+            assert_page_rows(page, p % page_len, page_len, &ck, cv, &what);
         }
     }
 }
@@ -1150,4 +1139,17 @@ fn attention_decode_rope_matches_rope_kv_then_attention_decode() {
             );
         }
     }
+}
+
+/// Slot `s` of one layer's page (`page_len` K rows, then `page_len` V rows)
+/// holds the rows `k` and `v`, bit for bit.
+fn assert_page_rows(page: &[f32], s: usize, page_len: usize, k: &[f32], v: &[f32], what: &str) {
+    let kvd = k.len();
+    assert_eq!(
+        differing(k, &page[s * kvd..(s + 1) * kvd]),
+        0,
+        "K page row, {what}"
+    );
+    let vr = &page[(page_len + s) * kvd..(page_len + s + 1) * kvd];
+    assert_eq!(differing(v, vr), 0, "V page row, {what}");
 }
