@@ -529,7 +529,8 @@ fn stack(runs: &[(SeqId, usize, usize)]) -> Vec<KvRun> {
 
 /// Writes each step of `steps` (round = its index) into a store one `write`
 /// per row, layer-outer and runs in order, and into one store per thread
-/// count 1, 2, 3 with `write_step`; after each step checks
+/// count 1, 2, 3 with `write_step` (on 1 thread) or `write_layers` a layer
+/// at a time (2) or two at a time (3); after each step checks
 /// ([`assert_same`]) that each holds the per-row store's rows and fresh
 /// versions on exactly the blocks the step's runs touched, then calls
 /// `after` on the pair.
@@ -562,9 +563,29 @@ fn steps_hold<S: KvCache>(
                 r.seq == seq && r.n > 0 && r.pos0 / bl <= blk && blk <= (r.pos0 + r.n - 1) / bl
             })
         };
-        for (other, th) in others.iter_mut().zip(&threads) {
+        for (i, (other, th)) in others.iter_mut().zip(&threads).enumerate() {
             let before_other = blocks(other);
-            other.write_step(runs, layers, &k, &v, th);
+            // One thread count writes the step's layers in pieces (as a
+            // device step hands each layer over when it completes): one
+            // write_layers call per layer, then per two layers.
+            match i {
+                1 | 2 => {
+                    let per = k.len() / layers;
+                    let mut l = 0;
+                    while l < layers {
+                        let e = (l + i).min(layers);
+                        other.write_layers(
+                            runs,
+                            l..e,
+                            &k[l * per..e * per],
+                            &v[l * per..e * per],
+                            th,
+                        );
+                        l = e;
+                    }
+                }
+                _ => other.write_step(runs, layers, &k, &v, th),
+            }
             assert_same(
                 &rows,
                 other,

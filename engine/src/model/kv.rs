@@ -89,18 +89,34 @@ pub trait KvCache: Send {
         v: &[f32],
         threads: &Threads,
     ) {
+        self.write_layers(runs, 0..layers, k, v, threads);
+    }
+    /// [`KvCache::write_step`] for layers `layers` only: `k` and `v` are
+    /// `(layers.len(), rows, kv_dim)`, their first rows layer
+    /// `layers.start`'s. Writing a step's layers in several calls (a device
+    /// step hands each layer's rows over as its layer completes) ends in the
+    /// state of one [`KvCache::write_step`] over all of them; each call takes
+    /// fresh versions for the blocks it touches.
+    fn write_layers(
+        &mut self,
+        runs: &[KvRun],
+        layers: std::ops::Range<usize>,
+        k: &[f32],
+        v: &[f32],
+        threads: &Threads,
+    ) {
         let _ = threads;
         let Some(first) = runs.iter().find(|r| r.n > 0) else {
             return;
         };
         let d = view_kv_dim(&self.view(first.seq, 0));
-        let per = k.len().checked_div(layers).unwrap_or(0);
+        let per = k.len().checked_div(layers.len()).unwrap_or(0);
         if d == 0 || per == 0 {
             return;
         }
         debug_assert_eq!(k.len(), v.len(), "K and V alike");
-        for l in 0..layers {
-            let (k, v) = (&k[l * per..(l + 1) * per], &v[l * per..(l + 1) * per]);
+        for (i, l) in layers.enumerate() {
+            let (k, v) = (&k[i * per..(i + 1) * per], &v[i * per..(i + 1) * per]);
             for r in runs {
                 let rows = r.row0 * d..(r.row0 + r.n) * d;
                 self.write_run(r.seq, l, r.pos0, &k[rows.clone()], &v[rows]);
@@ -411,21 +427,25 @@ impl KvCache for SeqKvStore {
     /// One copy per run and layer (K and V), the layers spread over
     /// `threads` (`copy_step`); then, on the calling thread, one version
     /// per touched block.
-    fn write_step(
+    fn write_layers(
         &mut self,
         runs: &[KvRun],
-        layers: usize,
+        layers: std::ops::Range<usize>,
         k: &[f32],
         v: &[f32],
         threads: &Threads,
     ) {
         let d = self.kv_dim;
-        let per = k.len().checked_div(layers).unwrap_or(0);
+        let per = k.len().checked_div(layers.len()).unwrap_or(0);
         if per == 0 || d == 0 {
             return;
         }
         debug_assert_eq!(k.len(), v.len(), "K and V alike");
-        debug_assert!(layers <= self.layers, "{layers} layers of {}", self.layers);
+        debug_assert!(
+            layers.end <= self.layers,
+            "layers {layers:?} of {}",
+            self.layers
+        );
         // The touched sequences, numbered in order of first appearance.
         let mut at: HashMap<SeqId, usize> = HashMap::new();
         let mut pieces = Vec::with_capacity(runs.len());
@@ -440,7 +460,7 @@ impl KvCache for SeqKvStore {
             });
         }
         // Per (layer, K or V) the touched sequences' buffers, by number.
-        let mut dst: Vec<Vec<Option<&mut [f32]>>> = (0..2 * layers)
+        let mut dst: Vec<Vec<Option<&mut [f32]>>> = (0..2 * layers.len())
             .map(|_| (0..at.len()).map(|_| None).collect())
             .collect();
         let mut versions: Vec<Option<&mut Vec<u64>>> = (0..at.len()).map(|_| None).collect();
@@ -454,7 +474,8 @@ impl KvCache for SeqKvStore {
                 versions: sver,
                 ..
             } = s;
-            for (l, (bk, bv)) in sk.iter_mut().zip(sv.iter_mut()).take(layers).enumerate() {
+            let mine = sk.iter_mut().zip(sv.iter_mut());
+            for (l, (bk, bv)) in mine.skip(layers.start).take(layers.len()).enumerate() {
                 dst[2 * l][i] = Some(bk);
                 dst[2 * l + 1][i] = Some(bv);
             }

@@ -488,23 +488,23 @@ impl KvCache for PagedKv {
     /// spread over `threads` (`copy_step`); then, on the calling thread,
     /// each piece's slots marked written and one fresh version per touched
     /// page (the same slots, so the same digests, as per-row writes).
-    fn write_step(
+    fn write_layers(
         &mut self,
         runs: &[KvRun],
-        layers: usize,
+        layers: std::ops::Range<usize>,
         k: &[f32],
         v: &[f32],
         threads: &Threads,
     ) {
         let (ps, d) = (self.pool.page_size, self.pool.kv_dim);
-        let per = k.len().checked_div(layers).unwrap_or(0);
+        let per = k.len().checked_div(layers.len()).unwrap_or(0);
         if per == 0 || d == 0 {
             return;
         }
         debug_assert_eq!(k.len(), v.len(), "K and V alike");
         debug_assert!(
-            layers <= self.pool.layers,
-            "{layers} layers of {}",
+            layers.end <= self.pool.layers,
+            "layers {layers:?} of {}",
             self.pool.layers
         );
         let mut pieces = Vec::with_capacity(runs.len());
@@ -533,7 +533,8 @@ impl KvCache for PagedKv {
             .k
             .iter_mut()
             .zip(pool.v.iter_mut())
-            .take(layers)
+            .skip(layers.start)
+            .take(layers.len())
             .flat_map(|(bk, bv)| [vec![bk.as_mut_slice()], vec![bv.as_mut_slice()]])
             .collect();
         copy_step(dst, k, &v[..k.len()], per, &pieces, threads);

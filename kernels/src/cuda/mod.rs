@@ -23,6 +23,7 @@ use crate::matmul::{Matrix, Weights};
 use crate::quant::QuantKind;
 use crate::{AttnShape, AttnTask, RopeTable};
 
+pub mod overlap;
 pub mod resident;
 pub mod split;
 
@@ -113,6 +114,8 @@ pub(crate) fn drv<E: std::fmt::Debug>(e: E) -> GpuError {
 pub struct Gpu {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: Arc<CudaStream>,
+    /// The second stream of overlapped copies ([`overlap`]), made on first use.
+    pub(crate) copies: std::sync::Mutex<Option<Arc<CudaStream>>>,
     /// The resident path's kernels ([`resident`]).
     pub(crate) res: resident::Kernels,
     matmul: CudaFunction,
@@ -238,6 +241,7 @@ impl Gpu {
             matmul_tile: f("matmul_tile")?,
             matmul_rows: f("matmul_rows")?,
             stream,
+            copies: std::sync::Mutex::new(None),
             matmul: f("matmul")?,
             matmul_warp: f("matmul_warp")?,
             rms_norm: f("rms_norm")?,

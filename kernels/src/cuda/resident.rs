@@ -173,6 +173,13 @@ pub struct Tuning {
     /// `add_rows`, each through `split_value`: sum_chunks' bits) rather
     /// than by a `sum_chunks` launch ahead of it.
     pub fold_sums: bool,
+    /// `LMRR_CUDA_KV_OVERLAP_MIN` (default 0: off, not yet measured on a
+    /// device): in steps of at least this many tokens that are not replayed
+    /// from a graph, each layer's K/V rows are copied to the host on a
+    /// second stream as soon as the layer has made them, and the host
+    /// writes them into its KV store while the later layers run
+    /// ([`super::overlap`]), rather than one download after the step.
+    pub kv_overlap_min: usize,
 }
 
 impl Default for Tuning {
@@ -196,6 +203,7 @@ impl Default for Tuning {
             split_blocks: 4096,
             gemm_multi: false,
             fold_sums: false,
+            kv_overlap_min: 0,
         }
     }
 }
@@ -219,6 +227,7 @@ impl Tuning {
             ("LMRR_CUDA_SPLIT_BLOCKS", &mut t.split_blocks),
             ("LMRR_CUDA_ATTN_DECODE_MAX", &mut t.attn_decode_max),
             ("LMRR_CUDA_ATTN_PREFILL_GROUP", &mut t.attn_prefill_group),
+            ("LMRR_CUDA_KV_OVERLAP_MIN", &mut t.kv_overlap_min),
         ] {
             if let Some(v) = get(var) {
                 *slot = v.trim().parse().map_err(|_| {
@@ -287,6 +296,7 @@ mod tuning_tests {
             ("LMRR_CUDA_FOLD_SUMS", "1"),
             ("LMRR_CUDA_ATTN_PREFILL_HD64", "1"),
             ("LMRR_CUDA_ROPE_ATTN", "1"),
+            ("LMRR_CUDA_KV_OVERLAP_MIN", "256"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -309,6 +319,7 @@ mod tuning_tests {
                 rope_attn: true,
                 gemm_multi: true,
                 fold_sums: true,
+                kv_overlap_min: 256,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
@@ -746,6 +757,11 @@ impl Pinned {
         // SAFETY: `ptr` holds `len` floats, zeroed at allocation, and copies
         // into it wait for completion (`Gpu::dtoh` synchronizes).
         Ok(unsafe { std::slice::from_raw_parts(self.ptr, self.len) })
+    }
+    /// The buffer's address, for copies that write it while no slice of it
+    /// is alive ([`super::overlap::Overlap`]).
+    pub(crate) fn host_ptr(&self) -> *mut f32 {
+        self.ptr
     }
     pub fn as_mut_slice(&mut self) -> Result<&mut [f32], GpuError> {
         // SAFETY: as in `as_slice`, and `&mut self` makes the access unique.

@@ -21,6 +21,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use lmrr_kernels::cuda::overlap::Overlap;
 use lmrr_kernels::cuda::resident::{
     DevBuf, DevMatrix, Fused, Graph, MmOut, PageLayout, PageTable, Pinned, SplitScratch,
 };
@@ -502,7 +503,7 @@ impl Resident {
             if *seen >= 2 && st.graphs.len() < 64 {
                 gpu.begin_capture().map_err(gpu_err)?;
                 let r = self.launch(
-                    m, &a, ids, table, dstp, slotp, rowp, layout, n, w, rope_attn,
+                    m, &a, ids, table, dstp, slotp, rowp, layout, n, w, rope_attn, None,
                 );
                 let g = gpu.end_capture().map_err(gpu_err)?;
                 r?;
@@ -511,14 +512,7 @@ impl Resident {
                 }
             }
         }
-        match st.graphs.get(&shape).filter(|_| graphs) {
-            Some(g) => g.launch().map_err(gpu_err)?,
-            None => self.launch(
-                m, &a, ids, table, dstp, slotp, rowp, layout, n, w, rope_attn,
-            )?,
-        }
-
-        // Back: logits rows and the step's K/V rows.
+        // Back: logits rows and the step's K/V rows, `(layers, n, kvd)` each.
         let per = layers * n * kvd;
         let grow = |buf: &mut Option<Pinned>, len: usize| -> Result<(), EngineError> {
             if buf.as_ref().is_none_or(|b| b.len() < len) {
@@ -536,43 +530,88 @@ impl Resident {
             // (once per larger shape; the rest of "other" is host work).
             self.add_time("buffer growth", growth);
         }
-        let (Some(hl), Some(hkv)) = (st.host_logits.as_mut(), st.host_kv.as_mut()) else {
-            return Err(EngineError::Device("no host buffers".into()));
+        let runs = step_runs(spans);
+        debug_assert_eq!(
+            runs.iter().map(|r| r.n).sum::<usize>(),
+            n,
+            "the spans stack the step's tokens"
+        );
+        // LMRR_CUDA_KV_OVERLAP_MIN: a long step's K/V rows come back layer by
+        // layer on the copy stream, and the host writes layer l while the
+        // device runs the layers after it (the same bytes as one download).
+        let min = gpu.tuning().kv_overlap_min;
+        let mut overlap = if min > 0 && n >= min && !graphs && !self.profiling {
+            let hkv = st
+                .host_kv
+                .as_mut()
+                .ok_or(EngineError::Device("no host buffers".into()))?;
+            Some(gpu.overlap(hkv).map_err(gpu_err)?)
+        } else {
+            None
         };
-        self.timed("download (logits, K/V rows)", || {
+        match st.graphs.get(&shape).filter(|_| graphs) {
+            Some(g) => g.launch().map_err(gpu_err)?,
+            None => self.launch(
+                m,
+                &a,
+                ids,
+                table,
+                dstp,
+                slotp,
+                rowp,
+                layout,
+                n,
+                w,
+                rope_attn,
+                overlap.as_mut(),
+            )?,
+        }
+        let rows_per = n * kvd;
+        // A step whose launch queued no copies (the fused form) downloads
+        // after the step (an Overlap waits for its copies when dropped).
+        let overlapped = overlap
+            .filter(|o| o.queued() == layers)
+            .map(|mut ov| -> Result<(), EngineError> {
+                for li in 0..layers {
+                    ov.wait(li).map_err(gpu_err)?;
+                    let hk = ov.region(li * rows_per, rows_per).map_err(gpu_err)?;
+                    let hv = ov.region(per + li * rows_per, rows_per).map_err(gpu_err)?;
+                    kv.write_layers(&runs, li..li + 1, hk, hv, threads);
+                }
+                Ok(())
+            })
+            .transpose()?
+            .is_some();
+        if overlapped {
+            let hl = st
+                .host_logits
+                .as_mut()
+                .ok_or(EngineError::Device("no host buffers".into()))?;
             gpu.dtoh_pinned(a.logits, hl, w * vocab).map_err(gpu_err)?;
-            let s = hkv.as_mut_slice().map_err(gpu_err)?;
-            let (hk, hv) = s.split_at_mut(per);
-            gpu.dtoh(a.k, &mut hk[..per]).map_err(gpu_err)?;
-            gpu.dtoh(a.v, &mut hv[..per]).map_err(gpu_err)
-        })?;
-        let s = hkv.as_slice().map_err(gpu_err)?;
-        let (hk, hv) = s.split_at(per);
-        self.timed("host K/V writes", || {
-            // hk, hv: `(layers, n, kvd)`. A span's tokens are consecutive
-            // stacked rows at consecutive positions (`stacked_tokens`), so
-            // each span is one run; `write_step` copies the layers across
-            // `threads`. The runs keep stacked order, so a slot that two
-            // tokens write (a cache-corruption patch) keeps the last one's
-            // rows, as on the device (`pack_inputs`).
-            let mut row0 = 0;
-            let runs: Vec<KvRun> = spans
-                .iter()
-                .map(|s| {
-                    let r = KvRun {
-                        seq: s.seq,
-                        pos0: s.start,
-                        row0,
-                        n: s.tokens.len(),
-                    };
-                    row0 += r.n;
-                    r
-                })
-                .collect();
-            debug_assert_eq!(row0, n, "the spans stack the step's tokens");
-            kv.write_step(&runs, layers, &hk[..per], &hv[..per], threads);
-            Ok(())
-        })?;
+        }
+        if !overlapped {
+            let (Some(hl), Some(hkv)) = (st.host_logits.as_mut(), st.host_kv.as_mut()) else {
+                return Err(EngineError::Device("no host buffers".into()));
+            };
+            self.timed("download (logits, K/V rows)", || {
+                gpu.dtoh_pinned(a.logits, hl, w * vocab).map_err(gpu_err)?;
+                let s = hkv.as_mut_slice().map_err(gpu_err)?;
+                let (hk, hv) = s.split_at_mut(per);
+                gpu.dtoh(a.k, &mut hk[..per]).map_err(gpu_err)?;
+                gpu.dtoh(a.v, &mut hv[..per]).map_err(gpu_err)
+            })?;
+            let s = hkv.as_slice().map_err(gpu_err)?;
+            let (hk, hv) = s.split_at(per);
+            self.timed("host K/V writes", || {
+                // `write_step` copies the layers across `threads`.
+                kv.write_step(&runs, layers, &hk[..per], &hv[..per], threads);
+                Ok(())
+            })?;
+        }
+        let hl = st
+            .host_logits
+            .as_ref()
+            .ok_or(EngineError::Device("no host buffers".into()))?;
         let logits = hl.as_slice().map_err(gpu_err)?;
         let out = self.timed("logits rows into per-span vectors", || {
             Ok(crate::model::split_rows(
@@ -699,6 +738,7 @@ impl Resident {
         n: usize,
         w: usize,
         rope_attn: bool,
+        mut kv_copy: Option<&mut Overlap<'_>>,
     ) -> Result<(), EngineError> {
         let g = &*self.gpu;
         let c = &m.cfg;
@@ -786,6 +826,13 @@ impl Resident {
                     g.attention_paged(a.q, table, n, &m.shape, layout, li, scale, a.att)
                 })?;
             }
+            if let Some(ov) = kv_copy.as_deref_mut() {
+                // This layer's K and V rows are final: copy them back while
+                // the next layers run (`(layers, n, kvd)` K, then V).
+                let (rows, per) = (n * kvd, self.layers.len() * n * kvd);
+                ov.queue(&[(k, li * rows, rows), (v, per + li * rows, rows)])
+                    .map_err(e)?;
+            }
             let o = self.timed("matmul o", || {
                 g.mm_outs(a.att, n, &[(&l.o, a.o)], sp, fold).map_err(e)
             })?;
@@ -830,4 +877,25 @@ impl Resident {
         })?;
         Ok(())
     }
+}
+
+/// The step's K/V writes: each span is one run of consecutive stacked rows
+/// at consecutive positions (`stacked_tokens`), in stacked order, so that a
+/// slot two tokens write (a cache-corruption patch) keeps the last one's
+/// rows, as on the device (`pack_inputs`).
+fn step_runs(spans: &[SeqSpan]) -> Vec<KvRun> {
+    let mut row0 = 0;
+    spans
+        .iter()
+        .map(|s| {
+            let r = KvRun {
+                seq: s.seq,
+                pos0: s.start,
+                row0,
+                n: s.tokens.len(),
+            };
+            row0 += r.n;
+            r
+        })
+        .collect()
 }
