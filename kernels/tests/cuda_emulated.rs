@@ -865,10 +865,13 @@ fn gemm_multi_matches_each_matmul() {
     let mut r = SplitMix64(21);
     // (tokens, cols, rows of each, chunks a block of each, 0: unsplit):
     // ragged rows, tokens and chunks; an absent third matrix; splits of
-    // 1, 2 and 3 chunks beside an unsplit one.
+    // 1, 2 and 3 chunks beside an unsplit one; one matrix alone (split
+    // and not), as `mm_outs` launches o and down under gemm_multi.
     for &(n, cols, rows, cpb) in &[
         (40usize, 224usize, [130usize, 64, 20], [1usize, 0, 2]),
         (33, 160, [70, 9, 0], [0, 3, 0]),
+        (19, 192, [66, 0, 0], [2, 0, 0]),
+        (35, 128, [64, 0, 0], [0, 0, 0]),
     ] {
         let x = r.uniform_vec(n * cols, 2.0);
         let st: Vec<Stored> = rows

@@ -110,7 +110,8 @@ impl Gpu {
     /// Without [`Tuning::gemm_multi`] and `fold` this is
     /// [`Gpu::mm_multi`]. Otherwise, in steps of gemm tiles, the split
     /// matmuls' partials go to disjoint regions of `scratch`; with
-    /// `gemm_multi` the matmuls of wide tiles are one launch; with `fold`
+    /// `gemm_multi` the matmuls of wide tiles are one launch (a single
+    /// matrix too: `matmul_gemm_multi` does not spill); with `fold`
     /// split outputs are returned as partials (no `sum_chunks`), to be read
     /// by one kernel that sums them before the next `mm_outs`.
     pub fn mm_outs(
@@ -136,7 +137,7 @@ impl Gpu {
         let plans = plan(&tun, kind, n, &shapes, scratch);
         let one_launch = tun.gemm_multi
             && kind == GemmTiles::Wide
-            && (2..=3).contains(&mats.len())
+            && (1..=3).contains(&mats.len())
             && mats
                 .iter()
                 .all(|(w, _)| w.kind == mats[0].0.kind && w.cols == mats[0].0.cols && w.rows > 0);
@@ -163,8 +164,10 @@ impl Gpu {
         Ok(outs)
     }
 
-    /// `matmul_gemm_multi` over `mats` (2 or 3, one storage and width, wide
-    /// tiles) as `plans` lays them out.
+    /// `matmul_gemm_multi` over `mats` (1 to 3, one storage and width, wide
+    /// tiles) as `plans` lays them out. One matrix alone takes it too: the
+    /// same body as `matmul_gemm_wide`, which spills 24 bytes at its 128
+    /// registers where this one does not (ptxas, sm_90).
     fn gemm_multi_launch(
         &self,
         x: u64,
