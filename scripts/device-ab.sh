@@ -7,7 +7,7 @@
 #   scripts/device-ab.sh .gpu            # on the GPU machine
 #
 # Prints, per flag, each round's tok/s for the shapes it is meant for, and
-# last all five on together against the default.
+# last all six on together against the default.
 set -uo pipefail
 bin=${1:-.gpu}
 rounds=${DEVICE_AB_ROUNDS:-2}
@@ -32,6 +32,7 @@ ab "LMRR_CUDA_FOLD_SUMS=1" "split sums folded alone: batch 64" --prompt-len 64 -
 ab "LMRR_CUDA_ATTN_PREFILL_HD64=1" "attention_prefill_hd64: prefill of 512 tokens" --prompt-len 512 --batches 1
 ab "LMRR_CUDA_ATTN_PREFILL_HD64=1" "attention_prefill_hd64: prefill of 2048 tokens" --prompt-len 2048 --batches 1
 ab "LMRR_CUDA_KV_OVERLAP_MIN=256" "K/V rows copied back layer by layer during the step: prefill of 512 tokens" --prompt-len 512 --batches 1
-all="LMRR_CUDA_ROPE_ATTN=1 LMRR_CUDA_GEMM_MULTI=1 LMRR_CUDA_FOLD_SUMS=1 LMRR_CUDA_ATTN_PREFILL_HD64=1 LMRR_CUDA_KV_OVERLAP_MIN=256"
-ab "$all" "all five: batches 1, 64" --prompt-len 64 --batches 1,64
-ab "$all" "all five: prefill of 512 tokens" --prompt-len 512 --batches 1
+ab "LMRR_CUDA_KV_EARLY_MIN=16" "K/V rows copied back during the head: batches 8, 64" --prompt-len 64 --batches 8,64
+all="LMRR_CUDA_ROPE_ATTN=1 LMRR_CUDA_GEMM_MULTI=1 LMRR_CUDA_FOLD_SUMS=1 LMRR_CUDA_ATTN_PREFILL_HD64=1 LMRR_CUDA_KV_OVERLAP_MIN=256 LMRR_CUDA_KV_EARLY_MIN=16"
+ab "$all" "all six: batches 1, 64" --prompt-len 64 --batches 1,64
+ab "$all" "all six: prefill of 512 tokens" --prompt-len 512 --batches 1

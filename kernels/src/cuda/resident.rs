@@ -180,6 +180,13 @@ pub struct Tuning {
     /// writes them into its KV store while the later layers run
     /// ([`super::overlap`]), rather than one download after the step.
     pub kv_overlap_min: usize,
+    /// `LMRR_CUDA_KV_EARLY_MIN` (default 0: off, not yet measured on a
+    /// device): in steps of at least this many tokens (and not overlapped
+    /// layer by layer), the K/V rows are copied to the host on the second
+    /// stream right after the last layer, and the host writes them into
+    /// its KV store while the head runs and the logits come back (decode
+    /// graphs capture the layers and the head apart for it).
+    pub kv_early_min: usize,
 }
 
 impl Default for Tuning {
@@ -204,6 +211,7 @@ impl Default for Tuning {
             gemm_multi: false,
             fold_sums: false,
             kv_overlap_min: 0,
+            kv_early_min: 0,
         }
     }
 }
@@ -228,6 +236,7 @@ impl Tuning {
             ("LMRR_CUDA_ATTN_DECODE_MAX", &mut t.attn_decode_max),
             ("LMRR_CUDA_ATTN_PREFILL_GROUP", &mut t.attn_prefill_group),
             ("LMRR_CUDA_KV_OVERLAP_MIN", &mut t.kv_overlap_min),
+            ("LMRR_CUDA_KV_EARLY_MIN", &mut t.kv_early_min),
         ] {
             if let Some(v) = get(var) {
                 *slot = v.trim().parse().map_err(|_| {
@@ -297,6 +306,7 @@ mod tuning_tests {
             ("LMRR_CUDA_ATTN_PREFILL_HD64", "1"),
             ("LMRR_CUDA_ROPE_ATTN", "1"),
             ("LMRR_CUDA_KV_OVERLAP_MIN", "256"),
+            ("LMRR_CUDA_KV_EARLY_MIN", "16"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -320,6 +330,7 @@ mod tuning_tests {
                 gemm_multi: true,
                 fold_sums: true,
                 kv_overlap_min: 256,
+                kv_early_min: 16,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));

@@ -80,13 +80,21 @@ struct Addrs {
     part_floats: usize,
 }
 
+/// A decode shape's captured launches: all of them, or (with
+/// `LMRR_CUDA_KV_EARLY_MIN`) the layers and the head apart, so that the K/V
+/// rows can be copied back between them.
+struct StepGraph {
+    layers: Graph,
+    head: Option<Graph>,
+}
+
 struct State {
     mirror: Option<KvMirror<Gpu>>,
     /// Activations, sized for `cap`.
     scratch: Option<(DevBuf, StepShape)>,
     /// The step's inputs (u64), and how many it holds.
     inputs: Option<(DevBuf, usize)>,
-    graphs: HashMap<StepShape, Graph>,
+    graphs: HashMap<StepShape, StepGraph>,
     /// Decode shapes seen once (captured on the second sight).
     seen: HashMap<StepShape, u32>,
     host_in: Vec<u64>,
@@ -497,18 +505,49 @@ impl Resident {
         };
         let graphs =
             self.graphs_on.load(Ordering::Relaxed) && decode && !self.profiling && !crossed;
+        // LMRR_CUDA_KV_OVERLAP_MIN: a long step not replayed from a graph
+        // copies its K/V rows back layer by layer, and the host writes layer
+        // l while the device runs the layers after it. Otherwise, with
+        // LMRR_CUDA_KV_EARLY_MIN, a step of that many tokens copies them back
+        // after its last layer, and the host writes them while the head runs
+        // and its logits come back (graphs capture the layers and the head
+        // apart for it). The same bytes as one download after the step.
+        let (per_layer, early) = {
+            let t = gpu.tuning();
+            let on = |min: usize| min > 0 && n >= min && !self.profiling;
+            let per_layer = on(t.kv_overlap_min) && !graphs;
+            (per_layer, on(t.kv_early_min) && !per_layer)
+        };
         if graphs && !st.graphs.contains_key(&shape) {
             let seen = st.seen.entry(shape).or_insert(0);
             *seen += 1;
             if *seen >= 2 && st.graphs.len() < 64 {
                 gpu.begin_capture().map_err(gpu_err)?;
-                let r = self.launch(
+                let r = self.launch_layers(
                     m, &a, ids, table, dstp, slotp, rowp, layout, n, w, rope_attn, None,
                 );
+                let r = match r {
+                    Ok(Some(mlp)) if !early => {
+                        self.launch_head(m, &a, rowp, n, w, mlp).map(|_| None)
+                    }
+                    r => r,
+                };
                 let g = gpu.end_capture().map_err(gpu_err)?;
-                r?;
-                if let Some(g) = g {
-                    st.graphs.insert(shape, g);
+                let head_pending = r?;
+                let head = match head_pending {
+                    Some(mlp) => {
+                        gpu.begin_capture().map_err(gpu_err)?;
+                        let r = self.launch_head(m, &a, rowp, n, w, mlp);
+                        let h = gpu.end_capture().map_err(gpu_err)?;
+                        r?;
+                        h
+                    }
+                    None => None,
+                };
+                if let Some(layers) = g {
+                    if head_pending.is_none() || head.is_some() {
+                        st.graphs.insert(shape, StepGraph { layers, head });
+                    }
                 }
             }
         }
@@ -536,11 +575,7 @@ impl Resident {
             n,
             "the spans stack the step's tokens"
         );
-        // LMRR_CUDA_KV_OVERLAP_MIN: a long step's K/V rows come back layer by
-        // layer on the copy stream, and the host writes layer l while the
-        // device runs the layers after it (the same bytes as one download).
-        let min = gpu.tuning().kv_overlap_min;
-        let mut overlap = if min > 0 && n >= min && !graphs && !self.profiling {
+        let mut overlap = if per_layer || early {
             let hkv = st
                 .host_kv
                 .as_mut()
@@ -549,34 +584,64 @@ impl Resident {
         } else {
             None
         };
+        // Queues the copy of every layer's K/V rows (one slot), after the
+        // layers and before the head.
+        let copy_all = |ov: &mut Option<Overlap<'_>>| -> Result<(), EngineError> {
+            if let Some(ov) = ov.as_mut().filter(|_| early) {
+                ov.queue(&[(a.k, 0, per), (a.v, per, per)])
+                    .map_err(gpu_err)?;
+            }
+            Ok(())
+        };
         match st.graphs.get(&shape).filter(|_| graphs) {
-            Some(g) => g.launch().map_err(gpu_err)?,
-            None => self.launch(
-                m,
-                &a,
-                ids,
-                table,
-                dstp,
-                slotp,
-                rowp,
-                layout,
-                n,
-                w,
-                rope_attn,
-                overlap.as_mut(),
-            )?,
+            Some(g) => {
+                g.layers.launch().map_err(gpu_err)?;
+                if let Some(h) = &g.head {
+                    copy_all(&mut overlap)?;
+                    h.launch().map_err(gpu_err)?;
+                }
+            }
+            None => {
+                let per_layer_copy = overlap.as_mut().filter(|_| per_layer);
+                let mlp = self.launch_layers(
+                    m,
+                    &a,
+                    ids,
+                    table,
+                    dstp,
+                    slotp,
+                    rowp,
+                    layout,
+                    n,
+                    w,
+                    rope_attn,
+                    per_layer_copy,
+                )?;
+                if let Some(mlp) = mlp {
+                    copy_all(&mut overlap)?;
+                    self.launch_head(m, &a, rowp, n, w, mlp)?;
+                }
+            }
         }
         let rows_per = n * kvd;
-        // A step whose launch queued no copies (the fused form) downloads
-        // after the step (an Overlap waits for its copies when dropped).
+        // Layer by layer (a slot a layer), or all at once (one slot); a step
+        // whose launch queued neither (the fused form) downloads after it
+        // (an Overlap waits for any copies it queued when dropped).
         let overlapped = overlap
-            .filter(|o| o.queued() == layers)
+            .filter(|o| o.queued() == if per_layer { layers } else { 1 })
             .map(|mut ov| -> Result<(), EngineError> {
-                for li in 0..layers {
-                    ov.wait(li).map_err(gpu_err)?;
-                    let hk = ov.region(li * rows_per, rows_per).map_err(gpu_err)?;
-                    let hv = ov.region(per + li * rows_per, rows_per).map_err(gpu_err)?;
-                    kv.write_layers(&runs, li..li + 1, hk, hv, threads);
+                if per_layer {
+                    for li in 0..layers {
+                        ov.wait(li).map_err(gpu_err)?;
+                        let hk = ov.region(li * rows_per, rows_per).map_err(gpu_err)?;
+                        let hv = ov.region(per + li * rows_per, rows_per).map_err(gpu_err)?;
+                        kv.write_layers(&runs, li..li + 1, hk, hv, threads);
+                    }
+                } else {
+                    ov.wait(0).map_err(gpu_err)?;
+                    let hk = ov.region(0, per).map_err(gpu_err)?;
+                    let hv = ov.region(per, per).map_err(gpu_err)?;
+                    kv.write_step(&runs, layers, hk, hv, threads);
                 }
                 Ok(())
             })
@@ -725,7 +790,11 @@ impl Resident {
     /// matmul then writes its unrotated rows to `a.g` (free until gate),
     /// and the kernel the rotated ones to the step's K rows.
     #[allow(clippy::too_many_arguments)]
-    fn launch(
+    /// The embedding and every layer of a step; `None` where the fused form
+    /// ran the head too, else the last layer's MLP output for
+    /// [`Resident::launch_head`]. With `kv_copy`, each layer's K/V rows are
+    /// queued for the host as soon as the layer has made them.
+    fn launch_layers(
         &self,
         m: &Llama,
         a: &Addrs,
@@ -739,7 +808,7 @@ impl Resident {
         w: usize,
         rope_attn: bool,
         mut kv_copy: Option<&mut Overlap<'_>>,
-    ) -> Result<(), EngineError> {
+    ) -> Result<Option<Option<MmOut>>, EngineError> {
         let g = &*self.gpu;
         let c = &m.cfg;
         let (d, ff, eps) = (c.hidden_size, c.intermediate_size, c.rms_norm_eps);
@@ -757,7 +826,9 @@ impl Resident {
             && n < tun.gemm_min.max(1)
             && ff.div_ceil(64) <= lmrr_kernels::cuda::resident::MR_MAX_CHUNKS;
         if n <= fused_max && w <= fused_max {
-            return self.launch_fused(m, a, table, dst, slot, rows, layout, n, w);
+            return self
+                .launch_fused(m, a, table, dst, slot, rows, layout, n, w)
+                .map(|_| None);
         }
         let sp = SplitScratch {
             addr: a.part,
@@ -866,7 +937,25 @@ impl Resident {
             })?;
             mlp_out = Some(down[0]);
         }
-        t("output head", &|| {
+        Ok(Some(mlp_out))
+    }
+
+    /// The head of a step whose layers [`Resident::launch_layers`] queued:
+    /// the last MLP output added to the residual, the wanted rows gathered,
+    /// normed and multiplied by the output matrix into the logits.
+    fn launch_head(
+        &self,
+        m: &Llama,
+        a: &Addrs,
+        rows: u64,
+        n: usize,
+        w: usize,
+        mlp_out: Option<MmOut>,
+    ) -> Result<(), EngineError> {
+        let g = &*self.gpu;
+        let c = &m.cfg;
+        let (d, eps) = (c.hidden_size, c.rms_norm_eps);
+        let head = || -> Result<(), lmrr_kernels::cuda::GpuError> {
             if let Some(o) = mlp_out {
                 g.add_out(a.x, o, n * d)?;
             }
@@ -874,8 +963,8 @@ impl Resident {
             g.norm_rows(a.hx, &self.norm, w, d, eps, a.hn)?;
             let head = self.head.as_ref().unwrap_or(&self.embed);
             g.mm(a.hn, w, head, a.logits)
-        })?;
-        Ok(())
+        };
+        self.timed("output head", || head().map_err(gpu_err))
     }
 }
 
