@@ -1011,6 +1011,59 @@ fn main() {
             );
         }
     }
+    // Attention kernel time for a prefill of one sequence (the `small`
+    // preset's 9/3 heads × 64, pages of 16): each kernel that serves it,
+    // per launch (one layer) and over the preset's 30 layers.
+    println!("attention kernel time per launch (one layer of a prefill, 9/3 heads × 64, pages of 16, 20 launches):");
+    for &len in &[512usize, 2048] {
+        let blocks = len.div_ceil(16);
+        let kb: Vec<Vec<f32>> = (0..blocks)
+            .map(|_| r.uniform_vec(16 * shape.kv_dim(), 3.0))
+            .collect();
+        let vb: Vec<Vec<f32>> = (0..blocks)
+            .map(|_| r.uniform_vec(16 * shape.kv_dim(), 1.0))
+            .collect();
+        let view = KvView {
+            block_len: 16,
+            k: kb.iter().map(|b| b.as_slice()).collect(),
+            v: vb.iter().map(|b| b.as_slice()).collect(),
+        };
+        let qs: Vec<Vec<f32>> = (0..len)
+            .map(|_| r.uniform_vec(shape.q_dim(), 2.0))
+            .collect();
+        let tasks: Vec<AttnTask> = qs
+            .iter()
+            .enumerate()
+            .map(|(pos, q)| AttnTask { q, kv: &view, pos })
+            .collect();
+        let mut first: Option<Vec<f32>> = None;
+        let mut line = format!("  prefill {len:>4} tokens:");
+        for (label, kernel) in ATTN_KERNELS {
+            if kernel == AttnKernel::Decode {
+                continue;
+            }
+            let mut out = vec![f32::NAN; len * shape.q_dim()];
+            let t = gpu
+                .attention_resident_timed(&tasks, &shape, 0.125, 16, kernel, &mut out, 20)
+                .unwrap_or_else(|e| panic!("timing {label}: {e}"));
+            // The kernels give one set of bits; a timing of wrong output
+            // would be no figure at all.
+            match &first {
+                None => first = Some(out),
+                Some(f) => report(
+                    format!("{label} prefill {len} tokens (timed) against attention_paged"),
+                    diff(f, &out),
+                    f.len(),
+                ),
+            }
+            line += &format!(
+                " {label} {:>8.1} µs ({:>6.2} ms for 30 layers);",
+                t * 1e6,
+                30.0 * t * 1e3
+            );
+        }
+        println!("{line}");
+    }
     println!(
         "summary: {} of {cases} cases bit-identical (CPU ISA {:?} vs {})",
         cases - bad,

@@ -1995,6 +1995,25 @@ impl Gpu {
         kernel: AttnKernel,
         out: &mut [f32],
     ) -> Result<(), GpuError> {
+        self.attention_resident_timed(tasks, shape, scale, page_len, kernel, out, 1)
+            .map(|_| ())
+    }
+
+    /// [`Gpu::attention_resident`] launched `reps` times (at least once) on
+    /// the same uploaded operands; returns the seconds per launch, from
+    /// the first launch queued to the last one done (a figure, not a check:
+    /// the device is shared).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_resident_timed(
+        &self,
+        tasks: &[crate::AttnTask],
+        shape: &crate::AttnShape,
+        scale: f32,
+        page_len: usize,
+        kernel: AttnKernel,
+        out: &mut [f32],
+        reps: usize,
+    ) -> Result<f64, GpuError> {
         let (qd, kvd) = (shape.q_dim(), shape.kv_dim());
         if out.len() != tasks.len() * qd || tasks.iter().any(|t| t.q.len() != qd) || page_len == 0 {
             return Err(GpuError::Shape {
@@ -2076,18 +2095,25 @@ impl Gpu {
             groups: at(pages_len + 2 * tasks.len()),
             n_groups: if kernel.is_prefill() { groups.len() } else { 0 },
         };
-        self.attention_with(
-            kernel,
-            dq.ptr,
-            table,
-            tasks.len(),
-            shape,
-            layout,
-            0,
-            scale,
-            dout.ptr,
-        )?;
-        self.dtoh(dout.ptr, out)
+        self.sync()?;
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps.max(1) {
+            self.attention_with(
+                kernel,
+                dq.ptr,
+                table,
+                tasks.len(),
+                shape,
+                layout,
+                0,
+                scale,
+                dout.ptr,
+            )?;
+        }
+        self.sync()?;
+        let per = t0.elapsed().as_secs_f64() / reps.max(1) as f64;
+        self.dtoh(dout.ptr, out)?;
+        Ok(per)
     }
 }
 
