@@ -626,10 +626,18 @@ impl Resident {
         let rows_per = n * kvd;
         // Layer by layer (a slot a layer), or all at once (one slot); a step
         // whose launch queued neither (the fused form) downloads after it
-        // (an Overlap waits for any copies it queued when dropped).
+        // (an Overlap waits for any copies it queued when dropped). The
+        // logits rows follow the K/V rows on the copy stream, queued after
+        // the head, so they come back while the host writes the K/V rows.
+        let host_logits = &mut st.host_logits;
         let overlapped = overlap
             .filter(|o| o.queued() == if per_layer { layers } else { 1 })
-            .map(|mut ov| -> Result<(), EngineError> {
+            .map(|mut ov| -> Result<Vec<Vec<f32>>, EngineError> {
+                let hl = host_logits
+                    .as_mut()
+                    .ok_or(EngineError::Device("no host buffers".into()))?;
+                let mut lo = gpu.overlap(hl).map_err(gpu_err)?;
+                lo.queue(&[(a.logits, 0, w * vocab)]).map_err(gpu_err)?;
                 if per_layer {
                     for li in 0..layers {
                         ov.wait(li).map_err(gpu_err)?;
@@ -643,49 +651,44 @@ impl Resident {
                     let hv = ov.region(per, per).map_err(gpu_err)?;
                     kv.write_step(&runs, layers, hk, hv, threads);
                 }
-                Ok(())
+                drop(ov);
+                lo.wait(0).map_err(gpu_err)?;
+                let logits = lo.region(0, w * vocab).map_err(gpu_err)?;
+                Ok(crate::model::split_rows(spans, logits, vocab, threads))
             })
-            .transpose()?
-            .is_some();
-        if overlapped {
-            let hl = st
-                .host_logits
-                .as_mut()
-                .ok_or(EngineError::Device("no host buffers".into()))?;
-            gpu.dtoh_pinned(a.logits, hl, w * vocab).map_err(gpu_err)?;
-        }
-        if !overlapped {
-            let (Some(hl), Some(hkv)) = (st.host_logits.as_mut(), st.host_kv.as_mut()) else {
-                return Err(EngineError::Device("no host buffers".into()));
-            };
-            self.timed("download (logits, K/V rows)", || {
-                gpu.dtoh_pinned(a.logits, hl, w * vocab).map_err(gpu_err)?;
-                let s = hkv.as_mut_slice().map_err(gpu_err)?;
-                let (hk, hv) = s.split_at_mut(per);
-                gpu.dtoh(a.k, &mut hk[..per]).map_err(gpu_err)?;
-                gpu.dtoh(a.v, &mut hv[..per]).map_err(gpu_err)
-            })?;
-            let s = hkv.as_slice().map_err(gpu_err)?;
-            let (hk, hv) = s.split_at(per);
-            self.timed("host K/V writes", || {
-                // `write_step` copies the layers across `threads`.
-                kv.write_step(&runs, layers, &hk[..per], &hv[..per], threads);
-                Ok(())
-            })?;
-        }
-        let hl = st
-            .host_logits
-            .as_ref()
-            .ok_or(EngineError::Device("no host buffers".into()))?;
-        let logits = hl.as_slice().map_err(gpu_err)?;
-        let out = self.timed("logits rows into per-span vectors", || {
-            Ok(crate::model::split_rows(
-                spans,
-                &logits[..w * vocab],
-                vocab,
-                threads,
-            ))
-        })?;
+            .transpose()?;
+        let out = match overlapped {
+            Some(out) => out,
+            None => {
+                let (Some(hl), Some(hkv)) = (st.host_logits.as_mut(), st.host_kv.as_mut())
+                else {
+                    return Err(EngineError::Device("no host buffers".into()));
+                };
+                self.timed("download (logits, K/V rows)", || {
+                    gpu.dtoh_pinned(a.logits, hl, w * vocab).map_err(gpu_err)?;
+                    let s = hkv.as_mut_slice().map_err(gpu_err)?;
+                    let (hk, hv) = s.split_at_mut(per);
+                    gpu.dtoh(a.k, &mut hk[..per]).map_err(gpu_err)?;
+                    gpu.dtoh(a.v, &mut hv[..per]).map_err(gpu_err)
+                })?;
+                let s = hkv.as_slice().map_err(gpu_err)?;
+                let (hk, hv) = s.split_at(per);
+                self.timed("host K/V writes", || {
+                    // `write_step` copies the layers across `threads`.
+                    kv.write_step(&runs, layers, &hk[..per], &hv[..per], threads);
+                    Ok(())
+                })?;
+                let logits = hl.as_slice().map_err(gpu_err)?;
+                self.timed("logits rows into per-span vectors", || {
+                    Ok(crate::model::split_rows(
+                        spans,
+                        &logits[..w * vocab],
+                        vocab,
+                        threads,
+                    ))
+                })?
+            }
+        };
         let mirror = st
             .mirror
             .as_mut()
