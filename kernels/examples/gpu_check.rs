@@ -46,6 +46,23 @@ fn blocks(r: &mut Rng, kind: QuantKind, n: usize) -> Vec<u8> {
     out
 }
 
+/// Random K (±3) and V (±1) rows for positions `0..len` in blocks of 16.
+fn kv_blocks(r: &mut Rng, len: usize, kvd: usize) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let blocks = len.div_ceil(16);
+    let kb = (0..blocks).map(|_| r.uniform_vec(16 * kvd, 3.0)).collect();
+    let vb = (0..blocks).map(|_| r.uniform_vec(16 * kvd, 1.0)).collect();
+    (kb, vb)
+}
+
+/// The blocks of [`kv_blocks`] as a KV view.
+fn block_view<'a>(kb: &'a [Vec<f32>], vb: &'a [Vec<f32>]) -> KvView<'a> {
+    KvView {
+        block_len: 16,
+        k: kb.iter().map(|b| b.as_slice()).collect(),
+        v: vb.iter().map(|b| b.as_slice()).collect(),
+    }
+}
+
 fn diff(a: &[f32], b: &[f32]) -> usize {
     a.iter()
         .zip(b)
@@ -609,18 +626,8 @@ fn main() {
         &prefill[..],
     ] {
         let cap = positions.iter().max().unwrap() + 1;
-        let blocks = cap.div_ceil(16);
-        let kb: Vec<Vec<f32>> = (0..blocks)
-            .map(|_| r.uniform_vec(16 * shape.kv_dim(), 3.0))
-            .collect();
-        let vb: Vec<Vec<f32>> = (0..blocks)
-            .map(|_| r.uniform_vec(16 * shape.kv_dim(), 1.0))
-            .collect();
-        let view = KvView {
-            block_len: 16,
-            k: kb.iter().map(|b| b.as_slice()).collect(),
-            v: vb.iter().map(|b| b.as_slice()).collect(),
-        };
+        let (kb, vb) = kv_blocks(&mut r, cap, shape.kv_dim());
+        let view = block_view(&kb, &vb);
         let qs: Vec<Vec<f32>> = positions
             .iter()
             .map(|_| r.uniform_vec(shape.q_dim(), 2.0))
@@ -1016,18 +1023,8 @@ fn main() {
     // per launch (one layer) and over the preset's 30 layers.
     println!("attention kernel time per launch (one layer of a prefill, 9/3 heads × 64, pages of 16, 20 launches):");
     for &len in &[512usize, 2048] {
-        let blocks = len.div_ceil(16);
-        let kb: Vec<Vec<f32>> = (0..blocks)
-            .map(|_| r.uniform_vec(16 * shape.kv_dim(), 3.0))
-            .collect();
-        let vb: Vec<Vec<f32>> = (0..blocks)
-            .map(|_| r.uniform_vec(16 * shape.kv_dim(), 1.0))
-            .collect();
-        let view = KvView {
-            block_len: 16,
-            k: kb.iter().map(|b| b.as_slice()).collect(),
-            v: vb.iter().map(|b| b.as_slice()).collect(),
-        };
+        let (kb, vb) = kv_blocks(&mut r, len, shape.kv_dim());
+        let view = block_view(&kb, &vb);
         let qs: Vec<Vec<f32>> = (0..len)
             .map(|_| r.uniform_vec(shape.q_dim(), 2.0))
             .collect();

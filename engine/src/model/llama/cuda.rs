@@ -660,8 +660,7 @@ impl Resident {
         let out = match overlapped {
             Some(out) => out,
             None => {
-                let (Some(hl), Some(hkv)) = (st.host_logits.as_mut(), st.host_kv.as_mut())
-                else {
+                let (Some(hl), Some(hkv)) = (st.host_logits.as_mut(), st.host_kv.as_mut()) else {
                     return Err(EngineError::Device("no host buffers".into()));
                 };
                 self.timed("download (logits, K/V rows)", || {
