@@ -879,6 +879,20 @@ impl Gpu {
         self.sync()
     }
 
+    /// Copies each `(src, host)` of `parts` (device address `src` into
+    /// `host`), all queued before one wait for the stream: one round trip
+    /// for several downloads.
+    pub fn dtoh_many(&self, parts: &mut [(u64, &mut [f32])]) -> Result<(), GpuError> {
+        for (src, host) in parts.iter_mut().filter(|p| !p.1.is_empty()) {
+            // SAFETY: the caller's buffer at `src` holds `host`'s bytes;
+            // `host` stays borrowed until the wait below has seen the copy
+            // complete.
+            unsafe { result::memcpy_dtoh_async(&mut **host, *src, self.stream.cu_stream()) }
+                .map_err(drv)?;
+        }
+        self.sync()
+    }
+
     /// Device-to-device copy of `bytes` (ordered on the stream).
     pub fn dtod(&self, src: u64, dst: u64, bytes: usize) -> Result<(), GpuError> {
         // SAFETY: both buffers hold `bytes` bytes.

@@ -664,11 +664,16 @@ impl Resident {
                     return Err(EngineError::Device("no host buffers".into()));
                 };
                 self.timed("download (logits, K/V rows)", || {
-                    gpu.dtoh_pinned(a.logits, hl, w * vocab).map_err(gpu_err)?;
+                    // Three copies, one wait.
+                    let l = hl.as_mut_slice().map_err(gpu_err)?;
                     let s = hkv.as_mut_slice().map_err(gpu_err)?;
                     let (hk, hv) = s.split_at_mut(per);
-                    gpu.dtoh(a.k, &mut hk[..per]).map_err(gpu_err)?;
-                    gpu.dtoh(a.v, &mut hv[..per]).map_err(gpu_err)
+                    gpu.dtoh_many(&mut [
+                        (a.logits, &mut l[..w * vocab]),
+                        (a.k, &mut hk[..per]),
+                        (a.v, &mut hv[..per]),
+                    ])
+                    .map_err(gpu_err)
                 })?;
                 let s = hkv.as_slice().map_err(gpu_err)?;
                 let (hk, hv) = s.split_at(per);
