@@ -887,7 +887,7 @@ impl Gpu {
             // SAFETY: the caller's buffer at `src` holds `host`'s bytes;
             // `host` stays borrowed until the wait below has seen the copy
             // complete.
-            unsafe { result::memcpy_dtoh_async(&mut **host, *src, self.stream.cu_stream()) }
+            unsafe { result::memcpy_dtoh_async(host, *src, self.stream.cu_stream()) }
                 .map_err(drv)?;
         }
         self.sync()
