@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The kernel paths built and held bit-identical without a device, each
-# against the default in alternating rounds on the `small` preset in f32
-# (every choice gives the same bits: scripts/device-check.sh holds each to
-# the CPU; run it first). Sized for one device call (under 10 minutes):
+# The six paths made defaults on 2026-12-05 (first built and held
+# bit-identical without a device), each turned off against the default in
+# alternating rounds on the `small` preset in f32 (every choice gives the
+# same bits: scripts/device-check.sh holds each to the CPU; run it first).
+# Sized for one device call (under 10 minutes):
 #
 #   scripts/device-ab.sh .gpu            # on the GPU machine
 #
 # Prints, per flag, each round's tok/s for the shapes it is meant for, and
-# last all six on together against the default.
+# last all six off together against the default.
 set -uo pipefail
 bin=${1:-.gpu}
 rounds=${DEVICE_AB_ROUNDS:-2}
@@ -26,13 +27,13 @@ ab() {
     env $flags "$bin/lmrr" bench --device cuda --model "$tmp/small" --speed-only --decode-steps 32 --repeats 5 "$@" 2>&1 | grep -E "^\| (prefill|decode)"
   done
 }
-ab "LMRR_CUDA_ROPE_ATTN=1" "RoPE inside decode attention: batches 1, 8" --prompt-len 64 --batches 1,8
-ab "LMRR_CUDA_GEMM_MULTI=1 LMRR_CUDA_FOLD_SUMS=1" "one gemm launch for q/k/v and gate/up, split sums folded: batch 64" --prompt-len 64 --batches 64
-ab "LMRR_CUDA_FOLD_SUMS=1" "split sums folded alone: batch 64" --prompt-len 64 --batches 64
-ab "LMRR_CUDA_ATTN_PREFILL_HD64=1" "attention_prefill_hd64: prefill of 512 tokens" --prompt-len 512 --batches 1
-ab "LMRR_CUDA_ATTN_PREFILL_HD64=1" "attention_prefill_hd64: prefill of 2048 tokens" --prompt-len 2048 --batches 1
-ab "LMRR_CUDA_KV_OVERLAP_MIN=256" "K/V rows copied back layer by layer during the step: prefill of 512 tokens" --prompt-len 512 --batches 1
-ab "LMRR_CUDA_KV_EARLY_MIN=16" "K/V rows copied back during the head: batches 8, 64" --prompt-len 64 --batches 8,64
-all="LMRR_CUDA_ROPE_ATTN=1 LMRR_CUDA_GEMM_MULTI=1 LMRR_CUDA_FOLD_SUMS=1 LMRR_CUDA_ATTN_PREFILL_HD64=1 LMRR_CUDA_KV_OVERLAP_MIN=256 LMRR_CUDA_KV_EARLY_MIN=16"
-ab "$all" "all six: batches 1, 64" --prompt-len 64 --batches 1,64
-ab "$all" "all six: prefill of 512 tokens" --prompt-len 512 --batches 1
+ab "LMRR_CUDA_ROPE_ATTN=0" "without RoPE inside decode attention: batches 1, 8" --prompt-len 64 --batches 1,8
+ab "LMRR_CUDA_GEMM_MULTI=0 LMRR_CUDA_FOLD_SUMS=0" "a gemm launch per matrix, sum_chunks after each split: batch 64" --prompt-len 64 --batches 64
+ab "LMRR_CUDA_GEMM_MULTI=0" "split sums folded, a launch per matrix: batch 64" --prompt-len 64 --batches 64
+ab "LMRR_CUDA_ATTN_PREFILL_HD64=0" "attention_prefill for head_dim 64: prefill of 512 tokens" --prompt-len 512 --batches 1
+ab "LMRR_CUDA_ATTN_PREFILL_HD64=0" "attention_prefill for head_dim 64: prefill of 2048 tokens" --prompt-len 2048 --batches 1
+ab "LMRR_CUDA_KV_OVERLAP_MIN=0" "K/V rows downloaded after the step, not layer by layer: prefill of 512 tokens" --prompt-len 512 --batches 1
+ab "LMRR_CUDA_KV_EARLY_MIN=0" "K/V rows downloaded after the step, not during the head: batches 8, 64" --prompt-len 64 --batches 8,64
+off="LMRR_CUDA_ROPE_ATTN=0 LMRR_CUDA_GEMM_MULTI=0 LMRR_CUDA_FOLD_SUMS=0 LMRR_CUDA_ATTN_PREFILL_HD64=0 LMRR_CUDA_KV_OVERLAP_MIN=0 LMRR_CUDA_KV_EARLY_MIN=0"
+ab "$off" "all six off (the defaults before 2026-12-05): batches 1, 64" --prompt-len 64 --batches 1,64
+ab "$off" "all six off: prefill of 512 tokens" --prompt-len 512 --batches 1

@@ -93,6 +93,14 @@ for ah in 0 1; do
     LMRR_CUDA_ATTN_PREFILL_HD64=$ah LMRR_CUDA_ATTN_PREFILL_GROUP=$gs b --prompt-len 2048 --batches 1
   done
 done
+echo "## the K/V rows back while the device runs: layer by layer from N tokens (LMRR_CUDA_KV_OVERLAP_MIN), during the head from M (LMRR_CUDA_KV_EARLY_MIN)"
+for ov in 0 64 256; do
+  for ea in 0 1 16 64; do
+    echo "# LMRR_CUDA_KV_OVERLAP_MIN=$ov LMRR_CUDA_KV_EARLY_MIN=$ea"
+    LMRR_CUDA_KV_OVERLAP_MIN=$ov LMRR_CUDA_KV_EARLY_MIN=$ea b --prompt-len 64 --batches 1,8,64
+    LMRR_CUDA_KV_OVERLAP_MIN=$ov LMRR_CUDA_KV_EARLY_MIN=$ea b --prompt-len 512 --batches 1
+  done
+done
 echo "## prefill of 512 tokens"
 for g in 9 100000; do
   for sb in 0 1024; do
