@@ -620,6 +620,133 @@ extern "C" __global__ void matmul_multi(int kind, const float* x, int n, int k,
     mm_rows_block(kind, x, w2, y2, n, rows2, k, rb2, b % rows2, (b / rows2) * MM_TOKENS);
 }
 
+// matmul_chunk: one thread per (output row, 64-chunk of it), for decode
+// steps of few tokens. The thread loads its chunk's 64 weights at once (16
+// float4 loads of f32, 8 of bf16, with `vec`; element by element otherwise
+// or in a partial last chunk), then per token makes the chunk's eight lane
+// chains itself — lane j's FMA chain over elements j + 8s, s ascending, from
+// +0.0 — and joins them by lane_tree (the xor-shuffle tree's sums, a + b
+// being b + a); the block's threads then add each row's chunk partials in
+// chunk order from +0.0. The bits of matmul_rows and of the one-thread
+// matmul, with a row's chunks spread over threads rather than over groups of
+// a block per row: fewer, fuller blocks, each thread 256 bytes of loads in
+// flight. Rows run over up to three matrices of one input and width (q, k, v;
+// gate, up; or one): row r < rows0 is matrix 0's, then matrix 1's, then 2's.
+// Block b: rows (b % row_blocks) · rpb .. + rpb, token tile b / row_blocks
+// (MM_TOKENS tokens); thread t: row t / chunks of the block, chunk t % chunks.
+// vec: k a multiple of 4 and every row, x and w 16-byte aligned (the host
+// checks).
+#define MC_MAX_THREADS 256
+
+__device__ __forceinline__ void mc_row(long long row, const unsigned char* w0, float* y0, int rows0, long long rb0,
+                                       const unsigned char* w1, float* y1, int rows1, long long rb1,
+                                       const unsigned char* w2, float* y2, int rows2, long long rb2,
+                                       const unsigned char** w, float** y, int* rows, int* o) {
+    if (row < rows0) {
+        *w = w0 + row * rb0, *y = y0, *rows = rows0, *o = (int)row;
+    } else if (row < (long long)rows0 + rows1) {
+        *o = (int)(row - rows0);
+        *w = w1 + *o * rb1, *y = y1, *rows = rows1;
+    } else {
+        *o = (int)(row - rows0 - rows1);
+        *w = w2 + *o * rb2, *y = y2, *rows = rows2;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MC_MAX_THREADS)
+    matmul_chunk(int kind, int vec, const float* x, int n, int k, int rpb, const unsigned char* w0, float* y0, int rows0,
+                 long long rb0, const unsigned char* w1, float* y1, int rows1, long long rb1,
+                 const unsigned char* w2, float* y2, int rows2, long long rb2) {
+    PDL_ENTRY_EARLY();
+    __shared__ float part[MM_TOKENS * MC_MAX_THREADS];
+    int chunks = (k + CHUNK - 1) / CHUNK;
+    long long total_rows = (long long)rows0 + rows1 + rows2;
+    int row_blocks = (int)((total_rows + rpb - 1) / rpb);
+    int rb = blockIdx.x % row_blocks, t0 = (blockIdx.x / row_blocks) * MM_TOKENS;
+    int tn = min(MM_TOKENS, n - t0);
+    int tid = threadIdx.x, r = tid / chunks, c = tid % chunks;
+    long long row = (long long)rb * rpb + r;
+    bool live = r < rpb && row < total_rows;
+    int c0 = c * CHUNK, cnt = min(CHUNK, k - c0);
+    float wv[CHUNK];
+    if (live) {
+        const unsigned char* wr;
+        float* yd;
+        int rows, o;
+        mc_row(row, w0, y0, rows0, rb0, w1, y1, rows1, rb1, w2, y2, rows2, rb2, &wr, &yd, &rows, &o);
+        if (vec && cnt == CHUNK && kind == 0) {
+            const float4* p = (const float4*)(wr + (long long)c0 * 4);
+            #pragma unroll
+            for (int q = 0; q < CHUNK / 4; ++q) {
+                float4 v = p[q];
+                wv[4 * q] = v.x, wv[4 * q + 1] = v.y, wv[4 * q + 2] = v.z, wv[4 * q + 3] = v.w;
+            }
+        } else if (vec && cnt == CHUNK && kind == 1) {
+            const uint4* p = (const uint4*)(wr + (long long)c0 * 2);
+            #pragma unroll
+            for (int q = 0; q < CHUNK / 8; ++q) {
+                uint4 v = p[q];
+                unsigned u[4] = {v.x, v.y, v.z, v.w};
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    wv[8 * q + 2 * e] = __uint_as_float(u[e] << 16);
+                    wv[8 * q + 2 * e + 1] = __uint_as_float(u[e] & 0xffff0000u);
+                }
+            }
+        } else {
+            #pragma unroll
+            for (int i = 0; i < CHUNK; ++i) wv[i] = i < cnt ? weight(kind, wr, c0 + i) : 0.0f;
+        }
+    }
+    PDL_ENTRY_LATE();  // the weights in flight; now the inputs
+    #pragma unroll 1
+    for (int tt = 0; tt < MM_TOKENS; ++tt) {
+        if (tt < tn && live) {
+            const float* xr = x + (long long)(t0 + tt) * k + c0;
+            float l[LANES];
+            #pragma unroll
+            for (int j = 0; j < LANES; ++j) l[j] = 0.0f;
+            if (cnt == CHUNK) {
+                if (vec) {
+                    const float4* xp = (const float4*)xr;
+                    #pragma unroll
+                    for (int q = 0; q < CHUNK / 4; ++q) {
+                        // Elements 4q .. 4q + 3: lanes 4(q & 1) .. + 3, s = q / 2.
+                        float4 xv = xp[q];
+                        int b = 4 * (q & 1);
+                        l[b] = fmaf(xv.x, wv[4 * q], l[b]);
+                        l[b + 1] = fmaf(xv.y, wv[4 * q + 1], l[b + 1]);
+                        l[b + 2] = fmaf(xv.z, wv[4 * q + 2], l[b + 2]);
+                        l[b + 3] = fmaf(xv.w, wv[4 * q + 3], l[b + 3]);
+                    }
+                } else {
+                    #pragma unroll
+                    for (int i = 0; i < CHUNK; ++i) l[i & 7] = fmaf(xr[i], wv[i], l[i & 7]);
+                }
+            } else {
+                #pragma unroll
+                for (int i = 0; i < CHUNK; ++i)
+                    if (i < cnt) l[i & 7] = fmaf(xr[i], wv[i], l[i & 7]);
+            }
+            part[tt * MC_MAX_THREADS + tid] = lane_tree(l);
+        }
+    }
+    __syncthreads();
+    for (int idx = tid; idx < rpb * tn; idx += blockDim.x) {
+        int rr = idx / tn, tt = idx % tn;
+        long long row2 = (long long)rb * rpb + rr;
+        if (row2 >= total_rows) continue;
+        const unsigned char* wr;
+        float* yd;
+        int rows, o;
+        mc_row(row2, w0, y0, rows0, rb0, w1, y1, rows1, rb1, w2, y2, rows2, rb2, &wr, &yd, &rows, &o);
+        const float* pr = part + tt * MC_MAX_THREADS + rr * chunks;
+        float total = 0.0f;
+        for (int cc = 0; cc < chunks; ++cc) total = total + pr[cc];
+        yd[(long long)(t0 + tt) * rows + o] = total;
+    }
+}
+
 // x += y, then out = rms_norm(x) * w, one warp per row (the residual add
 // and the next block's norm in one launch; each value as the two kernels
 // compute it).

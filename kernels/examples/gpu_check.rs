@@ -468,6 +468,7 @@ fn main() {
                 ("matmul_gemm split 3", MatmulKernel::GemmSplit(3)),
                 ("matmul_gemm_wide", MatmulKernel::GemmWide),
                 ("matmul_gemm_wide split 2", MatmulKernel::GemmWideSplit(2)),
+                ("matmul_chunk", MatmulKernel::Chunk),
                 ("matmul_gemm_pipelined", MatmulKernel::GemmPipelined),
                 (
                     "matmul_gemm_pipelined split 2",
@@ -986,6 +987,7 @@ fn main() {
             let tw = per_launch(MatmulKernel::Warp);
             let tt = per_launch(MatmulKernel::Tile);
             let tr = per_launch(MatmulKernel::Rows);
+            let tc = per_launch(MatmulKernel::Chunk);
             let tg = per_launch(MatmulKernel::Gemm);
             let ts = per_launch(MatmulKernel::GemmSplit(1));
             let tw2 = per_launch(MatmulKernel::GemmWide);
@@ -993,7 +995,7 @@ fn main() {
             let tp = per_launch(MatmulKernel::GemmPipelined);
             let tps = per_launch(MatmulKernel::GemmPipelinedSplit(1));
             println!(
-                "  {what:<22} {label:<5} {n:>3}×{cols}·{cols}×{rows}: thread {:>8.1} µs, warp {:>7.1} µs ({:>5.1}×), tile {:>7.1} µs ({:>5.1}×), rows {:>7.1} µs ({:>5.1}×), gemm {:>7.1} µs ({:>5.1}×, {:>5.2} TFLOP/s), gemm split {:>7.1} µs ({:>5.2} TFLOP/s), wide {:>7.1} µs ({:>5.2} TFLOP/s), wide split {:>7.1} µs ({:>5.2} TFLOP/s), pipelined {:>7.1} µs ({:>5.2} TFLOP/s), pipelined split {:>7.1} µs ({:>5.2} TFLOP/s); rows reads weights at {:>6.0} GB/s",
+                "  {what:<22} {label:<5} {n:>3}×{cols}·{cols}×{rows}: thread {:>8.1} µs, warp {:>7.1} µs ({:>5.1}×), tile {:>7.1} µs ({:>5.1}×), rows {:>7.1} µs ({:>5.1}×), chunk {:>7.1} µs ({:>6.0} GB/s), gemm {:>7.1} µs ({:>5.1}×, {:>5.2} TFLOP/s), gemm split {:>7.1} µs ({:>5.2} TFLOP/s), wide {:>7.1} µs ({:>5.2} TFLOP/s), wide split {:>7.1} µs ({:>5.2} TFLOP/s), pipelined {:>7.1} µs ({:>5.2} TFLOP/s), pipelined split {:>7.1} µs ({:>5.2} TFLOP/s); rows reads weights at {:>6.0} GB/s",
                 t * 1e6,
                 tw * 1e6,
                 t / tw,
@@ -1001,6 +1003,8 @@ fn main() {
                 t / tt,
                 tr * 1e6,
                 t / tr,
+                tc * 1e6,
+                bytes as f64 / tc / 1e9,
                 tg * 1e6,
                 t / tg,
                 2.0 * (n * rows * cols) as f64 / tg / 1e12,

@@ -301,6 +301,70 @@ fn matmul_multi_matches_three_matmuls() {
     }
 }
 
+/// `matmul_chunk` (a thread per row and chunk) against the CPU's matmul,
+/// for one, two and three matrices a launch, in every storage, with the
+/// vector loads on and off: blocks whose rows span two matrices (rpb 3 over
+/// 24 + 8 + 8 rows), a partial last chunk (96, 100 and 1,000 columns), 17
+/// chunks a row (1,088), a width not a multiple of 4 (100: no vector loads
+/// of x), two token tiles (11 tokens), a last block of fewer rows.
+#[test]
+fn matmul_chunk_matches_the_cpu() {
+    if emulator().is_none() {
+        return;
+    }
+    let th = Threads::new(2).expect("threads");
+    let mut r = SplitMix64(12);
+    // (rows of each matrix, cols, tokens, rows per block)
+    let cases: &[(&[usize], usize, usize, usize)] = &[
+        (&[24, 8, 8], 192, 5, 3),
+        (&[7], 96, 3, 2),
+        (&[20, 13], 1088, 1, 7),
+        (&[9], 576, 11, 14),
+        (&[5, 6], 100, 2, 4),
+        (&[33], 1000, 1, 16),
+    ];
+    for &(rows, cols, n, rpb) in cases {
+        let x = r.uniform_vec(n * cols, 2.0);
+        let st: Vec<Stored> = rows
+            .iter()
+            .map(|&o| Stored::new(&mut r, o * cols, 0.5))
+            .collect();
+        let each: Vec<_> = st.iter().map(|s| s.each()).collect();
+        for si in 0..5 {
+            let (label, kind) = (each[0][si].0, each[0][si].1);
+            if kind >= 2 && cols % 32 != 0 {
+                continue; // quantized rows are whole 32-value blocks
+            }
+            for vec in [0, 1] {
+                // The host's rule for vector loads: whole float4s of x and
+                // rows that start 16-byte aligned.
+                let aligned = (0..rows.len()).all(|i| (each[i][si].3.len() / rows[i]) % 16 == 0);
+                if vec == 1 && (cols % 4 != 0 || !aligned) {
+                    continue;
+                }
+                let mut line = format!("chunk {kind} {vec} {n} {cols} {rpb}");
+                for i in 0..3 {
+                    line += &format!(" {}", rows.get(i).copied().unwrap_or(0));
+                }
+                let raws: Vec<&[u8]> = (0..3)
+                    .map(|i| each.get(i).map_or(&[][..], |e| &e[si].3[..]))
+                    .collect();
+                let out = job(&line, &[&bytes(&x), raws[0], raws[1], raws[2]]);
+                for (i, &o) in rows.iter().enumerate() {
+                    let m = Matrix::new(each[i][si].2, o, cols).expect("shape");
+                    let mut cpu = vec![0.0; n * o];
+                    matmul(&th, &x, n, &m, &mut cpu);
+                    assert_eq!(
+                        differing(&cpu, &floats(&out[i])),
+                        0,
+                        "matmul_chunk {label} vec {vec}, matrix {i}: {n}×{cols}·{cols}×{o}, {rpb} rows a block"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// `matmul_fused` against the separate CPU ops it stands for: the norm then
 /// q, k, v; the residual add after a matmul; the norm then gate, up and
 /// SwiGLU; on several token counts and storages.

@@ -23,6 +23,7 @@ fn kernels_cu_compiles_under_nvrtc() {
         "matmul_tile",
         "matmul_rows",
         "matmul_multi",
+        "matmul_chunk",
         "matmul_gemm",
         "rms_norm_warp",
         "norm_block",

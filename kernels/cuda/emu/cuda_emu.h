@@ -54,6 +54,10 @@ struct alignas(16) float4 {
 };
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+
 inline void __syncthreads() { emu::tl_ctx->block->arrive_and_wait(); }
 
 inline std::barrier<>& emu_warp() {

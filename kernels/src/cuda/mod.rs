@@ -164,6 +164,9 @@ pub enum MatmulKernel {
     GemmPipelined,
     /// `matmul_gemm_pipelined` split over chunks, this many per block.
     GemmPipelinedSplit(usize),
+    /// `matmul_chunk`: a thread per (row, chunk), blocks of whole rows
+    /// (decode steps of few tokens, [`resident::Tuning::chunk_max`]).
+    Chunk,
 }
 
 pub(crate) fn grid(n: usize) -> LaunchConfig {
@@ -318,7 +321,8 @@ impl Gpu {
         | MatmulKernel::GemmWide
         | MatmulKernel::GemmWideSplit(_)
         | MatmulKernel::GemmPipelined
-        | MatmulKernel::GemmPipelinedSplit(_) = kernel
+        | MatmulKernel::GemmPipelinedSplit(_)
+        | MatmulKernel::Chunk = kernel
         {
             return self.gemm_check(kernel, x, n, w, y, reps);
         }
@@ -343,10 +347,11 @@ impl Gpu {
             | MatmulKernel::GemmWide
             | MatmulKernel::GemmWideSplit(_)
             | MatmulKernel::GemmPipelined
-            | MatmulKernel::GemmPipelinedSplit(_) => {
+            | MatmulKernel::GemmPipelinedSplit(_)
+            | MatmulKernel::Chunk => {
                 return Err(GpuError::Shape {
                     what: "matmul",
-                    detail: "the gemm kernels are launched by gemm_check".into(),
+                    detail: "the resident kernels are launched by gemm_check".into(),
                 })
             }
             MatmulKernel::Rows => {

@@ -39,6 +39,9 @@ pub const MM_TOKENS: usize = 8;
 pub const MR_MAX_CHUNKS: usize = 256;
 /// Threads per block of `matmul_rows` (`MR_GROUPS` groups of 8).
 pub const MR_THREADS: u32 = 128;
+/// Threads a `matmul_chunk` block holds at most (`MC_MAX_THREADS`): a row's
+/// chunks must fit one block, so rows of at most this many chunks.
+pub const MC_MAX_THREADS: usize = 256;
 /// Chunks of a row `norm_reg` holds in registers (`NR_MAX_CHUNKS`).
 pub const NR_MAX_CHUNKS: usize = 128;
 /// Rows, tokens and threads of a `matmul_gemm` block (`GM_*`).
@@ -195,6 +198,16 @@ pub struct Tuning {
     /// the head apart for it). Measured on the H200: batch 64 18,277
     /// against 16,981 tok/s.
     pub kv_early_min: usize,
+    /// `LMRR_CUDA_CHUNK_MAX` (0: off): matmuls of at most this many tokens
+    /// (below [`Tuning::gemm_min`]) take `matmul_chunk` — a thread per
+    /// (row, 64-chunk), its chunk's weights loaded at once, a block of
+    /// several rows — rather than `matmul_rows` / `matmul_multi` (a block
+    /// per row). The same bits.
+    pub chunk_max: usize,
+    /// `LMRR_CUDA_CHUNK_THREADS` (32..=256, default 128): the threads a
+    /// `matmul_chunk` block aims at (whole rows of chunks: 14 rows of 9
+    /// chunks make 126).
+    pub chunk_threads: usize,
 }
 
 impl Default for Tuning {
@@ -220,6 +233,8 @@ impl Default for Tuning {
             fold_sums: true,
             kv_overlap_min: 256,
             kv_early_min: 16,
+            chunk_max: 0,
+            chunk_threads: 128,
         }
     }
 }
@@ -245,6 +260,8 @@ impl Tuning {
             ("LMRR_CUDA_ATTN_PREFILL_GROUP", &mut t.attn_prefill_group),
             ("LMRR_CUDA_KV_OVERLAP_MIN", &mut t.kv_overlap_min),
             ("LMRR_CUDA_KV_EARLY_MIN", &mut t.kv_early_min),
+            ("LMRR_CUDA_CHUNK_MAX", &mut t.chunk_max),
+            ("LMRR_CUDA_CHUNK_THREADS", &mut t.chunk_threads),
         ] {
             if let Some(v) = get(var) {
                 *slot = v.trim().parse().map_err(|_| {
@@ -277,6 +294,8 @@ impl Tuning {
         t.swiglu_max = t.swiglu_max.min(MM_TOKENS);
         // attention_prefill holds at most PF_TQ tokens a group.
         t.attn_prefill_group = t.attn_prefill_group.clamp(1, PF_TQ);
+        // matmul_chunk's blocks are at most MC_MAX_THREADS threads.
+        t.chunk_threads = t.chunk_threads.clamp(32, MC_MAX_THREADS);
         Ok(t)
     }
 }
@@ -315,6 +334,8 @@ mod tuning_tests {
             ("LMRR_CUDA_ROPE_ATTN", "0"),
             ("LMRR_CUDA_KV_OVERLAP_MIN", "256"),
             ("LMRR_CUDA_KV_EARLY_MIN", "16"),
+            ("LMRR_CUDA_CHUNK_MAX", "8"),
+            ("LMRR_CUDA_CHUNK_THREADS", "4096"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -339,6 +360,8 @@ mod tuning_tests {
                 fold_sums: false,
                 kv_overlap_min: 256,
                 kv_early_min: 16,
+                chunk_max: 8,
+                chunk_threads: MC_MAX_THREADS,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
@@ -387,6 +410,7 @@ pub(crate) struct Kernels {
     pub(crate) matmul_rows: Func,
     matmul_rows_swiglu: Func,
     matmul_multi: Func,
+    matmul_chunk: Func,
     rope_kv: Func,
     rms_norm_warp: Func,
     add_norm: Func,
@@ -444,6 +468,7 @@ impl Kernels {
             matmul_rows: f("matmul_rows")?,
             matmul_rows_swiglu: f("matmul_rows_swiglu")?,
             matmul_multi: f("matmul_multi")?,
+            matmul_chunk: f("matmul_chunk")?,
             rope_kv: f("rope_kv")?,
             rms_norm_warp: f("rms_norm_warp")?,
             add_norm: f("add_norm")?,
@@ -988,6 +1013,9 @@ impl Gpu {
             });
             return self.gemm_launch(x, n, w, y, kind, split.map(|cpb| (scratch.addr, cpb)));
         }
+        if self.chunk_serves(n, &[(w, y)]) {
+            return self.chunk_launch(x, n, &[(w, y)]);
+        }
         let rows_kernel = w.cols.div_ceil(64) <= MR_MAX_CHUNKS;
         let (f, cfg) = if rows_kernel {
             (
@@ -1101,6 +1129,95 @@ impl Gpu {
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 
+    /// Whether [`Gpu::chunk_launch`] serves `mats` in a step of `n` tokens
+    /// ([`Tuning::chunk_max`]): one to three matrices of one storage and
+    /// width, rows of at most [`MC_MAX_THREADS`] chunks.
+    fn chunk_serves(&self, n: usize, mats: &[(&DevMatrix, u64)]) -> bool {
+        let tun = self.res.tuning;
+        n > 0
+            && n <= tun.chunk_max
+            && n < tun.gemm_min.max(1)
+            && (1..=3).contains(&mats.len())
+            && mats.iter().all(|(w, _)| {
+                w.kind == mats[0].0.kind && w.cols == mats[0].0.cols && w.rows > 0
+            })
+            && mats[0].0.cols.div_ceil(64) <= MC_MAX_THREADS
+    }
+
+    /// `y = x (n, cols) · Wᵀ` for each `(W, y)` of `mats` (one to three, one
+    /// storage and width, rows of at most [`MC_MAX_THREADS`] chunks) by one
+    /// `matmul_chunk` launch: a thread per (row, chunk), blocks of whole
+    /// rows near [`Tuning::chunk_threads`] threads; the bits of
+    /// [`Gpu::mm`]. Vector loads where x, the rows and the widths allow.
+    pub(crate) fn chunk_launch(
+        &self,
+        x: u64,
+        n: usize,
+        mats: &[(&DevMatrix, u64)],
+    ) -> Result<(), GpuError> {
+        let Some(((w0, _), rest)) = mats.split_first() else {
+            return Ok(());
+        };
+        let cols = w0.cols;
+        let chunks = cols.div_ceil(64);
+        if n == 0 || chunks == 0 {
+            return Ok(());
+        }
+        if mats.len() > 3
+            || chunks > MC_MAX_THREADS
+            || rest.iter().any(|(w, _)| w.kind != w0.kind || w.cols != cols)
+        {
+            return Err(GpuError::Shape {
+                what: "matmul_chunk",
+                detail: format!(
+                    "{} matrices (at most 3, one storage and width) of {cols} columns (at most {})",
+                    mats.len(),
+                    64 * MC_MAX_THREADS
+                ),
+            });
+        }
+        let rpb = (self.res.tuning.chunk_threads / chunks).max(1);
+        let threads = (rpb * chunks).div_ceil(32) * 32;
+        let total: usize = mats.iter().map(|(w, _)| w.rows).sum();
+        let blocks = total.div_ceil(rpb) * n.div_ceil(MM_TOKENS);
+        let vec = cols % 4 == 0
+            && x % 16 == 0
+            && mats
+                .iter()
+                .all(|(w, _)| w.row_bytes % 16 == 0 && w.buf.ptr % 16 == 0);
+        let (ni, ki) = (as_i32("matmul", n)?, as_i32("matmul", cols)?);
+        as_i32("matmul", n * cols)?;
+        as_i32("matmul", total)?;
+        let cfg = LaunchConfig {
+            grid_dim: (as_i32("matmul", blocks)? as u32, 1, 1),
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let slot = |i: usize| -> Result<(u64, u64, i32, i64), GpuError> {
+            Ok(match mats.get(i) {
+                Some((w, y)) => (w.buf.ptr, *y, as_i32("matmul", w.rows)?, w.row_bytes),
+                None => (0, 0, 0, 0),
+            })
+        };
+        let (m0, m1, m2) = (slot(0)?, slot(1)?, slot(2)?);
+        let (veci, rpbi) = (i32::from(vec), as_i32("matmul", rpb)?);
+        let mut b = self.kernel(&self.res.matmul_chunk)?;
+        b.arg(&w0.kind)
+            .arg(&veci)
+            .arg(&x)
+            .arg(&ni)
+            .arg(&ki)
+            .arg(&rpbi);
+        for m in [&m0, &m1, &m2] {
+            b.arg(&m.0).arg(&m.1).arg(&m.2).arg(&m.3);
+        }
+        // SAFETY: matches `matmul_chunk`; x holds n·cols floats, each y
+        // n·rows; absent matrices have 0 rows and no thread reads them; the
+        // block's rows of chunks fit MC_MAX_THREADS (checked above); vector
+        // loads only where every address they form is 16-byte aligned.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+    }
+
     /// Several matmuls of one input `x (n, cols)` in one launch (`mats`:
     /// up to three `(W, y)` of the same storage and `cols`), each output as
     /// [`Gpu::mm`] computes it; separate launches where they cannot share one.
@@ -1118,6 +1235,9 @@ impl Gpu {
                     && w.cols.div_ceil(64) <= MR_MAX_CHUNKS
                     && w.rows > 0
             });
+        if self.chunk_serves(n, mats) {
+            return self.chunk_launch(x, n, mats);
+        }
         if !shared || n == 0 || n >= self.res.tuning.gemm_min.max(1) || mats.len() < 2 {
             for (w, y) in mats {
                 self.mm_split(x, n, w, *y, scratch)?;
@@ -1882,6 +2002,17 @@ impl Gpu {
             K::GemmPipelined | K::GemmPipelinedSplit(_) => GemmTiles::Pipelined,
             _ => GemmTiles::Narrow,
         };
+        if kernel == K::Chunk {
+            self.sync()?;
+            let t0 = std::time::Instant::now();
+            for _ in 0..reps.max(1) {
+                self.chunk_launch(dx.ptr, n, &[(&dw, dy.ptr)])?;
+            }
+            self.sync()?;
+            let secs = t0.elapsed().as_secs_f64();
+            self.dtoh(dy.ptr, y)?;
+            return Ok(secs);
+        }
         let split = match kernel {
             K::GemmSplit(cpb) | K::GemmWideSplit(cpb) | K::GemmPipelinedSplit(cpb) => {
                 let part = self.alloc(chunks * n * w.rows * 4, "gemm check partials")?;
