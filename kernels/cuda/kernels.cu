@@ -630,18 +630,37 @@ extern "C" __global__ void matmul_multi(int kind, const float* x, int n, int k,
 // chunk order from +0.0. The bits of matmul_rows and of the one-thread
 // matmul, with a row's chunks spread over threads rather than over groups of
 // a block per row: fewer, fuller blocks, each thread 256 bytes of loads in
-// flight. Rows run over up to three matrices of one input and width (q, k, v;
-// gate, up; or one): row r < rows0 is matrix 0's, then matrix 1's, then 2's.
-// Block b: rows (b % row_blocks) · rpb .. + rpb, token tile b / row_blocks
+// flight. Block b: rows of block b % row_blocks, token tile b / row_blocks
 // (MM_TOKENS tokens); thread t: row t / chunks of the block, chunk t % chunks.
 // vec: k a multiple of 4 and every row, x and w 16-byte aligned (the host
 // checks).
+//
+// matmul_fused's forms, by `mode` and `nw`: with nw non-null, each input
+// element is the token's RMSNorm (x_i * inv) * nw_i, inv from the canonical
+// sum of squares (each chunk's lane chains and tree by the threads of the
+// block's first row, the partials added in chunk order: rms_norm's value);
+// mode 0 stores y = x·Wᵀ, rows over up to three matrices (row r < rows0 is
+// matrix 0's, then matrix 1's, then 2's); mode 1 adds it into y0 (the
+// residual add after o and down); mode 2 pairs row o of W0 with row o of W1
+// (the block's first rpb/2 rows are W0's, the rest W1's same rows) and stores
+// y0 = SwiGLU(x·W0ᵀ, x·W1ᵀ), as the swiglu kernel computes it.
 #define MC_MAX_THREADS 256
 
-__device__ __forceinline__ void mc_row(long long row, const unsigned char* w0, float* y0, int rows0, long long rb0,
-                                       const unsigned char* w1, float* y1, int rows1, long long rb1,
-                                       const unsigned char* w2, float* y2, int rows2, long long rb2,
-                                       const unsigned char** w, float** y, int* rows, int* o) {
+// The weight row, output, its row count and index for row r of block rb.
+__device__ __forceinline__ bool mc_locate(int mode, int rb, int rpb, int r, const unsigned char* w0, float* y0,
+                                          int rows0, long long rb0, const unsigned char* w1, float* y1, int rows1,
+                                          long long rb1, const unsigned char* w2, float* y2, int rows2,
+                                          long long rb2, const unsigned char** w, float** y, int* rows, int* o) {
+    if (mode == 2) {
+        int hp = rpb / 2;
+        long long pair = (long long)rb * hp + r % hp;
+        if (r >= 2 * hp || pair >= rows0) return false;
+        *o = (int)pair, *y = y0, *rows = rows0;
+        *w = r < hp ? w0 + pair * rb0 : w1 + pair * rb1;
+        return true;
+    }
+    long long row = (long long)rb * rpb + r;
+    if (r >= rpb || row >= (long long)rows0 + rows1 + rows2) return false;
     if (row < rows0) {
         *w = w0 + row * rb0, *y = y0, *rows = rows0, *o = (int)row;
     } else if (row < (long long)rows0 + rows1) {
@@ -651,29 +670,31 @@ __device__ __forceinline__ void mc_row(long long row, const unsigned char* w0, f
         *o = (int)(row - rows0 - rows1);
         *w = w2 + *o * rb2, *y = y2, *rows = rows2;
     }
+    return true;
 }
 
 extern "C" __global__ void __launch_bounds__(MC_MAX_THREADS)
-    matmul_chunk(int kind, int vec, const float* x, int n, int k, int rpb, const unsigned char* w0, float* y0, int rows0,
-                 long long rb0, const unsigned char* w1, float* y1, int rows1, long long rb1,
-                 const unsigned char* w2, float* y2, int rows2, long long rb2) {
+    matmul_chunk(int kind, int vec, const float* x, int n, int k, int rpb, const float* nw, float eps, int mode,
+                 const unsigned char* w0, float* y0, int rows0, long long rb0, const unsigned char* w1, float* y1,
+                 int rows1, long long rb1, const unsigned char* w2, float* y2, int rows2, long long rb2) {
     PDL_ENTRY_EARLY();
     __shared__ float part[MM_TOKENS * MC_MAX_THREADS];
+    __shared__ float inv[MM_TOKENS];
     int chunks = (k + CHUNK - 1) / CHUNK;
-    long long total_rows = (long long)rows0 + rows1 + rows2;
-    int row_blocks = (int)((total_rows + rpb - 1) / rpb);
+    long long units = mode == 2 ? rows0 : (long long)rows0 + rows1 + rows2;
+    int per = mode == 2 ? rpb / 2 : rpb;
+    int row_blocks = (int)((units + per - 1) / per);
     int rb = blockIdx.x % row_blocks, t0 = (blockIdx.x / row_blocks) * MM_TOKENS;
     int tn = min(MM_TOKENS, n - t0);
     int tid = threadIdx.x, r = tid / chunks, c = tid % chunks;
-    long long row = (long long)rb * rpb + r;
-    bool live = r < rpb && row < total_rows;
+    const unsigned char* wr = nullptr;
+    float* yd;
+    int rows, o;
+    bool live = mc_locate(mode, rb, rpb, r, w0, y0, rows0, rb0, w1, y1, rows1, rb1, w2, y2, rows2, rb2, &wr, &yd,
+                          &rows, &o);
     int c0 = c * CHUNK, cnt = min(CHUNK, k - c0);
     float wv[CHUNK];
     if (live) {
-        const unsigned char* wr;
-        float* yd;
-        int rows, o;
-        mc_row(row, w0, y0, rows0, rb0, w1, y1, rows1, rb1, w2, y2, rows2, rb2, &wr, &yd, &rows, &o);
         if (vec && cnt == CHUNK && kind == 0) {
             const float4* p = (const float4*)(wr + (long long)c0 * 4);
             #pragma unroll
@@ -699,6 +720,28 @@ extern "C" __global__ void __launch_bounds__(MC_MAX_THREADS)
         }
     }
     PDL_ENTRY_LATE();  // the weights in flight; now the inputs
+    if (nw) {
+        // Each token's sum-of-squares chunk partials, by the first row's threads.
+        if (tid < chunks) {
+            for (int tt = 0; tt < tn; ++tt) {
+                const float* xr = x + (long long)(t0 + tt) * k + c0;
+                float l[LANES];
+                #pragma unroll
+                for (int j = 0; j < LANES; ++j) l[j] = 0.0f;
+                #pragma unroll
+                for (int i = 0; i < CHUNK; ++i)
+                    if (i < cnt) l[i & 7] = fmaf(xr[i], xr[i], l[i & 7]);
+                part[tt * MC_MAX_THREADS + c] = lane_tree(l);
+            }
+        }
+        __syncthreads();
+        if (tid < tn) {
+            float ss = 0.0f;
+            for (int cc = 0; cc < chunks; ++cc) ss = ss + part[tid * MC_MAX_THREADS + cc];
+            inv[tid] = 1.0f / sqrtf(ss / (float)k + eps);
+        }
+        __syncthreads();
+    }
     #pragma unroll 1
     for (int tt = 0; tt < MM_TOKENS; ++tt) {
         if (tt < tn && live) {
@@ -706,7 +749,13 @@ extern "C" __global__ void __launch_bounds__(MC_MAX_THREADS)
             float l[LANES];
             #pragma unroll
             for (int j = 0; j < LANES; ++j) l[j] = 0.0f;
-            if (cnt == CHUNK) {
+            if (nw) {
+                float iv = inv[tt];
+                const float* nr = nw + c0;
+                #pragma unroll
+                for (int i = 0; i < CHUNK; ++i)
+                    if (i < cnt) l[i & 7] = fmaf((xr[i] * iv) * nr[i], wv[i], l[i & 7]);
+            } else if (cnt == CHUNK) {
                 if (vec) {
                     const float4* xp = (const float4*)xr;
                     #pragma unroll
@@ -732,18 +781,28 @@ extern "C" __global__ void __launch_bounds__(MC_MAX_THREADS)
         }
     }
     __syncthreads();
-    for (int idx = tid; idx < rpb * tn; idx += blockDim.x) {
+    for (int idx = tid; idx < per * tn; idx += blockDim.x) {
         int rr = idx / tn, tt = idx % tn;
-        long long row2 = (long long)rb * rpb + rr;
-        if (row2 >= total_rows) continue;
-        const unsigned char* wr;
-        float* yd;
-        int rows, o;
-        mc_row(row2, w0, y0, rows0, rb0, w1, y1, rows1, rb1, w2, y2, rows2, rb2, &wr, &yd, &rows, &o);
+        const unsigned char* w_;
+        float* yo;
+        int rows_, o_;
+        if (!mc_locate(mode, rb, rpb, rr, w0, y0, rows0, rb0, w1, y1, rows1, rb1, w2, y2, rows2, rb2, &w_, &yo,
+                       &rows_, &o_))
+            continue;
         const float* pr = part + tt * MC_MAX_THREADS + rr * chunks;
         float total = 0.0f;
         for (int cc = 0; cc < chunks; ++cc) total = total + pr[cc];
-        yd[(long long)(t0 + tt) * rows + o] = total;
+        long long at = (long long)(t0 + tt) * rows_ + o_;
+        if (mode == 0) {
+            yo[at] = total;
+        } else if (mode == 1) {
+            yo[at] = yo[at] + total;
+        } else {
+            const float* pu = pr + (rpb / 2) * chunks;
+            float u = 0.0f;
+            for (int cc = 0; cc < chunks; ++cc) u = u + pu[cc];
+            yo[at] = swiglu_of(total, u);
+        }
     }
 }
 

@@ -233,7 +233,7 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
         let mut cpu = vec![0.0; n * rows];
         matmul(&th, &h, n, &m, &mut cpu);
         let got = gpu
-            .fused_resident(&x, n, Some((&nw, 1e-5)), Fused::Store, &[&m], &[])
+            .fused_resident(&x, n, Some((&nw, 1e-5)), Fused::Store, &[&m], &[], false)
             .expect("gpu matmul_fused");
         out.push(("matmul_fused", diff(&cpu, &got[0])));
     }
@@ -690,49 +690,52 @@ fn main() {
                 matmul(&th, inp, n, &ms[i], &mut y);
                 y
             };
-            let got = gpu
-                .fused_resident(
-                    &x,
-                    n,
-                    Some((&nw, 1e-5)),
-                    Fused::Store,
-                    &[&ms[0], &ms[1], &ms[2]],
-                    &[],
-                )
-                .expect("gpu matmul_fused");
-            let d: usize = (0..3).map(|i| diff(&mm(&h, i), &got[i])).sum();
-            report(
-                format!("matmul_fused norm + q/k/v {label} {n}×{cols}"),
-                d,
-                n * 40,
-            );
-            let base = r.uniform_vec(n * 24, 4.0);
-            let got = gpu
-                .fused_resident(&x, n, None, Fused::Accumulate, &[&ms[0]], &base)
-                .expect("gpu matmul_fused");
-            let want: Vec<f32> = base.iter().zip(mm(&x, 0)).map(|(a, b)| a + b).collect();
-            report(
-                format!("matmul_fused residual {label} {n}×{cols}"),
-                diff(&want, &got[0]),
-                n * 24,
-            );
-            // SwiGLU with the norm made in the kernel, and of an input
-            // already normalized (the unfused step's epilogue form).
-            for (norm, input, case) in [
-                (Some((&nw[..], 1e-5)), &h, "norm + gate/up + swiglu"),
-                (None, &x, "gate/up + swiglu"),
-            ] {
+            for (kname, chunk) in [("matmul_fused", false), ("matmul_chunk", true)] {
                 let got = gpu
-                    .fused_resident(&x, n, norm, Fused::Swiglu, &[&ms[1], &ms[2]], &[])
+                    .fused_resident(
+                        &x,
+                        n,
+                        Some((&nw, 1e-5)),
+                        Fused::Store,
+                        &[&ms[0], &ms[1], &ms[2]],
+                        &[],
+                        chunk,
+                    )
                     .expect("gpu matmul_fused");
-                let (g, u) = (mm(input, 1), mm(input, 2));
-                let mut a = vec![0.0; g.len()];
-                swiglu(&g, &u, &mut a);
+                let d: usize = (0..3).map(|i| diff(&mm(&h, i), &got[i])).sum();
                 report(
-                    format!("matmul_fused {case} {label} {n}×{cols}"),
-                    diff(&a, &got[0]),
-                    n * 8,
+                    format!("{kname} norm + q/k/v {label} {n}×{cols}"),
+                    d,
+                    n * 40,
                 );
+                let base = r.uniform_vec(n * 24, 4.0);
+                let got = gpu
+                    .fused_resident(&x, n, None, Fused::Accumulate, &[&ms[0]], &base, chunk)
+                    .expect("gpu matmul_fused");
+                let want: Vec<f32> = base.iter().zip(mm(&x, 0)).map(|(a, b)| a + b).collect();
+                report(
+                    format!("{kname} residual {label} {n}×{cols}"),
+                    diff(&want, &got[0]),
+                    n * 24,
+                );
+                // SwiGLU with the norm made in the kernel, and of an input
+                // already normalized (the unfused step's epilogue form).
+                for (norm, input, case) in [
+                    (Some((&nw[..], 1e-5)), &h, "norm + gate/up + swiglu"),
+                    (None, &x, "gate/up + swiglu"),
+                ] {
+                    let got = gpu
+                        .fused_resident(&x, n, norm, Fused::Swiglu, &[&ms[1], &ms[2]], &[], chunk)
+                        .expect("gpu matmul_fused");
+                    let (g, u) = (mm(input, 1), mm(input, 2));
+                    let mut a = vec![0.0; g.len()];
+                    swiglu(&g, &u, &mut a);
+                    report(
+                        format!("{kname} {case} {label} {n}×{cols}"),
+                        diff(&a, &got[0]),
+                        n * 8,
+                    );
+                }
             }
         }
     }

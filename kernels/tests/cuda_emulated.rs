@@ -342,14 +342,14 @@ fn matmul_chunk_matches_the_cpu() {
                 if vec == 1 && (cols % 4 != 0 || !aligned) {
                     continue;
                 }
-                let mut line = format!("chunk {kind} {vec} {n} {cols} {rpb}");
+                let mut line = format!("chunk {kind} {vec} {n} {cols} {rpb} 0 0 0");
                 for i in 0..3 {
                     line += &format!(" {}", rows.get(i).copied().unwrap_or(0));
                 }
                 let raws: Vec<&[u8]> = (0..3)
                     .map(|i| each.get(i).map_or(&[][..], |e| &e[si].3[..]))
                     .collect();
-                let out = job(&line, &[&bytes(&x), raws[0], raws[1], raws[2]]);
+                let out = job(&line, &[&bytes(&x), &[], raws[0], raws[1], raws[2], &[]]);
                 for (i, &o) in rows.iter().enumerate() {
                     let m = Matrix::new(each[i][si].2, o, cols).expect("shape");
                     let mut cpu = vec![0.0; n * o];
@@ -360,6 +360,102 @@ fn matmul_chunk_matches_the_cpu() {
                         "matmul_chunk {label} vec {vec}, matrix {i}: {n}×{cols}·{cols}×{o}, {rpb} rows a block"
                     );
                 }
+            }
+        }
+    }
+}
+
+/// `matmul_chunk`'s fused forms against the separate CPU ops they stand
+/// for: the norm then q, k, v; the residual add after a matmul; gate, up
+/// and SwiGLU with and without the norm; in f32 (vector loads on and off)
+/// and Q4_1, on one token, a partial token tile, two tiles, and a ragged
+/// width.
+#[test]
+fn matmul_chunk_fused_forms_match_the_separate_ops() {
+    if emulator().is_none() {
+        return;
+    }
+    let th = Threads::new(2).expect("threads");
+    let mut r = SplitMix64(13);
+    let eps = 1e-5f32;
+    // (tokens, cols, rows per block)
+    for &(n, cols, rpb) in &[
+        (1usize, 576usize, 14usize),
+        (3, 96, 4),
+        (11, 1088, 6),
+        (2, 100, 2),
+    ] {
+        let x = r.uniform_vec(n * cols, 3.0);
+        let nw = r.uniform_vec(cols, 1.5);
+        let mut h = vec![0.0; x.len()];
+        rms_norm(&x, &nw, eps, &mut h);
+        let rows = [24usize, 8, 8];
+        let wf: Vec<Vec<f32>> = rows.iter().map(|&o| r.uniform_vec(o * cols, 0.5)).collect();
+        let q41: Vec<Vec<u8>> = rows
+            .iter()
+            .map(|&o| blocks(&mut r, QuantKind::Q4_1, o * cols / 32))
+            .collect();
+        for (label, kind, vec) in [("f32", 0, 0), ("f32", 0, 1), ("Q4_1", 3, 0)] {
+            if (kind == 3 && cols % 32 != 0) || (vec == 1 && cols % 4 != 0) {
+                continue;
+            }
+            let mat = |i: usize| match kind {
+                0 => Matrix::new(Weights::F32(&wf[i]), rows[i], cols).expect("shape"),
+                _ => Matrix::new(Weights::Quant(QuantKind::Q4_1, &q41[i]), rows[i], cols)
+                    .expect("shape"),
+            };
+            let raw = |i: usize| {
+                if kind == 0 {
+                    bytes(&wf[i])
+                } else {
+                    q41[i].clone()
+                }
+            };
+            let mm = |inp: &[f32], i: usize| {
+                let mut y = vec![0.0; n * rows[i]];
+                matmul(&th, inp, n, &mat(i), &mut y);
+                y
+            };
+            let what = format!("{label} vec {vec} {n}×{cols}, {rpb} rows a block");
+            let e = eps.to_bits();
+            // Norm, then three matmuls.
+            let out = job(
+                &format!("chunk {kind} {vec} {n} {cols} {rpb} 0 1 {e} 24 8 8"),
+                &[&bytes(&x), &bytes(&nw), &raw(0), &raw(1), &raw(2), &[]],
+            );
+            for (i, got) in out.iter().enumerate().take(3) {
+                assert_eq!(
+                    differing(&mm(&h, i), &floats(got)),
+                    0,
+                    "norm + matmul {i}, {what}"
+                );
+            }
+            // Accumulate into the residual.
+            let base = r.uniform_vec(n * 24, 4.0);
+            let out = job(
+                &format!("chunk {kind} {vec} {n} {cols} {rpb} 1 0 0 24 0 0"),
+                &[&bytes(&x), &[], &raw(0), &[], &[], &bytes(&base)],
+            );
+            let want: Vec<f32> = base.iter().zip(mm(&x, 0)).map(|(a, b)| a + b).collect();
+            assert_eq!(differing(&want, &floats(&out[0])), 0, "residual, {what}");
+            // Gate and up (rows 8 and 8), SwiGLU, with and without the norm.
+            for (norm, input, case) in [
+                (true, &h, "norm + gate/up + swiglu"),
+                (false, &x, "gate/up + swiglu"),
+            ] {
+                let nwb = if norm { bytes(&nw) } else { Vec::new() };
+                let rpb2 = (rpb.max(2)) & !1;
+                let out = job(
+                    &format!(
+                        "chunk {kind} {vec} {n} {cols} {rpb2} 2 {} {e} 8 8 0",
+                        u8::from(norm)
+                    ),
+                    &[&bytes(&x), &nwb, &raw(1), &raw(2), &[], &[]],
+                );
+                let (g, u) = (mm(input, 1), mm(input, 2));
+                let mut a = vec![0.0; g.len()];
+                swiglu(&g, &u, &mut a);
+                assert_eq!(differing(&a, &floats(&out[0])), 0, "{case}, {what}");
             }
         }
     }

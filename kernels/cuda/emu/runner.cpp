@@ -142,23 +142,31 @@ int main() {
         write_array(y1);
         write_array(y2);
     } else if (job == "chunk") {
-        // chunk kind vec n k rpb rows0 rows1 rows2: x, w0, w1, w2 (one
-        // matmul_chunk launch over up to three matrices) -> y0, y1, y2
-        int kind, vec, n, k, rpb, r0, r1, r2;
-        hs >> kind >> vec >> n >> k >> rpb >> r0 >> r1 >> r2;
+        // chunk kind vec n k rpb mode has_norm eps_bits rows0 rows1 rows2:
+        // x, nw, w0, w1, w2, y0 (its start, for mode 1) -> y0, y1, y2 (one
+        // matmul_chunk launch)
+        int kind, vec, n, k, rpb, mode, has_norm, r0, r1, r2;
+        unsigned eps_bits;
+        hs >> kind >> vec >> n >> k >> rpb >> mode >> has_norm >> eps_bits >> r0 >> r1 >> r2;
+        float eps = __uint_as_float(eps_bits);
         auto x = read_as<float>();
+        auto nw = read_as<float>();
         auto w0 = read_array(), w1 = read_array(), w2 = read_array();
-        std::vector<float> y0((size_t)n * r0 + 1, std::nanf("")), y1((size_t)n * r1 + 1, std::nanf("")),
-            y2((size_t)n * r2 + 1, std::nanf(""));
+        auto y0 = read_as<float>();
+        y0.resize((size_t)n * r0 + 1, std::nanf(""));
+        std::vector<float> y1((size_t)n * r1 + 1, std::nanf("")), y2((size_t)n * r2 + 1, std::nanf(""));
         auto rb = [](const std::vector<unsigned char>& w, int r) { return r ? (long long)(w.size() / r) : 0LL; };
         int chunks = (k + CHUNK - 1) / CHUNK;
         unsigned threads = (unsigned)((rpb * chunks + 31) / 32 * 32);
-        int row_blocks = (r0 + r1 + r2 + rpb - 1) / rpb;
-        unsigned b = (unsigned)(row_blocks * ((n + MM_TOKENS - 1) / MM_TOKENS));
-        if (rpb < 1 || threads > MC_MAX_THREADS) return 2;
+        long long units = mode == 2 ? r0 : (long long)r0 + r1 + r2;
+        int per = mode == 2 ? rpb / 2 : rpb;
+        if (per < 1 || threads > MC_MAX_THREADS) return 2;
+        unsigned b = (unsigned)((units + per - 1) / per * ((n + MM_TOKENS - 1) / MM_TOKENS));
+        const float* nwp = has_norm ? nw.data() : nullptr;
+        // mode 2 reads row o of W1 with W0's row bytes (the host's rule: one shape).
         emu::launch(b, threads, [&] {
-            matmul_chunk(kind, vec, x.data(), n, k, rpb, w0.data(), y0.data(), r0, rb(w0, r0), w1.data(), y1.data(), r1,
-                         rb(w1, r1), w2.data(), y2.data(), r2, rb(w2, r2));
+            matmul_chunk(kind, vec, x.data(), n, k, rpb, nwp, eps, mode, w0.data(), y0.data(), r0, rb(w0, r0),
+                         w1.data(), y1.data(), r1, rb(w1, r1), w2.data(), y2.data(), r2, rb(w2, r2));
         });
         y0.resize((size_t)n * r0);
         y1.resize((size_t)n * r1);

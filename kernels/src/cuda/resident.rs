@@ -1014,7 +1014,7 @@ impl Gpu {
             return self.gemm_launch(x, n, w, y, kind, split.map(|cpb| (scratch.addr, cpb)));
         }
         if self.chunk_serves(n, &[(w, y)]) {
-            return self.chunk_launch(x, n, &[(w, y)]);
+            return self.chunk_launch(x, n, None, Fused::Store, &[(w, y)]);
         }
         let rows_kernel = w.cols.div_ceil(64) <= MR_MAX_CHUNKS;
         let (f, cfg) = if rows_kernel {
@@ -1138,9 +1138,9 @@ impl Gpu {
             && n <= tun.chunk_max
             && n < tun.gemm_min.max(1)
             && (1..=3).contains(&mats.len())
-            && mats.iter().all(|(w, _)| {
-                w.kind == mats[0].0.kind && w.cols == mats[0].0.cols && w.rows > 0
-            })
+            && mats
+                .iter()
+                .all(|(w, _)| w.kind == mats[0].0.kind && w.cols == mats[0].0.cols && w.rows > 0)
             && mats[0].0.cols.div_ceil(64) <= MC_MAX_THREADS
     }
 
@@ -1149,10 +1149,13 @@ impl Gpu {
     /// `matmul_chunk` launch: a thread per (row, chunk), blocks of whole
     /// rows near [`Tuning::chunk_threads`] threads; the bits of
     /// [`Gpu::mm`]. Vector loads where x, the rows and the widths allow.
+    /// With `norm` and `mode`, [`Gpu::mm_fused`]'s forms (the same bits).
     pub(crate) fn chunk_launch(
         &self,
         x: u64,
         n: usize,
+        norm: Option<(&DevBuf, f32)>,
+        mode: Fused,
         mats: &[(&DevMatrix, u64)],
     ) -> Result<(), GpuError> {
         let Some(((w0, _), rest)) = mats.split_first() else {
@@ -1163,23 +1166,40 @@ impl Gpu {
         if n == 0 || chunks == 0 {
             return Ok(());
         }
+        let pairs = mode == Fused::Swiglu;
         if mats.len() > 3
-            || chunks > MC_MAX_THREADS
-            || rest.iter().any(|(w, _)| w.kind != w0.kind || w.cols != cols)
+            || chunks > MC_MAX_THREADS / if pairs { 2 } else { 1 }
+            || rest
+                .iter()
+                .any(|(w, _)| w.kind != w0.kind || w.cols != cols)
+            || (pairs && (mats.len() != 2 || mats[1].0.rows != w0.rows))
+            || (mode == Fused::Accumulate && mats.len() != 1)
         {
             return Err(GpuError::Shape {
                 what: "matmul_chunk",
                 detail: format!(
-                    "{} matrices (at most 3, one storage and width) of {cols} columns (at most {})",
+                    "{mode:?}: {} matrices of {:?} rows × {cols} (at most 3, one storage and width; at most {} columns, {} for SwiGLU pairs)",
                     mats.len(),
-                    64 * MC_MAX_THREADS
+                    mats.iter().map(|m| m.0.rows).collect::<Vec<_>>(),
+                    64 * MC_MAX_THREADS,
+                    32 * MC_MAX_THREADS
                 ),
             });
         }
-        let rpb = (self.res.tuning.chunk_threads / chunks).max(1);
+        // Rows a block: whole rows near the target; SwiGLU pairs an even count.
+        let rpb = if pairs {
+            ((self.res.tuning.chunk_threads / chunks) & !1).max(2)
+        } else {
+            (self.res.tuning.chunk_threads / chunks).max(1)
+        };
         let threads = (rpb * chunks).div_ceil(32) * 32;
         let total: usize = mats.iter().map(|(w, _)| w.rows).sum();
-        let blocks = total.div_ceil(rpb) * n.div_ceil(MM_TOKENS);
+        let units = if pairs {
+            w0.rows.div_ceil(rpb / 2)
+        } else {
+            total.div_ceil(rpb)
+        };
+        let blocks = units * n.div_ceil(MM_TOKENS);
         let vec = cols % 4 == 0
             && x % 16 == 0
             && mats
@@ -1201,20 +1221,30 @@ impl Gpu {
         };
         let (m0, m1, m2) = (slot(0)?, slot(1)?, slot(2)?);
         let (veci, rpbi) = (i32::from(vec), as_i32("matmul", rpb)?);
+        let (nw, eps) = norm.map_or((0u64, 0.0f32), |(w, e)| (w.ptr, e));
+        let mode_i: i32 = match mode {
+            Fused::Store => 0,
+            Fused::Accumulate => 1,
+            Fused::Swiglu => 2,
+        };
         let mut b = self.kernel(&self.res.matmul_chunk)?;
         b.arg(&w0.kind)
             .arg(&veci)
             .arg(&x)
             .arg(&ni)
             .arg(&ki)
-            .arg(&rpbi);
+            .arg(&rpbi)
+            .arg(&nw)
+            .arg(&eps)
+            .arg(&mode_i);
         for m in [&m0, &m1, &m2] {
             b.arg(&m.0).arg(&m.1).arg(&m.2).arg(&m.3);
         }
         // SAFETY: matches `matmul_chunk`; x holds n·cols floats, each y
-        // n·rows; absent matrices have 0 rows and no thread reads them; the
-        // block's rows of chunks fit MC_MAX_THREADS (checked above); vector
-        // loads only where every address they form is 16-byte aligned.
+        // n·rows (y0 n·rows0 in the SwiGLU form), nw (when set) cols; absent
+        // matrices have 0 rows and no thread reads them; the block's rows of
+        // chunks fit MC_MAX_THREADS (checked above); vector loads only where
+        // every address they form is 16-byte aligned.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 
@@ -1236,7 +1266,7 @@ impl Gpu {
                     && w.rows > 0
             });
         if self.chunk_serves(n, mats) {
-            return self.chunk_launch(x, n, mats);
+            return self.chunk_launch(x, n, None, Fused::Store, mats);
         }
         if !shared || n == 0 || n >= self.res.tuning.gemm_min.max(1) || mats.len() < 2 {
             for (w, y) in mats {
@@ -1369,6 +1399,10 @@ impl Gpu {
                     64 * MR_MAX_CHUNKS
                 ),
             });
+        }
+        let halve = if mode == Fused::Swiglu { 2 } else { 1 };
+        if self.chunk_serves(n, mats) && cols.div_ceil(64) <= MC_MAX_THREADS / halve {
+            return self.chunk_launch(x, n, norm, mode, mats);
         }
         let tiles = n.div_ceil(MM_TOKENS);
         let rows_launched: usize = match mode {
@@ -2006,7 +2040,7 @@ impl Gpu {
             self.sync()?;
             let t0 = std::time::Instant::now();
             for _ in 0..reps.max(1) {
-                self.chunk_launch(dx.ptr, n, &[(&dw, dy.ptr)])?;
+                self.chunk_launch(dx.ptr, n, None, Fused::Store, &[(&dw, dy.ptr)])?;
             }
             self.sync()?;
             let secs = t0.elapsed().as_secs_f64();
@@ -2082,6 +2116,8 @@ impl Gpu {
     /// [`Gpu::mm_fused`] on host operands: `x (n, cols)`, the norm weight
     /// when given, the matrices, and (for [`Fused::Accumulate`]) the
     /// starting `y`; returns each matrix's output (SwiGLU: the one result).
+    /// `chunk`: by `matmul_chunk`'s forms rather than `matmul_fused`.
+    #[allow(clippy::too_many_arguments)]
     pub fn fused_resident(
         &self,
         x: &[f32],
@@ -2090,6 +2126,7 @@ impl Gpu {
         mode: Fused,
         mats: &[&Matrix],
         y_start: &[f32],
+        chunk: bool,
     ) -> Result<Vec<Vec<f32>>, GpuError> {
         let dx = self.upload(x, "x")?;
         let dn = match norm {
@@ -2120,7 +2157,11 @@ impl Gpu {
             (Some(b), Some((_, eps))) => Some((b, eps)),
             _ => None,
         };
-        self.mm_fused(dx.ptr, n, nm, mode, &pairs)?;
+        if chunk {
+            self.chunk_launch(dx.ptr, n, nm, mode, &pairs)?;
+        } else {
+            self.mm_fused(dx.ptr, n, nm, mode, &pairs)?;
+        }
         let take = if mode == Fused::Swiglu { 1 } else { outs.len() };
         outs.iter()
             .zip(mats)

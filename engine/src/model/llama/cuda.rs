@@ -721,6 +721,7 @@ impl Resident {
         layout: PageLayout,
         n: usize,
         w: usize,
+        rope_attn: bool,
     ) -> Result<(), EngineError> {
         let g = &*self.gpu;
         let c = &m.cfg;
@@ -735,32 +736,54 @@ impl Resident {
                 a.k + 4 * (li * n * kvd) as u64,
                 a.v + 4 * (li * n * kvd) as u64,
             );
+            // Under rope_attn the k matmul leaves its rows unrotated in a.g
+            // (free: SwiGLU goes to a.a), for attention_decode_rope.
+            let kraw = if rope_attn { a.g } else { k };
             t("matmul q, k, v (with the norm)", &|| {
                 g.mm_fused(
                     a.x,
                     n,
                     Some((&l.attn_norm, eps)),
                     Fused::Store,
-                    &[(&l.q, a.q), (&l.k, k), (&l.v, v)],
+                    &[(&l.q, a.q), (&l.k, kraw), (&l.v, v)],
                 )
             })?;
-            t("rope, KV write", &|| {
-                g.rope_kv(
-                    (MmOut::at(a.q), MmOut::at(k), MmOut::at(v)),
-                    (&self.rope.0, &self.rope.1),
-                    table.pos,
-                    dst,
-                    slot,
-                    n,
-                    qd,
-                    m.shape.head_dim,
-                    layout,
-                    li,
-                )
-            })?;
-            t("attention", &|| {
-                g.attention_paged(a.q, table, n, &m.shape, layout, li, scale, a.att)
-            })?;
+            if rope_attn {
+                t("attention (with rope, KV write)", &|| {
+                    g.attention_decode_rope(
+                        (a.q, kraw, v),
+                        k,
+                        (&self.rope.0, &self.rope.1),
+                        table,
+                        dst,
+                        slot,
+                        n,
+                        &m.shape,
+                        layout,
+                        li,
+                        scale,
+                        a.att,
+                    )
+                })?;
+            } else {
+                t("rope, KV write", &|| {
+                    g.rope_kv(
+                        (MmOut::at(a.q), MmOut::at(k), MmOut::at(v)),
+                        (&self.rope.0, &self.rope.1),
+                        table.pos,
+                        dst,
+                        slot,
+                        n,
+                        qd,
+                        m.shape.head_dim,
+                        layout,
+                        li,
+                    )
+                })?;
+                t("attention", &|| {
+                    g.attention_paged(a.q, table, n, &m.shape, layout, li, scale, a.att)
+                })?;
+            }
             t("matmul o (with the residual add)", &|| {
                 g.mm_fused(a.att, n, None, Fused::Accumulate, &[(&l.o, a.x)])
             })?;
@@ -834,7 +857,7 @@ impl Resident {
             && ff.div_ceil(64) <= lmrr_kernels::cuda::resident::MR_MAX_CHUNKS;
         if n <= fused_max && w <= fused_max {
             return self
-                .launch_fused(m, a, table, dst, slot, rows, layout, n, w)
+                .launch_fused(m, a, table, dst, slot, rows, layout, n, w, rope_attn)
                 .map(|_| None);
         }
         let sp = SplitScratch {
