@@ -8,6 +8,7 @@
 //! when no device can be opened.
 
 use lmrr_kernels::cuda::resident::{AttnKernel, Fused, NormKernel, Tuning};
+use lmrr_kernels::cuda::split::MultiKernel;
 use lmrr_kernels::cuda::{negative_controls, Control, Gpu, MatmulKernel};
 use lmrr_kernels::*;
 
@@ -225,6 +226,29 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
     out.push(("matmul_tile", tile));
     out.push(("matmul_rows", rowsk));
     out.push(("matmul_gemm", gemm));
+    {
+        // One launch over two matrices of other row counts (q, k; gate, up),
+        // the gemm whole and split, and the chunk kernel.
+        let w2 = r.uniform_vec(32 * cols, 0.5);
+        let m1 = Matrix::new(Weights::F32(&wf), rows, cols).expect("shape");
+        let m2 = Matrix::new(Weights::F32(&w2), 32, cols).expect("shape");
+        let mut want = Vec::new();
+        for m in [&m1, &m2] {
+            let mut cpu = vec![0.0; n * m.rows];
+            matmul(&th, &x, n, m, &mut cpu);
+            want.push(cpu);
+        }
+        for (label, k) in [
+            ("matmul_gemm_multi", MultiKernel::Gemm),
+            ("matmul_gemm_multi split", MultiKernel::GemmSplit),
+            ("matmul_chunk", MultiKernel::Chunk),
+        ] {
+            let got = gpu
+                .multi_resident(k, &x, n, &[&m1, &m2])
+                .expect("gpu one-launch matmuls");
+            out.push((label, diff(&want[0], &got[0]) + diff(&want[1], &got[1])));
+        }
+    }
     {
         let nw = r.uniform_vec(cols, 1.5);
         let mut h = vec![0.0; x.len()];
@@ -482,6 +506,66 @@ fn main() {
                     format!("{what} {label} {n}×{cols} · {cols}×{rows}"),
                     diff(&cpu, &gs),
                     cpu.len(),
+                );
+            }
+        }
+    }
+    // Up to three matmuls of one input in one launch (q/k/v, gate/up; o and
+    // down alone), each matrix's output against the CPU's matmul: the
+    // decode kernels (matmul_multi, matmul_chunk) and the gemm's one-launch
+    // form, whole and split (its partials summed).
+    let multi_shapes: [(usize, usize, &[usize]); 5] = [
+        (1, 576, &[576, 192, 192]),
+        (5, 576, &[1536, 1536]),
+        (70, 576, &[576, 192, 192]),
+        (130, 1536, &[576]),
+        (64, 224, &[130, 33]),
+    ];
+    for &(n, cols, rows) in &multi_shapes {
+        let x = r.uniform_vec(n * cols, 2.0);
+        let wf: Vec<Vec<f32>> = rows.iter().map(|&o| r.uniform_vec(o * cols, 0.5)).collect();
+        let q41: Vec<Vec<u8>> = rows
+            .iter()
+            .map(|&o| blocks(&mut r, QuantKind::Q4_1, o * cols / 32))
+            .collect();
+        for (label, quant) in [("f32", false), ("Q4_1", true)] {
+            let ms: Vec<Matrix> = (0..rows.len())
+                .map(|i| {
+                    let w = if quant {
+                        Weights::Quant(QuantKind::Q4_1, &q41[i])
+                    } else {
+                        Weights::F32(&wf[i])
+                    };
+                    Matrix::new(w, rows[i], cols).expect("shape")
+                })
+                .collect();
+            let refs: Vec<&Matrix> = ms.iter().collect();
+            let want: Vec<Vec<f32>> = ms
+                .iter()
+                .map(|m| {
+                    let mut cpu = vec![0.0; n * m.rows];
+                    matmul(&th, &x, n, m, &mut cpu);
+                    cpu
+                })
+                .collect();
+            let total: usize = want.iter().map(Vec::len).sum();
+            for (kname, k) in [
+                ("matmul_multi", MultiKernel::Rows),
+                ("matmul_chunk", MultiKernel::Chunk),
+                ("matmul_gemm_multi", MultiKernel::Gemm),
+                ("matmul_gemm_multi split", MultiKernel::GemmSplit),
+            ] {
+                if k == MultiKernel::Rows && n >= 8 {
+                    continue; // below the gemm only
+                }
+                let got = gpu
+                    .multi_resident(k, &x, n, &refs)
+                    .unwrap_or_else(|e| panic!("gpu {kname}: {e}"));
+                let d: usize = want.iter().zip(&got).map(|(a, b)| diff(a, b)).sum();
+                report(
+                    format!("{kname} {label} {n}×{cols} · {cols}×{rows:?}"),
+                    d,
+                    total,
                 );
             }
         }

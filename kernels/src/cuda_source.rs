@@ -68,6 +68,11 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
             "false>(kind, x, w1, y1, n, rows0, k,",
         ),
         (
+            "matmul_chunk chunk partials summed in reverse",
+            "for (int cc = 0; cc < chunks; ++cc) total = total + pr[cc];",
+            "for (int cc = chunks - 1; cc >= 0; --cc) total = total + pr[cc];",
+        ),
+        (
             "norm_block partials summed in reverse",
             "for (int c = 0; c < chunks; ++c) ss = ss + part[c];",
             "for (int c = chunks - 1; c >= 0; --c) ss = ss + part[c];",

@@ -824,6 +824,7 @@ fn the_emulation_sees_each_broken_kernel() {
             "matmul_rows",
             "matmul_gemm",
             "matmul_gemm_multi",
+            "matmul_chunk",
             "attention_paged",
             "attention_decode",
             "attention_prefill",
@@ -899,6 +900,12 @@ fn the_emulation_sees_each_broken_kernel() {
                 &bin,
                 &format!("gemm_multi 0 {n} {cols} {rows} 70 0 2 0 0"),
                 &[&bytes(&x), &bytes(&wf), &bytes(&w2), &[]],
+            );
+            d += differing(&mm_cpu, &floats(&out[0])) + differing(&multi_cpu, &floats(&out[1]));
+            let out = job_on(
+                &bin,
+                &format!("chunk 0 1 {n} {cols} 3 0 0 0 {rows} 70 0"),
+                &[&bytes(&x), &[], &bytes(&wf), &bytes(&w2), &[], &[]],
             );
             d += differing(&mm_cpu, &floats(&out[0])) + differing(&multi_cpu, &floats(&out[1]));
         }

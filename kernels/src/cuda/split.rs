@@ -54,6 +54,20 @@ impl MmOut {
     }
 }
 
+/// The one-launch matmul [`Gpu::multi_resident`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MultiKernel {
+    /// `matmul_multi` (a block per row; fewer tokens than the gemm's).
+    Rows,
+    /// `matmul_chunk` (a thread per row and chunk).
+    Chunk,
+    /// `matmul_gemm_multi`, every matrix whole.
+    Gemm,
+    /// `matmul_gemm_multi`, each matrix split over its chunks as the
+    /// tuning's `split_blocks` plans it, the partials then summed.
+    GemmSplit,
+}
+
 /// One matmul of [`Gpu::mm_outs`]: its partials (0: unsplit), chunks per
 /// block, and blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -162,6 +176,83 @@ impl Gpu {
             });
         }
         Ok(outs)
+    }
+
+    /// Up to three matmuls of one input on host operands by one launch of
+    /// the kernel `kernel` names (gpu_check: each matrix's output against
+    /// the CPU's matmul); returns each matrix's output.
+    pub fn multi_resident(
+        &self,
+        kernel: MultiKernel,
+        x: &[f32],
+        n: usize,
+        mats: &[&crate::Matrix],
+    ) -> Result<Vec<Vec<f32>>, GpuError> {
+        let dx = self.upload(x, "x")?;
+        let dm: Vec<DevMatrix> = mats
+            .iter()
+            .map(|m| self.upload_matrix(m, "w"))
+            .collect::<Result<_, _>>()?;
+        let outs: Vec<super::resident::DevBuf> = mats
+            .iter()
+            .map(|m| self.alloc(n * m.rows * 4, "y"))
+            .collect::<Result<_, _>>()?;
+        let pairs: Vec<(&DevMatrix, u64)> =
+            dm.iter().zip(&outs).map(|(m, o)| (m, o.ptr())).collect();
+        let shapes: Vec<(usize, usize)> = mats.iter().map(|m| (m.rows, m.cols)).collect();
+        let mut scratch = None;
+        match kernel {
+            MultiKernel::Rows => {
+                if n >= self.res.tuning.gemm_min.max(1) || n > super::resident::MM_TOKENS {
+                    return Err(GpuError::Shape {
+                        what: "matmul_multi",
+                        detail: format!(
+                            "{n} tokens (this check runs it below the gemm's {})",
+                            self.res.tuning.gemm_min
+                        ),
+                    });
+                }
+                self.mm_multi(dx.ptr(), n, &pairs, SplitScratch::NONE)?;
+            }
+            MultiKernel::Chunk => {
+                self.chunk_launch(dx.ptr(), n, None, super::resident::Fused::Store, &pairs)?
+            }
+            MultiKernel::Gemm | MultiKernel::GemmSplit => {
+                let sp = if kernel == MultiKernel::GemmSplit {
+                    let floats: usize = shapes.iter().map(|(r, c)| c.div_ceil(64) * n * r).sum();
+                    let buf = self.alloc(floats * 4, "partials")?;
+                    let sp = SplitScratch {
+                        addr: buf.ptr(),
+                        floats,
+                    };
+                    scratch = Some(buf);
+                    sp
+                } else {
+                    SplitScratch::NONE
+                };
+                let plans = plan(&self.res.tuning, GemmTiles::Wide, n, &shapes, sp);
+                self.gemm_multi_launch(dx.ptr(), n, &pairs, &plans)?;
+                for ((w, y), p) in pairs.iter().zip(&plans) {
+                    let o = MmOut {
+                        y: *y,
+                        part: p.part,
+                        chunks: w.cols.div_ceil(64),
+                    };
+                    self.sum_split(o, n * w.rows)?;
+                }
+            }
+        }
+        let res = outs
+            .iter()
+            .zip(mats)
+            .map(|(o, m)| {
+                let mut v = vec![0.0; n * m.rows];
+                self.dtoh(o.ptr(), &mut v)?;
+                Ok(v)
+            })
+            .collect();
+        drop(scratch);
+        res
     }
 
     /// `matmul_gemm_multi` over `mats` (1 to 3, one storage and width, wide
