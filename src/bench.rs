@@ -224,6 +224,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     // On the device, batch-1 decode is also measured with graphs off: what
     // capturing the step saves over launching its kernels one by one.
     let mut graphs_off = None;
+    // (batch, device seconds of a decode step's kernels, its wall seconds).
+    let mut device_split: Vec<(usize, f64, f64)> = Vec::new();
     for &batch in &batches {
         // Prefill: `batch` prompts in one step. The first into a fresh
         // store (its K/V memory allocated and first touched in the step);
@@ -272,6 +274,34 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             steps.push(t.elapsed().as_secs_f64());
         }
         let step_s = median(steps);
+        if on_gpu {
+            // The same steps again, each one's kernels timed on the device by
+            // events around them: what of the step is device time, and what
+            // host work and copies.
+            if let Some(l) = model.llama() {
+                l.set_cuda_step_timing(true);
+                let _ = l.take_cuda_step_device();
+                let mut wall = Vec::new();
+                for _ in 0..a.decode_steps {
+                    let spans: Vec<SeqSpan> = (0..batch)
+                        .map(|i| SeqSpan {
+                            seq: i as u64,
+                            start: kv.len(i as u64),
+                            tokens: std::slice::from_ref(&toks[i]),
+                            logits: LogitsWanted::Last,
+                        })
+                        .collect();
+                    let t = Instant::now();
+                    m.forward(&mut kv, &spans, &th)?;
+                    wall.push(t.elapsed().as_secs_f64());
+                }
+                l.set_cuda_step_timing(false);
+                let dev = l.take_cuda_step_device();
+                if !dev.is_empty() {
+                    device_split.push((batch, median(dev), median(wall)));
+                }
+            }
+        }
         if on_gpu && batch == 1 {
             if let Some(l) = model.llama() {
                 l.set_cuda_graphs(false);
@@ -380,6 +410,15 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             a.prompt_len,
             step * 1e3,
             step / floor
+        );
+    }
+    for (batch, dev, wall) in &device_split {
+        println!(
+            "| decode, batch {batch}: the step's kernels on the device (events around them) | {:.3} of {:.3} ms ({:.1}%; host work and copies {:.3} ms) |",
+            dev * 1e3,
+            wall * 1e3,
+            100.0 * dev / wall,
+            (wall - dev) * 1e3
         );
     }
     if let Some(off) = graphs_off {

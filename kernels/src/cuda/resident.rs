@@ -613,6 +613,19 @@ impl Gpu {
     }
 }
 
+/// A point in the stream's work ([`Gpu::mark`]).
+pub struct Mark(cudarc::driver::CudaEvent);
+
+impl Mark {
+    /// Device seconds from this mark to `end` (waits for both).
+    pub fn secs_to(&self, end: &Mark) -> Result<f64, GpuError> {
+        self.0
+            .elapsed_ms(&end.0)
+            .map(|ms| f64::from(ms) / 1e3)
+            .map_err(drv)
+    }
+}
+
 /// Raw device memory, freed when dropped.
 pub struct DevBuf {
     ptr: u64,
@@ -892,6 +905,15 @@ impl Gpu {
         // SAFETY: the caller's buffer at `dst` holds `host`'s bytes; a copy
         // from pageable memory is staged before the call returns.
         unsafe { result::memcpy_htod_async(dst, host, self.stream.cu_stream()) }.map_err(drv)
+    }
+
+    /// A timing event recorded after the work queued on the stream so far
+    /// (measurement: [`Mark::secs_to`] gives the device time between two).
+    pub fn mark(&self) -> Result<Mark, GpuError> {
+        self.stream
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map(Mark)
+            .map_err(drv)
     }
 
     /// Copies device address `src` into `host`, waiting for the stream.

@@ -116,6 +116,11 @@ pub(crate) struct Resident {
     /// off), for `lmrr bench`'s breakdown; measurement only.
     profiling: bool,
     prof: Mutex<Vec<(&'static str, f64)>>,
+    /// Measurement (`lmrr bench`): each step's kernels timed by events
+    /// around them (no sync added inside the step), the seconds kept in
+    /// `step_device`.
+    step_timing: AtomicBool,
+    step_device: Mutex<Vec<f64>>,
     state: Mutex<State>,
 }
 
@@ -164,6 +169,8 @@ impl Resident {
             graphs_on: AtomicBool::new(graphs_default()),
             profiling: std::env::var("LMRR_CUDA_PROFILE").is_ok_and(|v| v == "1"),
             prof: Mutex::new(Vec::new()),
+            step_timing: AtomicBool::new(false),
+            step_device: Mutex::new(Vec::new()),
             state: Mutex::new(State {
                 mirror: None,
                 scratch: None,
@@ -185,6 +192,21 @@ impl Resident {
             st.graphs.clear();
             st.seen.clear();
         }
+    }
+
+    /// Turns step timing on or off (measurement): while on, each step's
+    /// kernels are timed on the device by events recorded before its first
+    /// launch and after its last.
+    pub(crate) fn set_step_timing(&self, on: bool) {
+        self.step_timing.store(on, Ordering::Relaxed);
+    }
+
+    /// The device seconds of each step timed since the last call.
+    pub(crate) fn take_step_device(&self) -> Vec<f64> {
+        self.step_device
+            .lock()
+            .map(|mut v| std::mem::take(&mut *v))
+            .unwrap_or_default()
     }
 
     /// Seconds per part since the last reset (empty unless profiling).
@@ -593,6 +615,8 @@ impl Resident {
             }
             Ok(())
         };
+        let timing = self.step_timing.load(Ordering::Relaxed);
+        let start = timing.then(|| gpu.mark()).transpose().map_err(gpu_err)?;
         match st.graphs.get(&shape).filter(|_| graphs) {
             Some(g) => {
                 g.layers.launch().map_err(gpu_err)?;
@@ -623,6 +647,7 @@ impl Resident {
                 }
             }
         }
+        let end = timing.then(|| gpu.mark()).transpose().map_err(gpu_err)?;
         let rows_per = n * kvd;
         // Layer by layer (a slot a layer), or all at once (one slot); a step
         // whose launch queued neither (the fused form) downloads after it
@@ -699,6 +724,12 @@ impl Resident {
             .ok_or(EngineError::Device("no mirror".into()))?;
         for s in spans {
             mirror.mark_written(kv, s.seq);
+        }
+        if let (Some(s0), Some(s1)) = (start, end) {
+            let secs = s0.secs_to(&s1).map_err(gpu_err)?;
+            if let Ok(mut v) = self.step_device.lock() {
+                v.push(secs);
+            }
         }
         Ok(out)
     }

@@ -152,6 +152,27 @@ impl Llama {
         let _ = on;
     }
 
+    /// Measurement switch of the resident path: while on, each step's
+    /// kernels are timed on the device by events around them
+    /// ([`Llama::take_cuda_step_device`]); nothing off the device.
+    pub fn set_cuda_step_timing(&self, on: bool) {
+        #[cfg(feature = "cuda")]
+        if let Some(r) = &self.resident {
+            r.set_step_timing(on);
+        }
+        let _ = on;
+    }
+
+    /// The device seconds of each step timed since the last call (empty off
+    /// the device or while timing is off).
+    pub fn take_cuda_step_device(&self) -> Vec<f64> {
+        #[cfg(feature = "cuda")]
+        if let Some(r) = &self.resident {
+            return r.take_step_device();
+        }
+        Vec::new()
+    }
+
     /// On the resident path: KV pages held on the device, and pages
     /// uploaded to it so far.
     pub fn device_stats(&self) -> Option<(usize, u64)> {
