@@ -13,7 +13,9 @@ tmp=$(mktemp -d)
 "$bin/lmrr" gen-model --preset small --dtype f32 --out "$tmp/small" >/dev/null || exit 1
 ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 [ -n "$ncu" ] || { echo "## ncu: not on this machine"; exit 0; }
-for shape in "1 64" "64 64" "1 512"; do
+# DEVICE_PROFILE_SHAPES="1 64;1 512" picks the shapes ("batch prompt", ';' between).
+IFS=';' read -r -a shapes <<<"${DEVICE_PROFILE_SHAPES:-1 64;64 64;1 512}"
+for shape in "${shapes[@]}"; do
   set -- $shape
   echo "## batch $1, prompt $2: the last step's kernels (decode when the prompt is 64, the prefill itself when 512)"
   LMRR_CUDA_GRAPHS=0 "$ncu" --cache-control none --clock-control none --metrics gpu__time_duration.sum --csv --page raw \
