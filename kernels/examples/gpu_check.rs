@@ -7,7 +7,7 @@
 //! Prints one line per case and a summary; exits 1 on any differing bit, 2
 //! when no device can be opened.
 
-use lmrr_kernels::cuda::resident::{AttnKernel, Fused, NormKernel, Tuning};
+use lmrr_kernels::cuda::resident::{AttnKernel, DecodeRopeCase, Fused, NormKernel, Tuning};
 use lmrr_kernels::cuda::split::MultiKernel;
 use lmrr_kernels::cuda::{negative_controls, Control, Gpu, MatmulKernel};
 use lmrr_kernels::*;
@@ -62,6 +62,67 @@ fn block_view<'a>(kb: &'a [Vec<f32>], vb: &'a [Vec<f32>]) -> KvView<'a> {
         k: kb.iter().map(|b| b.as_slice()).collect(),
         v: vb.iter().map(|b| b.as_slice()).collect(),
     }
+}
+
+/// A decode step (9/3 heads × 64, pages of 16, tokens at `positions`, each
+/// one sequence, pages listed out of order, the written slots NaN before
+/// the step) run as `rope_kv` then attention and as
+/// `attention_decode_rope` on the device: the differing bits of the two
+/// paths' outputs, rotated q, rotated K rows and pages (each of the first
+/// path's kernels is checked against the CPU elsewhere), and their count.
+fn decode_rope(gpu: &Gpu, r: &mut Rng, positions: &[usize]) -> (usize, usize) {
+    let (nh, nkv, hd, page_len) = (9usize, 3usize, 64usize, 16usize);
+    let (qd, kvd, n) = (nh * hd, nkv * hd, positions.len());
+    let pf = page_len * 2 * kvd;
+    let counts: Vec<usize> = positions
+        .iter()
+        .map(|p| (p + 1).div_ceil(page_len))
+        .collect();
+    let total: usize = counts.iter().sum();
+    let mut store = r.uniform_vec(total * pf, 2.0);
+    let (mut index, mut seq_off, mut dst_page) = (Vec::new(), Vec::new(), Vec::new());
+    let mut next = total;
+    for (&p, &c) in positions.iter().zip(&counts) {
+        seq_off.push(index.len() as u64);
+        for _ in 0..c {
+            next -= 1;
+            index.push(next as u64);
+        }
+        let page = index[seq_off[seq_off.len() - 1] as usize + p / page_len] as usize;
+        dst_page.push(page as u64);
+        for which in 0..2 {
+            let at = page * pf + which * page_len * kvd + (p % page_len) * kvd;
+            store[at..at + kvd].fill(f32::NAN);
+        }
+    }
+    let max_pos = positions.iter().max().copied().unwrap_or(0);
+    let table = RopeTable::new(hd, 10_000.0, max_pos + 1);
+    let (cos, sin) = table.tables();
+    let pos: Vec<u64> = positions.iter().map(|&p| p as u64).collect();
+    let (q, k, v) = (
+        r.uniform_vec(n * qd, 2.0),
+        r.uniform_vec(n * kvd, 2.0),
+        r.uniform_vec(n * kvd, 1.0),
+    );
+    let case = DecodeRopeCase {
+        n_heads: nh,
+        n_kv_heads: nkv,
+        head_dim: hd,
+        page_len,
+        q: &q,
+        k: &k,
+        v: &v,
+        cos,
+        sin,
+        store: &store,
+        index: &index,
+        seq_off: &seq_off,
+        pos: &pos,
+        dst_page: &dst_page,
+    };
+    let [a, b] = case.run(gpu).expect("gpu attention_decode_rope");
+    let d = a.iter().zip(&b).map(|(x, y)| diff(x, y)).sum();
+    (d, a.iter().map(Vec::len).sum())
 }
 
 fn diff(a: &[f32], b: &[f32]) -> usize {
@@ -261,6 +322,23 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
             .expect("gpu matmul_fused");
         out.push(("matmul_fused", diff(&cpu, &got[0])));
     }
+    {
+        // Down with SwiGLU made in its input loads.
+        let u = r.uniform_vec(n * cols, 2.0);
+        let mut a = vec![0.0; x.len()];
+        swiglu(&x, &u, &mut a);
+        let m = Matrix::new(Weights::F32(&wf), rows, cols).expect("shape");
+        let mut cpu = vec![0.0; n * rows];
+        matmul(&th, &a, n, &m, &mut cpu);
+        let dev = gpu
+            .rows_swiglu_resident(&x, &u, n, &m)
+            .expect("gpu matmul_rows_swiglu");
+        out.push(("matmul_rows_swiglu", diff(&cpu, &dev)));
+    }
+    out.push((
+        "attention_decode_rope",
+        decode_rope(gpu, &mut r, &[5, 64, 100]).0,
+    ));
     let w = r.uniform_vec(cols, 1.5);
     let (mut cpu, mut dev) = (vec![0.0; x.len()], vec![0.0; x.len()]);
     rms_norm(&x, &w, 1e-5, &mut cpu);
@@ -644,6 +722,17 @@ fn main() {
                 cpu.len(),
             );
         }
+    }
+    // A decode step's RoPE, page writes and attention in one launch
+    // (attention_decode_rope) against rope_kv then attention: tokens at
+    // positions inside a first page, on a page edge and past several pages.
+    for positions in [&[0usize][..], &[5, 64, 100], &[15, 16, 17, 300]] {
+        let (d, count) = decode_rope(&gpu, &mut r, positions);
+        report(
+            format!("attention_decode_rope at positions {positions:?} against rope_kv + attention"),
+            d,
+            count,
+        );
     }
     // det_exp over a wide range and the special values.
     let mut x: Vec<f32> = (0..200_000).map(|i| -100.0 + i as f32 * 0.001).collect();

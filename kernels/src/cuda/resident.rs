@@ -1981,6 +1981,130 @@ impl Gpu {
     }
 }
 
+/// One decode step's attention on host operands (gpu_check), by
+/// [`DecodeRopeCase::run`].
+pub struct DecodeRopeCase<'a> {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub page_len: usize,
+    /// Each token's q (n · qd), unrotated k and v rows (n · kvd).
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    /// The RoPE tables (positions × head_dim / 2 each).
+    pub cos: &'a [f32],
+    pub sin: &'a [f32],
+    /// Whole pages of one layer (page_len · 2 · kvd floats each).
+    pub store: &'a [f32],
+    /// Each page-table entry's page in `store`; token t's list starts at
+    /// `seq_off[t]`; its position `pos[t]`, written into page
+    /// `dst_page[t]`, slot `pos[t] % page_len`.
+    pub index: &'a [u64],
+    pub seq_off: &'a [u64],
+    pub pos: &'a [u64],
+    pub dst_page: &'a [u64],
+}
+
+impl DecodeRopeCase<'_> {
+    /// Runs the step twice on the device from the same inputs: `rope_kv`
+    /// then attention (the kernel [`Gpu::attention_paged`] picks), and
+    /// `attention_decode_rope`; returns each path's attention output,
+    /// rotated q, rotated K rows and pages.
+    pub fn run(&self, gpu: &Gpu) -> Result<[[Vec<f32>; 4]; 2], GpuError> {
+        let n = self.pos.len();
+        let shape = crate::AttnShape {
+            n_heads: self.n_heads,
+            n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+        };
+        let (qd, kvd) = (shape.q_dim(), shape.kv_dim());
+        let layout = crate::paged::PageLayout {
+            page_len: self.page_len,
+            layers: 1,
+            kv_dim: kvd,
+            aux_dim: 0,
+        };
+        let pf = (self.page_len * 2 * kvd) as u64 * 4;
+        let slot: Vec<u64> = self.pos.iter().map(|p| p % self.page_len as u64).collect();
+        let tabs = (gpu.upload(self.cos, "cos")?, gpu.upload(self.sin, "sin")?);
+        let scale = 1.0 / (self.head_dim as f32).sqrt();
+        let mut outs: Vec<[Vec<f32>; 4]> = Vec::new();
+        for fused in [false, true] {
+            let store = gpu.upload(self.store, "pages")?;
+            let table: Vec<u64> = self.index.iter().map(|i| store.ptr + i * pf).collect();
+            let dst: Vec<u64> = self.dst_page.iter().map(|i| store.ptr + i * pf).collect();
+            let (dq, dk, dv) = (
+                gpu.upload(self.q, "q")?,
+                gpu.upload(self.k, "k")?,
+                gpu.upload(self.v, "v")?,
+            );
+            let kout = gpu.alloc(n * kvd * 4, "k out")?;
+            let out = gpu.alloc(n * qd * 4, "out")?;
+            let (dt, dso, dpos, ddst, dslot) = (
+                gpu.upload(&table, "table")?,
+                gpu.upload(self.seq_off, "seq_off")?,
+                gpu.upload(self.pos, "pos")?,
+                gpu.upload(&dst, "dst")?,
+                gpu.upload(&slot, "slot")?,
+            );
+            let pt = PageTable {
+                pages: dt.ptr,
+                seq_off: dso.ptr,
+                pos: dpos.ptr,
+                groups: 0,
+                n_groups: 0,
+            };
+            let kb = if fused {
+                gpu.attention_decode_rope(
+                    (dq.ptr, dk.ptr, dv.ptr),
+                    kout.ptr,
+                    (&tabs.0, &tabs.1),
+                    pt,
+                    ddst.ptr,
+                    dslot.ptr,
+                    n,
+                    &shape,
+                    layout,
+                    0,
+                    scale,
+                    out.ptr,
+                )?;
+                &kout
+            } else {
+                gpu.rope_kv(
+                    (MmOut::at(dq.ptr), MmOut::at(dk.ptr), MmOut::at(dv.ptr)),
+                    (&tabs.0, &tabs.1),
+                    dpos.ptr,
+                    ddst.ptr,
+                    dslot.ptr,
+                    n,
+                    qd,
+                    self.head_dim,
+                    layout,
+                    0,
+                )?;
+                gpu.attention_paged(dq.ptr, pt, n, &shape, layout, 0, scale, out.ptr)?;
+                &dk
+            };
+            let mut r = [
+                vec![0.0; n * qd],
+                vec![0.0; n * qd],
+                vec![0.0; n * kvd],
+                vec![0.0; self.store.len()],
+            ];
+            gpu.dtoh(out.ptr, &mut r[0])?;
+            gpu.dtoh(dq.ptr, &mut r[1])?;
+            gpu.dtoh(kb.ptr, &mut r[2])?;
+            gpu.dtoh(store.ptr, &mut r[3])?;
+            outs.push(r);
+        }
+        let b = outs.pop().unwrap_or_default();
+        let a = outs.pop().unwrap_or_default();
+        Ok([a, b])
+    }
+}
+
 /// Physical limits measured on the device, for `lmrr bench`.
 impl Gpu {
     /// Device-to-device copy bandwidth over a `bytes` buffer: bytes moved
