@@ -9,7 +9,7 @@
 
 use lmrr_kernels::cuda::resident::{AttnKernel, DecodeRopeCase, Fused, NormKernel, Tuning};
 use lmrr_kernels::cuda::split::MultiKernel;
-use lmrr_kernels::cuda::{negative_controls, Control, Gpu, MatmulKernel};
+use lmrr_kernels::cuda::{compile_many, negative_controls, Control, Gpu, MatmulKernel};
 use lmrr_kernels::*;
 
 /// The paged attention kernels, each held to the CPU.
@@ -412,8 +412,9 @@ fn main() {
     };
     // GPU_CHECK_CONTROLS: only the controls whose label holds one of these
     // comma-separated words ("none": none), for a run that must fit a device
-    // budget (each control compiles and loads the whole source: about 55 s
-    // apiece on the H200 machine); unset: all.
+    // budget (each control is a whole-module compile: about 55 s apiece on
+    // the H200 machine one after another; they now compile on every core at
+    // once, below); unset: all.
     let only: Option<Vec<String>> = std::env::var("GPU_CHECK_CONTROLS")
         .ok()
         .map(|v| v.split(',').map(|w| w.trim().to_string()).collect());
@@ -434,11 +435,31 @@ fn main() {
             only.map(|w| w.join(",")).unwrap_or_default()
         );
     }
-    for Control {
-        label,
-        source: src,
-        fmad,
-    } in controls
+    // Every control's source compiled first, on the machine's cores at once
+    // (each is a whole-module NVRTC compile, tens of seconds apiece), then
+    // each loaded and checked in turn.
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
+    let t0 = std::time::Instant::now();
+    let items: Vec<(&str, bool)> = controls
+        .iter()
+        .map(|c| (c.source.as_str(), c.fmad))
+        .collect();
+    let ptxs = compile_many(&items, threads);
+    if !controls.is_empty() {
+        println!(
+            "negative controls: {} sources compiled on {threads} threads in {:.1} s",
+            controls.len(),
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    for (
+        Control {
+            label,
+            source: src,
+            fmad,
+        },
+        ptx,
+    ) in controls.into_iter().zip(ptxs)
     {
         // Plain launches: the kernels compiled once, at the default
         // architecture (a control shows the check sees a broken kernel; the
@@ -447,7 +468,8 @@ fn main() {
             pdl: false,
             ..Tuning::default()
         };
-        match Gpu::open_tuned(0, &src, fmad, plain) {
+        let opened = ptx.and_then(|ptx| Gpu::open_compiled(0, &src, fmad, ptx, plain));
+        match opened {
             Ok(g) => {
                 let per_op = control(&g);
                 let n: usize = per_op.iter().map(|x| x.1).sum();

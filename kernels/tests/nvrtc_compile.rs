@@ -7,7 +7,9 @@
 //! printed, where libnvrtc cannot be loaded.
 #![cfg(feature = "cuda")]
 
-use lmrr_kernels::cuda::{compile, compile_for, negative_controls, nvrtc_present, SOURCE};
+use lmrr_kernels::cuda::{
+    compile, compile_for, compile_many, negative_controls, nvrtc_present, SOURCE,
+};
 
 #[test]
 fn kernels_cu_compiles_under_nvrtc() {
@@ -142,7 +144,17 @@ fn kernels_cu_compiles_under_nvrtc() {
     // would fail to open, not prove anything).
     let controls = negative_controls().unwrap_or_else(|e| panic!("{e}"));
     assert!(controls.len() > 10, "{} controls", controls.len());
-    for c in controls {
-        compile(&c.source, c.fmad).unwrap_or_else(|e| panic!("control `{}`: {e}", c.label));
+    // Compiled as gpu_check compiles them: on several threads at once.
+    let items: Vec<(&str, bool)> = controls
+        .iter()
+        .map(|c| (c.source.as_str(), c.fmad))
+        .collect();
+    for (c, r) in controls.iter().zip(compile_many(&items, 2)) {
+        let ptx = r.unwrap_or_else(|e| panic!("control `{}`: {e}", c.label));
+        assert!(
+            ptx.contains(".entry matmul_rows"),
+            "control `{}`: no matmul_rows in its PTX",
+            c.label
+        );
     }
 }

@@ -67,6 +67,40 @@ pub fn compile_for(
 
 pub use crate::cuda_source::prefetch_source;
 
+/// [`compile`] of each `(source, fmad)` of `items`, on up to `threads`
+/// threads at once (NVRTC compiles distinct programs concurrently), results
+/// in `items`' order: `gpu_check`'s negative controls, each a whole-module
+/// compile, in the time of a few.
+pub fn compile_many(items: &[(&str, bool)], threads: usize) -> Vec<Result<String, GpuError>> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let next = AtomicUsize::new(0);
+    let slots: Vec<std::sync::Mutex<Option<Result<String, GpuError>>>> =
+        items.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    std::thread::scope(|sc| {
+        for _ in 0..threads.clamp(1, items.len().max(1)) {
+            sc.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&(src, fmad)) = items.get(i) else {
+                    break;
+                };
+                let r = compile(src, fmad);
+                if let Ok(mut slot) = slots[i].lock() {
+                    *slot = Some(r);
+                }
+            });
+        }
+    });
+    slots
+        .into_iter()
+        .map(|m| {
+            m.into_inner()
+                .ok()
+                .flatten()
+                .unwrap_or_else(|| Err(GpuError::Compile("a compile thread failed".into())))
+        })
+        .collect()
+}
+
 /// `source` as the resident module is compiled under programmatic
 /// dependent launch for `tuning`: `PDL_PREFETCH` defined with
 /// [`resident::Tuning::pdl_prefetch`], and `ATTN_PREFETCH` too with
@@ -205,7 +239,7 @@ impl Gpu {
         ordinal: usize,
         source: &str,
         fmad: bool,
-        mut tuning: resident::Tuning,
+        tuning: resident::Tuning,
     ) -> Result<Self, GpuError> {
         // SAFETY: these only try to open the shared libraries by name.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
@@ -214,12 +248,30 @@ impl Gpu {
         if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
             return Err(GpuError::NoNvrtc);
         }
+        let ptx = compile(source, fmad)?;
+        Self::open_compiled(ordinal, source, fmad, ptx, tuning)
+    }
+
+    /// [`Gpu::open_tuned`] with `source` already compiled by [`compile`]
+    /// into `ptx` (the module of the reference kernels, and of the resident
+    /// ones too unless `tuning.pdl` on a device that has it, which compiles
+    /// them again for sm_90).
+    pub fn open_compiled(
+        ordinal: usize,
+        source: &str,
+        fmad: bool,
+        ptx: String,
+        mut tuning: resident::Tuning,
+    ) -> Result<Self, GpuError> {
+        // SAFETY: this only tries to open the shared library by name.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(GpuError::NoDriver);
+        }
         let ctx = CudaContext::new(ordinal).map_err(drv)?;
         // One stream does everything, so cudarc's cross-stream event tracking
         // only costs time (and events cannot be recorded in a graph capture).
         // SAFETY: no slice is ever used on another stream.
         unsafe { ctx.disable_event_tracking() };
-        let ptx = compile(source, fmad)?;
         // The resident kernels: the same PTX, or with programmatic dependent
         // launch (Tuning::pdl) compiled for sm_90, where the device has it.
         let major = ctx
