@@ -257,23 +257,27 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         let prefill_s = median(pre);
         let prefill_parts = m.profile();
         m.reset_profile();
-        // Decode: `batch` sequences advance one token per step.
-        let mut steps = Vec::new();
+        // Decode: `batch` sequences advance one token per step; each pass
+        // is `decode_steps` steps, their wall seconds.
         let toks: Vec<u32> = (0..batch as u32).map(|i| 100 + i).collect();
-        for _ in 0..a.decode_steps {
-            let spans: Vec<SeqSpan> = (0..batch)
-                .map(|i| SeqSpan {
-                    seq: i as u64,
-                    start: kv.len(i as u64),
-                    tokens: std::slice::from_ref(&toks[i]),
-                    logits: LogitsWanted::Last,
-                })
-                .collect();
-            let t = Instant::now();
-            m.forward(&mut kv, &spans, &th)?;
-            steps.push(t.elapsed().as_secs_f64());
-        }
-        let step_s = median(steps);
+        let mut decode_pass = || -> anyhow::Result<Vec<f64>> {
+            let mut steps = Vec::with_capacity(a.decode_steps);
+            for _ in 0..a.decode_steps {
+                let spans: Vec<SeqSpan> = (0..batch)
+                    .map(|i| SeqSpan {
+                        seq: i as u64,
+                        start: kv.len(i as u64),
+                        tokens: std::slice::from_ref(&toks[i]),
+                        logits: LogitsWanted::Last,
+                    })
+                    .collect();
+                let t = Instant::now();
+                m.forward(&mut kv, &spans, &th)?;
+                steps.push(t.elapsed().as_secs_f64());
+            }
+            Ok(steps)
+        };
+        let step_s = median(decode_pass()?);
         if on_gpu {
             // The same steps again, each one's kernels timed on the device by
             // events around them: what of the step is device time, and what
@@ -281,21 +285,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             if let Some(l) = model.llama() {
                 l.set_cuda_step_timing(true);
                 let _ = l.take_cuda_step_device();
-                let mut wall = Vec::new();
-                for _ in 0..a.decode_steps {
-                    let spans: Vec<SeqSpan> = (0..batch)
-                        .map(|i| SeqSpan {
-                            seq: i as u64,
-                            start: kv.len(i as u64),
-                            tokens: std::slice::from_ref(&toks[i]),
-                            logits: LogitsWanted::Last,
-                        })
-                        .collect();
-                    let t = Instant::now();
-                    m.forward(&mut kv, &spans, &th)?;
-                    wall.push(t.elapsed().as_secs_f64());
-                }
+                let wall = decode_pass();
                 l.set_cuda_step_timing(false);
+                let wall = wall?;
                 let dev = l.take_cuda_step_device();
                 if !dev.is_empty() {
                     device_split.push((batch, median(dev), median(wall)));
@@ -305,20 +297,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         if on_gpu && batch == 1 {
             if let Some(l) = model.llama() {
                 l.set_cuda_graphs(false);
-                let mut off = Vec::new();
-                for _ in 0..a.decode_steps {
-                    let spans = [SeqSpan {
-                        seq: 0,
-                        start: kv.len(0),
-                        tokens: std::slice::from_ref(&toks[0]),
-                        logits: LogitsWanted::Last,
-                    }];
-                    let t = Instant::now();
-                    m.forward(&mut kv, &spans, &th)?;
-                    off.push(t.elapsed().as_secs_f64());
-                }
+                let off = decode_pass();
                 l.set_cuda_graphs(true);
-                graphs_off = Some(median(off));
+                graphs_off = Some(median(off?));
             }
         }
         let decode_parts = m.profile();

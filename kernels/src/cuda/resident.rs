@@ -685,6 +685,19 @@ fn warps(n: usize) -> Result<LaunchConfig, GpuError> {
     Ok(super::grid(threads))
 }
 
+/// The three `(weights, y, rows, row bytes)` argument groups of the
+/// kernels that take up to three matrices of one input (`matmul_multi`,
+/// `matmul_chunk`, `matmul_fused`): an absent matrix has 0 rows.
+fn mat_slots(mats: &[(&DevMatrix, u64)]) -> Result<[(u64, u64, i32, i64); 3], GpuError> {
+    let slot = |i: usize| -> Result<(u64, u64, i32, i64), GpuError> {
+        Ok(match mats.get(i) {
+            Some((w, y)) => (w.buf.ptr, *y, as_i32("matmul", w.rows)?, w.row_bytes),
+            None => (0, 0, 0, 0),
+        })
+    };
+    Ok([slot(0)?, slot(1)?, slot(2)?])
+}
+
 /// A grid of `blocks` blocks of `MR_THREADS` threads (`matmul_rows`,
 /// `matmul_multi`, `matmul_fused`, `matmul_rows_swiglu`).
 fn row_blocks(blocks: usize) -> Result<LaunchConfig, GpuError> {
@@ -1235,13 +1248,7 @@ impl Gpu {
             block_dim: (threads as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let slot = |i: usize| -> Result<(u64, u64, i32, i64), GpuError> {
-            Ok(match mats.get(i) {
-                Some((w, y)) => (w.buf.ptr, *y, as_i32("matmul", w.rows)?, w.row_bytes),
-                None => (0, 0, 0, 0),
-            })
-        };
-        let (m0, m1, m2) = (slot(0)?, slot(1)?, slot(2)?);
+        let [m0, m1, m2] = mat_slots(mats)?;
         let (veci, rpbi) = (i32::from(vec), as_i32("matmul", rpb)?);
         let (nw, eps) = norm.map_or((0u64, 0.0f32), |(w, e)| (w.ptr, e));
         let mode_i: i32 = match mode {
@@ -1301,13 +1308,7 @@ impl Gpu {
         let (ni, ki) = (as_i32("matmul", n)?, as_i32("matmul", mats[0].0.cols)?);
         as_i32("matmul", n * mats[0].0.cols)?;
         let cfg = row_blocks(blocks)?;
-        let slot = |i: usize| -> Result<(u64, u64, i32, i64), GpuError> {
-            Ok(match mats.get(i) {
-                Some((w, y)) => (w.buf.ptr, *y, as_i32("matmul", w.rows)?, w.row_bytes),
-                None => (0, 0, 0, 0),
-            })
-        };
-        let (m0, m1, m2) = (slot(0)?, slot(1)?, slot(2)?);
+        let [m0, m1, m2] = mat_slots(mats)?;
         let mut b = self.kernel(&self.res.matmul_multi)?;
         b.arg(&mats[0].0.kind).arg(&x).arg(&ni).arg(&ki);
         for m in [&m0, &m1, &m2] {
@@ -1434,13 +1435,7 @@ impl Gpu {
         let cfg = row_blocks(rows_launched * tiles)?;
         let (ni, ki) = (as_i32("matmul", n)?, as_i32("matmul", cols)?);
         as_i32("matmul", n * cols)?;
-        let slot = |i: usize| -> Result<(u64, u64, i32, i64), GpuError> {
-            Ok(match mats.get(i) {
-                Some((w, y)) => (w.buf.ptr, *y, as_i32("matmul", w.rows)?, w.row_bytes),
-                None => (0, 0, 0, 0),
-            })
-        };
-        let (m0, m1, m2) = (slot(0)?, slot(1)?, slot(2)?);
+        let [m0, m1, m2] = mat_slots(mats)?;
         let (nw, eps) = norm.map_or((0u64, 0.0f32), |(w, e)| (w.ptr, e));
         let mode_i: i32 = match mode {
             Fused::Store => 0,

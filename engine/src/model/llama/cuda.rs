@@ -757,8 +757,7 @@ impl Resident {
         let g = &*self.gpu;
         let c = &m.cfg;
         let (d, eps) = (c.hidden_size, c.rms_norm_eps);
-        let (qd, kvd) = (m.shape.q_dim(), m.shape.kv_dim());
-        let scale = 1.0 / (m.shape.head_dim as f32).sqrt();
+        let kvd = m.shape.kv_dim();
         let t = |part, f: &dyn Fn() -> Result<(), lmrr_kernels::cuda::GpuError>| {
             self.timed(part, || f().map_err(gpu_err))
         };
@@ -779,42 +778,18 @@ impl Resident {
                     &[(&l.q, a.q), (&l.k, kraw), (&l.v, v)],
                 )
             })?;
-            if rope_attn {
-                t("attention (with rope, KV write)", &|| {
-                    g.attention_decode_rope(
-                        (a.q, kraw, v),
-                        k,
-                        (&self.rope.0, &self.rope.1),
-                        table,
-                        dst,
-                        slot,
-                        n,
-                        &m.shape,
-                        layout,
-                        li,
-                        scale,
-                        a.att,
-                    )
-                })?;
-            } else {
-                t("rope, KV write", &|| {
-                    g.rope_kv(
-                        (MmOut::at(a.q), MmOut::at(k), MmOut::at(v)),
-                        (&self.rope.0, &self.rope.1),
-                        table.pos,
-                        dst,
-                        slot,
-                        n,
-                        qd,
-                        m.shape.head_dim,
-                        layout,
-                        li,
-                    )
-                })?;
-                t("attention", &|| {
-                    g.attention_paged(a.q, table, n, &m.shape, layout, li, scale, a.att)
-                })?;
-            }
+            let qkv = [MmOut::at(a.q), MmOut::at(k), MmOut::at(v)];
+            self.attend(
+                m,
+                a,
+                qkv,
+                (kraw, k),
+                (table, dst, slot),
+                n,
+                layout,
+                li,
+                rope_attn,
+            )?;
             t("matmul o (with the residual add)", &|| {
                 g.mm_fused(a.att, n, None, Fused::Accumulate, &[(&l.o, a.x)])
             })?;
@@ -873,8 +848,7 @@ impl Resident {
         let g = &*self.gpu;
         let c = &m.cfg;
         let (d, ff, eps) = (c.hidden_size, c.intermediate_size, c.rms_norm_eps);
-        let (qd, kvd) = (m.shape.q_dim(), m.shape.kv_dim());
-        let scale = 1.0 / (m.shape.head_dim as f32).sqrt();
+        let kvd = m.shape.kv_dim();
         let e = gpu_err;
         let t = |part, f: &dyn Fn() -> Result<(), lmrr_kernels::cuda::GpuError>| {
             self.timed(part, || f().map_err(e))
@@ -915,49 +889,18 @@ impl Resident {
                 g.mm_outs(a.h, n, &[(&l.q, a.q), (&l.k, kraw), (&l.v, v)], sp, fold)
                     .map_err(e)
             })?;
-            if rope_attn && !qkv.iter().any(|o| o.is_split()) {
-                t("attention (with rope, KV write)", &|| {
-                    g.attention_decode_rope(
-                        (a.q, kraw, v),
-                        k,
-                        (&self.rope.0, &self.rope.1),
-                        table,
-                        dst,
-                        slot,
-                        n,
-                        &m.shape,
-                        layout,
-                        li,
-                        scale,
-                        a.att,
-                    )
-                })?;
-            } else if rope_attn {
-                // Never (no matmul splits below gemm_min, which the step
-                // checked): the unrotated K rows are not where rope_kv
-                // reads them.
-                return Err(EngineError::Device(
-                    "a fused RoPE step got split q/k/v matmuls".into(),
-                ));
-            } else {
-                t("rope, KV write", &|| {
-                    g.rope_kv(
-                        (qkv[0], qkv[1], qkv[2]),
-                        (&self.rope.0, &self.rope.1),
-                        table.pos,
-                        dst,
-                        slot,
-                        n,
-                        qd,
-                        m.shape.head_dim,
-                        layout,
-                        li,
-                    )
-                })?;
-                t("attention", &|| {
-                    g.attention_paged(a.q, table, n, &m.shape, layout, li, scale, a.att)
-                })?;
-            }
+            let qkv = [qkv[0], qkv[1], qkv[2]];
+            self.attend(
+                m,
+                a,
+                qkv,
+                (kraw, k),
+                (table, dst, slot),
+                n,
+                layout,
+                li,
+                rope_attn,
+            )?;
             if let Some(ov) = kv_copy.as_deref_mut() {
                 // This layer's K and V rows are final: copy them back while
                 // the next layers run (`(layers, n, kvd)` K, then V).
@@ -999,6 +942,77 @@ impl Resident {
             mlp_out = Some(down[0]);
         }
         Ok(Some(mlp_out))
+    }
+
+    /// A layer's RoPE, K/V page writes and attention into `a.att`: by
+    /// `attention_decode_rope` where `rope_attn` (`k`: the k matmul left its
+    /// rows unrotated at `k.0`; the rotated ones go to the layer's K rows
+    /// `k.1`), else `rope_kv` then attention on `qkv` (the q, k and v
+    /// matmuls' outputs, split partials summed as they are read; k's at
+    /// `k.1`). `pages`: the step's page table, and its destination pages
+    /// and slots.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        m: &Llama,
+        a: &Addrs,
+        qkv: [MmOut; 3],
+        k: (u64, u64),
+        pages: (PageTable, u64, u64),
+        n: usize,
+        layout: PageLayout,
+        li: usize,
+        rope_attn: bool,
+    ) -> Result<(), EngineError> {
+        let g = &*self.gpu;
+        let (table, dst, slot) = pages;
+        let scale = 1.0 / (m.shape.head_dim as f32).sqrt();
+        let t = |part, f: &dyn Fn() -> Result<(), lmrr_kernels::cuda::GpuError>| {
+            self.timed(part, || f().map_err(gpu_err))
+        };
+        if rope_attn {
+            if qkv.iter().any(|o| o.is_split()) {
+                // Never (no matmul splits below gemm_min, which the step
+                // checked): the unrotated K rows are not where rope_kv
+                // reads them.
+                return Err(EngineError::Device(
+                    "a fused RoPE step got split q/k/v matmuls".into(),
+                ));
+            }
+            return t("attention (with rope, KV write)", &|| {
+                g.attention_decode_rope(
+                    (qkv[0].y, k.0, qkv[2].y),
+                    k.1,
+                    (&self.rope.0, &self.rope.1),
+                    table,
+                    dst,
+                    slot,
+                    n,
+                    &m.shape,
+                    layout,
+                    li,
+                    scale,
+                    a.att,
+                )
+            });
+        }
+        t("rope, KV write", &|| {
+            g.rope_kv(
+                (qkv[0], qkv[1], qkv[2]),
+                (&self.rope.0, &self.rope.1),
+                table.pos,
+                dst,
+                slot,
+                n,
+                m.shape.q_dim(),
+                m.shape.head_dim,
+                layout,
+                li,
+            )
+        })?;
+        t("attention", &|| {
+            g.attention_paged(qkv[0].y, table, n, &m.shape, layout, li, scale, a.att)
+        })
     }
 
     /// The head of a step whose layers [`Resident::launch_layers`] queued:
