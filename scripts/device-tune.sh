@@ -78,6 +78,19 @@ for ra in 0 1 0 1; do
   LMRR_CUDA_ROPE_ATTN=$ra b --prompt-len 64 --batches 1,8
   LMRR_CUDA_ROPE_ATTN=$ra b --prompt-len 512 --batches 1
 done
+echo "## attention_decode_hd64 (LMRR_CUDA_ATTN_DECODE_HD64) against attention_decode, alternating, batches 1, 8 and after 512 tokens"
+for ad in 0 1 0 1; do
+  echo "# LMRR_CUDA_ATTN_DECODE_HD64=$ad"
+  LMRR_CUDA_ATTN_DECODE_HD64=$ad b --prompt-len 64 --batches 1,8
+  LMRR_CUDA_ATTN_DECODE_HD64=$ad b --prompt-len 512 --batches 1
+done
+echo "## matmul_chunk (LMRR_CUDA_CHUNK_MAX) for the decode matmuls, alone and in fused steps, against matmul_rows, batches 1, 8"
+for fm in 0 8; do
+  for cm in 0 8; do
+    echo "# LMRR_CUDA_CHUNK_MAX=$cm LMRR_CUDA_FUSED_MAX=$fm"
+    LMRR_CUDA_CHUNK_MAX=$cm LMRR_CUDA_FUSED_MAX=$fm b --prompt-len 64 --batches 1,8
+  done
+done
 echo "## attention_prefill_hd64 (LMRR_CUDA_ATTN_PREFILL_HD64) against attention_prefill, alternating, prefill of 512 and 2048 tokens and 64 × 64"
 for ah in 0 1 0 1; do
   echo "# LMRR_CUDA_ATTN_PREFILL_HD64=$ah"

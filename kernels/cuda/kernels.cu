@@ -1732,14 +1732,15 @@ extern "C" __global__ void attention_decode(const float* q, const unsigned long 
 // reading it, so each reads its own row — and, by the group's first head,
 // into `kout` (the step's K rows, which go back to the host). Each value by
 // rope_kv's operations: lo = a·cos - b·sin, hi = b·cos + a·sin.
-extern "C" __global__ void attention_decode_rope(float* q, const float* kraw, float* kout, const float* v,
-                                                 const float* cos_t, const float* sin_t,
-                                                 const unsigned long long* pages, const unsigned long long* seq_off,
-                                                 const unsigned long long* pos, const unsigned long long* dst,
-                                                 const unsigned long long* slot, float* out, int n_heads,
-                                                 int n_kv_heads, int head_dim, int layer, int page_len, int aux,
-                                                 float scale) {
-    PDL_ENTRY();
+// RoPE of q's head h of token t in place, of k's head kvh (from `kraw`, the
+// k matmul's unrotated rows) into the page slot dst[t]/slot[t] with v's head
+// kvh, and by the group's first head into `kout`; then a barrier: the
+// prologue of attention_decode_rope and attention_decode_rope_hd64.
+__device__ __forceinline__ void decode_rope_prologue(float* q, const float* kraw, float* kout, const float* v,
+                                                     const float* cos_t, const float* sin_t,
+                                                     const unsigned long long* pos, const unsigned long long* dst,
+                                                     const unsigned long long* slot, int n_heads, int n_kv_heads,
+                                                     int head_dim, int layer, int page_len, int aux) {
     int t = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
     int tid = threadIdx.x;
     int hd = head_dim, half = head_dim / 2, kvd = n_kv_heads * head_dim, qd = n_heads * head_dim;
@@ -1771,8 +1772,175 @@ extern "C" __global__ void attention_decode_rope(float* q, const float* kraw, fl
     }
     if (tid < hd) kv_row(dst[t], layer, page_len, kvd, aux, s, 1)[kvh * hd + tid] = v[(long long)t * kvd + kvh * hd + tid];
     __syncthreads();
+}
+
+extern "C" __global__ void attention_decode_rope(float* q, const float* kraw, float* kout, const float* v,
+                                                 const float* cos_t, const float* sin_t,
+                                                 const unsigned long long* pages, const unsigned long long* seq_off,
+                                                 const unsigned long long* pos, const unsigned long long* dst,
+                                                 const unsigned long long* slot, float* out, int n_heads,
+                                                 int n_kv_heads, int head_dim, int layer, int page_len, int aux,
+                                                 float scale) {
+    PDL_ENTRY();
+    decode_rope_prologue(q, kraw, kout, v, cos_t, sin_t, pos, dst, slot, n_heads, n_kv_heads, head_dim, layer,
+                         page_len, aux);
     attention_body<ATTN_BATCH, true>(q, pages, seq_off, pos, out, n_heads, n_kv_heads, head_dim, layer, page_len,
                                      aux, scale);
+}
+
+// Decode attention for head_dim 64 (LMRR_CUDA_ATTN_DECODE_HD64): the same
+// block per (token, head) and the same operations as attention_body, with
+// fewer barriers and no serial thread. Each pass takes DW_POS positions, a
+// thread each, so warp w holds tile w (ATTN_TILE == 32):
+//  1. the thread's score: the K row as float4 loads, lane j's FMA chain over
+//     elements j + 8s (s ascending) kept by the thread itself, lane_tree,
+//     0.0f + the tree (the chunk sum from +0.0), times scale;
+//  2. the tile's max by the warp's xor shuffles over its scores, NaN taken as
+//     -inf (attention_body's `if (sv > mt) mt = sv` from -inf never picks a
+//     NaN either): the maximum of a set, which no order changes but for the
+//     sign of a zero, and a zero's sign changes neither s - m nor m_prev -
+//     m_new, so no value downstream;
+//  3. every thread walks the tiles' maxima in order for the running max (the
+//     scan attention_body's thread 0 makes), p = det_exp(s - m_new);
+//  4. lt by one thread a tile, in index order from +0.0; acc_t[d] the fmaf
+//     chain of p_j · v_j[d] in index order, its V values loaded before the
+//     score;
+//  5. the merge, tile by tile in order: l = l·alpha + lt, acc = acc·alpha +
+//     acc_t, alpha = det_exp(m_before - m_after).
+// Rows 16-byte aligned (the host checks hd64_fits).
+#define DW_POS ATTN_THREADS
+#define DW_TILES (DW_POS / ATTN_TILE)
+#define DW_PAIRS (DW_TILES * 64 / ATTN_THREADS)
+__device__ __forceinline__ void attention_decode64_body(const float* q, const unsigned long long* pages,
+                                                        const unsigned long long* seq_off,
+                                                        const unsigned long long* pos, float* out, int n_heads,
+                                                        int n_kv_heads, int layer, int page_len, int aux,
+                                                        float scale) {
+    const int hd = 64;
+    int t = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int kvd = n_kv_heads * hd, qd = n_heads * hd;
+    int kvh = h / (n_heads / n_kv_heads);
+    __shared__ __align__(16) float qs[64];
+    __shared__ float tm[DW_TILES], tl[DW_TILES];
+    __shared__ float ps[DW_POS];
+    __shared__ float at[DW_TILES * 64];
+    if (tid < hd) qs[tid] = q[(long long)t * qd + h * hd + tid];
+    __syncthreads();
+    const unsigned long long* pt = pages + seq_off[t];
+    int p_end = (int)pos[t];
+    const float NEG_INF = __int_as_float(0xff800000);
+    float m = NEG_INF, l = 0.0f, acc = 0.0f;  // acc: dimension tid (tid < 64)
+    for (int base = 0; base <= p_end; base += DW_POS) {
+        int npos = min(DW_POS, p_end + 1 - base);
+        int ntiles = (npos + ATTN_TILE - 1) / ATTN_TILE;
+        // This thread's (tile, dimension) pairs' V values, in flight now.
+        float vv[DW_PAIRS][ATTN_TILE];
+        #pragma unroll
+        for (int r = 0; r < DW_PAIRS; ++r) {
+            int pi = tid + r * ATTN_THREADS, tt = pi / hd, d = pi % hd;
+            int j0 = tt * ATTN_TILE, cnt = tt < ntiles ? min(ATTN_TILE, npos - j0) : 0;
+            #pragma unroll
+            for (int i = 0; i < ATTN_TILE; ++i) {
+                int j = base + j0 + i;
+                vv[r][i] = i < cnt ? kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 1)[kvh * hd + d]
+                                   : 0.0f;
+            }
+        }
+        // 1. The score of position base + tid.
+        bool live = tid < npos;
+        float sc = NEG_INF;
+        if (live) {
+            int j = base + tid;
+            const float4* kr = (const float4*)(kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 0) +
+                                               kvh * hd);
+            const float4* q4 = (const float4*)qs;
+            float lv[LANES];
+            #pragma unroll
+            for (int i = 0; i < LANES; ++i) lv[i] = 0.0f;
+            #pragma unroll
+            for (int qq = 0; qq < 16; ++qq) {
+                // Elements 4qq .. 4qq + 3: lanes 4(qq & 1) .. + 3, s = qq / 2.
+                float4 kk = kr[qq], qv = q4[qq];
+                int b = 4 * (qq & 1);
+                lv[b] = fmaf(qv.x, kk.x, lv[b]);
+                lv[b + 1] = fmaf(qv.y, kk.y, lv[b + 1]);
+                lv[b + 2] = fmaf(qv.z, kk.z, lv[b + 2]);
+                lv[b + 3] = fmaf(qv.w, kk.w, lv[b + 3]);
+            }
+            float total = 0.0f;
+            total = total + lane_tree(lv);
+            sc = total * scale;
+        }
+        // 2. Tile maxima.
+        float mv = live && sc > NEG_INF ? sc : NEG_INF;
+        #pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            float o = __shfl_xor_sync(0xffffffffu, mv, off);
+            mv = o > mv ? o : mv;
+        }
+        if (lane == 0 && warp < ntiles) tm[warp] = mv;
+        __syncthreads();
+        // 3. The running max to this thread's tile; p.
+        {
+            float mr = m;
+            for (int tt = 0; tt <= warp && tt < ntiles; ++tt) mr = tm[tt] > mr ? tm[tt] : mr;
+            if (live) ps[tid] = det_exp(sc - mr);
+        }
+        __syncthreads();
+        // 4. Per tile: lt, and acc_t for each dimension.
+        if (tid < ntiles) {
+            int j0 = tid * ATTN_TILE, cnt = min(ATTN_TILE, npos - j0);
+            float lt = 0.0f;
+            for (int i = 0; i < cnt; ++i) lt = lt + ps[j0 + i];
+            tl[tid] = lt;
+        }
+        #pragma unroll
+        for (int r = 0; r < DW_PAIRS; ++r) {
+            int pi = tid + r * ATTN_THREADS, tt = pi / hd, d = pi % hd;
+            if (tt < ntiles) {
+                int j0 = tt * ATTN_TILE, cnt = min(ATTN_TILE, npos - j0);
+                float a = 0.0f;
+                #pragma unroll
+                for (int i = 0; i < ATTN_TILE; ++i) {
+                    if (i < cnt) a = fmaf(ps[j0 + i], vv[r][i], a);
+                }
+                at[tt * hd + d] = a;
+            }
+        }
+        __syncthreads();
+        // 5. Merge in tile order (every thread keeps m and l; acc by tid < 64).
+        for (int tt = 0; tt < ntiles; ++tt) {
+            float mn = tm[tt] > m ? tm[tt] : m;
+            float alpha = det_exp(m - mn);
+            l = l * alpha + tl[tt];
+            if (tid < hd) acc = acc * alpha + at[tt * hd + tid];
+            m = mn;
+        }
+        __syncthreads();
+    }
+    if (tid < hd) out[(long long)t * qd + h * hd + tid] = acc / l;
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 1)
+    attention_decode_hd64(const float* q, const unsigned long long* pages, const unsigned long long* seq_off,
+                          const unsigned long long* pos, float* out, int n_heads, int n_kv_heads, int head_dim,
+                          int layer, int page_len, int aux, float scale) {
+    PDL_ENTRY();
+    attention_decode64_body(q, pages, seq_off, pos, out, n_heads, n_kv_heads, layer, page_len, aux, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 1)
+    attention_decode_rope_hd64(float* q, const float* kraw, float* kout, const float* v, const float* cos_t,
+                               const float* sin_t, const unsigned long long* pages,
+                               const unsigned long long* seq_off, const unsigned long long* pos,
+                               const unsigned long long* dst, const unsigned long long* slot, float* out,
+                               int n_heads, int n_kv_heads, int head_dim, int layer, int page_len, int aux,
+                               float scale) {
+    PDL_ENTRY();
+    decode_rope_prologue(q, kraw, kout, v, cos_t, sin_t, pos, dst, slot, n_heads, n_kv_heads, head_dim, layer,
+                         page_len, aux);
+    attention_decode64_body(q, pages, seq_off, pos, out, n_heads, n_kv_heads, layer, page_len, aux, scale);
 }
 
 // Prefill attention: one block of ATTN_THREADS per (group, head), a group

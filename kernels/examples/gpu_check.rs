@@ -13,9 +13,10 @@ use lmrr_kernels::cuda::{compile_many, negative_controls, Control, Gpu, MatmulKe
 use lmrr_kernels::*;
 
 /// The paged attention kernels, each held to the CPU.
-const ATTN_KERNELS: [(&str, AttnKernel); 4] = [
+const ATTN_KERNELS: [(&str, AttnKernel); 5] = [
     ("attention_paged", AttnKernel::Paged),
     ("attention_decode", AttnKernel::Decode),
+    ("attention_decode_hd64", AttnKernel::DecodeHd64),
     ("attention_prefill", AttnKernel::Prefill),
     ("attention_prefill_hd64", AttnKernel::PrefillHd64),
 ];
@@ -963,7 +964,7 @@ fn main() {
         attention(&th, &tasks, &shape, 0.088, &mut cpu);
         for (label, kernel) in ATTN_KERNELS {
             if (kernel == AttnKernel::Prefill && hd > lmrr_kernels::cuda::resident::PF_MAXHD)
-                || (kernel == AttnKernel::PrefillHd64 && hd != 64)
+                || (matches!(kernel, AttnKernel::PrefillHd64 | AttnKernel::DecodeHd64) && hd != 64)
             {
                 continue;
             }
@@ -1238,7 +1239,7 @@ fn main() {
         let mut first: Option<Vec<f32>> = None;
         let mut line = format!("  prefill {len:>4} tokens:");
         for (label, kernel) in ATTN_KERNELS {
-            if kernel == AttnKernel::Decode {
+            if matches!(kernel, AttnKernel::Decode | AttnKernel::DecodeHd64) {
                 continue;
             }
             let mut out = vec![f32::NAN; len * shape.q_dim()];
@@ -1260,6 +1261,51 @@ fn main() {
                 t * 1e6,
                 30.0 * t * 1e3
             );
+        }
+        println!("{line}");
+    }
+    // Decode attention per launch: one token (9 blocks, batch 1) and 8
+    // tokens of 8 sequences (72 blocks) at 64 and 512 positions, each
+    // kernel that serves decode; the outputs held to attention_paged's.
+    println!(
+        "attention kernel time per launch (decode, 9/3 heads × 64, pages of 16, 50 launches):"
+    );
+    for &(tokens, len) in &[(1usize, 64usize), (8, 64), (1, 512), (8, 512)] {
+        let blocks: Vec<_> = (0..tokens)
+            .map(|_| kv_blocks(&mut r, len, shape.kv_dim()))
+            .collect();
+        let views: Vec<KvView> = blocks.iter().map(|(k, v)| block_view(k, v)).collect();
+        let qs: Vec<Vec<f32>> = (0..tokens)
+            .map(|_| r.uniform_vec(shape.q_dim(), 2.0))
+            .collect();
+        let tasks: Vec<AttnTask> = qs
+            .iter()
+            .zip(&views)
+            .map(|(q, kv)| AttnTask {
+                q,
+                kv,
+                pos: len - 1,
+            })
+            .collect();
+        let mut first: Option<Vec<f32>> = None;
+        let mut line = format!("  batch {tokens}, {len:>3} positions:");
+        for (label, kernel) in ATTN_KERNELS {
+            if kernel.is_prefill() {
+                continue;
+            }
+            let mut out = vec![f32::NAN; tokens * shape.q_dim()];
+            let t = gpu
+                .attention_resident_timed(&tasks, &shape, 0.125, 16, kernel, &mut out, 50)
+                .unwrap_or_else(|e| panic!("timing {label}: {e}"));
+            match &first {
+                None => first = Some(out),
+                Some(f) => report(
+                    format!("{label} decode, batch {tokens}, {len} positions (timed) against attention_paged"),
+                    diff(f, &out),
+                    f.len(),
+                ),
+            }
+            line += &format!(" {label} {:>6.1} µs;", t * 1e6);
         }
         println!("{line}");
     }

@@ -133,6 +133,11 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
             "float lo = a * c[tid] + b * sn[tid];",
         ),
         (
+            "attention_decode_hd64 softmax sum in reverse",
+            "for (int i = 0; i < cnt; ++i) lt = lt + ps[j0 + i];",
+            "for (int i = cnt - 1; i >= 0; --i) lt = lt + ps[j0 + i];",
+        ),
+        (
             "attention_paged softmax sum in reverse",
             "for (int i = j0; i < j1; ++i) lt = lt + sc[i];",
             "for (int i = j1 - 1; i >= j0; --i) lt = lt + sc[i];",

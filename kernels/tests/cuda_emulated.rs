@@ -663,11 +663,12 @@ fn paged_attention_matches_the_cpu() {
             ("attention_decode, ATTN_PREFETCH", 1, emulator_prefetch()),
             ("attention_prefill", 2, emulator()),
             ("attention_prefill_hd64", 3, emulator()),
+            ("attention_decode_hd64", 4, emulator()),
         ] {
             let Some(bin) = bin else { continue };
             // attention_prefill holds head dims up to PF_MAXHD (128);
-            // attention_prefill_hd64 is for head_dim 64 alone.
-            if (decode == 2 && hd > 128) || (decode == 3 && hd != 64) {
+            // the _hd64 kernels are for head_dim 64 alone.
+            if (decode == 2 && hd > 128) || (decode >= 3 && hd != 64) {
                 continue;
             }
             // One span of every task (the positions below the first are
@@ -909,7 +910,7 @@ fn the_emulation_sees_each_broken_kernel() {
             );
             d += differing(&mm_cpu, &floats(&out[0])) + differing(&multi_cpu, &floats(&out[1]));
         }
-        for decode in [0, 1, 2, 3] {
+        for decode in [0, 1, 2, 3, 4] {
             let out = job_on(
                 &bin,
                 &format!(
@@ -931,6 +932,7 @@ fn the_emulation_sees_each_broken_kernel() {
             let out = job_on(&bin, &rope_line, &rope_refs);
             for i in 0..4 {
                 d += differing(&floats(&out[i]), &floats(&out[4 + i]));
+                d += differing(&floats(&out[i]), &floats(&out[8 + i]));
             }
         }
         println!("negative control `{what}`: {d} differing bits");
@@ -1298,15 +1300,20 @@ fn attention_decode_rope_matches_rope_kv_then_attention_decode() {
             separate.iter().all(|x| x.is_finite()),
             "{what}: rope_kv then attention_decode gave non-finite values"
         );
-        for (i, name) in ["attention output", "rotated q", "K rows", "pages"]
-            .iter()
-            .enumerate()
-        {
-            assert_eq!(
-                differing(&floats(&out[i]), &floats(&out[4 + i])),
-                0,
-                "{what}: {name}"
-            );
+        // attention_decode_rope, and for head_dim 64 attention_decode_rope_hd64.
+        let fused = if hd == 64 { 2 } else { 1 };
+        assert_eq!(out.len(), 4 * (1 + fused), "{what}: the job's outputs");
+        for f in 1..=fused {
+            for (i, name) in ["attention output", "rotated q", "K rows", "pages"]
+                .iter()
+                .enumerate()
+            {
+                assert_eq!(
+                    differing(&floats(&out[i]), &floats(&out[4 * f + i])),
+                    0,
+                    "{what}: {name} (fused kernel {f})"
+                );
+            }
         }
     }
 }

@@ -35,6 +35,8 @@ fn kernels_cu_compiles_under_nvrtc() {
         "rope_kv",
         "attention_paged",
         "attention_decode",
+        "attention_decode_hd64",
+        "attention_decode_rope_hd64",
         "attention_prefill",
         "matmul_gemm_wide",
         "norm_reg",

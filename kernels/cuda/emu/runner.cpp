@@ -302,6 +302,23 @@ int main() {
             write_array(kout);
             write_array(sb);
         }
+        if (hd == 64) {
+            // attention_decode_rope_hd64 on the same inputs: out, q, kout, store.
+            auto qb = q, sb = store;
+            std::vector<float> kout((size_t)n * kvd, std::nanf(""));
+            std::vector<unsigned long long> table, dst;
+            tables(sb, table, dst);
+            std::vector<float> out((size_t)n * qd, std::nanf(""));
+            emu::launch((unsigned)(n * nh), ATTN_THREADS, [&] {
+                attention_decode_rope_hd64(qb.data(), k.data(), kout.data(), v.data(), cs.data(), sn.data(),
+                                           table.data(), so.data(), ps.data(), dst.data(), sl.data(), out.data(), nh,
+                                           nkv, hd, 0, page_len, 0, scale);
+            });
+            write_array(out);
+            write_array(qb);
+            write_array(kout);
+            write_array(sb);
+        }
     } else if (job == "gemm_multi") {
         // gemm_multi kind n k rows0 rows1 rows2 cpb0 cpb1 cpb2: x, w0, w1, w2
         // -> y0, y1, y2; matrix m split (cpb_m chunks a block, partials then
@@ -418,7 +435,7 @@ int main() {
         write_array(x);
     } else if (job == "attention") {
         // attention tasks nh nkv hd page_len scale_bits [decode: 1 attention_decode, 2
-        // attention_prefill, 3 attention_prefill_hd64]: q, pages (floats,
+        // attention_prefill, 3 attention_prefill_hd64, 4 attention_decode_hd64]: q, pages (floats,
         // whole pages of one layer), page index per table entry, seq_off,
         // pos (u64 each)
         int tasks, nh, nkv, hd, page_len, decode = 0;
@@ -460,7 +477,10 @@ int main() {
             return 0;
         }
         emu::launch((unsigned)(tasks * nh), ATTN_THREADS, [&] {
-            if (decode)
+            if (decode == 4)
+                attention_decode_hd64(q.data(), table.data(), so.data(), ps.data(), out.data(), nh, nkv, hd, 0,
+                                      page_len, 0, scale);
+            else if (decode)
                 attention_decode(q.data(), table.data(), so.data(), ps.data(), out.data(), nh, nkv, hd, 0, page_len, 0,
                                  scale);
             else

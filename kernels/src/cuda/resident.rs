@@ -208,6 +208,13 @@ pub struct Tuning {
     /// `matmul_chunk` block aims at (whole rows of chunks: 14 rows of 9
     /// chunks make 126).
     pub chunk_threads: usize,
+    /// `LMRR_CUDA_ATTN_DECODE_HD64` (0/1, off until measured on a device):
+    /// where `attention_decode` (or `attention_decode_rope`) serves a step
+    /// of head_dim 64 ([`hd64_fits`]), `attention_decode_hd64` (or
+    /// `attention_decode_rope_hd64`) does: a thread per position's score,
+    /// the tile maxima by warp shuffles, every thread its own running max,
+    /// three barriers a pass instead of seven (the same bits).
+    pub attn_decode_hd64: bool,
 }
 
 impl Default for Tuning {
@@ -235,6 +242,7 @@ impl Default for Tuning {
             kv_early_min: 16,
             chunk_max: 0,
             chunk_threads: 128,
+            attn_decode_hd64: false,
         }
     }
 }
@@ -280,6 +288,7 @@ impl Tuning {
             ("LMRR_CUDA_ROPE_ATTN", &mut t.rope_attn),
             ("LMRR_CUDA_GEMM_MULTI", &mut t.gemm_multi),
             ("LMRR_CUDA_FOLD_SUMS", &mut t.fold_sums),
+            ("LMRR_CUDA_ATTN_DECODE_HD64", &mut t.attn_decode_hd64),
         ] {
             if let Some(v) = get(var) {
                 *slot = match v.trim() {
@@ -336,6 +345,7 @@ mod tuning_tests {
             ("LMRR_CUDA_KV_EARLY_MIN", "16"),
             ("LMRR_CUDA_CHUNK_MAX", "8"),
             ("LMRR_CUDA_CHUNK_THREADS", "4096"),
+            ("LMRR_CUDA_ATTN_DECODE_HD64", "1"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -362,6 +372,7 @@ mod tuning_tests {
                 kv_early_min: 16,
                 chunk_max: 8,
                 chunk_threads: MC_MAX_THREADS,
+                attn_decode_hd64: true,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
@@ -430,6 +441,8 @@ pub(crate) struct Kernels {
     attention_paged: Func,
     attention_decode: Func,
     attention_decode_rope: Func,
+    attention_decode_hd64: Func,
+    attention_decode_rope_hd64: Func,
     attention_prefill: Func,
     attention_prefill_hd64: Func,
     swiglu: Func,
@@ -487,6 +500,8 @@ impl Kernels {
             attention_paged: f("attention_paged")?,
             attention_decode: f("attention_decode")?,
             attention_decode_rope: f("attention_decode_rope")?,
+            attention_decode_hd64: f("attention_decode_hd64")?,
+            attention_decode_rope_hd64: f("attention_decode_rope_hd64")?,
             attention_prefill: f("attention_prefill")?,
             attention_prefill_hd64: f("attention_prefill_hd64")?,
             swiglu: f("swiglu")?,
@@ -751,6 +766,10 @@ pub enum AttnKernel {
     /// tiles loaded as float4 rows with the next in flight (the same
     /// operations; [`hd64_fits`] says where it may run).
     PrefillHd64,
+    /// `attention_decode_hd64`: `attention_decode`'s blocks for head_dim 64,
+    /// a thread per position, the tile maxima by warp shuffles, fewer
+    /// barriers (the same values; [`hd64_fits`]).
+    DecodeHd64,
 }
 
 impl AttnKernel {
@@ -1808,7 +1827,11 @@ impl Gpu {
                 AttnKernel::Prefill
             }
         } else if n * shape.n_heads <= tun.attn_decode_max {
-            AttnKernel::Decode
+            if tun.attn_decode_hd64 && hd64_fits(shape, &layout) {
+                AttnKernel::DecodeHd64
+            } else {
+                AttnKernel::Decode
+            }
         } else {
             AttnKernel::Paged
         };
@@ -1843,9 +1866,10 @@ impl Gpu {
             });
         }
         let prefill = kernel.is_prefill();
-        if kernel == AttnKernel::PrefillHd64 && !hd64_fits(shape, &layout) {
+        let hd64 = matches!(kernel, AttnKernel::PrefillHd64 | AttnKernel::DecodeHd64);
+        if hd64 && !hd64_fits(shape, &layout) {
             return Err(GpuError::Shape {
-                what: "attention_prefill_hd64",
+                what: "attention (_hd64)",
                 detail: format!(
                     "head_dim {} (64), kv_dim {} and page_len {} × aux_dim {} (multiples of 4)",
                     shape.head_dim, layout.kv_dim, layout.page_len, layout.aux_dim
@@ -1876,6 +1900,7 @@ impl Gpu {
             AttnKernel::Decode => &self.res.attention_decode,
             AttnKernel::Prefill => &self.res.attention_prefill,
             AttnKernel::PrefillHd64 => &self.res.attention_prefill_hd64,
+            AttnKernel::DecodeHd64 => &self.res.attention_decode_hd64,
         };
         let mut b = self.kernel(f)?;
         b.arg(&q)
@@ -1948,7 +1973,12 @@ impl Gpu {
             aux,
             cfg,
         } = attn_args(shape, &layout, layer, n * shape.n_heads)?;
-        let mut b = self.kernel(&self.res.attention_decode_rope)?;
+        let f = if self.res.tuning.attn_decode_hd64 && hd64_fits(shape, &layout) {
+            &self.res.attention_decode_rope_hd64
+        } else {
+            &self.res.attention_decode_rope
+        };
+        let mut b = self.kernel(f)?;
         b.arg(&qkv.0)
             .arg(&qkv.1)
             .arg(&kout)
