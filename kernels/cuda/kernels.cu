@@ -1028,15 +1028,13 @@ __device__ __forceinline__ void fz_norm_inv(const float* x, int tn, int k, int t
 // Which block counts last changes who computes, not what: the bits are the separate kernels'.
 
 // Counts this block in *counter after its outputs (visible to the block that counts last);
-// true in every thread of the block that counts `of`-th. The barrier orders the block's
-// stores before thread 0's fence and count (the fence is cumulative: the pattern of
-// cooperative groups' grid sync); the last block's thread 0 fences again after its count, so
-// that the block's later reads (through L2, __ldcg) see every other block's outputs.
+// true in every thread of the block that counts `of`-th. The last block's later reads of the
+// other blocks' outputs go through L2 (__ldcg), after the fence that orders them after the count.
 __device__ __forceinline__ bool tail_last(unsigned* counter, unsigned of) {
     __shared__ int last;
+    __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
         unsigned seen = atomicAdd(counter, 1u);
         last = seen + 1 == of;
         if (last) {
@@ -1050,11 +1048,9 @@ __device__ __forceinline__ bool tail_last(unsigned* counter, unsigned of) {
 
 // matmul_rows (y = x·Wᵀ, o and down of a decode step), then, in the last block of each token
 // tile, the residual add and the next norm for the tile's tokens: res += y, and with nw,
-// out = rms_norm(res) * nw — norm_reg's operations in its order, with its layout: group g of 8
-// threads holds chunk g of the row (thread j its elements 64g + j + 8s, s ascending), the add
-// and its lane chain on registers, the xor tree, the chunk partials added in chunk order from
-// +0.0 by every thread, then (x * inv) * w. rows is the residual's width d, at most
-// 64 · MR_GROUPS (the host checks). counters: a counter per token tile.
+// out = rms_norm(res) * nw — norm_block's operations in its order (the sum of squares by
+// chunk partials of lane chains and the xor tree, added in chunk order from +0.0; then
+// (x * inv) * w). rows is the residual's width d. counters: a counter per token tile.
 extern "C" __global__ void matmul_rows_norm(int kind, const float* x, const unsigned char* w, float* y,
                                             int n, int rows, int k, long long row_bytes, unsigned* counters,
                                             float* res, const float* nw, float* out, float eps) {
@@ -1062,55 +1058,17 @@ extern "C" __global__ void matmul_rows_norm(int kind, const float* x, const unsi
     int o = blockIdx.x % rows, tile = blockIdx.x / rows, t0 = tile * MM_TOKENS;
     mm_rows_block(kind, x, w, y, n, rows, k, row_bytes, o, t0);
     if (!tail_last(counters + tile, (unsigned)rows)) return;
-    int tn = min(MM_TOKENS, n - t0), d = rows;
-    int g = threadIdx.x >> 3, j = threadIdx.x & 7;
-    int chunks = (d + CHUNK - 1) / CHUNK;
-    int base = g * CHUNK + j;
-    int cend = g < chunks ? min(g * CHUNK + CHUNK, d) : 0;
-    float (*part)[MR_MAX_CHUNKS] = mr_scratch();
-    for (int tt = 0; tt < tn; ++tt) {  // uniform over the block
-        float* xr = res + (long long)(t0 + tt) * d;
-        const float* yr = y + (long long)(t0 + tt) * d;
-        float xv[CHUNK / LANES], yv[CHUNK / LANES];
-        #pragma unroll
-        for (int s = 0; s < CHUNK / LANES; ++s) {
-            int i = base + s * LANES;
-            xv[s] = i < cend ? xr[i] : 0.0f;
-            yv[s] = i < cend ? __ldcg(yr + i) : 0.0f;
-        }
-        float l = 0.0f;
-        #pragma unroll
-        for (int s = 0; s < CHUNK / LANES; ++s) {
-            int i = base + s * LANES;
-            if (i < cend) {
-                xv[s] = xv[s] + yv[s];
-                xr[i] = xv[s];
-                l = fmaf(xv[s], xv[s], l);
-            }
-        }
-        l = l + __shfl_xor_sync(0xffffffffu, l, 4);
-        l = l + __shfl_xor_sync(0xffffffffu, l, 2);
-        l = l + __shfl_xor_sync(0xffffffffu, l, 1);
-        if (j == 0 && g < chunks) part[tt][g] = l;
-    }
-    if (nw == nullptr) return;  // uniform: the residual add alone (the last layer's down)
-    float wv[CHUNK / LANES];
-    #pragma unroll
-    for (int s = 0; s < CHUNK / LANES; ++s) {
-        int i = base + s * LANES;
-        wv[s] = i < cend ? nw[i] : 0.0f;
-    }
+    int tn = min(MM_TOKENS, n - t0);
+    int d = rows;
+    long long base = (long long)t0 * d, count = (long long)tn * d;
+    for (long long i = threadIdx.x; i < count; i += blockDim.x) res[base + i] = res[base + i] + __ldcg(y + base + i);
     __syncthreads();
-    for (int tt = 0; tt < tn; ++tt) {
-        float ss = 0.0f;
-        for (int q = 0; q < chunks; ++q) ss = ss + part[tt][q];
-        float inv = 1.0f / sqrtf(ss / (float)d + eps);
-        const float* xr = res + (long long)(t0 + tt) * d;  // this thread's own sums
-        #pragma unroll
-        for (int s = 0; s < CHUNK / LANES; ++s) {
-            int i = base + s * LANES;
-            if (i < cend) out[(long long)(t0 + tt) * d + i] = (xr[i] * inv) * wv[s];
-        }
+    if (nw == nullptr) return;  // uniform: the residual add alone (the last layer's down)
+    __shared__ float inv[MM_TOKENS];
+    fz_norm_inv(res, tn, d, t0, eps, mr_scratch(), inv);
+    for (long long i = threadIdx.x; i < count; i += blockDim.x) {
+        int tt = (int)(i / d), c = (int)(i % d);
+        out[base + i] = (res[base + i] * inv[tt]) * nw[c];
     }
 }
 

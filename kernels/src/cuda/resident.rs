@@ -37,9 +37,6 @@ pub use super::split::MmOut;
 pub const MM_TOKENS: usize = 8;
 /// Chunks of a row `matmul_rows` holds partials for (`MR_MAX_CHUNKS`).
 pub const MR_MAX_CHUNKS: usize = 256;
-/// Groups of 8 threads in a `matmul_rows` block (kernels.cu's `MR_GROUPS`):
-/// the chunks of a residual row `matmul_rows_norm`'s tail holds.
-pub const MR_GROUPS: usize = 16;
 /// Threads per block of `matmul_rows` (`MR_GROUPS` groups of 8).
 pub const MR_THREADS: u32 = 128;
 /// Threads a `matmul_chunk` block holds at most (`MC_MAX_THREADS`): a row's
@@ -1445,7 +1442,6 @@ impl Gpu {
             && n < tun.gemm_min.max(1)
             && [o, gate, up, down].into_iter().all(fits)
             && down.rows == o.rows
-            && o.rows.div_ceil(64) <= MR_GROUPS
             && (gate.kind, gate.rows, gate.cols) == (up.kind, up.rows, up.cols)
             && down.cols == gate.rows
             && gate.cols == o.rows
@@ -1472,17 +1468,16 @@ impl Gpu {
         }
         let tiles = n.div_ceil(MM_TOKENS);
         if w.cols.div_ceil(64) > MR_MAX_CHUNKS
-            || w.rows.div_ceil(64) > MR_GROUPS
+            || w.rows.div_ceil(64) > MR_MAX_CHUNKS
             || tiles > TAIL_COUNTERS
         {
             return Err(GpuError::Shape {
                 what: "matmul_rows_norm",
                 detail: format!(
-                    "{n} tokens × {} → {} (inputs of at most {}, outputs of at most {}, at most {} token tiles)",
+                    "{n} tokens × {} → {} (rows of at most {}, at most {} token tiles)",
                     w.cols,
                     w.rows,
                     64 * MR_MAX_CHUNKS,
-                    64 * MR_GROUPS,
                     TAIL_COUNTERS
                 ),
             });
