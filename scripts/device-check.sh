@@ -170,9 +170,7 @@ done
 # captured as layers and head apart), for every step; decode matmuls by
 # matmul_chunk (a thread per row and chunk), alone and in fused steps
 # (norms, residual adds and SwiGLU inside it), graphs on and off; decode
-# attention by attention_decode_hd64 (fused with RoPE, and alone); the
-# tails (residual add + norm, SwiGLU in the matmuls' last blocks) for steps
-# of up to 8 tokens and up to 63 (several token tiles), graphs on and off.
+# attention by attention_decode_hd64 (fused with RoPE, and alone).
 tunings="LMRR_CUDA_FUSED_MAX=8;LMRR_CUDA_SWIGLU_MAX=8;LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=0"
 tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_WIDE_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=1000000"
 tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_PIPELINED=0;LMRR_CUDA_GEMM_MIN=1000000"
@@ -187,7 +185,6 @@ tunings+=";LMRR_CUDA_KV_OVERLAP_MIN=1 LMRR_CUDA_GRAPHS=0;LMRR_CUDA_KV_EARLY_MIN=
 tunings+=";LMRR_CUDA_ATTN_DECODE_HD64=1;LMRR_CUDA_ATTN_DECODE_HD64=1 LMRR_CUDA_GRAPHS=0 LMRR_CUDA_ROPE_ATTN=0"
 tunings+=";LMRR_CUDA_CHUNK_MAX=8;LMRR_CUDA_CHUNK_MAX=8 LMRR_CUDA_FUSED_MAX=8;LMRR_CUDA_CHUNK_MAX=8 LMRR_CUDA_FUSED_MAX=8 LMRR_CUDA_GRAPHS=0"
 tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_FOLD_SUMS=1;LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_WIDE_MIN=9 LMRR_CUDA_GEMM_MULTI=1 LMRR_CUDA_SPLIT_BLOCKS=1000000"
-tunings+=";LMRR_CUDA_TAIL_MAX=8;LMRR_CUDA_TAIL_MAX=63 LMRR_CUDA_GRAPHS=0;LMRR_CUDA_TAIL_MAX=8 LMRR_CUDA_ATTN_DECODE_HD64=1"
 IFS=';' read -r -a tuning_list <<<"${DEVICE_CHECK_TUNINGS:-$tunings}"
 for tun in "${tuning_list[@]}"; do
   for s in incident multi-user; do

@@ -84,12 +84,6 @@ for ad in 0 1 0 1; do
   LMRR_CUDA_ATTN_DECODE_HD64=$ad b --prompt-len 64 --batches 1,8
   LMRR_CUDA_ATTN_DECODE_HD64=$ad b --prompt-len 512 --batches 1
 done
-echo "## tails (LMRR_CUDA_TAIL_MAX): the residual add + norm and SwiGLU in the matmuls' last blocks against their own kernels, alternating, batches 1, 2, 4, 8 and after 512 tokens"
-for tm in 0 8 0 8; do
-  echo "# LMRR_CUDA_TAIL_MAX=$tm"
-  LMRR_CUDA_TAIL_MAX=$tm b --prompt-len 64 --batches 1,2,4,8
-  LMRR_CUDA_TAIL_MAX=$tm b --prompt-len 512 --batches 1
-done
 echo "## matmul_chunk (LMRR_CUDA_CHUNK_MAX) for the decode matmuls, alone and in fused steps, against matmul_rows, batches 1, 8"
 for fm in 0 8; do
   for cm in 0 8; do

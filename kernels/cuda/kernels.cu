@@ -522,14 +522,6 @@ extern "C" __global__ void matmul_tile(int kind, const float* x, const unsigned 
 #define MR_GROUPS 16
 #define MR_MAX_CHUNKS 256
 
-// The chunk partials of a matmul_rows block, one array per kernel (every
-// form of the body, and the tails below, share it: one block's worth of
-// shared memory).
-__device__ __forceinline__ float (*mr_scratch())[MR_MAX_CHUNKS] {
-    __shared__ float part[MM_TOKENS][MR_MAX_CHUNKS];
-    return part;
-}
-
 // The body of matmul_rows for one (row o of W, token tile t0); with u
 // non-null, the input is SwiGLU(x, u), each element computed as the swiglu
 // kernel computes it (down's input made on the fly).
@@ -537,7 +529,7 @@ template <bool SWI = false>
 __device__ __forceinline__ void mm_rows_block(int kind, const float* x, const unsigned char* w, float* y,
                                               int n, int rows, int k, long long row_bytes, int o, int t0,
                                               const float* u = nullptr) {
-    float (*part)[MR_MAX_CHUNKS] = mr_scratch();
+    __shared__ float part[MM_TOKENS][MR_MAX_CHUNKS];
     int tn = min(MM_TOKENS, n - t0);
     int g = threadIdx.x >> 3, j = threadIdx.x & 7;
     const unsigned char* wr = w + o * row_bytes;
@@ -1018,84 +1010,6 @@ __device__ __forceinline__ void fz_norm_inv(const float* x, int tn, int k, int t
         inv[tt] = 1.0f / sqrtf(ss / (float)k + eps);
     }
     __syncthreads();
-}
-
-// ---- Tails (LMRR_CUDA_TAIL_MAX): the kernel after a decode step's matmul run by the matmul's
-// own blocks, one launch fewer. Each block stores its outputs, fences them and counts itself in
-// a counter of the launch; the block that counts last (every other block's outputs then stored
-// and fenced) runs the next kernel's work, in that kernel's order, and sets the counter back to
-// 0 for the next launch (launches are serialized: each kernel waits for the one ahead of it).
-// Which block counts last changes who computes, not what: the bits are the separate kernels'.
-
-// Counts this block in *counter after its outputs (visible to the block that counts last);
-// true in every thread of the block that counts `of`-th. The last block's later reads of the
-// other blocks' outputs go through L2 (__ldcg), after the fence that orders them after the count.
-__device__ __forceinline__ bool tail_last(unsigned* counter, unsigned of) {
-    __shared__ int last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        unsigned seen = atomicAdd(counter, 1u);
-        last = seen + 1 == of;
-        if (last) {
-            __threadfence();
-            *counter = 0u;
-        }
-    }
-    __syncthreads();
-    return last != 0;
-}
-
-// matmul_rows (y = x·Wᵀ, o and down of a decode step), then, in the last block of each token
-// tile, the residual add and the next norm for the tile's tokens: res += y, and with nw,
-// out = rms_norm(res) * nw — norm_block's operations in its order (the sum of squares by
-// chunk partials of lane chains and the xor tree, added in chunk order from +0.0; then
-// (x * inv) * w). rows is the residual's width d. counters: a counter per token tile.
-extern "C" __global__ void matmul_rows_norm(int kind, const float* x, const unsigned char* w, float* y,
-                                            int n, int rows, int k, long long row_bytes, unsigned* counters,
-                                            float* res, const float* nw, float* out, float eps) {
-    PDL_ENTRY_EARLY();
-    int o = blockIdx.x % rows, tile = blockIdx.x / rows, t0 = tile * MM_TOKENS;
-    mm_rows_block(kind, x, w, y, n, rows, k, row_bytes, o, t0);
-    if (!tail_last(counters + tile, (unsigned)rows)) return;
-    int tn = min(MM_TOKENS, n - t0);
-    int d = rows;
-    long long base = (long long)t0 * d, count = (long long)tn * d;
-    for (long long i = threadIdx.x; i < count; i += blockDim.x) res[base + i] = res[base + i] + __ldcg(y + base + i);
-    __syncthreads();
-    if (nw == nullptr) return;  // uniform: the residual add alone (the last layer's down)
-    __shared__ float inv[MM_TOKENS];
-    fz_norm_inv(res, tn, d, t0, eps, mr_scratch(), inv);
-    for (long long i = threadIdx.x; i < count; i += blockDim.x) {
-        int tt = (int)(i / d), c = (int)(i % d);
-        out[base + i] = (res[base + i] * inv[tt]) * nw[c];
-    }
-}
-
-// Two matmuls of one input (gate and up) as matmul_multi computes them, then SwiGLU of each pair
-// of rows by whichever of the pair's two blocks (gate's row o, up's row o, one token tile)
-// counts second: out[t][o] = swiglu_of(gate, up), the swiglu kernel's operations.
-// counters: one per (token tile, row), rows0 · tiles of them.
-extern "C" __global__ void matmul_multi_swiglu(int kind, const float* x, int n, int k, const unsigned char* w0,
-                                               float* y0, int rows0, long long rb0, const unsigned char* w1,
-                                               float* y1, long long rb1, unsigned* counters, float* out) {
-    PDL_ENTRY_EARLY();
-    int tiles = (n + MM_TOKENS - 1) / MM_TOKENS;
-    int b = blockIdx.x;
-    bool up = b >= rows0 * tiles;
-    if (up) b -= rows0 * tiles;
-    int o = b % rows0, tile = b / rows0, t0 = tile * MM_TOKENS;
-    if (up) {
-        mm_rows_block(kind, x, w1, y1, n, rows0, k, rb1, o, t0);
-    } else {
-        mm_rows_block(kind, x, w0, y0, n, rows0, k, rb0, o, t0);
-    }
-    if (!tail_last(counters + (long long)tile * rows0 + o, 2u)) return;
-    int tn = min(MM_TOKENS, n - t0);
-    if (threadIdx.x < tn) {
-        long long at = (long long)(t0 + threadIdx.x) * rows0 + o;
-        out[at] = swiglu_of(__ldcg(y0 + at), __ldcg(y1 + at));
-    }
 }
 
 // Up to three matmuls of one input, one block per (row, token tile), with

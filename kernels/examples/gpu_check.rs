@@ -126,61 +126,6 @@ fn decode_rope(gpu: &Gpu, r: &mut Rng, positions: &[usize]) -> (usize, usize) {
     (d, a.iter().map(Vec::len).sum())
 }
 
-/// The tails (`matmul_rows_norm`, `matmul_multi_swiglu`, each launched twice)
-/// against the CPU's matmul, residual add, rms_norm and swiglu: `n` tokens
-/// of width `k` into rows of `d`, f32 and Q4_1 (where `k` is a multiple of
-/// 32). Returns (differing, compared).
-fn tails(gpu: &Gpu, r: &mut Rng, n: usize, d: usize, k: usize) -> (usize, usize) {
-    let th = Threads::new(2).expect("threads");
-    let eps = 1e-5f32;
-    let x = r.uniform_vec(n * k, 2.0);
-    let res = r.uniform_vec(n * d, 3.0);
-    let nw = r.uniform_vec(d, 1.5);
-    let wf: Vec<Vec<f32>> = (0..2).map(|_| r.uniform_vec(d * k, 0.5)).collect();
-    let q41: Vec<Vec<u8>> = (0..2)
-        .map(|_| blocks(r, QuantKind::Q4_1, d * k / 32))
-        .collect();
-    let (mut differ, mut count) = (0, 0);
-    for quant in [false, true] {
-        if quant && k % 32 != 0 {
-            continue;
-        }
-        let mat = |i: usize| {
-            let w = if quant {
-                Weights::Quant(QuantKind::Q4_1, &q41[i])
-            } else {
-                Weights::F32(&wf[i])
-            };
-            Matrix::new(w, d, k).expect("shape")
-        };
-        let mm = |i: usize| {
-            let mut y = vec![0.0; n * d];
-            matmul(&th, &x, n, &mat(i), &mut y);
-            y
-        };
-        let (g, u) = (mm(0), mm(1));
-        let sum: Vec<f32> = res.iter().zip(&g).map(|(a, b)| a + b).collect();
-        let mut normed = vec![0.0; sum.len()];
-        rms_norm(&sum, &nw, eps, &mut normed);
-        let mut a = vec![0.0; g.len()];
-        swiglu(&g, &u, &mut a);
-        let [y, rs, out] = gpu
-            .rows_norm_resident(&x, n, &mat(0), &res, Some((&nw, eps)))
-            .expect("gpu matmul_rows_norm");
-        differ += diff(&g, &y) + diff(&sum, &rs) + diff(&normed, &out);
-        let [y, rs, _] = gpu
-            .rows_norm_resident(&x, n, &mat(0), &res, None)
-            .expect("gpu matmul_rows_norm, add only");
-        differ += diff(&g, &y) + diff(&sum, &rs);
-        let [gy, uy, out] = gpu
-            .multi_swiglu_resident(&x, n, &mat(0), &mat(1))
-            .expect("gpu matmul_multi_swiglu");
-        differ += diff(&g, &gy) + diff(&u, &uy) + diff(&a, &out);
-        count += 8 * g.len();
-    }
-    (differ, count)
-}
-
 fn diff(a: &[f32], b: &[f32]) -> usize {
     a.iter()
         .zip(b)
@@ -395,7 +340,6 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
         "attention_decode_rope",
         decode_rope(gpu, &mut r, &[5, 64, 100]).0,
     ));
-    out.push(("tails", tails(gpu, &mut r, 3, 96, 200).0));
     let w = r.uniform_vec(cols, 1.5);
     let (mut cpu, mut dev) = (vec![0.0; x.len()], vec![0.0; x.len()]);
     rms_norm(&x, &w, 1e-5, &mut cpu);
@@ -801,23 +745,6 @@ fn main() {
                 cpu.len(),
             );
         }
-    }
-    // The tails: o / down with the residual add and the next norm in their
-    // last blocks, gate/up with SwiGLU (each launched twice: the counters
-    // go back to 0): one token at SmolLM2's shape, a partial token tile,
-    // two tiles with ragged chunks.
-    for &(n, d, k) in &[
-        (1usize, 576usize, 1536usize),
-        (1, 576, 576),
-        (5, 96, 200),
-        (11, 40, 100),
-    ] {
-        let (differ, count) = tails(&gpu, &mut r, n, d, k);
-        report(
-            format!("matmul_rows_norm, matmul_multi_swiglu {n}×{k}·{k}×{d} against matmul + add + rms_norm, swiglu"),
-            differ,
-            count,
-        );
     }
     // A decode step's RoPE, page writes and attention in one launch
     // (attention_decode_rope) against rope_kv then attention: tokens at

@@ -73,11 +73,6 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
             "for (int cc = chunks - 1; cc >= 0; --cc) total = total + pr[cc];",
         ),
         (
-            "tails: the first block to count runs the tail (the other blocks' outputs not yet there)",
-            "last = seen + 1 == of;",
-            "last = seen == 0u;",
-        ),
-        (
             "norm_block partials summed in reverse",
             "for (int c = 0; c < chunks; ++c) ss = ss + part[c];",
             "for (int c = chunks - 1; c >= 0; --c) ss = ss + part[c];",

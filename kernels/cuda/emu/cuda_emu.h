@@ -32,18 +32,6 @@ struct Block {
 inline thread_local dim3 tl_thread, tl_block;
 inline dim3 g_block_dim, g_grid_dim;
 inline thread_local Block* tl_ctx = nullptr;
-// The order blocks run in: 0 ascending, 1 descending, 2 odd ones first
-// (EMU_BLOCK_ORDER), so that a kernel whose result would depend on which
-// block runs last is seen to.
-inline int g_order = 0;
-inline unsigned block_at(unsigned i, unsigned grid) {
-    if (g_order == 1) return grid - 1 - i;
-    if (g_order == 2) {
-        unsigned odd = grid / 2;
-        return i < odd ? 2 * i + 1 : 2 * (i - odd);
-    }
-    return i;
-}
 }  // namespace emu
 
 #define threadIdx (emu::tl_thread)
@@ -102,15 +90,6 @@ inline float __uint_as_float(unsigned i) {
     return f;
 }
 inline int __clz(unsigned x) { return x == 0 ? 32 : __builtin_clz(x); }
-
-// Memory order: blocks run one after another, so a fence orders nothing the
-// emulation could reorder; atomics are the host's.
-inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
-inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
-template <class T>
-inline T __ldcg(const T* p) {
-    return *p;
-}
 using std::isnan;
 using std::max;
 using std::min;
@@ -136,7 +115,7 @@ void launch(unsigned grid, unsigned block, F f) {
             tl_thread.x = t;
             tl_ctx = &ctx;
             for (unsigned b = 0; b < grid; ++b) {
-                tl_block.x = block_at(b, grid);
+                tl_block.x = b;
                 f();
                 between.arrive_and_wait();
             }

@@ -52,7 +52,6 @@ int main() {
     std::istringstream hs(line);
     std::string job;
     hs >> job;
-    if (const char* o = std::getenv("EMU_BLOCK_ORDER")) emu::g_order = std::atoi(o);
     if (job == "matmul") {
         // matmul KERNEL kind n rows k
         std::string kernel;
@@ -142,52 +141,6 @@ int main() {
         write_array(y0);
         write_array(y1);
         write_array(y2);
-    } else if (job == "rows_norm") {
-        // rows_norm kind n rows k has_norm eps_bits: x (n·k), w, res (n·rows),
-        // nw (rows) -> y, res, out (one matmul_rows_norm launch; the
-        // counters checked back at 0 after it)
-        int kind, n, rows, k, has_norm;
-        unsigned eps_bits;
-        hs >> kind >> n >> rows >> k >> has_norm >> eps_bits;
-        float eps = __uint_as_float(eps_bits);
-        auto x = read_as<float>();
-        auto w = read_array();
-        auto res = read_as<float>();
-        auto nw = read_as<float>();
-        long long row_bytes = rows ? (long long)(w.size() / rows) : 0;
-        int tiles = (n + MM_TOKENS - 1) / MM_TOKENS;
-        std::vector<float> y((size_t)n * rows, std::nanf("")), out((size_t)n * rows, std::nanf(""));
-        std::vector<unsigned> counters(tiles, 0u);
-        emu::launch((unsigned)(rows * tiles), 8 * MR_GROUPS, [&] {
-            matmul_rows_norm(kind, x.data(), w.data(), y.data(), n, rows, k, row_bytes, counters.data(), res.data(),
-                             has_norm ? nw.data() : nullptr, out.data(), eps);
-        });
-        for (unsigned c : counters)
-            if (c != 0) return 3;
-        write_array(y);
-        write_array(res);
-        write_array(out);
-    } else if (job == "multi_swiglu") {
-        // multi_swiglu kind n k rows: x (n·k), w0, w1 -> y0, y1, out (one
-        // matmul_multi_swiglu launch; the counters checked back at 0)
-        int kind, n, k, rows;
-        hs >> kind >> n >> k >> rows;
-        auto x = read_as<float>();
-        auto w0 = read_array(), w1 = read_array();
-        long long rb0 = rows ? (long long)(w0.size() / rows) : 0, rb1 = rows ? (long long)(w1.size() / rows) : 0;
-        int tiles = (n + MM_TOKENS - 1) / MM_TOKENS;
-        std::vector<float> y0((size_t)n * rows, std::nanf("")), y1((size_t)n * rows, std::nanf("")),
-            out((size_t)n * rows, std::nanf(""));
-        std::vector<unsigned> counters((size_t)rows * tiles, 0u);
-        emu::launch((unsigned)(2 * rows * tiles), 8 * MR_GROUPS, [&] {
-            matmul_multi_swiglu(kind, x.data(), n, k, w0.data(), y0.data(), rows, rb0, w1.data(), y1.data(), rb1,
-                                counters.data(), out.data());
-        });
-        for (unsigned c : counters)
-            if (c != 0) return 3;
-        write_array(y0);
-        write_array(y1);
-        write_array(out);
     } else if (job == "chunk") {
         // chunk kind vec n k rpb mode has_norm eps_bits rows0 rows1 rows2:
         // x, nw, w0, w1, w2, y0 (its start, for mode 1) -> y0, y1, y2 (one

@@ -152,8 +152,6 @@ pub struct Gpu {
     pub(crate) copies: std::sync::Mutex<Option<Arc<CudaStream>>>,
     /// The resident path's kernels ([`resident`]).
     pub(crate) res: resident::Kernels,
-    /// The tail kernels' counters ([`resident::TAIL_COUNTERS`], zeroed).
-    pub(crate) tail_counters: Option<resident::DevBuf>,
     matmul: CudaFunction,
     matmul_warp: CudaFunction,
     /// `matmul_tile` and `matmul_rows` on operands of this call (the
@@ -293,9 +291,8 @@ impl Gpu {
         // A created stream, not the legacy default one: decode steps are
         // captured as CUDA graphs, which the default stream cannot do.
         let stream = ctx.new_stream().map_err(drv)?;
-        let mut gpu = Self {
+        Ok(Self {
             res,
-            tail_counters: None,
             matmul_tile: f("matmul_tile")?,
             matmul_rows: f("matmul_rows")?,
             stream,
@@ -313,11 +310,7 @@ impl Gpu {
             moe_combine: f("moe_combine")?,
             index_scores: f("index_scores")?,
             ctx,
-        };
-        let zeros = vec![0u32; resident::TAIL_COUNTERS];
-        gpu.tail_counters = Some(gpu.upload(&zeros, "tail counters")?);
-        gpu.sync()?;
-        Ok(gpu)
+        })
     }
 
     /// The device's name.

@@ -42,11 +42,6 @@ pub const MR_THREADS: u32 = 128;
 /// Threads a `matmul_chunk` block holds at most (`MC_MAX_THREADS`): a row's
 /// chunks must fit one block, so rows of at most this many chunks.
 pub const MC_MAX_THREADS: usize = 256;
-/// Counters of the tail kernels (`matmul_rows_norm`: one per token tile;
-/// `matmul_multi_swiglu`: one per token tile and row), zeroed at
-/// [`Gpu::open`]; each launch leaves the ones it used at 0 again.
-pub const TAIL_COUNTERS: usize = 1 << 16;
-
 /// Chunks of a row `norm_reg` holds in registers (`NR_MAX_CHUNKS`).
 pub const NR_MAX_CHUNKS: usize = 128;
 /// Rows, tokens and threads of a `matmul_gemm` block (`GM_*`).
@@ -220,16 +215,6 @@ pub struct Tuning {
     /// the tile maxima by warp shuffles, every thread its own running max,
     /// three barriers a pass instead of seven (the same bits).
     pub attn_decode_hd64: bool,
-    /// `LMRR_CUDA_TAIL_MAX` (0: off until measured on a device): in steps
-    /// of at most this many tokens (below [`Tuning::gemm_min`]), the kernel
-    /// after a matmul runs in the matmul's own blocks ([`Gpu::tails_serve`]):
-    /// o and down take `matmul_rows_norm` (the residual add and the next
-    /// norm by the last block of each token tile), gate and up
-    /// `matmul_multi_swiglu` (SwiGLU by the second block of each row pair):
-    /// three launches a layer fewer, the same bits. Takes precedence over
-    /// [`Tuning::chunk_max`], [`Tuning::swiglu_max`] and
-    /// [`Tuning::down_swiglu`]; [`Tuning::fused_max`] over it.
-    pub tail_max: usize,
 }
 
 impl Default for Tuning {
@@ -258,7 +243,6 @@ impl Default for Tuning {
             chunk_max: 0,
             chunk_threads: 128,
             attn_decode_hd64: false,
-            tail_max: 0,
         }
     }
 }
@@ -286,7 +270,6 @@ impl Tuning {
             ("LMRR_CUDA_KV_EARLY_MIN", &mut t.kv_early_min),
             ("LMRR_CUDA_CHUNK_MAX", &mut t.chunk_max),
             ("LMRR_CUDA_CHUNK_THREADS", &mut t.chunk_threads),
-            ("LMRR_CUDA_TAIL_MAX", &mut t.tail_max),
         ] {
             if let Some(v) = get(var) {
                 *slot = v.trim().parse().map_err(|_| {
@@ -363,7 +346,6 @@ mod tuning_tests {
             ("LMRR_CUDA_CHUNK_MAX", "8"),
             ("LMRR_CUDA_CHUNK_THREADS", "4096"),
             ("LMRR_CUDA_ATTN_DECODE_HD64", "1"),
-            ("LMRR_CUDA_TAIL_MAX", "4"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -391,7 +373,6 @@ mod tuning_tests {
                 chunk_max: 8,
                 chunk_threads: MC_MAX_THREADS,
                 attn_decode_hd64: true,
-                tail_max: 4,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
@@ -440,8 +421,6 @@ pub(crate) struct Kernels {
     pub(crate) matmul_rows: Func,
     matmul_rows_swiglu: Func,
     matmul_multi: Func,
-    matmul_rows_norm: Func,
-    matmul_multi_swiglu: Func,
     matmul_chunk: Func,
     rope_kv: Func,
     rms_norm_warp: Func,
@@ -502,8 +481,6 @@ impl Kernels {
             matmul_rows: f("matmul_rows")?,
             matmul_rows_swiglu: f("matmul_rows_swiglu")?,
             matmul_multi: f("matmul_multi")?,
-            matmul_rows_norm: f("matmul_rows_norm")?,
-            matmul_multi_swiglu: f("matmul_multi_swiglu")?,
             matmul_chunk: f("matmul_chunk")?,
             rope_kv: f("rope_kv")?,
             rms_norm_warp: f("rms_norm_warp")?,
@@ -1419,250 +1396,6 @@ impl Gpu {
         let mut y = vec![0.0; n * w.rows];
         self.dtoh(dy.ptr, &mut y)?;
         Ok(y)
-    }
-
-    /// Whether a step of `n` tokens takes the tails ([`Tuning::tail_max`])
-    /// for a layer of these matrices: `o` and `down` ending in the residual
-    /// of width `o.rows` (`matmul_rows_norm`), `gate` and `up` one storage
-    /// and shape (`matmul_multi_swiglu`, SwiGLU into down's input); every
-    /// row within the partials a block holds, the counters enough.
-    pub fn tails_serve(
-        &self,
-        n: usize,
-        o: &DevMatrix,
-        gate: &DevMatrix,
-        up: &DevMatrix,
-        down: &DevMatrix,
-    ) -> bool {
-        let tun = self.res.tuning;
-        let tiles = n.div_ceil(MM_TOKENS);
-        let fits = |w: &DevMatrix| w.rows > 0 && w.cols.div_ceil(64) <= MR_MAX_CHUNKS;
-        n > 0
-            && n <= tun.tail_max
-            && n < tun.gemm_min.max(1)
-            && [o, gate, up, down].into_iter().all(fits)
-            && down.rows == o.rows
-            && (gate.kind, gate.rows, gate.cols) == (up.kind, up.rows, up.cols)
-            && down.cols == gate.rows
-            && gate.cols == o.rows
-            && gate.rows.saturating_mul(tiles) <= TAIL_COUNTERS
-    }
-
-    /// `y (n, rows) = x (n, cols) · Wᵀ` by `matmul_rows_norm`, then in the
-    /// same launch `res += y` (`res`: n rows of `rows`) and, with `norm`,
-    /// `out = rms_norm(res) · w`: the bits of [`Gpu::mm`] then
-    /// [`Gpu::add_norm`] (or the add alone), one launch.
-    #[allow(clippy::too_many_arguments)]
-    pub fn mm_rows_norm(
-        &self,
-        x: u64,
-        n: usize,
-        w: &DevMatrix,
-        y: u64,
-        res: u64,
-        norm: Option<(&DevBuf, f32)>,
-        out: u64,
-    ) -> Result<(), GpuError> {
-        if n == 0 || w.rows == 0 {
-            return Ok(());
-        }
-        let tiles = n.div_ceil(MM_TOKENS);
-        if w.cols.div_ceil(64) > MR_MAX_CHUNKS
-            || w.rows.div_ceil(64) > MR_MAX_CHUNKS
-            || tiles > TAIL_COUNTERS
-        {
-            return Err(GpuError::Shape {
-                what: "matmul_rows_norm",
-                detail: format!(
-                    "{n} tokens × {} → {} (rows of at most {}, at most {} token tiles)",
-                    w.cols,
-                    w.rows,
-                    64 * MR_MAX_CHUNKS,
-                    TAIL_COUNTERS
-                ),
-            });
-        }
-        let (ni, ri, ki) = mm_dims(n, w)?;
-        as_i32("matmul_rows_norm", n * w.rows)?;
-        let cfg = row_blocks(w.rows * tiles)?;
-        let (nw, eps) = norm.map_or((0, 0.0f32), |(b, e)| (b.ptr, e));
-        let counters = self.tail_counters()?;
-        let mut b = self.kernel(&self.res.matmul_rows_norm)?;
-        b.arg(&w.kind)
-            .arg(&x)
-            .arg(&w.buf.ptr)
-            .arg(&y)
-            .arg(&ni)
-            .arg(&ri)
-            .arg(&ki)
-            .arg(&w.row_bytes)
-            .arg(&counters)
-            .arg(&res)
-            .arg(&nw)
-            .arg(&out)
-            .arg(&eps);
-        // SAFETY: matches `matmul_rows_norm`; x holds n·cols floats, y, res
-        // and out n·rows, the norm weight rows; a counter per token tile
-        // (checked against TAIL_COUNTERS), each 0 between launches.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
-    }
-
-    /// `out (n, rows) = SwiGLU(x · Gᵀ, x · Uᵀ)` by `matmul_multi_swiglu`,
-    /// with gate's and up's outputs stored at `gate.1` and `up.1` too: the
-    /// bits of [`Gpu::mm_multi`] then the swiglu kernel, one launch.
-    pub fn mm_multi_swiglu(
-        &self,
-        x: u64,
-        n: usize,
-        gate: (&DevMatrix, u64),
-        up: (&DevMatrix, u64),
-        out: u64,
-    ) -> Result<(), GpuError> {
-        let ((g, gy), (u, uy)) = (gate, up);
-        if n == 0 || g.rows == 0 {
-            return Ok(());
-        }
-        let tiles = n.div_ceil(MM_TOKENS);
-        if (g.kind, g.rows, g.cols) != (u.kind, u.rows, u.cols)
-            || g.cols.div_ceil(64) > MR_MAX_CHUNKS
-            || g.rows.saturating_mul(tiles) > TAIL_COUNTERS
-        {
-            return Err(GpuError::Shape {
-                what: "matmul_multi_swiglu",
-                detail: format!(
-                    "gate {}×{} and up {}×{} at {n} tokens (one shape and storage, rows of at most {}, rows × token tiles at most {})",
-                    g.rows,
-                    g.cols,
-                    u.rows,
-                    u.cols,
-                    64 * MR_MAX_CHUNKS,
-                    TAIL_COUNTERS
-                ),
-            });
-        }
-        let (ni, ri, ki) = mm_dims(n, g)?;
-        as_i32("matmul_multi_swiglu", n * g.rows)?;
-        let cfg = row_blocks(2 * g.rows * tiles)?;
-        let counters = self.tail_counters()?;
-        let mut b = self.kernel(&self.res.matmul_multi_swiglu)?;
-        b.arg(&g.kind)
-            .arg(&x)
-            .arg(&ni)
-            .arg(&ki)
-            .arg(&g.buf.ptr)
-            .arg(&gy)
-            .arg(&ri)
-            .arg(&g.row_bytes)
-            .arg(&u.buf.ptr)
-            .arg(&uy)
-            .arg(&u.row_bytes)
-            .arg(&counters)
-            .arg(&out);
-        // SAFETY: matches `matmul_multi_swiglu`; x holds n·cols floats,
-        // gy, uy and out n·rows; a counter per (token tile, row), checked
-        // against TAIL_COUNTERS, each 0 between launches.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
-    }
-
-    /// [`Gpu::mm_rows_norm`] on host operands (gpu_check): `x (n, cols)`,
-    /// `w (rows, cols)`, the residual `res (n, rows)` and the norm; returns
-    /// y, the residual after the add, and the norm's output. Launched
-    /// twice, the second time on fresh operands (the first launch's counters
-    /// must have gone back to 0, or the second makes no tail).
-    pub fn rows_norm_resident(
-        &self,
-        x: &[f32],
-        n: usize,
-        w: &Matrix,
-        res: &[f32],
-        norm: Option<(&[f32], f32)>,
-    ) -> Result<[Vec<f32>; 3], GpuError> {
-        if x.len() != n * w.cols
-            || res.len() != n * w.rows
-            || norm.is_some_and(|(nw, _)| nw.len() != w.rows)
-        {
-            return Err(GpuError::Shape {
-                what: "matmul_rows_norm",
-                detail: format!(
-                    "x {}, res {}, n {n}, w {}×{}",
-                    x.len(),
-                    res.len(),
-                    w.rows,
-                    w.cols
-                ),
-            });
-        }
-        let (dx, dw) = (self.upload(x, "x")?, self.upload_matrix(w, "w")?);
-        let dres = self.alloc(res.len() * 4, "res")?;
-        let nan = vec![f32::NAN; res.len()];
-        let (dy, dout) = (self.upload(&nan, "y")?, self.upload(&nan, "out")?);
-        let dnw = norm
-            .map(|(nw, _)| self.upload(nw, "norm weight"))
-            .transpose()?;
-        let dn = dnw.as_ref().zip(norm).map(|(b, (_, eps))| (b, eps));
-        for _ in 0..2 {
-            self.htod(res, dres.ptr)?;
-            self.htod(&nan, dy.ptr)?;
-            self.htod(&nan, dout.ptr)?;
-            self.mm_rows_norm(dx.ptr, n, &dw, dy.ptr, dres.ptr, dn, dout.ptr)?;
-        }
-        let mut got = [
-            vec![0.0; res.len()],
-            vec![0.0; res.len()],
-            vec![0.0; res.len()],
-        ];
-        for (b, v) in [&dy, &dres, &dout].into_iter().zip(got.iter_mut()) {
-            self.dtoh(b.ptr, v)?;
-        }
-        Ok(got)
-    }
-
-    /// [`Gpu::mm_multi_swiglu`] on host operands (gpu_check): returns gate's
-    /// and up's outputs and their SwiGLU, launched twice as
-    /// [`Gpu::rows_norm_resident`] is.
-    pub fn multi_swiglu_resident(
-        &self,
-        x: &[f32],
-        n: usize,
-        gate: &Matrix,
-        up: &Matrix,
-    ) -> Result<[Vec<f32>; 3], GpuError> {
-        if x.len() != n * gate.cols {
-            return Err(GpuError::Shape {
-                what: "matmul_multi_swiglu",
-                detail: format!("x {}, n {n} × cols {}", x.len(), gate.cols),
-            });
-        }
-        let dx = self.upload(x, "x")?;
-        let (dg, du) = (
-            self.upload_matrix(gate, "gate")?,
-            self.upload_matrix(up, "up")?,
-        );
-        let nan = vec![f32::NAN; n * gate.rows];
-        let (gy, uy, out) = (
-            self.upload(&nan, "g")?,
-            self.upload(&nan, "u")?,
-            self.upload(&nan, "out")?,
-        );
-        for _ in 0..2 {
-            for b in [&gy, &uy, &out] {
-                self.htod(&nan, b.ptr)?;
-            }
-            self.mm_multi_swiglu(dx.ptr, n, (&dg, gy.ptr), (&du, uy.ptr), out.ptr)?;
-        }
-        let mut got = [nan.clone(), nan.clone(), nan];
-        for (b, v) in [&gy, &uy, &out].into_iter().zip(got.iter_mut()) {
-            self.dtoh(b.ptr, v)?;
-        }
-        Ok(got)
-    }
-
-    /// The tail kernels' counters (made at open).
-    fn tail_counters(&self) -> Result<u64, GpuError> {
-        self.tail_counters
-            .as_ref()
-            .map(DevBuf::ptr)
-            .ok_or_else(|| GpuError::Config("the tail counters were not made at open".into()))
     }
 
     /// How this device's resident path chooses its kernels.

@@ -80,16 +80,6 @@ struct Addrs {
     part_floats: usize,
 }
 
-/// Where [`Resident::launch_head`] starts: the residual before the last
-/// MLP output is added (that output, if any, split partials folded in by
-/// the add), or every row's output norm already made (`a.h`, by the last
-/// layer's tail).
-#[derive(Clone, Copy)]
-enum HeadIn {
-    Add(Option<MmOut>),
-    Normed,
-}
-
 /// A decode shape's captured launches: all of them, or (with
 /// `LMRR_CUDA_KV_EARLY_MIN`) the layers and the head apart, so that the K/V
 /// rows can be copied back between them.
@@ -837,9 +827,9 @@ impl Resident {
     /// and the kernel the rotated ones to the step's K rows.
     #[allow(clippy::too_many_arguments)]
     /// The embedding and every layer of a step; `None` where the fused form
-    /// ran the head too, else what [`Resident::launch_head`] starts from.
-    /// With `kv_copy`, each layer's K/V rows are queued for the host as
-    /// soon as the layer has made them.
+    /// ran the head too, else the last layer's MLP output for
+    /// [`Resident::launch_head`]. With `kv_copy`, each layer's K/V rows are
+    /// queued for the host as soon as the layer has made them.
     fn launch_layers(
         &self,
         m: &Llama,
@@ -854,7 +844,7 @@ impl Resident {
         w: usize,
         rope_attn: bool,
         mut kv_copy: Option<&mut Overlap<'_>>,
-    ) -> Result<Option<HeadIn>, EngineError> {
+    ) -> Result<Option<Option<MmOut>>, EngineError> {
         let g = &*self.gpu;
         let c = &m.cfg;
         let (d, ff, eps) = (c.hidden_size, c.intermediate_size, c.rms_norm_eps);
@@ -882,13 +872,6 @@ impl Resident {
         // With LMRR_CUDA_FOLD_SUMS a split matmul's output stays partials
         // (`MmOut`) until the next kernel, which sums them as it reads.
         let fold = tun.fold_sums;
-        // LMRR_CUDA_TAIL_MAX: o and down add their output to the residual
-        // and make the next norm in their last blocks, gate/up makes SwiGLU
-        // (three launches a layer fewer; the same bits).
-        let tails = self
-            .layers
-            .first()
-            .is_some_and(|l| g.tails_serve(n, &l.o, &l.gate, &l.up, &l.down));
         // The MLP output of the layer before, added to the residual by the
         // next norm (or, after the last layer, by the head's add).
         let mut mlp_out: Option<MmOut> = None;
@@ -897,12 +880,10 @@ impl Resident {
                 a.k + 4 * (li * n * kvd) as u64,
                 a.v + 4 * (li * n * kvd) as u64,
             );
-            if !tails || li == 0 {
-                t("norms (with residual adds)", &|| match mlp_out {
-                    None => g.norm_rows(a.x, &l.attn_norm, n, d, eps, a.h),
-                    Some(o) => g.add_norm(a.x, o, &l.attn_norm, n, d, eps, a.h),
-                })?;
-            }
+            t("norms (with residual adds)", &|| match mlp_out {
+                None => g.norm_rows(a.x, &l.attn_norm, n, d, eps, a.h),
+                Some(o) => g.add_norm(a.x, o, &l.attn_norm, n, d, eps, a.h),
+            })?;
             let kraw = if rope_attn { a.g } else { k };
             let qkv = self.timed("matmul q, k, v", || {
                 g.mm_outs(a.h, n, &[(&l.q, a.q), (&l.k, kraw), (&l.v, v)], sp, fold)
@@ -926,24 +907,6 @@ impl Resident {
                 let (rows, per) = (n * kvd, self.layers.len() * n * kvd);
                 ov.queue(&[(k, li * rows, rows), (v, per + li * rows, rows)])
                     .map_err(e)?;
-            }
-            if tails {
-                // The next layer's norm, or after the last layer the output
-                // norm of every row (the head gathers the wanted ones).
-                let next = self
-                    .layers
-                    .get(li + 1)
-                    .map_or(&self.norm, |nl| &nl.attn_norm);
-                t("matmul o (residual add, norm in its tail)", &|| {
-                    g.mm_rows_norm(a.att, n, &l.o, a.o, a.x, Some((&l.mlp_norm, eps)), a.h)
-                })?;
-                t("matmul gate, up (swiglu in its tail)", &|| {
-                    g.mm_multi_swiglu(a.h, n, (&l.gate, a.g), (&l.up, a.u), a.a)
-                })?;
-                t("matmul down (residual add, norm in its tail)", &|| {
-                    g.mm_rows_norm(a.a, n, &l.down, a.o, a.x, Some((next, eps)), a.h)
-                })?;
-                continue;
             }
             let o = self.timed("matmul o", || {
                 g.mm_outs(a.att, n, &[(&l.o, a.o)], sp, fold).map_err(e)
@@ -978,11 +941,7 @@ impl Resident {
             })?;
             mlp_out = Some(down[0]);
         }
-        Ok(Some(if tails && !self.layers.is_empty() {
-            HeadIn::Normed
-        } else {
-            HeadIn::Add(mlp_out)
-        }))
+        Ok(Some(mlp_out))
     }
 
     /// A layer's RoPE, K/V page writes and attention into `a.att`: by
@@ -1058,9 +1017,7 @@ impl Resident {
 
     /// The head of a step whose layers [`Resident::launch_layers`] queued:
     /// the last MLP output added to the residual, the wanted rows gathered,
-    /// normed and multiplied by the output matrix into the logits; or,
-    /// where the layers' last tail made the output norm of every row, those
-    /// rows gathered and multiplied.
+    /// normed and multiplied by the output matrix into the logits.
     fn launch_head(
         &self,
         m: &Llama,
@@ -1068,22 +1025,17 @@ impl Resident {
         rows: u64,
         n: usize,
         w: usize,
-        from: HeadIn,
+        mlp_out: Option<MmOut>,
     ) -> Result<(), EngineError> {
         let g = &*self.gpu;
         let c = &m.cfg;
         let (d, eps) = (c.hidden_size, c.rms_norm_eps);
         let head = || -> Result<(), lmrr_kernels::cuda::GpuError> {
-            match from {
-                HeadIn::Add(mlp_out) => {
-                    if let Some(o) = mlp_out {
-                        g.add_out(a.x, o, n * d)?;
-                    }
-                    g.gather(a.x, rows, w, d, a.hx)?;
-                    g.norm_rows(a.hx, &self.norm, w, d, eps, a.hn)?;
-                }
-                HeadIn::Normed => g.gather(a.h, rows, w, d, a.hn)?,
+            if let Some(o) = mlp_out {
+                g.add_out(a.x, o, n * d)?;
             }
+            g.gather(a.x, rows, w, d, a.hx)?;
+            g.norm_rows(a.hx, &self.norm, w, d, eps, a.hn)?;
             let head = self.head.as_ref().unwrap_or(&self.embed);
             g.mm(a.hn, w, head, a.logits)
         };
