@@ -208,12 +208,16 @@ pub struct Tuning {
     /// `matmul_chunk` block aims at (whole rows of chunks: 14 rows of 9
     /// chunks make 126).
     pub chunk_threads: usize,
-    /// `LMRR_CUDA_ATTN_DECODE_HD64` (0/1, off until measured on a device):
+    /// `LMRR_CUDA_ATTN_DECODE_HD64` (0/1, off: measured slower):
     /// where `attention_decode` (or `attention_decode_rope`) serves a step
     /// of head_dim 64 ([`hd64_fits`]), `attention_decode_hd64` (or
     /// `attention_decode_rope_hd64`) does: a thread per position's score,
     /// the tile maxima by warp shuffles, every thread its own running max,
-    /// three barriers a pass instead of seven (the same bits).
+    /// three barriers a pass instead of seven (the same bits). Off: slower on
+    /// the H100 (two alternating rounds, batch 1 835/838 against 943/941
+    /// tok/s, batch 8 3,550/3,663 against 3,966/3,873, after 512 tokens
+    /// 437/439 against 478/489; gpu_check's kernel time 11.1 against 9.6 µs
+    /// at 64 positions).
     pub attn_decode_hd64: bool,
 }
 
