@@ -365,11 +365,129 @@ fn matmul_chunk_matches_the_cpu() {
     }
 }
 
+/// The operands of one fused-matmul case: `n` tokens of width `cols`, the
+/// norm weight, three matrices (rows 24, 8, 8) in f32 and in Q4_1, and the
+/// CPU's norm of x.
+struct FusedCase {
+    n: usize,
+    cols: usize,
+    x: Vec<f32>,
+    nw: Vec<f32>,
+    h: Vec<f32>,
+    wf: Vec<Vec<f32>>,
+    q41: Vec<Vec<u8>>,
+}
+
+const FUSED_ROWS: [usize; 3] = [24, 8, 8];
+
+impl FusedCase {
+    fn new(r: &mut SplitMix64, n: usize, cols: usize, eps: f32) -> Self {
+        let x = r.uniform_vec(n * cols, 3.0);
+        let nw = r.uniform_vec(cols, 1.5);
+        let mut h = vec![0.0; x.len()];
+        rms_norm(&x, &nw, eps, &mut h);
+        let wf = FUSED_ROWS
+            .iter()
+            .map(|&o| r.uniform_vec(o * cols, 0.5))
+            .collect();
+        let q41 = FUSED_ROWS
+            .iter()
+            .map(|&o| blocks(r, QuantKind::Q4_1, o * cols / 32))
+            .collect();
+        Self {
+            n,
+            cols,
+            x,
+            nw,
+            h,
+            wf,
+            q41,
+        }
+    }
+
+    /// Every fused form of one kernel in storage `kind` (0 f32, 3 Q4_1)
+    /// against the separate CPU ops it stands for: the norm then three
+    /// matmuls; the residual add after a matmul; gate, up and SwiGLU with
+    /// the norm made in the kernel and of an input already normalized.
+    /// `head(mode)` is the kernel's job line up to its mode (the emulator
+    /// reads `mode norm eps rows0 rows1 rows2` after it).
+    fn check(
+        &self,
+        th: &Threads,
+        r: &mut SplitMix64,
+        kind: u8,
+        eps: f32,
+        head: &dyn Fn(u8) -> String,
+        what: &str,
+    ) {
+        let (n, cols, rows) = (self.n, self.cols, FUSED_ROWS);
+        let mat = |i: usize| match kind {
+            0 => Matrix::new(Weights::F32(&self.wf[i]), rows[i], cols).expect("shape"),
+            _ => Matrix::new(Weights::Quant(QuantKind::Q4_1, &self.q41[i]), rows[i], cols)
+                .expect("shape"),
+        };
+        let raw = |i: usize| {
+            if kind == 0 {
+                bytes(&self.wf[i])
+            } else {
+                self.q41[i].clone()
+            }
+        };
+        let mm = |inp: &[f32], i: usize| {
+            let mut y = vec![0.0; n * rows[i]];
+            matmul(th, inp, n, &mat(i), &mut y);
+            y
+        };
+        let e = eps.to_bits();
+        let x = bytes(&self.x);
+        // Norm, then three matmuls.
+        let out = job(
+            &format!("{} 0 1 {e} 24 8 8", head(0)),
+            &[&x, &bytes(&self.nw), &raw(0), &raw(1), &raw(2), &[]],
+        );
+        for (i, got) in out.iter().enumerate().take(3) {
+            assert_eq!(
+                differing(&mm(&self.h, i), &floats(got)),
+                0,
+                "norm + matmul {i}, {what}"
+            );
+        }
+        // Accumulate into the residual.
+        let base = r.uniform_vec(n * 24, 4.0);
+        let out = job(
+            &format!("{} 1 0 0 24 0 0", head(1)),
+            &[&x, &[], &raw(0), &[], &[], &bytes(&base)],
+        );
+        let want: Vec<f32> = base
+            .iter()
+            .zip(mm(&self.x, 0))
+            .map(|(a, b)| a + b)
+            .collect();
+        assert_eq!(differing(&want, &floats(&out[0])), 0, "residual, {what}");
+        // Gate and up (rows 8 and 8), SwiGLU: with the norm made in the
+        // kernel (the fused step), and of an input already normalized (the
+        // unfused step's gate/up with the SwiGLU epilogue).
+        for (norm, input, case) in [
+            (true, &self.h, "norm + gate/up + swiglu"),
+            (false, &self.x, "gate/up + swiglu"),
+        ] {
+            let nwb = if norm { bytes(&self.nw) } else { Vec::new() };
+            let out = job(
+                &format!("{} 2 {} {e} 8 8 0", head(2), u8::from(norm)),
+                &[&x, &nwb, &raw(1), &raw(2), &[], &[]],
+            );
+            let (g, u) = (mm(input, 1), mm(input, 2));
+            let mut a = vec![0.0; g.len()];
+            swiglu(&g, &u, &mut a);
+            assert_eq!(differing(&a, &floats(&out[0])), 0, "{case}, {what}");
+        }
+    }
+}
+
 /// `matmul_chunk`'s fused forms against the separate CPU ops they stand
-/// for: the norm then q, k, v; the residual add after a matmul; gate, up
-/// and SwiGLU with and without the norm; in f32 (vector loads on and off)
-/// and Q4_1, on one token, a partial token tile, two tiles, and a ragged
-/// width.
+/// for ([`FusedCase::check`]), in f32 (vector loads on and off) and Q4_1,
+/// on one token, a partial token tile, two tiles, and a ragged width; the
+/// SwiGLU form with an even number of rows a block.
 #[test]
 fn matmul_chunk_fused_forms_match_the_separate_ops() {
     if emulator().is_none() {
@@ -385,85 +503,24 @@ fn matmul_chunk_fused_forms_match_the_separate_ops() {
         (11, 1088, 6),
         (2, 100, 2),
     ] {
-        let x = r.uniform_vec(n * cols, 3.0);
-        let nw = r.uniform_vec(cols, 1.5);
-        let mut h = vec![0.0; x.len()];
-        rms_norm(&x, &nw, eps, &mut h);
-        let rows = [24usize, 8, 8];
-        let wf: Vec<Vec<f32>> = rows.iter().map(|&o| r.uniform_vec(o * cols, 0.5)).collect();
-        let q41: Vec<Vec<u8>> = rows
-            .iter()
-            .map(|&o| blocks(&mut r, QuantKind::Q4_1, o * cols / 32))
-            .collect();
+        let c = FusedCase::new(&mut r, n, cols, eps);
         for (label, kind, vec) in [("f32", 0, 0), ("f32", 0, 1), ("Q4_1", 3, 0)] {
             if (kind == 3 && cols % 32 != 0) || (vec == 1 && cols % 4 != 0) {
                 continue;
             }
-            let mat = |i: usize| match kind {
-                0 => Matrix::new(Weights::F32(&wf[i]), rows[i], cols).expect("shape"),
-                _ => Matrix::new(Weights::Quant(QuantKind::Q4_1, &q41[i]), rows[i], cols)
-                    .expect("shape"),
-            };
-            let raw = |i: usize| {
-                if kind == 0 {
-                    bytes(&wf[i])
-                } else {
-                    q41[i].clone()
-                }
-            };
-            let mm = |inp: &[f32], i: usize| {
-                let mut y = vec![0.0; n * rows[i]];
-                matmul(&th, inp, n, &mat(i), &mut y);
-                y
+            let head = |mode: u8| {
+                let rpb = if mode == 2 { rpb.max(2) & !1 } else { rpb };
+                format!("chunk {kind} {vec} {n} {cols} {rpb}")
             };
             let what = format!("{label} vec {vec} {n}×{cols}, {rpb} rows a block");
-            let e = eps.to_bits();
-            // Norm, then three matmuls.
-            let out = job(
-                &format!("chunk {kind} {vec} {n} {cols} {rpb} 0 1 {e} 24 8 8"),
-                &[&bytes(&x), &bytes(&nw), &raw(0), &raw(1), &raw(2), &[]],
-            );
-            for (i, got) in out.iter().enumerate().take(3) {
-                assert_eq!(
-                    differing(&mm(&h, i), &floats(got)),
-                    0,
-                    "norm + matmul {i}, {what}"
-                );
-            }
-            // Accumulate into the residual.
-            let base = r.uniform_vec(n * 24, 4.0);
-            let out = job(
-                &format!("chunk {kind} {vec} {n} {cols} {rpb} 1 0 0 24 0 0"),
-                &[&bytes(&x), &[], &raw(0), &[], &[], &bytes(&base)],
-            );
-            let want: Vec<f32> = base.iter().zip(mm(&x, 0)).map(|(a, b)| a + b).collect();
-            assert_eq!(differing(&want, &floats(&out[0])), 0, "residual, {what}");
-            // Gate and up (rows 8 and 8), SwiGLU, with and without the norm.
-            for (norm, input, case) in [
-                (true, &h, "norm + gate/up + swiglu"),
-                (false, &x, "gate/up + swiglu"),
-            ] {
-                let nwb = if norm { bytes(&nw) } else { Vec::new() };
-                let rpb2 = (rpb.max(2)) & !1;
-                let out = job(
-                    &format!(
-                        "chunk {kind} {vec} {n} {cols} {rpb2} 2 {} {e} 8 8 0",
-                        u8::from(norm)
-                    ),
-                    &[&bytes(&x), &nwb, &raw(1), &raw(2), &[], &[]],
-                );
-                let (g, u) = (mm(input, 1), mm(input, 2));
-                let mut a = vec![0.0; g.len()];
-                swiglu(&g, &u, &mut a);
-                assert_eq!(differing(&a, &floats(&out[0])), 0, "{case}, {what}");
-            }
+            c.check(&th, &mut r, kind, eps, &head, &what);
         }
     }
 }
 
-/// `matmul_fused` against the separate CPU ops it stands for: the norm then
-/// q, k, v; the residual add after a matmul; the norm then gate, up and
-/// SwiGLU; on several token counts and storages.
+/// `matmul_fused` against the separate CPU ops it stands for
+/// ([`FusedCase::check`]), in f32 and Q4_1, on one token, a partial token
+/// tile and a width of 17 chunks.
 #[test]
 fn fused_matmuls_match_the_separate_ops() {
     if emulator().is_none() {
@@ -473,76 +530,17 @@ fn fused_matmuls_match_the_separate_ops() {
     let mut r = SplitMix64(10);
     let eps = 1e-5f32;
     for &(n, cols) in &[(1usize, 576usize), (3, 96), (8, 1088)] {
-        let x = r.uniform_vec(n * cols, 3.0);
-        let nw = r.uniform_vec(cols, 1.5);
-        let mut h = vec![0.0; x.len()];
-        rms_norm(&x, &nw, eps, &mut h);
-        let rows = [24usize, 8, 8];
-        let wf: Vec<Vec<f32>> = rows.iter().map(|&o| r.uniform_vec(o * cols, 0.5)).collect();
-        let q41: Vec<Vec<u8>> = rows
-            .iter()
-            .map(|&o| blocks(&mut r, QuantKind::Q4_1, o * cols / 32))
-            .collect();
+        let c = FusedCase::new(&mut r, n, cols, eps);
         for (label, kind) in [("f32", 0), ("Q4_1", 3)] {
-            let mat = |i: usize| match kind {
-                0 => Matrix::new(Weights::F32(&wf[i]), rows[i], cols).expect("shape"),
-                _ => Matrix::new(Weights::Quant(QuantKind::Q4_1, &q41[i]), rows[i], cols)
-                    .expect("shape"),
-            };
-            let raw = |i: usize| {
-                if kind == 0 {
-                    bytes(&wf[i])
-                } else {
-                    q41[i].clone()
-                }
-            };
-            let mm = |inp: &[f32], i: usize| {
-                let mut y = vec![0.0; n * rows[i]];
-                matmul(&th, inp, n, &mat(i), &mut y);
-                y
-            };
-            let what = format!("{label} {n}×{cols}");
-            // Norm, then three matmuls.
-            let out = job(
-                &format!("fused {kind} {n} {cols} 0 1 {} 24 8 8", eps.to_bits()),
-                &[&bytes(&x), &bytes(&nw), &raw(0), &raw(1), &raw(2), &[]],
+            let head = |_mode: u8| format!("fused {kind} {n} {cols}");
+            c.check(
+                &th,
+                &mut r,
+                kind,
+                eps,
+                &head,
+                &format!("{label} {n}×{cols}"),
             );
-            for (i, got) in out.iter().enumerate().take(3) {
-                assert_eq!(
-                    differing(&mm(&h, i), &floats(got)),
-                    0,
-                    "norm + matmul {i}, {what}"
-                );
-            }
-            // Accumulate into the residual.
-            let base = r.uniform_vec(n * 24, 4.0);
-            let out = job(
-                &format!("fused {kind} {n} {cols} 1 0 0 24 0 0"),
-                &[&bytes(&x), &[], &raw(0), &[], &[], &bytes(&base)],
-            );
-            let want: Vec<f32> = base.iter().zip(mm(&x, 0)).map(|(a, b)| a + b).collect();
-            assert_eq!(differing(&want, &floats(&out[0])), 0, "residual, {what}");
-            // Gate and up (rows 8 and 8), SwiGLU: with the norm made in the
-            // kernel (the fused step), and of an input already normalized
-            // (the unfused step's gate/up with the SwiGLU epilogue).
-            for (norm, input, case) in [
-                (true, &h, "norm + gate/up + swiglu"),
-                (false, &x, "gate/up + swiglu"),
-            ] {
-                let (flag, nwb) = if norm {
-                    (1, bytes(&nw))
-                } else {
-                    (0, Vec::new())
-                };
-                let out = job(
-                    &format!("fused {kind} {n} {cols} 2 {flag} {} 8 8 0", eps.to_bits()),
-                    &[&bytes(&x), &nwb, &raw(1), &raw(2), &[], &[]],
-                );
-                let (g, u) = (mm(input, 1), mm(input, 2));
-                let mut a = vec![0.0; g.len()];
-                swiglu(&g, &u, &mut a);
-                assert_eq!(differing(&a, &floats(&out[0])), 0, "{case}, {what}");
-            }
         }
     }
 }
