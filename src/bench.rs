@@ -225,7 +225,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     // capturing the step saves over launching its kernels one by one.
     let mut graphs_off = None;
     // (batch, device seconds of a decode step's kernels, its wall seconds).
-    let mut device_split: Vec<(usize, f64, f64)> = Vec::new();
+    let mut device_split: Vec<(usize, f64, f64, [f64; 5])> = Vec::new();
     for &batch in &batches {
         // Prefill: `batch` prompts in one step. The first into a fresh
         // store (its K/V memory allocated and first touched in the step);
@@ -290,7 +290,17 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 let wall = wall?;
                 let dev = l.take_cuda_step_device();
                 if !dev.is_empty() {
-                    device_split.push((batch, median(dev), median(wall)));
+                    let med = |f: fn(&lmrr_engine::llama::StepSplit) -> f64| {
+                        median(dev.iter().map(f).collect())
+                    };
+                    let parts = [
+                        med(|s| s.before),
+                        med(|s| s.launch),
+                        med(|s| s.wait),
+                        med(|s| s.copies),
+                        med(|s| s.after),
+                    ];
+                    device_split.push((batch, med(|s| s.kernels), median(wall), parts));
                 }
             }
         }
@@ -393,13 +403,21 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             step / floor
         );
     }
-    for (batch, dev, wall) in &device_split {
+    for (batch, dev, wall, [before, launch, wait, copies, after]) in &device_split {
         println!(
             "| decode, batch {batch}: the step's kernels on the device (events around them) | {:.3} of {:.3} ms ({:.1}%; host work and copies {:.3} ms) |",
             dev * 1e3,
             wall * 1e3,
             100.0 * dev / wall,
             (wall - dev) * 1e3
+        );
+        println!(
+            "| decode, batch {batch}: the step's parts (medians) | host before the launch {:.1} µs, launch calls {:.1} µs, waiting for the downloads {:.1} µs (of which the copies on the device {:.1} µs), host after {:.1} µs |",
+            before * 1e6,
+            launch * 1e6,
+            wait * 1e6,
+            copies * 1e6,
+            after * 1e6
         );
     }
     if let Some(off) = graphs_off {

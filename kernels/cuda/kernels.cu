@@ -522,17 +522,16 @@ extern "C" __global__ void matmul_tile(int kind, const float* x, const unsigned 
 #define MR_GROUPS 16
 #define MR_MAX_CHUNKS 256
 
-// The body of matmul_rows for one (row o of W, token tile t0); with u
-// non-null, the input is SwiGLU(x, u), each element computed as the swiglu
-// kernel computes it (down's input made on the fly).
+// The partials of matmul_rows for one (row wr of W, token tile t0 of tn
+// tokens), made by the tid-th of MR_GROUPS · 8 threads (a warp-aligned set):
+// part[tt][c] = chunk c's lane tree for token tt. With u non-null, the input
+// is SwiGLU(x, u), each element computed as the swiglu kernel computes it
+// (down's input made on the fly).
 template <bool SWI = false>
-__device__ __forceinline__ void mm_rows_block(int kind, const float* x, const unsigned char* w, float* y,
-                                              int n, int rows, int k, long long row_bytes, int o, int t0,
-                                              const float* u = nullptr) {
-    __shared__ float part[MM_TOKENS][MR_MAX_CHUNKS];
-    int tn = min(MM_TOKENS, n - t0);
-    int g = threadIdx.x >> 3, j = threadIdx.x & 7;
-    const unsigned char* wr = w + o * row_bytes;
+__device__ __forceinline__ void mm_rows_partials(int kind, const float* x, const unsigned char* wr, int tn, int k,
+                                                 int t0, int tid, float (*part)[MR_MAX_CHUNKS],
+                                                 const float* u = nullptr) {
+    int g = tid >> 3, j = tid & 7;
     int chunks = (k + CHUNK - 1) / CHUNK;
     // The loop is uniform over each warp (shuffles need all its lanes).
     for (int cb = 0; cb < chunks; cb += MR_GROUPS) {
@@ -567,6 +566,18 @@ __device__ __forceinline__ void mm_rows_block(int kind, const float* x, const un
         }
     }
     if (chunks == 0) PDL_ENTRY_LATE();  // no weights: wait all the same
+}
+
+// The body of matmul_rows for one (row o of W, token tile t0): the
+// partials, then thread tt adds token tt's in chunk order from +0.0.
+template <bool SWI = false>
+__device__ __forceinline__ void mm_rows_block(int kind, const float* x, const unsigned char* w, float* y,
+                                              int n, int rows, int k, long long row_bytes, int o, int t0,
+                                              const float* u = nullptr) {
+    __shared__ float part[MM_TOKENS][MR_MAX_CHUNKS];
+    int tn = min(MM_TOKENS, n - t0);
+    int chunks = (k + CHUNK - 1) / CHUNK;
+    mm_rows_partials<SWI>(kind, x, w + o * row_bytes, tn, k, t0, threadIdx.x, part, u);
     __syncthreads();
     if (threadIdx.x < tn) {
         int tt = threadIdx.x;
@@ -618,6 +629,36 @@ extern "C" __global__ void matmul_multi(int kind, const float* x, int n, int k,
     }
     b -= rows1 * tiles;
     mm_rows_block(kind, x, w2, y2, n, rows2, k, rb2, b % rows2, (b / rows2) * MM_TOKENS);
+}
+
+// gate and up with SwiGLU in the epilogue (decode steps): one block of
+// 2 · MR_GROUPS · 8 threads per (row o, token tile); the first half makes
+// row o of gate's partials and the second half row o of up's, each as
+// matmul_rows does, side by side; then, in warp 0, lane h·8 + tt adds token
+// tt's partials of half h in chunk order from +0.0 (matmul_rows' sum) and
+// lane tt stores swiglu_of(gate, up): the swiglu kernel's value of
+// matmul_rows' two outputs, without the swiglu launch or the g/u rows.
+// gate and up share one storage, shape and row_bytes.
+extern "C" __global__ void gate_up_swiglu(int kind, const float* x, const unsigned char* wg,
+                                          const unsigned char* wu, float* y, int n, int rows, int k,
+                                          long long row_bytes) {
+    PDL_ENTRY_EARLY();
+    __shared__ float part[2][MM_TOKENS][MR_MAX_CHUNKS];
+    int o = blockIdx.x % rows, t0 = (blockIdx.x / rows) * MM_TOKENS;
+    int tn = min(MM_TOKENS, n - t0);
+    int chunks = (k + CHUNK - 1) / CHUNK;
+    int half = threadIdx.x / (8 * MR_GROUPS), tid = threadIdx.x % (8 * MR_GROUPS);
+    mm_rows_partials(kind, x, (half ? wu : wg) + o * row_bytes, tn, k, t0, tid, part[half]);
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        int h = (threadIdx.x >> 3) & 1, tt = threadIdx.x & 7;
+        float total = 0.0f;
+        if (threadIdx.x < 16 && tt < tn) {
+            for (int c = 0; c < chunks; ++c) total = total + part[h][tt][c];
+        }
+        float up = __shfl_down_sync(0xffffffffu, total, 8);
+        if (threadIdx.x < tn) y[(long long)(t0 + threadIdx.x) * rows + o] = swiglu_of(total, up);
+    }
 }
 
 // matmul_chunk: one thread per (output row, 64-chunk of it), for decode

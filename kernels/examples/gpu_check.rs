@@ -336,6 +336,24 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
             .expect("gpu matmul_rows_swiglu");
         out.push(("matmul_rows_swiglu", diff(&cpu, &dev)));
     }
+    {
+        // Gate and up with SwiGLU in the epilogue: x·W as gate, another
+        // matrix as up (its own generator: the draws after stay the same).
+        let wu = SplitMix64(99).uniform_vec(rows * cols, 0.5);
+        let (mg, mu) = (
+            Matrix::new(Weights::F32(&wf), rows, cols).expect("shape"),
+            Matrix::new(Weights::F32(&wu), rows, cols).expect("shape"),
+        );
+        let (mut g, mut u) = (vec![0.0; n * rows], vec![0.0; n * rows]);
+        matmul(&th, &x, n, &mg, &mut g);
+        matmul(&th, &x, n, &mu, &mut u);
+        let mut cpu = vec![0.0; n * rows];
+        swiglu(&g, &u, &mut cpu);
+        let dev = gpu
+            .gate_up_swiglu_resident(&x, n, &mg, &mu)
+            .expect("gpu gate_up_swiglu");
+        out.push(("gate_up_swiglu", diff(&cpu, &dev)));
+    }
     out.push((
         "attention_decode_rope",
         decode_rope(gpu, &mut r, &[5, 64, 100]).0,
@@ -745,6 +763,49 @@ fn main() {
                 .expect("gpu matmul_rows_swiglu");
             report(
                 format!("matmul_rows_swiglu {label} {n}×{cols}·{cols}×{rows}"),
+                diff(&cpu, &dev),
+                cpu.len(),
+            );
+        }
+    }
+    // Gate and up with SwiGLU in the epilogue (gate_up_swiglu) against the
+    // CPU's two matmuls then swiglu: the `small` preset's one token and a
+    // full tile of 8, a partial tile over ragged chunks; f32, bf16 and Q4_1.
+    for &(n, rows, cols) in &[(1usize, 1536usize, 576usize), (8, 1536, 576), (11, 40, 224)] {
+        let x = r.uniform_vec(n * cols, 2.0);
+        let (gf, uf) = (
+            r.uniform_vec(rows * cols, 0.5),
+            r.uniform_vec(rows * cols, 0.5),
+        );
+        let bf = |v: &[f32]| -> Vec<u16> { v.iter().map(|f| (f.to_bits() >> 16) as u16).collect() };
+        let (gb, ub) = (bf(&gf), bf(&uf));
+        let (gq, uq) = (
+            blocks(&mut r, QuantKind::Q4_1, rows * cols / 32),
+            blocks(&mut r, QuantKind::Q4_1, rows * cols / 32),
+        );
+        for (label, wg, wu) in [
+            ("f32", Weights::F32(&gf), Weights::F32(&uf)),
+            ("bf16", Weights::Bf16(&gb), Weights::Bf16(&ub)),
+            (
+                "Q4_1",
+                Weights::Quant(QuantKind::Q4_1, &gq),
+                Weights::Quant(QuantKind::Q4_1, &uq),
+            ),
+        ] {
+            let (mg, mu) = (
+                Matrix::new(wg, rows, cols).expect("shape"),
+                Matrix::new(wu, rows, cols).expect("shape"),
+            );
+            let (mut g, mut u) = (vec![0.0; n * rows], vec![0.0; n * rows]);
+            matmul(&th, &x, n, &mg, &mut g);
+            matmul(&th, &x, n, &mu, &mut u);
+            let mut cpu = vec![0.0; n * rows];
+            swiglu(&g, &u, &mut cpu);
+            let dev = gpu
+                .gate_up_swiglu_resident(&x, n, &mg, &mu)
+                .expect("gpu gate_up_swiglu");
+            report(
+                format!("gate_up_swiglu {label} {n}×{cols}·{cols}×{rows} (two matrices)"),
                 diff(&cpu, &dev),
                 cpu.len(),
             );

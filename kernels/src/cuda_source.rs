@@ -88,6 +88,11 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
             "float xv = SWI ? (xr[i] * u[(long long)(t0 + tt) * k + i]) / (1.0f + det_exp(-xr[i])) : xr[i];",
         ),
         (
+            "gate_up_swiglu gate and up swapped in SwiGLU",
+            "if (threadIdx.x < tn) y[(long long)(t0 + threadIdx.x) * rows + o] = swiglu_of(total, up);",
+            "if (threadIdx.x < tn) y[(long long)(t0 + threadIdx.x) * rows + o] = swiglu_of(up, total);",
+        ),
+        (
             "matmul_fused norm weight applied first",
             "float xv = nw ? (xr[i] * inv[tt]) * nw[i] : xr[i];",
             "float xv = nw ? xr[i] * (inv[tt] * nw[i]) : xr[i];",

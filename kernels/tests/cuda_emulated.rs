@@ -276,6 +276,45 @@ fn down_with_swiglu_in_its_input_matches_swiglu_then_matmul() {
 }
 
 #[test]
+fn gate_up_with_swiglu_in_its_epilogue_matches_matmuls_then_swiglu() {
+    if emulator().is_none() {
+        return;
+    }
+    let th = Threads::new(2).expect("threads");
+    let mut r = SplitMix64(12);
+    // (rows, cols, tokens): one token over 9 chunks (the `small` preset's
+    // width); a partial token tile over ragged chunks; a full tile of 8
+    // over more chunks than a block has groups.
+    for &(rows, cols, n) in &[(24usize, 576usize, 1usize), (9, 224, 11), (5, 1088, 8)] {
+        let x = r.uniform_vec(n * cols, 2.0);
+        let (sg, su) = (
+            Stored::new(&mut r, rows * cols, 0.5),
+            Stored::new(&mut r, rows * cols, 0.5),
+        );
+        for ((label, kind, wg, rg), (_, _, wu, ru)) in sg.each().into_iter().zip(su.each()) {
+            let (mg, mu) = (
+                Matrix::new(wg, rows, cols).expect("shape"),
+                Matrix::new(wu, rows, cols).expect("shape"),
+            );
+            let (mut g, mut u) = (vec![0.0; n * rows], vec![0.0; n * rows]);
+            matmul(&th, &x, n, &mg, &mut g);
+            matmul(&th, &x, n, &mu, &mut u);
+            let mut cpu = vec![0.0; n * rows];
+            swiglu(&g, &u, &mut cpu);
+            let out = job(
+                &format!("gate_up_swiglu {kind} {n} {rows} {cols}"),
+                &[&bytes(&x), &rg, &ru],
+            );
+            assert_eq!(
+                differing(&cpu, &floats(&out[0])),
+                0,
+                "gate_up_swiglu {label} {n}×{cols}·{cols}×{rows}"
+            );
+        }
+    }
+}
+
+#[test]
 fn matmul_multi_matches_three_matmuls() {
     if emulator().is_none() {
         return;
@@ -811,6 +850,21 @@ fn the_emulation_sees_each_broken_kernel() {
     // attention_decode (the job runs both).
     let (rope_line, rope_arrays) = decode_rope_inputs(&mut r, 9, 3, 64, 16, &[5, 64, 100]);
     let rope_refs: Vec<&[u8]> = rope_arrays.iter().map(|a| a.as_slice()).collect();
+    // gate/up with SwiGLU in its epilogue: x·W (mm_cpu) as gate, a second
+    // matrix as up (its own generator, so the draws above stay the same).
+    let wu = SplitMix64(99).uniform_vec(rows * cols, 0.5);
+    let mut gu_cpu = vec![0.0; n * rows];
+    {
+        let mut up = vec![0.0; n * rows];
+        matmul(
+            &th,
+            &x,
+            n,
+            &Matrix::new(Weights::F32(&wu), rows, cols).expect("shape"),
+            &mut up,
+        );
+        swiglu(&mm_cpu, &up, &mut gu_cpu);
+    }
     let controls = lmrr_kernels::cuda_source::negative_controls().unwrap_or_else(|e| panic!("{e}"));
     let mut seen = 0;
     for (i, c) in controls.iter().enumerate() {
@@ -821,6 +875,7 @@ fn the_emulation_sees_each_broken_kernel() {
             "matmul_warp",
             "matmul_tile",
             "matmul_rows",
+            "gate_up_swiglu",
             "matmul_gemm",
             "matmul_gemm_multi",
             "matmul_chunk",
@@ -879,6 +934,12 @@ fn the_emulation_sees_each_broken_kernel() {
                 &[&bytes(&x), &bytes(&u), &bytes(&wf)],
             );
             d += differing(&sw_cpu, &floats(&out[0]));
+            let out = job_on(
+                &bin,
+                &format!("gate_up_swiglu 0 {n} {rows} {cols}"),
+                &[&bytes(&x), &bytes(&wf), &bytes(&wu)],
+            );
+            d += differing(&gu_cpu, &floats(&out[0]));
         }
         {
             let out = job_on(

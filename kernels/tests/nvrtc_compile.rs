@@ -41,6 +41,7 @@ fn kernels_cu_compiles_under_nvrtc() {
         "matmul_gemm_wide",
         "norm_reg",
         "matmul_rows_swiglu",
+        "gate_up_swiglu",
         "matmul_gemm_pipelined",
         "fma_peak",
     ] {

@@ -79,6 +79,12 @@ inline float __shfl_xor_sync(unsigned mask, float v, int m) {
     return __shfl_sync(mask, v, (int)((emu::tl_thread.x & 31u) ^ (unsigned)m));
 }
 
+// Lane i gets lane i + d's value (its own where i + d is past the warp).
+inline float __shfl_down_sync(unsigned mask, float v, unsigned d) {
+    unsigned lane = emu::tl_thread.x & 31u;
+    return __shfl_sync(mask, v, (int)(lane + d < 32u ? lane + d : lane));
+}
+
 inline float __int_as_float(int i) {
     float f;
     std::memcpy(&f, &i, 4);

@@ -123,6 +123,18 @@ int main() {
         emu::launch(b, 8 * MR_GROUPS,
                     [&] { matmul_rows_swiglu(kind, g.data(), u.data(), w.data(), y.data(), n, rows, k, row_bytes); });
         write_array(y);
+    } else if (job == "gate_up_swiglu") {
+        // gate_up_swiglu kind n rows k: x (n·k floats), gate, up -> y (n·rows)
+        int kind, n, rows, k;
+        hs >> kind >> n >> rows >> k;
+        auto x = read_as<float>();
+        auto wg = read_array(), wu = read_array();
+        long long row_bytes = rows ? (long long)(wg.size() / rows) : 0;
+        std::vector<float> y((size_t)n * rows, std::nanf(""));
+        unsigned b = (unsigned)(rows * ((n + MM_TOKENS - 1) / MM_TOKENS));
+        emu::launch(b, 16 * MR_GROUPS,
+                    [&] { gate_up_swiglu(kind, x.data(), wg.data(), wu.data(), y.data(), n, rows, k, row_bytes); });
+        write_array(y);
     } else if (job == "multi") {
         // multi kind n k rows0 rows1 rows2: three matrices, one launch
         int kind, n, k, r0, r1, r2;

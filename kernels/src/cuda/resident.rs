@@ -219,6 +219,11 @@ pub struct Tuning {
     /// 437/439 against 478/489; gpu_check's kernel time 11.1 against 9.6 µs
     /// at 64 positions).
     pub attn_decode_hd64: bool,
+    /// `LMRR_CUDA_GATE_UP_SWIGLU` (0/1): in steps that take `matmul_rows`
+    /// (below [`Tuning::gemm_min`] tokens), gate and up of each row in one
+    /// block and SwiGLU in its epilogue (`gate_up_swiglu`,
+    /// [`Gpu::gate_up_swiglu`]): one launch a layer fewer, the same bits.
+    pub gate_up_swiglu: bool,
 }
 
 impl Default for Tuning {
@@ -247,6 +252,7 @@ impl Default for Tuning {
             chunk_max: 0,
             chunk_threads: 128,
             attn_decode_hd64: false,
+            gate_up_swiglu: false,
         }
     }
 }
@@ -293,6 +299,7 @@ impl Tuning {
             ("LMRR_CUDA_GEMM_MULTI", &mut t.gemm_multi),
             ("LMRR_CUDA_FOLD_SUMS", &mut t.fold_sums),
             ("LMRR_CUDA_ATTN_DECODE_HD64", &mut t.attn_decode_hd64),
+            ("LMRR_CUDA_GATE_UP_SWIGLU", &mut t.gate_up_swiglu),
         ] {
             if let Some(v) = get(var) {
                 *slot = match v.trim() {
@@ -424,6 +431,7 @@ pub(crate) struct Kernels {
     pub(crate) matmul_tile: Func,
     pub(crate) matmul_rows: Func,
     matmul_rows_swiglu: Func,
+    gate_up_swiglu: Func,
     matmul_multi: Func,
     matmul_chunk: Func,
     rope_kv: Func,
@@ -484,6 +492,7 @@ impl Kernels {
             matmul_tile: f("matmul_tile")?,
             matmul_rows: f("matmul_rows")?,
             matmul_rows_swiglu: f("matmul_rows_swiglu")?,
+            gate_up_swiglu: f("gate_up_swiglu")?,
             matmul_multi: f("matmul_multi")?,
             matmul_chunk: f("matmul_chunk")?,
             rope_kv: f("rope_kv")?,
@@ -964,8 +973,13 @@ impl Gpu {
 
     /// Copies each `(src, host)` of `parts` (device address `src` into
     /// `host`), all queued before one wait for the stream: one round trip
-    /// for several downloads.
-    pub fn dtoh_many(&self, parts: &mut [(u64, &mut [f32])]) -> Result<(), GpuError> {
+    /// for several downloads. With `mark`, a timing event is recorded after
+    /// the copies (measurement: the device time they took).
+    pub fn dtoh_many(
+        &self,
+        parts: &mut [(u64, &mut [f32])],
+        mark: bool,
+    ) -> Result<Option<Mark>, GpuError> {
         for (src, host) in parts.iter_mut().filter(|p| !p.1.is_empty()) {
             // SAFETY: the caller's buffer at `src` holds `host`'s bytes;
             // `host` stays borrowed until the wait below has seen the copy
@@ -973,7 +987,9 @@ impl Gpu {
             unsafe { result::memcpy_dtoh_async(host, *src, self.stream.cu_stream()) }
                 .map_err(drv)?;
         }
-        self.sync()
+        let m = mark.then(|| self.mark()).transpose()?;
+        self.sync()?;
+        Ok(m)
     }
 
     /// Device-to-device copy of `bytes` (ordered on the stream).
@@ -1377,6 +1393,98 @@ impl Gpu {
         // SAFETY: matches `matmul_rows_swiglu`; g and u hold n·cols floats,
         // y n·rows; cols within the partials matmul_rows holds.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+    }
+
+    /// `y (n, rows) = SwiGLU(x · Gᵀ, x · Uᵀ)` by `gate_up_swiglu`: gate and
+    /// up (one storage and shape, `cols` at most `64 · MR_MAX_CHUNKS`) row
+    /// by row in one block, each output the swiglu kernel's value of
+    /// [`Gpu::mm`]'s two (the same bits), one launch and no `(n, rows)`
+    /// gate/up outputs. For steps below [`Tuning::gemm_min`] tokens.
+    pub fn gate_up_swiglu(
+        &self,
+        x: u64,
+        n: usize,
+        gate: &DevMatrix,
+        up: &DevMatrix,
+        y: u64,
+    ) -> Result<(), GpuError> {
+        if (gate.kind, gate.rows, gate.cols, gate.row_bytes)
+            != (up.kind, up.rows, up.cols, up.row_bytes)
+        {
+            return Err(GpuError::Shape {
+                what: "gate_up_swiglu",
+                detail: format!(
+                    "gate {}×{} (storage {}), up {}×{} (storage {}): one shape and storage wanted",
+                    gate.rows, gate.cols, gate.kind, up.rows, up.cols, up.kind
+                ),
+            });
+        }
+        if n == 0 || gate.rows == 0 {
+            return Ok(());
+        }
+        if gate.cols.div_ceil(64) > MR_MAX_CHUNKS {
+            return Err(GpuError::Shape {
+                what: "gate_up_swiglu",
+                detail: format!("rows of {} (at most {})", gate.cols, 64 * MR_MAX_CHUNKS),
+            });
+        }
+        let (ni, ri, ki) = mm_dims(n, gate)?;
+        let mut cfg = row_blocks(gate.rows * n.div_ceil(MM_TOKENS))?;
+        cfg.block_dim.0 = 2 * MR_THREADS;
+        let mut b = self.kernel(&self.res.gate_up_swiglu)?;
+        b.arg(&gate.kind)
+            .arg(&x)
+            .arg(&gate.buf.ptr)
+            .arg(&up.buf.ptr)
+            .arg(&y)
+            .arg(&ni)
+            .arg(&ri)
+            .arg(&ki)
+            .arg(&gate.row_bytes);
+        // SAFETY: matches `gate_up_swiglu`; x holds n·cols floats, y
+        // n·rows; gate and up share rows, cols and row bytes (checked
+        // above), cols within the partials the kernel holds.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+    }
+
+    /// Whether a step of `n` tokens takes [`Gpu::gate_up_swiglu`] for this
+    /// gate and up ([`Tuning::gate_up_swiglu`], below
+    /// [`Tuning::gemm_min`] tokens, one storage and shape, rows the
+    /// kernel's partials hold).
+    pub fn gate_up_swiglu_serves(&self, n: usize, gate: &DevMatrix, up: &DevMatrix) -> bool {
+        let t = self.res.tuning;
+        t.gate_up_swiglu
+            && n > 0
+            && n < t.gemm_min.max(1)
+            && (gate.kind, gate.rows, gate.cols, gate.row_bytes)
+                == (up.kind, up.rows, up.cols, up.row_bytes)
+            && gate.cols.div_ceil(64) <= MR_MAX_CHUNKS
+    }
+
+    /// [`Gpu::gate_up_swiglu`] on host operands (for `gpu_check`).
+    pub fn gate_up_swiglu_resident(
+        &self,
+        x: &[f32],
+        n: usize,
+        gate: &Matrix,
+        up: &Matrix,
+    ) -> Result<Vec<f32>, GpuError> {
+        if x.len() != n * gate.cols {
+            return Err(GpuError::Shape {
+                what: "gate_up_swiglu",
+                detail: format!("x {}, n {n} × cols {}", x.len(), gate.cols),
+            });
+        }
+        let dx = self.upload(x, "x")?;
+        let (dg, du) = (
+            self.upload_matrix(gate, "gate")?,
+            self.upload_matrix(up, "up")?,
+        );
+        let dy = self.alloc(n * gate.rows * 4, "y")?;
+        self.gate_up_swiglu(dx.ptr, n, &dg, &du, dy.ptr)?;
+        let mut y = vec![0.0; n * gate.rows];
+        self.dtoh(dy.ptr, &mut y)?;
+        Ok(y)
     }
 
     /// [`Gpu::mm_rows_swiglu`] on host operands (for `gpu_check`).

@@ -34,7 +34,7 @@ use crate::model::{gpu_err, SeqSpan};
 use crate::weights::Tensor;
 use crate::EngineError;
 
-use super::Llama;
+use super::{Llama, StepSplit};
 
 /// Steps of more tokens than this never split a matmul over its chunks
 /// (their tiles fill the device), so the partials' scratch stays small.
@@ -117,10 +117,10 @@ pub(crate) struct Resident {
     profiling: bool,
     prof: Mutex<Vec<(&'static str, f64)>>,
     /// Measurement (`lmrr bench`): each step's kernels timed by events
-    /// around them (no sync added inside the step), the seconds kept in
-    /// `step_device`.
+    /// around them and the host's parts by its clock (no sync added inside
+    /// the step), kept in `step_device`.
     step_timing: AtomicBool,
-    step_device: Mutex<Vec<f64>>,
+    step_device: Mutex<Vec<StepSplit>>,
     state: Mutex<State>,
 }
 
@@ -201,8 +201,8 @@ impl Resident {
         self.step_timing.store(on, Ordering::Relaxed);
     }
 
-    /// The device seconds of each step timed since the last call.
-    pub(crate) fn take_step_device(&self) -> Vec<f64> {
+    /// Each step timed since the last call.
+    pub(crate) fn take_step_device(&self) -> Vec<StepSplit> {
         self.step_device
             .lock()
             .map(|mut v| std::mem::take(&mut *v))
@@ -379,6 +379,7 @@ impl Resident {
         threads: &Threads,
     ) -> Result<Vec<Vec<f32>>, EngineError> {
         let gpu = &*self.gpu;
+        let entered = std::time::Instant::now();
         let (n, w) = (tok.len(), rows.len());
         let shape = StepShape { n, m: w };
         let vocab = m.cfg.vocab_size;
@@ -616,6 +617,7 @@ impl Resident {
             Ok(())
         };
         let timing = self.step_timing.load(Ordering::Relaxed);
+        let launching = std::time::Instant::now();
         let start = timing.then(|| gpu.mark()).transpose().map_err(gpu_err)?;
         match st.graphs.get(&shape).filter(|_| graphs) {
             Some(g) => {
@@ -648,6 +650,10 @@ impl Resident {
             }
         }
         let end = timing.then(|| gpu.mark()).transpose().map_err(gpu_err)?;
+        let launched = std::time::Instant::now();
+        // When the downloads were done (timing), and the event after them.
+        let mut waited = launched;
+        let mut copied = None;
         let rows_per = n * kvd;
         // Layer by layer (a slot a layer), or all at once (one slot); a step
         // whose launch queued neither (the fused form) downloads after it
@@ -678,6 +684,7 @@ impl Resident {
                 }
                 drop(ov);
                 lo.wait(0).map_err(gpu_err)?;
+                waited = std::time::Instant::now();
                 let logits = lo.region(0, w * vocab).map_err(gpu_err)?;
                 Ok(crate::model::split_rows(spans, logits, vocab, threads))
             })
@@ -693,13 +700,19 @@ impl Resident {
                     let l = hl.as_mut_slice().map_err(gpu_err)?;
                     let s = hkv.as_mut_slice().map_err(gpu_err)?;
                     let (hk, hv) = s.split_at_mut(per);
-                    gpu.dtoh_many(&mut [
-                        (a.logits, &mut l[..w * vocab]),
-                        (a.k, &mut hk[..per]),
-                        (a.v, &mut hv[..per]),
-                    ])
-                    .map_err(gpu_err)
+                    copied = gpu
+                        .dtoh_many(
+                            &mut [
+                                (a.logits, &mut l[..w * vocab]),
+                                (a.k, &mut hk[..per]),
+                                (a.v, &mut hv[..per]),
+                            ],
+                            timing,
+                        )
+                        .map_err(gpu_err)?;
+                    Ok(())
                 })?;
+                waited = std::time::Instant::now();
                 let s = hkv.as_slice().map_err(gpu_err)?;
                 let (hk, hv) = s.split_at(per);
                 self.timed("host K/V writes", || {
@@ -726,9 +739,21 @@ impl Resident {
             mirror.mark_written(kv, s.seq);
         }
         if let (Some(s0), Some(s1)) = (start, end) {
-            let secs = s0.secs_to(&s1).map_err(gpu_err)?;
+            let secs = |a: std::time::Instant, b: std::time::Instant| (b - a).as_secs_f64();
+            let split = StepSplit {
+                kernels: s0.secs_to(&s1).map_err(gpu_err)?,
+                copies: copied
+                    .map(|c| s1.secs_to(&c))
+                    .transpose()
+                    .map_err(gpu_err)?
+                    .unwrap_or(0.0),
+                before: secs(entered, launching),
+                launch: secs(launching, launched),
+                wait: secs(launched, waited),
+                after: secs(waited, std::time::Instant::now()),
+            };
             if let Ok(mut v) = self.step_device.lock() {
-                v.push(secs);
+                v.push(split);
             }
         }
         Ok(out)
@@ -918,6 +943,12 @@ impl Resident {
                 // SwiGLU in gate/up's epilogue: the same values, one launch fewer.
                 t("matmul gate, up, swiglu", &|| {
                     g.mm_fused(a.h, n, None, Fused::Swiglu, &[(&l.gate, a.a), (&l.up, a.u)])
+                })?;
+            } else if g.gate_up_swiglu_serves(n, &l.gate, &l.up) {
+                // Gate and up row by row in one block, SwiGLU in its
+                // epilogue: the same values, one launch fewer.
+                t("matmul gate, up, swiglu", &|| {
+                    g.gate_up_swiglu(a.h, n, &l.gate, &l.up, a.a)
                 })?;
             } else if down_swiglu {
                 // SwiGLU made in down's input loads: one launch fewer.

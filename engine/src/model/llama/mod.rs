@@ -12,6 +12,28 @@ pub mod config;
 #[cfg(feature = "cuda")]
 mod cuda;
 
+/// Where one timed resident step's wall time went (measurement:
+/// [`Llama::set_cuda_step_timing`]), seconds. The host parts are the
+/// calling thread's clock; `kernels` and `copies` are the device's, by
+/// events recorded before the step's first launch, after its last, and
+/// after the downloads.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepSplit {
+    /// The step's kernels on the device, first launch to last.
+    pub kernels: f64,
+    /// The downloads (logits and K/V rows) on the device after them.
+    pub copies: f64,
+    /// Host work before the first launch (page checks, the inputs' upload).
+    pub before: f64,
+    /// The launch calls themselves (a graph, or every kernel).
+    pub launch: f64,
+    /// From the last launch call's return until the downloads are done.
+    pub wait: f64,
+    /// Host work after the downloads (the K/V rows into the host store, the
+    /// logits rows handed out).
+    pub after: f64,
+}
+
 use lmrr_kernels::{AttnShape, AttnTask, RopeTable, Threads};
 
 use crate::kv::KvCache;
@@ -163,9 +185,9 @@ impl Llama {
         let _ = on;
     }
 
-    /// The device seconds of each step timed since the last call (empty off
-    /// the device or while timing is off).
-    pub fn take_cuda_step_device(&self) -> Vec<f64> {
+    /// Each step timed since the last call (empty off the device or while
+    /// timing is off).
+    pub fn take_cuda_step_device(&self) -> Vec<StepSplit> {
         #[cfg(feature = "cuda")]
         if let Some(r) = &self.resident {
             return r.take_step_device();
