@@ -170,7 +170,9 @@ done
 # captured as layers and head apart), for every step; decode matmuls by
 # matmul_chunk (a thread per row and chunk), alone and in fused steps
 # (norms, residual adds and SwiGLU inside it), graphs on and off; decode
-# attention by attention_decode_hd64 (fused with RoPE, and alone).
+# attention by attention_decode_hd64 (fused with RoPE, and alone); gate and
+# up row by row in one block with SwiGLU in its epilogue (gate_up_swiglu),
+# graphs on and off.
 tunings="LMRR_CUDA_FUSED_MAX=8;LMRR_CUDA_SWIGLU_MAX=8;LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=0"
 tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_WIDE_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=1000000"
 tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_PIPELINED=0;LMRR_CUDA_GEMM_MIN=1000000"
@@ -184,6 +186,7 @@ tunings+=";LMRR_CUDA_ROPE_ATTN=1;LMRR_CUDA_ROPE_ATTN=1 LMRR_CUDA_GRAPHS=0 LMRR_C
 tunings+=";LMRR_CUDA_KV_OVERLAP_MIN=1 LMRR_CUDA_GRAPHS=0;LMRR_CUDA_KV_EARLY_MIN=1"
 tunings+=";LMRR_CUDA_ATTN_DECODE_HD64=1;LMRR_CUDA_ATTN_DECODE_HD64=1 LMRR_CUDA_GRAPHS=0 LMRR_CUDA_ROPE_ATTN=0"
 tunings+=";LMRR_CUDA_CHUNK_MAX=8;LMRR_CUDA_CHUNK_MAX=8 LMRR_CUDA_FUSED_MAX=8;LMRR_CUDA_CHUNK_MAX=8 LMRR_CUDA_FUSED_MAX=8 LMRR_CUDA_GRAPHS=0"
+tunings+=";LMRR_CUDA_GATE_UP_SWIGLU=1;LMRR_CUDA_GATE_UP_SWIGLU=1 LMRR_CUDA_GRAPHS=0"
 tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_FOLD_SUMS=1;LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_WIDE_MIN=9 LMRR_CUDA_GEMM_MULTI=1 LMRR_CUDA_SPLIT_BLOCKS=1000000"
 IFS=';' read -r -a tuning_list <<<"${DEVICE_CHECK_TUNINGS:-$tunings}"
 for tun in "${tuning_list[@]}"; do

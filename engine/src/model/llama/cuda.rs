@@ -499,6 +499,14 @@ impl Resident {
         let a = Self::addrs(m, sb, shape, together);
 
         let decode = spans.iter().all(|s| s.tokens.len() == 1);
+        // Every token's logits row wanted, in stacked order (every decode
+        // step whose spans all want their row; so a decode graph, keyed by
+        // (n, m), serves only steps of the same choice: m == n is this).
+        let direct = w == n && rows.iter().enumerate().all(|(i, &r)| r == i);
+        debug_assert!(
+            !decode || direct == (w == n),
+            "a decode step's wanted rows are its spans' own, in order"
+        );
         // LMRR_CUDA_ROPE_ATTN: a decode step has its attention blocks make
         // RoPE and the page writes only where no block can read a row that
         // another block writes: every token's page is in no other span's
@@ -551,7 +559,7 @@ impl Resident {
                 );
                 let r = match r {
                     Ok(Some(mlp)) if !early => {
-                        self.launch_head(m, &a, rowp, n, w, mlp).map(|_| None)
+                        self.launch_head(m, &a, rowp, n, w, direct, mlp).map(|_| None)
                     }
                     r => r,
                 };
@@ -560,7 +568,7 @@ impl Resident {
                 let head = match head_pending {
                     Some(mlp) => {
                         gpu.begin_capture().map_err(gpu_err)?;
-                        let r = self.launch_head(m, &a, rowp, n, w, mlp);
+                        let r = self.launch_head(m, &a, rowp, n, w, direct, mlp);
                         let h = gpu.end_capture().map_err(gpu_err)?;
                         r?;
                         h
@@ -645,7 +653,7 @@ impl Resident {
                 )?;
                 if let Some(mlp) = mlp {
                     copy_all(&mut overlap)?;
-                    self.launch_head(m, &a, rowp, n, w, mlp)?;
+                    self.launch_head(m, &a, rowp, n, w, direct, mlp)?;
                 }
             }
         }
@@ -1049,6 +1057,9 @@ impl Resident {
     /// The head of a step whose layers [`Resident::launch_layers`] queued:
     /// the last MLP output added to the residual, the wanted rows gathered,
     /// normed and multiplied by the output matrix into the logits.
+    /// `direct`: the wanted rows are every token's, in order (`rows` is
+    /// `0..n`), so the head reads the residual rows where they are.
+    #[allow(clippy::too_many_arguments)]
     fn launch_head(
         &self,
         m: &Llama,
@@ -1056,17 +1067,28 @@ impl Resident {
         rows: u64,
         n: usize,
         w: usize,
+        direct: bool,
         mlp_out: Option<MmOut>,
     ) -> Result<(), EngineError> {
         let g = &*self.gpu;
         let c = &m.cfg;
         let (d, eps) = (c.hidden_size, c.rms_norm_eps);
         let head = || -> Result<(), lmrr_kernels::cuda::GpuError> {
-            if let Some(o) = mlp_out {
-                g.add_out(a.x, o, n * d)?;
+            if direct {
+                // Every row wanted, in order: the residual add and the
+                // final norm in one launch, no gather (the same values:
+                // add_rows' sums, then the norm of each row).
+                match mlp_out {
+                    Some(o) => g.add_norm(a.x, o, &self.norm, n, d, eps, a.hn)?,
+                    None => g.norm_rows(a.x, &self.norm, n, d, eps, a.hn)?,
+                }
+            } else {
+                if let Some(o) = mlp_out {
+                    g.add_out(a.x, o, n * d)?;
+                }
+                g.gather(a.x, rows, w, d, a.hx)?;
+                g.norm_rows(a.hx, &self.norm, w, d, eps, a.hn)?;
             }
-            g.gather(a.x, rows, w, d, a.hx)?;
-            g.norm_rows(a.hx, &self.norm, w, d, eps, a.hn)?;
             let head = self.head.as_ref().unwrap_or(&self.embed);
             g.mm(a.hn, w, head, a.logits)
         };
