@@ -857,6 +857,25 @@ fn main() {
     let mut dev = vec![0.0; g.len()];
     gpu.swiglu(&g, &u, &mut dev).expect("gpu swiglu");
     report("swiglu 100003".into(), diff(&cpu, &dev), cpu.len());
+    // The resident path's SwiGLU: four a thread (swiglu4) where the count
+    // is a multiple of 4 and the buffers aligned, one a thread otherwise.
+    for n in [100_000usize, 99_999] {
+        let (g, u, cpu) = (&g[..n], &u[..n], &cpu[..n]);
+        let (dg, du) = (
+            gpu.upload(g, "g").expect("upload g"),
+            gpu.upload(u, "u").expect("upload u"),
+        );
+        let dy = gpu.alloc(4 * n, "out").expect("alloc out");
+        gpu.swiglu_dev(dg.ptr(), du.ptr(), dy.ptr(), n)
+            .expect("gpu resident swiglu");
+        let mut dev = vec![f32::NAN; n];
+        gpu.dtoh(dy.ptr(), &mut dev).expect("download");
+        report(
+            format!("resident swiglu {n} ({})", if n % 4 == 0 { "swiglu4" } else { "swiglu" }),
+            diff(cpu, &dev),
+            n,
+        );
+    }
     // RoPE at several positions (SmolLM2: head_dim 64, theta 1e5).
     let table = RopeTable::new(64, 100_000.0, 8192);
     for pos in [0usize, 1, 17, 511, 8191] {

@@ -276,6 +276,32 @@ fn down_with_swiglu_in_its_input_matches_swiglu_then_matmul() {
 }
 
 #[test]
+fn swiglu_four_a_thread_matches_the_cpu() {
+    if emulator().is_none() {
+        return;
+    }
+    let mut r = SplitMix64(13);
+    let n = 4 * 301;
+    let mut g = r.uniform_vec(n, 12.0);
+    let u = r.uniform_vec(n, 2.0);
+    // Past det_exp's range each way, and the special values.
+    g[..8].copy_from_slice(&[
+        -100.0,
+        100.0,
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        0.0,
+        -0.0,
+        1e-30,
+    ]);
+    let mut cpu = vec![0.0; n];
+    swiglu(&g, &u, &mut cpu);
+    let out = job(&format!("swiglu4 {n}"), &[&bytes(&g), &bytes(&u)]);
+    assert_eq!(differing(&cpu, &floats(&out[0])), 0, "swiglu4 over {n}");
+}
+
+#[test]
 fn gate_up_with_swiglu_in_its_epilogue_matches_matmuls_then_swiglu() {
     if emulator().is_none() {
         return;

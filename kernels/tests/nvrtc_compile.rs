@@ -42,6 +42,7 @@ fn kernels_cu_compiles_under_nvrtc() {
         "norm_reg",
         "matmul_rows_swiglu",
         "gate_up_swiglu",
+        "swiglu4",
         "matmul_gemm_pipelined",
         "fma_peak",
     ] {

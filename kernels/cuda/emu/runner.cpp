@@ -123,6 +123,18 @@ int main() {
         emu::launch(b, 8 * MR_GROUPS,
                     [&] { matmul_rows_swiglu(kind, g.data(), u.data(), w.data(), y.data(), n, rows, k, row_bytes); });
         write_array(y);
+    } else if (job == "swiglu4") {
+        // swiglu4 n: g, u (n floats each, n a multiple of 4) -> out
+        int n;
+        hs >> n;
+        auto g = read_as<float>();
+        auto u = read_as<float>();
+        std::vector<float> y((size_t)n, std::nanf(""));
+        int n4 = n / 4;
+        emu::launch(blocks_of(n4, 128), 128, [&] {
+            swiglu4((const float4*)g.data(), (const float4*)u.data(), (float4*)y.data(), n4);
+        });
+        write_array(y);
     } else if (job == "gate_up_swiglu") {
         // gate_up_swiglu kind n rows k: x (n·k floats), gate, up -> y (n·rows)
         int kind, n, rows, k;
