@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# The six paths made defaults on 2026-12-05 (first built and held
-# bit-identical without a device), each turned off against the default in
-# alternating rounds on the `small` preset in f32 (every choice gives the
-# same bits: scripts/device-check.sh holds each to the CPU; run it first).
-# Sized for one device call (under 10 minutes):
+# Paths built without a device, each turned on (or a default turned back)
+# against the default in alternating rounds on the `small` preset in f32
+# (every choice gives the same bits: scripts/device-check.sh holds each to
+# the CPU; run it first, or with them). Sized for one device call (under
+# 10 minutes) per set:
 #
-#   scripts/device-ab.sh .gpu            # on the GPU machine
+#   scripts/device-ab.sh .gpu                      # DEVICE_AB_SET=new (default)
+#   DEVICE_AB_SET=six scripts/device-ab.sh .gpu    # the six paths made defaults on 2026-12-05
 #
-# Prints, per flag, each round's tok/s for the shapes it is meant for, and
-# last all six off together against the default.
+# `new` (built 2026-12-05e, not yet measured on a device): gate and up with
+# SwiGLU in one launch (LMRR_CUDA_GATE_UP_SWIGLU), the head's add and norm
+# in one launch (LMRR_CUDA_HEAD_DIRECT), SwiGLU four elements a thread
+# (LMRR_CUDA_SWIGLU4), the three together; and the K/V copy during the head
+# for every step (LMRR_CUDA_KV_EARLY_MIN=1, the default since 2026-12-05e)
+# against 16 (the default before).
+# Prints, per flag, each round's tok/s for the shapes it is meant for.
 set -uo pipefail
 bin=${1:-.gpu}
 rounds=${DEVICE_AB_ROUNDS:-2}
@@ -27,13 +33,23 @@ ab() {
     env $flags "$bin/lmrr" bench --device cuda --model "$tmp/small" --speed-only --decode-steps 32 --repeats 5 "$@" 2>&1 | grep -E "^\| (prefill|decode)"
   done
 }
+if [ "${DEVICE_AB_SET:-new}" = new ]; then
+  ab "LMRR_CUDA_GATE_UP_SWIGLU=1" "gate and up with SwiGLU in one launch: batches 1, 8" --prompt-len 64 --batches 1,8
+  ab "LMRR_CUDA_HEAD_DIRECT=1" "the head's add and norm in one launch: batches 1, 8" --prompt-len 64 --batches 1,8
+  ab "LMRR_CUDA_SWIGLU4=1" "SwiGLU four a thread: prefill of 512 tokens" --prompt-len 512 --batches 1
+  all="LMRR_CUDA_GATE_UP_SWIGLU=1 LMRR_CUDA_HEAD_DIRECT=1 LMRR_CUDA_SWIGLU4=1"
+  ab "$all" "the three together: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
+  ab "$all" "the three together: prefill of 512 tokens" --prompt-len 512 --batches 1
+  ab "LMRR_CUDA_KV_EARLY_MIN=16" "K/V rows copied during the head from 16 tokens (the default before), not 1: batches 1, 8" --prompt-len 64 --batches 1,8
+  exit 0
+fi
 ab "LMRR_CUDA_ROPE_ATTN=0" "without RoPE inside decode attention: batches 1, 8" --prompt-len 64 --batches 1,8
 ab "LMRR_CUDA_GEMM_MULTI=0 LMRR_CUDA_FOLD_SUMS=0" "a gemm launch per matrix, sum_chunks after each split: batch 64" --prompt-len 64 --batches 64
 ab "LMRR_CUDA_GEMM_MULTI=0" "split sums folded, a launch per matrix: batch 64" --prompt-len 64 --batches 64
 ab "LMRR_CUDA_ATTN_PREFILL_HD64=0" "attention_prefill for head_dim 64: prefill of 512 tokens" --prompt-len 512 --batches 1
 ab "LMRR_CUDA_ATTN_PREFILL_HD64=0" "attention_prefill for head_dim 64: prefill of 2048 tokens" --prompt-len 2048 --batches 1
 ab "LMRR_CUDA_KV_OVERLAP_MIN=0" "K/V rows downloaded after the step, not layer by layer: prefill of 512 tokens" --prompt-len 512 --batches 1
-ab "LMRR_CUDA_KV_EARLY_MIN=0" "K/V rows downloaded after the step, not during the head: batches 8, 64" --prompt-len 64 --batches 8,64
+ab "LMRR_CUDA_KV_EARLY_MIN=0" "K/V rows downloaded after the step, not during the head: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
 off="LMRR_CUDA_ROPE_ATTN=0 LMRR_CUDA_GEMM_MULTI=0 LMRR_CUDA_FOLD_SUMS=0 LMRR_CUDA_ATTN_PREFILL_HD64=0 LMRR_CUDA_KV_OVERLAP_MIN=0 LMRR_CUDA_KV_EARLY_MIN=0"
 ab "$off" "all six off (the defaults before 2026-12-05): batches 1, 64" --prompt-len 64 --batches 1,64
 ab "$off" "all six off: prefill of 512 tokens" --prompt-len 512 --batches 1

@@ -166,13 +166,15 @@ done
 # chunks: rows of the step's own span must wait) with graphs off; each
 # layer's K/V rows copied back on the second stream while later layers run
 # (LMRR_CUDA_KV_OVERLAP_MIN), for every step with graphs off; all of them
-# copied back after the last layer while the head runs (decode graphs
-# captured as layers and head apart), for every step; decode matmuls by
+# copied back after the step (LMRR_CUDA_KV_EARLY_MIN=0; the default copies
+# them after the last layer while the head runs, decode graphs captured as
+# layers and head apart); decode matmuls by
 # matmul_chunk (a thread per row and chunk), alone and in fused steps
 # (norms, residual adds and SwiGLU inside it), graphs on and off; decode
 # attention by attention_decode_hd64 (fused with RoPE, and alone); gate and
 # up row by row in one block with SwiGLU in its epilogue (gate_up_swiglu),
-# graphs on and off.
+# graphs on and off; the head's add and norm in one launch with SwiGLU four
+# elements a thread, alone and with gate_up_swiglu, graphs on and off.
 tunings="LMRR_CUDA_FUSED_MAX=8;LMRR_CUDA_SWIGLU_MAX=8;LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=0"
 tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_WIDE_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=1000000"
 tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_PIPELINED=0;LMRR_CUDA_GEMM_MIN=1000000"
@@ -183,10 +185,11 @@ tunings+=";LMRR_CUDA_ATTN_PREFETCH=1;LMRR_CUDA_ATTN_PREFETCH=1 LMRR_CUDA_GRAPHS=
 tunings+=";LMRR_CUDA_GEMM_MULTI=1 LMRR_CUDA_FOLD_SUMS=1;LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_WIDE_MIN=9 LMRR_CUDA_GEMM_MULTI=1 LMRR_CUDA_FOLD_SUMS=1"
 tunings+=";LMRR_CUDA_ATTN_PREFILL_HD64=1;LMRR_CUDA_ATTN_PREFILL_HD64=1 LMRR_CUDA_ATTN_PREFILL_GROUP=5"
 tunings+=";LMRR_CUDA_ROPE_ATTN=1;LMRR_CUDA_ROPE_ATTN=1 LMRR_CUDA_GRAPHS=0 LMRR_CUDA_ATTN_DECODE_MAX=100000"
-tunings+=";LMRR_CUDA_KV_OVERLAP_MIN=1 LMRR_CUDA_GRAPHS=0;LMRR_CUDA_KV_EARLY_MIN=1"
+tunings+=";LMRR_CUDA_KV_OVERLAP_MIN=1 LMRR_CUDA_GRAPHS=0;LMRR_CUDA_KV_EARLY_MIN=0"
 tunings+=";LMRR_CUDA_ATTN_DECODE_HD64=1;LMRR_CUDA_ATTN_DECODE_HD64=1 LMRR_CUDA_GRAPHS=0 LMRR_CUDA_ROPE_ATTN=0"
 tunings+=";LMRR_CUDA_CHUNK_MAX=8;LMRR_CUDA_CHUNK_MAX=8 LMRR_CUDA_FUSED_MAX=8;LMRR_CUDA_CHUNK_MAX=8 LMRR_CUDA_FUSED_MAX=8 LMRR_CUDA_GRAPHS=0"
 tunings+=";LMRR_CUDA_GATE_UP_SWIGLU=1;LMRR_CUDA_GATE_UP_SWIGLU=1 LMRR_CUDA_GRAPHS=0"
+tunings+=";LMRR_CUDA_HEAD_DIRECT=1 LMRR_CUDA_SWIGLU4=1;LMRR_CUDA_GATE_UP_SWIGLU=1 LMRR_CUDA_HEAD_DIRECT=1 LMRR_CUDA_SWIGLU4=1 LMRR_CUDA_GRAPHS=0"
 tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_FOLD_SUMS=1;LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_WIDE_MIN=9 LMRR_CUDA_GEMM_MULTI=1 LMRR_CUDA_SPLIT_BLOCKS=1000000"
 IFS=';' read -r -a tuning_list <<<"${DEVICE_CHECK_TUNINGS:-$tunings}"
 for tun in "${tuning_list[@]}"; do

@@ -866,8 +866,12 @@ fn main() {
             gpu.upload(u, "u").expect("upload u"),
         );
         let dy = gpu.alloc(4 * n, "out").expect("alloc out");
-        gpu.swiglu_dev(dg.ptr(), du.ptr(), dy.ptr(), n)
-            .expect("gpu resident swiglu");
+        if n % 4 == 0 {
+            gpu.swiglu4_dev(dg.ptr(), du.ptr(), dy.ptr(), n)
+        } else {
+            gpu.swiglu_dev(dg.ptr(), du.ptr(), dy.ptr(), n)
+        }
+        .expect("gpu resident swiglu");
         let mut dev = vec![f32::NAN; n];
         gpu.dtoh(dy.ptr(), &mut dev).expect("download");
         report(

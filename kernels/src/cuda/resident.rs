@@ -190,13 +190,16 @@ pub struct Tuning {
     /// download after the step. Measured on the H200: 512-token prefill
     /// 38,332 against 35,425 tok/s.
     pub kv_overlap_min: usize,
-    /// `LMRR_CUDA_KV_EARLY_MIN` (default 16; 0: off): in steps of at least
+    /// `LMRR_CUDA_KV_EARLY_MIN` (default 1; 0: off): in steps of at least
     /// this many tokens (and not overlapped layer by layer), the K/V rows
     /// are copied to the host on the second stream right after the last
     /// layer, and the host writes them into its KV store while the head
     /// runs and the logits come back (decode graphs capture the layers and
     /// the head apart for it). Measured on the H200: batch 64 18,277
-    /// against 16,981 tok/s.
+    /// against 16,981 tok/s (at 16, the default then); on the H100
+    /// (2026-12-05e, two alternating rounds) at 1: batch 1 957.9 / 959.0
+    /// against 953.0, batch 8 4,286 / 4,325 against 4,113 / 4,115 (the
+    /// step's copies, 14–95 µs, run during the head).
     pub kv_early_min: usize,
     /// `LMRR_CUDA_CHUNK_MAX` (0: off): matmuls of at most this many tokens
     /// (below [`Tuning::gemm_min`]) take `matmul_chunk` — a thread per
@@ -223,7 +226,22 @@ pub struct Tuning {
     /// (below [`Tuning::gemm_min`] tokens), gate and up of each row in one
     /// block and SwiGLU in its epilogue (`gate_up_swiglu`,
     /// [`Gpu::gate_up_swiglu`]): one launch a layer fewer, the same bits.
+    /// Not yet measured on a device: off.
     pub gate_up_swiglu: bool,
+    /// `LMRR_CUDA_HEAD_DIRECT` (0/1): where a step wants every token's
+    /// logits row, in order (every decode step), the head's residual add
+    /// and final norm are one `norm_reg` launch over the rows where they
+    /// are, with no `add_rows` or `gather_rows` launch (two launches a step
+    /// fewer; the same operations on the same rows). Not yet measured on a
+    /// device: off.
+    pub head_direct: bool,
+    /// `LMRR_CUDA_SWIGLU4` (0/1): the resident SwiGLU (of unsplit gate and
+    /// up outputs: prefill steps, decode steps below
+    /// [`Tuning::gemm_min`]) four elements a thread (`swiglu4`, float4
+    /// loads; the same operations on each element) where the count is a
+    /// multiple of 4 and the buffers 16-byte aligned. Not yet measured on a
+    /// device: off.
+    pub swiglu4: bool,
 }
 
 impl Default for Tuning {
@@ -248,11 +266,13 @@ impl Default for Tuning {
             gemm_multi: true,
             fold_sums: true,
             kv_overlap_min: 256,
-            kv_early_min: 16,
+            kv_early_min: 1,
             chunk_max: 0,
             chunk_threads: 128,
             attn_decode_hd64: false,
             gate_up_swiglu: false,
+            head_direct: false,
+            swiglu4: false,
         }
     }
 }
@@ -300,6 +320,8 @@ impl Tuning {
             ("LMRR_CUDA_FOLD_SUMS", &mut t.fold_sums),
             ("LMRR_CUDA_ATTN_DECODE_HD64", &mut t.attn_decode_hd64),
             ("LMRR_CUDA_GATE_UP_SWIGLU", &mut t.gate_up_swiglu),
+            ("LMRR_CUDA_HEAD_DIRECT", &mut t.head_direct),
+            ("LMRR_CUDA_SWIGLU4", &mut t.swiglu4),
         ] {
             if let Some(v) = get(var) {
                 *slot = match v.trim() {
@@ -357,6 +379,9 @@ mod tuning_tests {
             ("LMRR_CUDA_CHUNK_MAX", "8"),
             ("LMRR_CUDA_CHUNK_THREADS", "4096"),
             ("LMRR_CUDA_ATTN_DECODE_HD64", "1"),
+            ("LMRR_CUDA_GATE_UP_SWIGLU", "1"),
+            ("LMRR_CUDA_HEAD_DIRECT", "1"),
+            ("LMRR_CUDA_SWIGLU4", "1"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -384,6 +409,9 @@ mod tuning_tests {
                 chunk_max: 8,
                 chunk_threads: MC_MAX_THREADS,
                 attn_decode_hd64: true,
+                gate_up_swiglu: true,
+                head_direct: true,
+                swiglu4: true,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
@@ -1894,21 +1922,38 @@ impl Gpu {
             return Ok(());
         }
         let ni = as_i32("swiglu", n)?;
-        if n % 4 == 0 && [g, u, out].iter().all(|p| p % 16 == 0) {
-            // Four elements a thread (the same operations on each).
-            let n4 = ni / 4;
-            let mut b = self.kernel(&self.res.swiglu4)?;
-            b.arg(&g).arg(&u).arg(&out).arg(&n4);
-            // SAFETY: matches `swiglu4`; all hold n floats, n a multiple of
-            // 4, every address 16-byte aligned (checked above).
-            return unsafe { b.launch(elems(n / 4, "swiglu")?) }
-                .map(|_| ())
-                .map_err(drv);
+        if self.res.tuning.swiglu4 && n % 4 == 0 && [g, u, out].iter().all(|p| p % 16 == 0) {
+            return self.swiglu4_dev(g, u, out, n);
         }
         let mut b = self.kernel(&self.res.swiglu)?;
         b.arg(&g).arg(&u).arg(&out).arg(&ni);
         // SAFETY: matches `swiglu`; all hold n floats.
         unsafe { b.launch(elems(n, "swiglu")?) }
+            .map(|_| ())
+            .map_err(drv)
+    }
+
+    /// [`Gpu::swiglu_dev`] by `swiglu4`, four elements a thread whatever
+    /// [`Tuning::swiglu4`] says (the same bits); `n` a multiple of 4 and
+    /// every address 16-byte aligned, else an error.
+    pub fn swiglu4_dev(&self, g: u64, u: u64, out: u64, n: usize) -> Result<(), GpuError> {
+        if n % 4 != 0 || [g, u, out].iter().any(|p| p % 16 != 0) {
+            return Err(GpuError::Shape {
+                what: "swiglu4",
+                detail: format!(
+                    "{n} floats at {g:#x}, {u:#x}, {out:#x}: a multiple of 4 at 16-byte aligned addresses wanted"
+                ),
+            });
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let n4 = as_i32("swiglu", n)? / 4;
+        let mut b = self.kernel(&self.res.swiglu4)?;
+        b.arg(&g).arg(&u).arg(&out).arg(&n4);
+        // SAFETY: matches `swiglu4`; all hold n floats, n a multiple of 4,
+        // every address 16-byte aligned (checked above).
+        unsafe { b.launch(elems(n / 4, "swiglu")?) }
             .map(|_| ())
             .map_err(drv)
     }

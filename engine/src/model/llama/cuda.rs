@@ -502,9 +502,11 @@ impl Resident {
         // Every token's logits row wanted, in stacked order (every decode
         // step whose spans all want their row; so a decode graph, keyed by
         // (n, m), serves only steps of the same choice: m == n is this).
-        let direct = w == n && rows.iter().enumerate().all(|(i, &r)| r == i);
+        let direct = gpu.tuning().head_direct
+            && w == n
+            && rows.iter().enumerate().all(|(i, &r)| r == i);
         debug_assert!(
-            !decode || direct == (w == n),
+            !decode || !gpu.tuning().head_direct || direct == (w == n),
             "a decode step's wanted rows are its spans' own, in order"
         );
         // LMRR_CUDA_ROPE_ATTN: a decode step has its attention blocks make
@@ -1057,8 +1059,9 @@ impl Resident {
     /// The head of a step whose layers [`Resident::launch_layers`] queued:
     /// the last MLP output added to the residual, the wanted rows gathered,
     /// normed and multiplied by the output matrix into the logits.
-    /// `direct`: the wanted rows are every token's, in order (`rows` is
-    /// `0..n`), so the head reads the residual rows where they are.
+    /// `direct` ([`Tuning::head_direct`](lmrr_kernels::cuda::resident::Tuning)):
+    /// the wanted rows are every token's, in order (`rows` is `0..n`), so
+    /// the head reads the residual rows where they are.
     #[allow(clippy::too_many_arguments)]
     fn launch_head(
         &self,
