@@ -11,7 +11,8 @@
 # `new` (built 2026-12-05e, not yet measured on a device): gate and up with
 # SwiGLU in one launch (LMRR_CUDA_GATE_UP_SWIGLU), the head's add and norm
 # in one launch (LMRR_CUDA_HEAD_DIRECT), SwiGLU four elements a thread
-# (LMRR_CUDA_SWIGLU4), the three together; and the K/V copy during the head
+# (LMRR_CUDA_SWIGLU4), norm_reg's residual row loaded before its stores
+# (LMRR_CUDA_LOADS_FIRST), the four together; and the K/V copy during the head
 # for every step (LMRR_CUDA_KV_EARLY_MIN=1, the default since 2026-12-05e)
 # against 16 (the default before).
 # Prints, per flag, each round's tok/s for the shapes it is meant for.
@@ -37,9 +38,10 @@ if [ "${DEVICE_AB_SET:-new}" = new ]; then
   ab "LMRR_CUDA_GATE_UP_SWIGLU=1" "gate and up with SwiGLU in one launch: batches 1, 8" --prompt-len 64 --batches 1,8
   ab "LMRR_CUDA_HEAD_DIRECT=1" "the head's add and norm in one launch: batches 1, 8" --prompt-len 64 --batches 1,8
   ab "LMRR_CUDA_SWIGLU4=1" "SwiGLU four a thread: prefill of 512 tokens" --prompt-len 512 --batches 1
-  all="LMRR_CUDA_GATE_UP_SWIGLU=1 LMRR_CUDA_HEAD_DIRECT=1 LMRR_CUDA_SWIGLU4=1"
-  ab "$all" "the three together: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
-  ab "$all" "the three together: prefill of 512 tokens" --prompt-len 512 --batches 1
+  ab "LMRR_CUDA_LOADS_FIRST=1" "norm_reg's residual row loaded before its stores: batches 1, 8" --prompt-len 64 --batches 1,8
+  all="LMRR_CUDA_GATE_UP_SWIGLU=1 LMRR_CUDA_HEAD_DIRECT=1 LMRR_CUDA_SWIGLU4=1 LMRR_CUDA_LOADS_FIRST=1"
+  ab "$all" "the four together: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
+  ab "$all" "the four together: prefill of 512 tokens" --prompt-len 512 --batches 1
   ab "LMRR_CUDA_KV_EARLY_MIN=16" "K/V rows copied during the head from 16 tokens (the default before), not 1: batches 1, 8" --prompt-len 64 --batches 1,8
   exit 0
 fi

@@ -950,6 +950,25 @@ extern "C" __global__ void norm_reg(float* x, const float* y, const float* ypart
         xv[s] = i < cend ? xr[i] : 0.0f;
     }
     if (add) {
+#if defined(LOADS_FIRST)
+        // Every y value loaded before any x store (the compiler cannot move a
+        // load of y past a store to x, which it must take to alias): one
+        // round trip for the row rather than one per element.
+        float yv[CHUNK / LANES];
+        #pragma unroll
+        for (int s = 0; s < CHUNK / LANES; ++s) {
+            int i = base + s * LANES;
+            yv[s] = i < cend ? split_value(y, ypart, ychunks, (long long)rows * d, r * d + i) : 0.0f;
+        }
+        #pragma unroll
+        for (int s = 0; s < CHUNK / LANES; ++s) {
+            int i = base + s * LANES;
+            if (i < cend) {
+                xv[s] = xv[s] + yv[s];
+                xr[i] = xv[s];
+            }
+        }
+#else
         #pragma unroll
         for (int s = 0; s < CHUNK / LANES; ++s) {
             int i = base + s * LANES;
@@ -958,6 +977,7 @@ extern "C" __global__ void norm_reg(float* x, const float* y, const float* ypart
                 xr[i] = xv[s];
             }
         }
+#endif
     }
     float l = 0.0f;
     #pragma unroll
@@ -1801,6 +1821,11 @@ __device__ __forceinline__ void decode_rope_prologue(float* q, const float* kraw
     const float* c = cos_t + (long long)pos[t] * half;
     const float* sn = sin_t + (long long)pos[t] * half;
     int s = (int)slot[t];
+#if defined(LOADS_FIRST)
+    // The V value this thread copies, loaded with the others rather than
+    // after q's stores (which the compiler must take to alias it).
+    float vcopy = tid < hd ? v[(long long)t * kvd + kvh * hd + tid] : 0.0f;
+#endif
     if (tid < half) {
         float* qr = q + (long long)t * qd + h * hd;
         float a = qr[tid], b = qr[tid + half];
@@ -1823,7 +1848,11 @@ __device__ __forceinline__ void decode_rope_prologue(float* q, const float* kraw
             kout[at + half] = hi;
         }
     }
+#if defined(LOADS_FIRST)
+    if (tid < hd) kv_row(dst[t], layer, page_len, kvd, aux, s, 1)[kvh * hd + tid] = vcopy;
+#else
     if (tid < hd) kv_row(dst[t], layer, page_len, kvd, aux, s, 1)[kvh * hd + tid] = v[(long long)t * kvd + kvh * hd + tid];
+#endif
     __syncthreads();
 }
 

@@ -875,7 +875,10 @@ fn main() {
         let mut dev = vec![f32::NAN; n];
         gpu.dtoh(dy.ptr(), &mut dev).expect("download");
         report(
-            format!("resident swiglu {n} ({})", if n % 4 == 0 { "swiglu4" } else { "swiglu" }),
+            format!(
+                "resident swiglu {n} ({})",
+                if n % 4 == 0 { "swiglu4" } else { "swiglu" }
+            ),
             diff(cpu, &dev),
             n,
         );

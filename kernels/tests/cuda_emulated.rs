@@ -626,8 +626,16 @@ fn norm_kernels_match_the_cpu() {
             let src = if add { &sum } else { &x };
             let mut cpu = vec![0.0; src.len()];
             rms_norm(src, &w, eps, &mut cpu);
-            for kernel in ["warp", "block", "reg"] {
-                let out = job(
+            let variants = [
+                ("warp", emulator()),
+                ("block", emulator()),
+                ("reg", emulator()),
+                ("reg", emulator_loads_first()),
+            ];
+            for (i, (kernel, bin)) in variants.into_iter().enumerate() {
+                let Some(bin) = bin else { continue };
+                let out = job_on(
+                    bin,
                     &format!(
                         "norm {kernel} {rows} {d} {} {}",
                         u8::from(add),
@@ -635,7 +643,8 @@ fn norm_kernels_match_the_cpu() {
                     ),
                     &[&bytes(&x), &bytes(&y), &bytes(&w)],
                 );
-                let what = format!("{kernel} norm {rows}×{d}, add {add}");
+                let form = if i == 3 { ", LOADS_FIRST" } else { "" };
+                let what = format!("{kernel} norm{form} {rows}×{d}, add {add}");
                 assert_eq!(differing(&cpu, &floats(&out[0])), 0, "{what}");
                 assert_eq!(
                     differing(src, &floats(&out[1])),
@@ -787,6 +796,21 @@ fn emulator_prefetch() -> Option<&'static PathBuf> {
                 lmrr_kernels::cuda_source::prefetch_source(lmrr_kernels::cuda_source::SOURCE)
             );
             build("cuda_emu_prefetch", &src, false)
+        })
+    })
+    .as_ref()
+}
+
+/// The emulation of the source as `LMRR_CUDA_LOADS_FIRST` compiles it (with
+/// the default `PDL_PREFETCH`).
+fn emulator_loads_first() -> Option<&'static PathBuf> {
+    static BIN: OnceLock<Option<PathBuf>> = OnceLock::new();
+    BIN.get_or_init(|| {
+        have_gxx().then(|| {
+            let src = lmrr_kernels::cuda_source::loads_first_source(
+                &lmrr_kernels::cuda_source::prefetch_source(lmrr_kernels::cuda_source::SOURCE),
+            );
+            build("cuda_emu_loads_first", &src, false)
         })
     })
     .as_ref()
@@ -1378,26 +1402,31 @@ fn attention_decode_rope_matches_rope_kv_then_attention_decode() {
     for &(nh, nkv, hd, page_len, positions) in cases {
         let (line, arrays) = decode_rope_inputs(&mut r, nh, nkv, hd, page_len, positions);
         let refs: Vec<&[u8]> = arrays.iter().map(|a| a.as_slice()).collect();
-        let out = job(&line, &refs);
-        let what = format!("{nh}/{nkv} heads × {hd}, pages of {page_len}, positions {positions:?}");
-        let separate = floats(&out[0]);
-        assert!(
-            separate.iter().all(|x| x.is_finite()),
-            "{what}: rope_kv then attention_decode gave non-finite values"
-        );
-        // attention_decode_rope, and for head_dim 64 attention_decode_rope_hd64.
-        let fused = if hd == 64 { 2 } else { 1 };
-        assert_eq!(out.len(), 4 * (1 + fused), "{what}: the job's outputs");
-        for f in 1..=fused {
-            for (i, name) in ["attention output", "rotated q", "K rows", "pages"]
-                .iter()
-                .enumerate()
-            {
-                assert_eq!(
-                    differing(&floats(&out[i]), &floats(&out[4 * f + i])),
-                    0,
-                    "{what}: {name} (fused kernel {f})"
-                );
+        for (form, bin) in [("", emulator()), (", LOADS_FIRST", emulator_loads_first())] {
+            let Some(bin) = bin else { continue };
+            let out = job_on(bin, &line, &refs);
+            let what = format!(
+                "{nh}/{nkv} heads × {hd}, pages of {page_len}, positions {positions:?}{form}"
+            );
+            let separate = floats(&out[0]);
+            assert!(
+                separate.iter().all(|x| x.is_finite()),
+                "{what}: rope_kv then attention_decode gave non-finite values"
+            );
+            // attention_decode_rope, and for head_dim 64 attention_decode_rope_hd64.
+            let fused = if hd == 64 { 2 } else { 1 };
+            assert_eq!(out.len(), 4 * (1 + fused), "{what}: the job's outputs");
+            for f in 1..=fused {
+                for (i, name) in ["attention output", "rotated q", "K rows", "pages"]
+                    .iter()
+                    .enumerate()
+                {
+                    assert_eq!(
+                        differing(&floats(&out[i]), &floats(&out[4 * f + i])),
+                        0,
+                        "{what}: {name} (fused kernel {f})"
+                    );
+                }
             }
         }
     }

@@ -58,6 +58,14 @@ fn kernels_cu_compiles_under_nvrtc() {
         !ptx.contains("griddepcontrol"),
         "griddepcontrol at the default architecture"
     );
+    // LOADS_FIRST (LMRR_CUDA_LOADS_FIRST) builds too, as the resident
+    // module compiles it with the default prefetch.
+    compile_for(
+        &lmrr_kernels::cuda::loads_first_source(&lmrr_kernels::cuda::prefetch_source(SOURCE)),
+        false,
+        Some("compute_90"),
+    )
+    .unwrap_or_else(|e| panic!("LOADS_FIRST: {e}"));
     let sm90 = compile_for(SOURCE, false, Some("compute_90")).unwrap_or_else(|e| panic!("{e}"));
     let waits = sm90.matches("griddepcontrol.wait").count();
     assert!(

@@ -242,6 +242,13 @@ pub struct Tuning {
     /// multiple of 4 and the buffers 16-byte aligned. Not yet measured on a
     /// device: off.
     pub swiglu4: bool,
+    /// `LMRR_CUDA_LOADS_FIRST` (0/1): the resident module compiled with
+    /// `LOADS_FIRST` ([`crate::cuda_source::loads_first_source`]):
+    /// `norm_reg` loads the whole residual row before storing the sums (one
+    /// round trip a row, not one an element), and `attention_decode_rope`
+    /// loads the V value it copies with its first loads. The same values.
+    /// Not yet measured on a device: off.
+    pub loads_first: bool,
 }
 
 impl Default for Tuning {
@@ -273,6 +280,7 @@ impl Default for Tuning {
             gate_up_swiglu: false,
             head_direct: false,
             swiglu4: false,
+            loads_first: false,
         }
     }
 }
@@ -322,6 +330,7 @@ impl Tuning {
             ("LMRR_CUDA_GATE_UP_SWIGLU", &mut t.gate_up_swiglu),
             ("LMRR_CUDA_HEAD_DIRECT", &mut t.head_direct),
             ("LMRR_CUDA_SWIGLU4", &mut t.swiglu4),
+            ("LMRR_CUDA_LOADS_FIRST", &mut t.loads_first),
         ] {
             if let Some(v) = get(var) {
                 *slot = match v.trim() {
@@ -382,6 +391,7 @@ mod tuning_tests {
             ("LMRR_CUDA_GATE_UP_SWIGLU", "1"),
             ("LMRR_CUDA_HEAD_DIRECT", "1"),
             ("LMRR_CUDA_SWIGLU4", "1"),
+            ("LMRR_CUDA_LOADS_FIRST", "1"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -412,6 +422,7 @@ mod tuning_tests {
                 gate_up_swiglu: true,
                 head_direct: true,
                 swiglu4: true,
+                loads_first: true,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
