@@ -59,13 +59,24 @@ fn kernels_cu_compiles_under_nvrtc() {
         "griddepcontrol at the default architecture"
     );
     // LOADS_FIRST (LMRR_CUDA_LOADS_FIRST) builds too, as the resident
-    // module compiles it with the default prefetch.
-    compile_for(
+    // module compiles it with the default prefetch, and norm_reg then issues
+    // every global load before its first global store (the point of the
+    // form: no load waits behind a store the compiler must take to alias).
+    let lf = compile_for(
         &lmrr_kernels::cuda::loads_first_source(&lmrr_kernels::cuda::prefetch_source(SOURCE)),
         false,
         Some("compute_90"),
     )
     .unwrap_or_else(|e| panic!("LOADS_FIRST: {e}"));
+    let norm = lf
+        .split(".entry ")
+        .find(|k| k.starts_with("norm_reg("))
+        .expect("norm_reg in the LOADS_FIRST PTX");
+    let first_store = norm.find("st.global").expect("norm_reg stores");
+    assert!(
+        !norm[first_store..].contains("ld.global"),
+        "LOADS_FIRST: norm_reg loads after a store"
+    );
     let sm90 = compile_for(SOURCE, false, Some("compute_90")).unwrap_or_else(|e| panic!("{e}"));
     let waits = sm90.matches("griddepcontrol.wait").count();
     assert!(
