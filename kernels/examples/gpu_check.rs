@@ -65,6 +65,27 @@ fn block_view<'a>(kb: &'a [Vec<f32>], vb: &'a [Vec<f32>]) -> KvView<'a> {
     }
 }
 
+/// `gate_up_swiglu` on the device against the CPU's two matmuls then
+/// swiglu: (differing bits, outputs).
+fn gate_up_case(
+    gpu: &Gpu,
+    th: &Threads,
+    x: &[f32],
+    n: usize,
+    gate: &Matrix,
+    up: &Matrix,
+) -> (usize, usize) {
+    let (mut g, mut u) = (vec![0.0; n * gate.rows], vec![0.0; n * up.rows]);
+    matmul(th, x, n, gate, &mut g);
+    matmul(th, x, n, up, &mut u);
+    let mut cpu = vec![0.0; g.len()];
+    swiglu(&g, &u, &mut cpu);
+    let dev = gpu
+        .gate_up_swiglu_resident(x, n, gate, up)
+        .expect("gpu gate_up_swiglu");
+    (diff(&cpu, &dev), cpu.len())
+}
+
 /// A decode step (9/3 heads × 64, pages of 16, tokens at `positions`, each
 /// one sequence, pages listed out of order, the written slots NaN before
 /// the step) run as `rope_kv` then attention and as
@@ -344,15 +365,7 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
             Matrix::new(Weights::F32(&wf), rows, cols).expect("shape"),
             Matrix::new(Weights::F32(&wu), rows, cols).expect("shape"),
         );
-        let (mut g, mut u) = (vec![0.0; n * rows], vec![0.0; n * rows]);
-        matmul(&th, &x, n, &mg, &mut g);
-        matmul(&th, &x, n, &mu, &mut u);
-        let mut cpu = vec![0.0; n * rows];
-        swiglu(&g, &u, &mut cpu);
-        let dev = gpu
-            .gate_up_swiglu_resident(&x, n, &mg, &mu)
-            .expect("gpu gate_up_swiglu");
-        out.push(("gate_up_swiglu", diff(&cpu, &dev)));
+        out.push(("gate_up_swiglu", gate_up_case(gpu, &th, &x, n, &mg, &mu).0));
     }
     out.push((
         "attention_decode_rope",
@@ -796,18 +809,11 @@ fn main() {
                 Matrix::new(wg, rows, cols).expect("shape"),
                 Matrix::new(wu, rows, cols).expect("shape"),
             );
-            let (mut g, mut u) = (vec![0.0; n * rows], vec![0.0; n * rows]);
-            matmul(&th, &x, n, &mg, &mut g);
-            matmul(&th, &x, n, &mu, &mut u);
-            let mut cpu = vec![0.0; n * rows];
-            swiglu(&g, &u, &mut cpu);
-            let dev = gpu
-                .gate_up_swiglu_resident(&x, n, &mg, &mu)
-                .expect("gpu gate_up_swiglu");
+            let (d, count) = gate_up_case(&gpu, &th, &x, n, &mg, &mu);
             report(
                 format!("gate_up_swiglu {label} {n}×{cols}·{cols}×{rows} (two matrices)"),
-                diff(&cpu, &dev),
-                cpu.len(),
+                d,
+                count,
             );
         }
     }
