@@ -502,9 +502,8 @@ impl Resident {
         // Every token's logits row wanted, in stacked order (every decode
         // step whose spans all want their row; so a decode graph, keyed by
         // (n, m), serves only steps of the same choice: m == n is this).
-        let direct = gpu.tuning().head_direct
-            && w == n
-            && rows.iter().enumerate().all(|(i, &r)| r == i);
+        let direct =
+            gpu.tuning().head_direct && w == n && rows.iter().enumerate().all(|(i, &r)| r == i);
         debug_assert!(
             !decode || !gpu.tuning().head_direct || direct == (w == n),
             "a decode step's wanted rows are its spans' own, in order"
@@ -560,9 +559,9 @@ impl Resident {
                     m, &a, ids, table, dstp, slotp, rowp, layout, n, w, rope_attn, None,
                 );
                 let r = match r {
-                    Ok(Some(mlp)) if !early => {
-                        self.launch_head(m, &a, rowp, n, w, direct, mlp).map(|_| None)
-                    }
+                    Ok(Some(mlp)) if !early => self
+                        .launch_head(m, &a, rowp, n, w, direct, mlp)
+                        .map(|_| None),
                     r => r,
                 };
                 let g = gpu.end_capture().map_err(gpu_err)?;
