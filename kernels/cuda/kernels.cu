@@ -651,6 +651,7 @@ extern "C" __global__ void matmul_multi(int kind, const float* x, int n, int k,
 // lane tt stores swiglu_of(gate, up): the swiglu kernel's value of
 // matmul_rows' two outputs, without the swiglu launch or the g/u rows.
 // gate and up share one storage, shape and row_bytes.
+static_assert(MM_TOKENS == 8, "gate_up_swiglu's sum: lanes 0-7 of warp 0 add gate's tokens, 8-15 up's");
 extern "C" __global__ void gate_up_swiglu(int kind, const float* x, const unsigned char* wg,
                                           const unsigned char* wu, float* y, int n, int rows, int k,
                                           long long row_bytes) {
