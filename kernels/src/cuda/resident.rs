@@ -741,6 +741,19 @@ impl DevMatrix {
     pub fn bytes(&self) -> usize {
         self.buf.bytes
     }
+
+    /// One storage, shape and row stride with `other` (two matrices one
+    /// kernel reads by the same offsets, as `gate_up_swiglu` does).
+    fn same_layout(&self, other: &DevMatrix) -> bool {
+        (self.kind, self.rows, self.cols, self.row_bytes)
+            == (other.kind, other.rows, other.cols, other.row_bytes)
+    }
+}
+
+/// Whether `swiglu4` can serve `n` floats at `g`, `u`, `out`: a multiple of
+/// 4 at 16-byte aligned addresses.
+fn swiglu4_fits(g: u64, u: u64, out: u64, n: usize) -> bool {
+    n % 4 == 0 && [g, u, out].iter().all(|p| p % 16 == 0)
 }
 
 fn warps(n: usize) -> Result<LaunchConfig, GpuError> {
@@ -1449,9 +1462,7 @@ impl Gpu {
         up: &DevMatrix,
         y: u64,
     ) -> Result<(), GpuError> {
-        if (gate.kind, gate.rows, gate.cols, gate.row_bytes)
-            != (up.kind, up.rows, up.cols, up.row_bytes)
-        {
+        if !gate.same_layout(up) {
             return Err(GpuError::Shape {
                 what: "gate_up_swiglu",
                 detail: format!(
@@ -1497,8 +1508,7 @@ impl Gpu {
         t.gate_up_swiglu
             && n > 0
             && n < t.gemm_min.max(1)
-            && (gate.kind, gate.rows, gate.cols, gate.row_bytes)
-                == (up.kind, up.rows, up.cols, up.row_bytes)
+            && gate.same_layout(up)
             && gate.cols.div_ceil(64) <= MR_MAX_CHUNKS
     }
 
@@ -1933,7 +1943,7 @@ impl Gpu {
             return Ok(());
         }
         let ni = as_i32("swiglu", n)?;
-        if self.res.tuning.swiglu4 && n % 4 == 0 && [g, u, out].iter().all(|p| p % 16 == 0) {
+        if self.res.tuning.swiglu4 && swiglu4_fits(g, u, out, n) {
             return self.swiglu4_dev(g, u, out, n);
         }
         let mut b = self.kernel(&self.res.swiglu)?;
@@ -1948,7 +1958,7 @@ impl Gpu {
     /// [`Tuning::swiglu4`] says (the same bits); `n` a multiple of 4 and
     /// every address 16-byte aligned, else an error.
     pub fn swiglu4_dev(&self, g: u64, u: u64, out: u64, n: usize) -> Result<(), GpuError> {
-        if n % 4 != 0 || [g, u, out].iter().any(|p| p % 16 != 0) {
+        if !swiglu4_fits(g, u, out, n) {
             return Err(GpuError::Shape {
                 what: "swiglu4",
                 detail: format!(
