@@ -5,20 +5,28 @@
 # the CPU; run it first, or with them). Sized for one device call (under
 # 10 minutes) per set:
 #
-#   scripts/device-ab.sh .gpu                      # DEVICE_AB_SET=new (default)
+#   scripts/device-ab.sh .gpu                      # DEVICE_AB_SET=loads (default)
+#   DEVICE_AB_SET=new scripts/device-ab.sh .gpu    # the four paths built on 2026-12-05e
 #   DEVICE_AB_SET=six scripts/device-ab.sh .gpu    # the six paths made defaults on 2026-12-05
 #
-# `new` (built 2026-12-05e, not yet measured on a device): gate and up with
-# SwiGLU in one launch (LMRR_CUDA_GATE_UP_SWIGLU), the head's add and norm
-# in one launch (LMRR_CUDA_HEAD_DIRECT), SwiGLU four elements a thread
-# (LMRR_CUDA_SWIGLU4), norm_reg's residual row loaded before its stores
-# (LMRR_CUDA_LOADS_FIRST), the four together; and the K/V copy during the head
-# for every step (LMRR_CUDA_KV_EARLY_MIN=1, the default since 2026-12-05e)
-# against 16 (the default before).
+# `loads`: norm_reg's residual row loaded before its stores
+# (LMRR_CUDA_LOADS_FIRST; measured on 2026-12-05f together with a V load
+# moved in attention_decode_rope, since removed, when decode lost and
+# prefill gained) at batches 1 and 8 and in a 512-token prefill; and the
+# head's add and norm as three launches (LMRR_CUDA_HEAD_DIRECT=0) against
+# the one of the default.
+# `new` (built 2026-12-05e, measured 2026-12-05f: docs/PERFORMANCE.md): gate
+# and up with SwiGLU in one launch (LMRR_CUDA_GATE_UP_SWIGLU), the head's add
+# and norm in one launch (LMRR_CUDA_HEAD_DIRECT, since made the default),
+# SwiGLU four elements a thread (LMRR_CUDA_SWIGLU4), LOADS_FIRST, the four
+# together; and the K/V copy during the head for every step
+# (LMRR_CUDA_KV_EARLY_MIN=1, the default since 2026-12-05e) against 16.
 # Prints, per flag, each round's tok/s for the shapes it is meant for.
 set -uo pipefail
 bin=${1:-.gpu}
 rounds=${DEVICE_AB_ROUNDS:-2}
+set=${DEVICE_AB_SET:-loads}
+case $set in loads|new|six) ;; *) echo "DEVICE_AB_SET must be loads, new or six, not '$set'"; exit 2 ;; esac
 tmp=$(mktemp -d)
 "$bin/lmrr" gen-model --preset small --dtype f32 --out "$tmp/small" >/dev/null || exit 1
 b() { "$bin/lmrr" bench --device cuda --model "$tmp/small" --speed-only --decode-steps 32 --repeats 5 "$@" 2>&1 | grep -E "^\| (prefill|decode)"; }
@@ -34,12 +42,18 @@ ab() {
     env $flags "$bin/lmrr" bench --device cuda --model "$tmp/small" --speed-only --decode-steps 32 --repeats 5 "$@" 2>&1 | grep -E "^\| (prefill|decode)"
   done
 }
-if [ "${DEVICE_AB_SET:-new}" = new ]; then
+if [ "$set" = loads ]; then
+  ab "LMRR_CUDA_LOADS_FIRST=1" "norm_reg's residual row loaded before its stores: batches 1, 8" --prompt-len 64 --batches 1,8
+  ab "LMRR_CUDA_LOADS_FIRST=1" "norm_reg's residual row loaded before its stores: prefill of 512 tokens" --prompt-len 512 --batches 1
+  ab "LMRR_CUDA_HEAD_DIRECT=0" "the head's add and norm as three launches (the default before): batches 1, 8" --prompt-len 64 --batches 1,8
+  exit 0
+fi
+if [ "$set" = new ]; then
   ab "LMRR_CUDA_GATE_UP_SWIGLU=1" "gate and up with SwiGLU in one launch: batches 1, 8" --prompt-len 64 --batches 1,8
-  ab "LMRR_CUDA_HEAD_DIRECT=1" "the head's add and norm in one launch: batches 1, 8" --prompt-len 64 --batches 1,8
+  ab "LMRR_CUDA_HEAD_DIRECT=0" "the head's add and norm as three launches: batches 1, 8" --prompt-len 64 --batches 1,8
   ab "LMRR_CUDA_SWIGLU4=1" "SwiGLU four a thread: prefill of 512 tokens" --prompt-len 512 --batches 1
   ab "LMRR_CUDA_LOADS_FIRST=1" "norm_reg's residual row loaded before its stores: batches 1, 8" --prompt-len 64 --batches 1,8
-  all="LMRR_CUDA_GATE_UP_SWIGLU=1 LMRR_CUDA_HEAD_DIRECT=1 LMRR_CUDA_SWIGLU4=1 LMRR_CUDA_LOADS_FIRST=1"
+  all="LMRR_CUDA_GATE_UP_SWIGLU=1 LMRR_CUDA_SWIGLU4=1 LMRR_CUDA_LOADS_FIRST=1"
   ab "$all" "the four together: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
   ab "$all" "the four together: prefill of 512 tokens" --prompt-len 512 --batches 1
   ab "LMRR_CUDA_KV_EARLY_MIN=16" "K/V rows copied during the head from 16 tokens (the default before), not 1: batches 1, 8" --prompt-len 64 --batches 1,8

@@ -1822,11 +1822,6 @@ __device__ __forceinline__ void decode_rope_prologue(float* q, const float* kraw
     const float* c = cos_t + (long long)pos[t] * half;
     const float* sn = sin_t + (long long)pos[t] * half;
     int s = (int)slot[t];
-#if defined(LOADS_FIRST)
-    // The V value this thread copies, loaded with the others rather than
-    // after q's stores (which the compiler must take to alias it).
-    float vcopy = tid < hd ? v[(long long)t * kvd + kvh * hd + tid] : 0.0f;
-#endif
     if (tid < half) {
         float* qr = q + (long long)t * qd + h * hd;
         float a = qr[tid], b = qr[tid + half];
@@ -1849,11 +1844,7 @@ __device__ __forceinline__ void decode_rope_prologue(float* q, const float* kraw
             kout[at + half] = hi;
         }
     }
-#if defined(LOADS_FIRST)
-    if (tid < hd) kv_row(dst[t], layer, page_len, kvd, aux, s, 1)[kvh * hd + tid] = vcopy;
-#else
     if (tid < hd) kv_row(dst[t], layer, page_len, kvd, aux, s, 1)[kvh * hd + tid] = v[(long long)t * kvd + kvh * hd + tid];
-#endif
     __syncthreads();
 }
 

@@ -14,10 +14,9 @@ pub fn prefetch_source(source: &str) -> String {
 }
 
 /// `source` with `LOADS_FIRST` defined (`Tuning::loads_first`): `norm_reg`
-/// loads every residual value before it stores the sums, and
-/// `attention_decode_rope` loads the V value it copies into the page with
-/// its first loads, rather than after stores the compiler must take to
-/// alias them (the same values, loaded sooner).
+/// loads every residual value before it stores the sums, rather than after
+/// stores the compiler must take to alias them (the same values, loaded
+/// sooner).
 pub fn loads_first_source(source: &str) -> String {
     format!("#define LOADS_FIRST 1\n{source}")
 }

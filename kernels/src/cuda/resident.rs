@@ -226,28 +226,37 @@ pub struct Tuning {
     /// (below [`Tuning::gemm_min`] tokens), gate and up of each row in one
     /// block and SwiGLU in its epilogue (`gate_up_swiglu`,
     /// [`Gpu::gate_up_swiglu`]): one launch a layer fewer, the same bits.
-    /// Not yet measured on a device: off.
+    /// Off: slower on an H100 (2026-12-05f, `scripts/device-ab.sh`): the
+    /// batch-1 step's kernels 1.106 ms against 1.042 (898–900 against
+    /// 948–949 tok/s), batch 8 3,169–3,249 against 3,833–3,895 tok/s; a
+    /// block's two matrices cost more than the launch it saves.
     pub gate_up_swiglu: bool,
     /// `LMRR_CUDA_HEAD_DIRECT` (0/1): where a step wants every token's
     /// logits row, in order (every decode step), the head's residual add
     /// and final norm are one `norm_reg` launch over the rows where they
     /// are, with no `add_rows` or `gather_rows` launch (two launches a step
-    /// fewer; the same operations on the same rows). Not yet measured on a
-    /// device: off.
+    /// fewer; the same operations on the same rows). On since 2026-12-05f:
+    /// on an H100 the batch-1 step's kernels took 1.042–1.043 ms against
+    /// 1.044–1.045 (`scripts/device-ab.sh`; a small gain, within the
+    /// rounds' spread at batch 8).
     pub head_direct: bool,
     /// `LMRR_CUDA_SWIGLU4` (0/1): the resident SwiGLU (of unsplit gate and
     /// up outputs: prefill steps, decode steps below
     /// [`Tuning::gemm_min`]) four elements a thread (`swiglu4`, float4
     /// loads; the same operations on each element) where the count is a
-    /// multiple of 4 and the buffers 16-byte aligned. Not yet measured on a
-    /// device: off.
+    /// multiple of 4 and the buffers 16-byte aligned. Off: no faster on an
+    /// H100 (2026-12-05f): a 512-token prefill at 48,178–48,194 tok/s
+    /// against 48,171–48,223 by default.
     pub swiglu4: bool,
     /// `LMRR_CUDA_LOADS_FIRST` (0/1): the resident module compiled with
     /// `LOADS_FIRST` ([`crate::cuda_source::loads_first_source`]):
     /// `norm_reg` loads the whole residual row before storing the sums (one
-    /// round trip a row, not one an element), and `attention_decode_rope`
-    /// loads the V value it copies with its first loads. The same values.
-    /// Not yet measured on a device: off.
+    /// round trip a row, not one an element). The same values. Off: on an
+    /// H100 (2026-12-05f) the module with this and `attention_decode_rope`'s
+    /// V value loaded first (since removed) made a batch-1 decode step's
+    /// kernels 190 µs slower, more at longer contexts, while prefill gained;
+    /// the norm alone waits for its measurement (`scripts/device-ab.sh`'s
+    /// set `loads`).
     pub loads_first: bool,
 }
 
@@ -278,7 +287,7 @@ impl Default for Tuning {
             chunk_threads: 128,
             attn_decode_hd64: false,
             gate_up_swiglu: false,
-            head_direct: false,
+            head_direct: true,
             swiglu4: false,
             loads_first: false,
         }
@@ -389,7 +398,7 @@ mod tuning_tests {
             ("LMRR_CUDA_CHUNK_THREADS", "4096"),
             ("LMRR_CUDA_ATTN_DECODE_HD64", "1"),
             ("LMRR_CUDA_GATE_UP_SWIGLU", "1"),
-            ("LMRR_CUDA_HEAD_DIRECT", "1"),
+            ("LMRR_CUDA_HEAD_DIRECT", "0"),
             ("LMRR_CUDA_SWIGLU4", "1"),
             ("LMRR_CUDA_LOADS_FIRST", "1"),
         ])
@@ -420,7 +429,7 @@ mod tuning_tests {
                 chunk_threads: MC_MAX_THREADS,
                 attn_decode_hd64: true,
                 gate_up_swiglu: true,
-                head_direct: true,
+                head_direct: false,
                 swiglu4: true,
                 loads_first: true,
             }
