@@ -9,16 +9,17 @@
 #   DEVICE_AB_SET=new scripts/device-ab.sh .gpu    # the four paths built on 2026-12-05e
 #   DEVICE_AB_SET=six scripts/device-ab.sh .gpu    # the six paths made defaults on 2026-12-05
 #
-# `loads`: norm_reg's residual row loaded before its stores
-# (LMRR_CUDA_LOADS_FIRST; measured on 2026-12-05f together with a V load
-# moved in attention_decode_rope, since removed, when decode lost and
-# prefill gained) at batches 1 and 8 and in a 512-token prefill; and the
-# head's add and norm as three launches (LMRR_CUDA_HEAD_DIRECT=0) against
-# the one of the default.
+# `loads`: norm_reg_lf (the residual row loaded before its stores) for
+# every norm (LMRR_CUDA_LOADS_FIRST_MIN=1) at batches 1, 8 and 64, and for
+# none (=0) in a 512-token prefill, against the default (norms of 128 rows
+# or more: measured on 2026-12-05f, prefill gained and batch-1 decode
+# lost); and the head's add and norm as three launches
+# (LMRR_CUDA_HEAD_DIRECT=0) against the one of the default.
 # `new` (built 2026-12-05e, measured 2026-12-05f: docs/PERFORMANCE.md): gate
 # and up with SwiGLU in one launch (LMRR_CUDA_GATE_UP_SWIGLU), the head's add
 # and norm in one launch (LMRR_CUDA_HEAD_DIRECT, since made the default),
-# SwiGLU four elements a thread (LMRR_CUDA_SWIGLU4), LOADS_FIRST, the four
+# SwiGLU four elements a thread (LMRR_CUDA_SWIGLU4), loads first
+# (LMRR_CUDA_LOADS_FIRST_MIN=1, for every norm; then a module-wide switch), the four
 # together; and the K/V copy during the head for every step
 # (LMRR_CUDA_KV_EARLY_MIN=1, the default since 2026-12-05e) against 16.
 # Prints, per flag, each round's tok/s for the shapes it is meant for.
@@ -43,8 +44,8 @@ ab() {
   done
 }
 if [ "$set" = loads ]; then
-  ab "LMRR_CUDA_LOADS_FIRST=1" "norm_reg's residual row loaded before its stores: batches 1, 8" --prompt-len 64 --batches 1,8
-  ab "LMRR_CUDA_LOADS_FIRST=1" "norm_reg's residual row loaded before its stores: prefill of 512 tokens" --prompt-len 512 --batches 1
+  ab "LMRR_CUDA_LOADS_FIRST_MIN=1" "norm_reg_lf for every norm: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
+  ab "LMRR_CUDA_LOADS_FIRST_MIN=0" "norm_reg_lf for no norm: prefill of 512 tokens" --prompt-len 512 --batches 1
   ab "LMRR_CUDA_HEAD_DIRECT=0" "the head's add and norm as three launches (the default before): batches 1, 8" --prompt-len 64 --batches 1,8
   exit 0
 fi
@@ -52,8 +53,8 @@ if [ "$set" = new ]; then
   ab "LMRR_CUDA_GATE_UP_SWIGLU=1" "gate and up with SwiGLU in one launch: batches 1, 8" --prompt-len 64 --batches 1,8
   ab "LMRR_CUDA_HEAD_DIRECT=0" "the head's add and norm as three launches: batches 1, 8" --prompt-len 64 --batches 1,8
   ab "LMRR_CUDA_SWIGLU4=1" "SwiGLU four a thread: prefill of 512 tokens" --prompt-len 512 --batches 1
-  ab "LMRR_CUDA_LOADS_FIRST=1" "norm_reg's residual row loaded before its stores: batches 1, 8" --prompt-len 64 --batches 1,8
-  all="LMRR_CUDA_GATE_UP_SWIGLU=1 LMRR_CUDA_SWIGLU4=1 LMRR_CUDA_LOADS_FIRST=1"
+  ab "LMRR_CUDA_LOADS_FIRST_MIN=1" "norm_reg_lf for every norm: batches 1, 8" --prompt-len 64 --batches 1,8
+  all="LMRR_CUDA_GATE_UP_SWIGLU=1 LMRR_CUDA_SWIGLU4=1 LMRR_CUDA_LOADS_FIRST_MIN=1"
   ab "$all" "the four together: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
   ab "$all" "the four together: prefill of 512 tokens" --prompt-len 512 --batches 1
   ab "LMRR_CUDA_KV_EARLY_MIN=16" "K/V rows copied during the head from 16 tokens (the default before), not 1: batches 1, 8" --prompt-len 64 --batches 1,8

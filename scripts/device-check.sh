@@ -184,8 +184,9 @@ fi  # the core part
 # norm_reg (LMRR_CUDA_HEAD_DIRECT=0; the default is one norm_reg launch) with
 # SwiGLU four elements a thread; those four elements with gate_up_swiglu and
 # the one-launch head, graphs off;
-# the module compiled with LOADS_FIRST (norm_reg's residual row loaded
-# before its stores), with and without programmatic dependent launch.
+# every norm by norm_reg_lf (the residual row loaded before its stores;
+# by default only norms of 128 rows or more), with and without programmatic
+# dependent launch.
 tunings="LMRR_CUDA_FUSED_MAX=8;LMRR_CUDA_SWIGLU_MAX=8;LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=0"
 tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_WIDE_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=1000000"
 tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_PIPELINED=0;LMRR_CUDA_GEMM_MIN=1000000"
@@ -201,7 +202,7 @@ tunings+=";LMRR_CUDA_ATTN_DECODE_HD64=1;LMRR_CUDA_ATTN_DECODE_HD64=1 LMRR_CUDA_G
 tunings+=";LMRR_CUDA_CHUNK_MAX=8;LMRR_CUDA_CHUNK_MAX=8 LMRR_CUDA_FUSED_MAX=8;LMRR_CUDA_CHUNK_MAX=8 LMRR_CUDA_FUSED_MAX=8 LMRR_CUDA_GRAPHS=0"
 tunings+=";LMRR_CUDA_GATE_UP_SWIGLU=1;LMRR_CUDA_GATE_UP_SWIGLU=1 LMRR_CUDA_GRAPHS=0"
 tunings+=";LMRR_CUDA_HEAD_DIRECT=0 LMRR_CUDA_SWIGLU4=1;LMRR_CUDA_GATE_UP_SWIGLU=1 LMRR_CUDA_HEAD_DIRECT=1 LMRR_CUDA_SWIGLU4=1 LMRR_CUDA_GRAPHS=0"
-tunings+=";LMRR_CUDA_LOADS_FIRST=1;LMRR_CUDA_LOADS_FIRST=1 LMRR_CUDA_PDL=0"
+tunings+=";LMRR_CUDA_LOADS_FIRST_MIN=1;LMRR_CUDA_LOADS_FIRST_MIN=1 LMRR_CUDA_PDL=0"
 tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_FOLD_SUMS=1;LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_WIDE_MIN=9 LMRR_CUDA_GEMM_MULTI=1 LMRR_CUDA_SPLIT_BLOCKS=1000000"
 IFS=';' read -r -a tuning_list <<<"${DEVICE_CHECK_TUNINGS:-$tunings}"
 [ "$part" = core ] && tuning_list=()

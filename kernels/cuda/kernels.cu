@@ -926,10 +926,17 @@ extern "C" __global__ void norm_block(float* x, const float* y, const float* ypa
 // lane chains and the output all run on registers, and one barrier joins
 // the chunk partials, which every thread adds in chunk order from +0.0:
 // norm_block's operations, in its order. d ≤ 64 · NR_MAX_CHUNKS.
+// LOADS_FIRST (norm_reg_lf): every residual value loaded before the first
+// sum is stored. x and y are plain pointers, so the compiler must take them
+// to alias and cannot move a load of y above a store to x: the default form
+// makes each of a thread's elements a round trip (the same values either
+// way). Faster alone (ncu on an H100: 3.24 against 4.64 µs a batch-1 norm)
+// and in prefill, slower in a batch-1 decode chain under programmatic
+// dependent launch, so the host picks by row count (Tuning::loads_first_min).
 #define NR_MAX_CHUNKS 128
-extern "C" __global__ void norm_reg(float* x, const float* y, const float* ypart, int ychunks, const float* w,
-                                    float* out, int rows, int d, float eps, int add) {
-    PDL_ENTRY_EARLY();
+template <bool LOADS_FIRST>
+__device__ __forceinline__ void norm_reg_body(float* x, const float* y, const float* ypart, int ychunks,
+                                              const float* w, float* out, int rows, int d, float eps, int add) {
     __shared__ float part[NR_MAX_CHUNKS];
     long long r = blockIdx.x;
     if (r >= rows) return;  // uniform over the block
@@ -950,11 +957,9 @@ extern "C" __global__ void norm_reg(float* x, const float* y, const float* ypart
         int i = base + s * LANES;
         xv[s] = i < cend ? xr[i] : 0.0f;
     }
-    if (add) {
-#if defined(LOADS_FIRST)
-        // Every y value loaded before any x store (the compiler cannot move a
-        // load of y past a store to x, which it must take to alias): one
-        // round trip for the row rather than one per element.
+    if (add && LOADS_FIRST) {
+        // Every y value loaded before any x store: one round trip for the
+        // row rather than one per element.
         float yv[CHUNK / LANES];
         #pragma unroll
         for (int s = 0; s < CHUNK / LANES; ++s) {
@@ -969,7 +974,7 @@ extern "C" __global__ void norm_reg(float* x, const float* y, const float* ypart
                 xr[i] = xv[s];
             }
         }
-#else
+    } else if (add) {
         #pragma unroll
         for (int s = 0; s < CHUNK / LANES; ++s) {
             int i = base + s * LANES;
@@ -978,7 +983,6 @@ extern "C" __global__ void norm_reg(float* x, const float* y, const float* ypart
                 xr[i] = xv[s];
             }
         }
-#endif
     }
     float l = 0.0f;
     #pragma unroll
@@ -998,6 +1002,18 @@ extern "C" __global__ void norm_reg(float* x, const float* y, const float* ypart
         int i = base + s * LANES;
         if (i < cend) out[r * d + i] = (xv[s] * inv) * wv[s];
     }
+}
+
+extern "C" __global__ void norm_reg(float* x, const float* y, const float* ypart, int ychunks, const float* w,
+                                    float* out, int rows, int d, float eps, int add) {
+    PDL_ENTRY_EARLY();
+    norm_reg_body<false>(x, y, ypart, ychunks, w, out, rows, d, eps, add);
+}
+
+extern "C" __global__ void norm_reg_lf(float* x, const float* y, const float* ypart, int ychunks, const float* w,
+                                       float* out, int rows, int d, float eps, int add) {
+    PDL_ENTRY_EARLY();
+    norm_reg_body<true>(x, y, ypart, ychunks, w, out, rows, d, eps, add);
 }
 
 // ---- Fused decode kernels (LMRR_CUDA_FUSED_MAX, LMRR_CUDA_SWIGLU_MAX): one launch where the

@@ -380,6 +380,7 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
         ("rms_norm_warp", NormKernel::Warp),
         ("norm_block", NormKernel::Block),
         ("norm_reg", NormKernel::Reg),
+        ("norm_reg_lf", NormKernel::RegLf),
     ] {
         gpu.rms_norm_resident(&x, None, &w, 1e-5, kernel, &mut dev)
             .expect(label);
@@ -730,6 +731,7 @@ fn main() {
             ("rms_norm_warp", "add_norm", NormKernel::Warp),
             ("norm_block", "norm_block + add", NormKernel::Block),
             ("norm_reg", "norm_reg + add", NormKernel::Reg),
+            ("norm_reg_lf", "norm_reg_lf + add", NormKernel::RegLf),
         ];
         for (label, _, kernel) in kernels {
             let mut got = vec![0.0; x.len()];

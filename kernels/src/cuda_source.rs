@@ -13,14 +13,6 @@ pub fn prefetch_source(source: &str) -> String {
     format!("#define PDL_PREFETCH 1\n{source}")
 }
 
-/// `source` with `LOADS_FIRST` defined (`Tuning::loads_first`): `norm_reg`
-/// loads every residual value before it stores the sums, rather than after
-/// stores the compiler must take to alias them (the same values, loaded
-/// sooner).
-pub fn loads_first_source(source: &str) -> String {
-    format!("#define LOADS_FIRST 1\n{source}")
-}
-
 /// A negative control of the device check: `source` is [`SOURCE`] with one
 /// canonical-order detail broken (or multiply-add contraction allowed when
 /// `fmad`), so some kernel must give other bits; a check that cannot see it

@@ -630,9 +630,9 @@ fn norm_kernels_match_the_cpu() {
                 ("warp", emulator()),
                 ("block", emulator()),
                 ("reg", emulator()),
-                ("reg", emulator_loads_first()),
+                ("reg_lf", emulator()),
             ];
-            for (i, (kernel, bin)) in variants.into_iter().enumerate() {
+            for (kernel, bin) in variants {
                 let Some(bin) = bin else { continue };
                 let out = job_on(
                     bin,
@@ -643,8 +643,7 @@ fn norm_kernels_match_the_cpu() {
                     ),
                     &[&bytes(&x), &bytes(&y), &bytes(&w)],
                 );
-                let form = if i == 3 { ", LOADS_FIRST" } else { "" };
-                let what = format!("{kernel} norm{form} {rows}×{d}, add {add}");
+                let what = format!("{kernel} norm {rows}×{d}, add {add}");
                 assert_eq!(differing(&cpu, &floats(&out[0])), 0, "{what}");
                 assert_eq!(
                     differing(src, &floats(&out[1])),
@@ -796,21 +795,6 @@ fn emulator_prefetch() -> Option<&'static PathBuf> {
                 lmrr_kernels::cuda_source::prefetch_source(lmrr_kernels::cuda_source::SOURCE)
             );
             build("cuda_emu_prefetch", &src, false)
-        })
-    })
-    .as_ref()
-}
-
-/// The emulation of the source as `LMRR_CUDA_LOADS_FIRST` compiles it (with
-/// the default `PDL_PREFETCH`).
-fn emulator_loads_first() -> Option<&'static PathBuf> {
-    static BIN: OnceLock<Option<PathBuf>> = OnceLock::new();
-    BIN.get_or_init(|| {
-        have_gxx().then(|| {
-            let src = lmrr_kernels::cuda_source::loads_first_source(
-                &lmrr_kernels::cuda_source::prefetch_source(lmrr_kernels::cuda_source::SOURCE),
-            );
-            build("cuda_emu_loads_first", &src, false)
         })
     })
     .as_ref()
@@ -1242,6 +1226,8 @@ fn folded_sums_match_sum_chunks_then_the_op() {
             ("norm_block x + y", &sum),
             ("swiglu_split", &sw),
             ("add_rows", &sum),
+            ("norm_reg_lf out", &norm),
+            ("norm_reg_lf x + y", &sum),
         ]
         .iter()
         .enumerate()

@@ -40,6 +40,7 @@ fn kernels_cu_compiles_under_nvrtc() {
         "attention_prefill",
         "matmul_gemm_wide",
         "norm_reg",
+        "norm_reg_lf",
         "matmul_rows_swiglu",
         "gate_up_swiglu",
         "swiglu4",
@@ -58,25 +59,6 @@ fn kernels_cu_compiles_under_nvrtc() {
         !ptx.contains("griddepcontrol"),
         "griddepcontrol at the default architecture"
     );
-    // LOADS_FIRST (LMRR_CUDA_LOADS_FIRST) builds too, as the resident
-    // module compiles it with the default prefetch, and norm_reg then issues
-    // every global load before its first global store (the point of the
-    // form: no load waits behind a store the compiler must take to alias).
-    let lf = compile_for(
-        &lmrr_kernels::cuda::loads_first_source(&lmrr_kernels::cuda::prefetch_source(SOURCE)),
-        false,
-        Some("compute_90"),
-    )
-    .unwrap_or_else(|e| panic!("LOADS_FIRST: {e}"));
-    let norm = lf
-        .split(".entry ")
-        .find(|k| k.starts_with("norm_reg("))
-        .expect("norm_reg in the LOADS_FIRST PTX");
-    let first_store = norm.find("st.global").expect("norm_reg stores");
-    assert!(
-        !norm[first_store..].contains("ld.global"),
-        "LOADS_FIRST: norm_reg loads after a store"
-    );
     let sm90 = compile_for(SOURCE, false, Some("compute_90")).unwrap_or_else(|e| panic!("{e}"));
     let waits = sm90.matches("griddepcontrol.wait").count();
     assert!(
@@ -92,6 +74,27 @@ fn kernels_cu_compiles_under_nvrtc() {
         Some("compute_90"),
     )
     .unwrap_or_else(|e| panic!("{e}"));
+    // norm_reg_lf (LMRR_CUDA_LOADS_FIRST_MIN) issues every global load
+    // before its first global store, as the resident module compiles it
+    // (with the default prefetch): no load waits behind a store the
+    // compiler must take to alias it. norm_reg, the default form, does not
+    // (a store between loads), so the check can tell the two apart.
+    let loads_after_store = |name: &str| {
+        let k = pre
+            .split(".entry ")
+            .find(|k| k.starts_with(&format!("{name}(")))
+            .unwrap_or_else(|| panic!("{name} in the resident PTX"));
+        let first_store = k.find("st.global").expect("a norm stores");
+        k[first_store..].contains("ld.global")
+    };
+    assert!(
+        !loads_after_store("norm_reg_lf"),
+        "norm_reg_lf loads after a store"
+    );
+    assert!(
+        loads_after_store("norm_reg"),
+        "norm_reg no longer loads after a store: the norm_reg_lf check tells nothing"
+    );
     // Each kernel's text: the kernels that wait are the same ones, each
     // wait with its launch_dependents.
     let waiting = |ptx: &str| -> Vec<String> {

@@ -367,7 +367,8 @@ int main() {
     } else if (job == "split_consumers") {
         // split_consumers rows d chunks eps_bits: x, part (chunks · rows · d),
         // w, g_part, u_part (chunks · rows · d each) -> norm_reg's out and x,
-        // norm_block's out and x, swiglu_split's out, add_rows' x: each
+        // norm_block's out and x, swiglu_split's out, add_rows' x,
+        // norm_reg_lf's out and x: each
         // reading its y (or g, u) through split_value.
         int rows, d, chunks;
         unsigned eps_bits;
@@ -380,10 +381,14 @@ int main() {
         auto up = read_as<float>();
         long long count = (long long)rows * d;
         std::vector<float> out1(count, std::nanf("")), out2(count, std::nanf("")), sw(count, std::nanf(""));
-        auto x1 = x, x2 = x, x3 = x;
+        std::vector<float> out4(count, std::nanf(""));
+        auto x1 = x, x2 = x, x3 = x, x4 = x;
         unsigned threads = (unsigned)((8 * ((d + CHUNK - 1) / CHUNK) + 31) / 32 * 32);
         emu::launch((unsigned)rows, threads, [&] {
             norm_reg(x1.data(), nullptr, part.data(), chunks, w.data(), out1.data(), rows, d, eps, 1);
+        });
+        emu::launch((unsigned)rows, threads, [&] {
+            norm_reg_lf(x4.data(), nullptr, part.data(), chunks, w.data(), out4.data(), rows, d, eps, 1);
         });
         emu::launch((unsigned)rows, 8 * MR_GROUPS, [&] {
             norm_block(x2.data(), nullptr, part.data(), chunks, w.data(), out2.data(), rows, d, eps, 1);
@@ -397,6 +402,8 @@ int main() {
         write_array(x2);
         write_array(sw);
         write_array(x3);
+        write_array(out4);
+        write_array(x4);
     } else if (job == "embed") {
         // embed kind n d: w, ids (u64) -> rows
         int kind, n, d;
@@ -433,10 +440,15 @@ int main() {
         } else if (kernel == "block") {
             emu::launch((unsigned)rows, 8 * MR_GROUPS,
                         [&] { norm_block(x.data(), y.data(), nullptr, 0, w.data(), out.data(), rows, d, eps, add); });
-        } else if (kernel == "reg") {
+        } else if (kernel == "reg" || kernel == "reg_lf") {
             unsigned threads = (unsigned)((8 * ((d + CHUNK - 1) / CHUNK) + 31) / 32 * 32);
-            emu::launch((unsigned)rows, threads,
-                        [&] { norm_reg(x.data(), y.data(), nullptr, 0, w.data(), out.data(), rows, d, eps, add); });
+            if (kernel == "reg")
+                emu::launch((unsigned)rows, threads,
+                            [&] { norm_reg(x.data(), y.data(), nullptr, 0, w.data(), out.data(), rows, d, eps, add); });
+            else
+                emu::launch((unsigned)rows, threads, [&] {
+                    norm_reg_lf(x.data(), y.data(), nullptr, 0, w.data(), out.data(), rows, d, eps, add);
+                });
         } else {
             return 2;
         }

@@ -65,7 +65,7 @@ pub fn compile_for(
     Ok(ptx.to_src())
 }
 
-pub use crate::cuda_source::{loads_first_source, prefetch_source};
+pub use crate::cuda_source::prefetch_source;
 
 /// [`compile`] of each `(source, fmad)` of `items`, on up to `threads`
 /// threads at once (NVRTC compiles distinct programs concurrently), results
@@ -105,18 +105,12 @@ pub fn compile_many(items: &[(&str, bool)], threads: usize) -> Vec<Result<String
 /// dependent launch for `tuning`: `PDL_PREFETCH` defined with
 /// [`resident::Tuning::pdl_prefetch`], and `ATTN_PREFETCH` too with
 /// [`resident::Tuning::attn_prefetch`] (`attention_decode` loading the
-/// inputs and the K/V rows of earlier steps before its wait); `LOADS_FIRST`
-/// with [`resident::Tuning::loads_first`].
+/// inputs and the K/V rows of earlier steps before its wait).
 pub fn resident_source(source: &str, tuning: &resident::Tuning) -> String {
-    let s = match (tuning.pdl_prefetch, tuning.attn_prefetch) {
+    match (tuning.pdl_prefetch, tuning.attn_prefetch) {
         (true, true) => format!("#define ATTN_PREFETCH 1\n{}", prefetch_source(source)),
         (true, false) => prefetch_source(source),
         _ => source.to_string(),
-    };
-    if tuning.loads_first {
-        loads_first_source(&s)
-    } else {
-        s
     }
 }
 
@@ -286,8 +280,6 @@ impl Gpu {
         tuning.pdl &= major >= 9;
         let res_ptx = if tuning.pdl {
             compile_for(&resident_source(source, &tuning), fmad, Some("compute_90"))?
-        } else if tuning.loads_first {
-            compile(&loads_first_source(source), fmad)?
         } else {
             ptx.clone()
         };

@@ -70,6 +70,9 @@ pub enum NormKernel {
     Block,
     /// `norm_reg`: `norm_block` with the row in registers.
     Reg,
+    /// `norm_reg_lf`: `norm_reg` with the residual row loaded before its
+    /// first store (the same values).
+    RegLf,
 }
 
 /// Which kernel the resident path takes for a step or a matmul. Tuning
@@ -248,16 +251,19 @@ pub struct Tuning {
     /// H100 (2026-12-05f): a 512-token prefill at 48,178–48,194 tok/s
     /// against 48,171–48,223 by default.
     pub swiglu4: bool,
-    /// `LMRR_CUDA_LOADS_FIRST` (0/1): the resident module compiled with
-    /// `LOADS_FIRST` ([`crate::cuda_source::loads_first_source`]):
-    /// `norm_reg` loads the whole residual row before storing the sums (one
-    /// round trip a row, not one an element). The same values. Off: on an
-    /// H100 (2026-12-05f) the module with this and `attention_decode_rope`'s
-    /// V value loaded first (since removed) made a batch-1 decode step's
-    /// kernels 190 µs slower, more at longer contexts, while prefill gained;
-    /// the norm alone waits for its measurement (`scripts/device-ab.sh`'s
-    /// set `loads`).
-    pub loads_first: bool,
+    /// `LMRR_CUDA_LOADS_FIRST_MIN` (rows; 0 = never): norms of at least
+    /// this many rows take `norm_reg_lf`, which loads the whole residual
+    /// row before storing the sums (one round trip a row, not one an
+    /// element; the same values). Measured on an H100 (2026-12-05f,
+    /// `docs/gpu-runs-2026-12-05f.txt`): alone each batch-1 norm takes
+    /// 3.24 µs against 4.64 (ncu, graphs off), and prefill gains (64
+    /// tokens 25,627 / 26,045 against 24,019 / 24,536 tok/s, 512 tokens
+    /// 49,117 / 49,132 against 48,910 / 48,819), but in a batch-1 decode
+    /// chain (graphs, programmatic dependent launch) the step's kernels
+    /// take 1.081–1.085 ms against 1.050 and batch 8 is unchanged. Default
+    /// 128: every prefill of 128 tokens or more, no decode batch up to the
+    /// 64 measured.
+    pub loads_first_min: usize,
 }
 
 impl Default for Tuning {
@@ -289,7 +295,7 @@ impl Default for Tuning {
             gate_up_swiglu: false,
             head_direct: true,
             swiglu4: false,
-            loads_first: false,
+            loads_first_min: 128,
         }
     }
 }
@@ -317,6 +323,7 @@ impl Tuning {
             ("LMRR_CUDA_KV_EARLY_MIN", &mut t.kv_early_min),
             ("LMRR_CUDA_CHUNK_MAX", &mut t.chunk_max),
             ("LMRR_CUDA_CHUNK_THREADS", &mut t.chunk_threads),
+            ("LMRR_CUDA_LOADS_FIRST_MIN", &mut t.loads_first_min),
         ] {
             if let Some(v) = get(var) {
                 *slot = v.trim().parse().map_err(|_| {
@@ -339,7 +346,6 @@ impl Tuning {
             ("LMRR_CUDA_GATE_UP_SWIGLU", &mut t.gate_up_swiglu),
             ("LMRR_CUDA_HEAD_DIRECT", &mut t.head_direct),
             ("LMRR_CUDA_SWIGLU4", &mut t.swiglu4),
-            ("LMRR_CUDA_LOADS_FIRST", &mut t.loads_first),
         ] {
             if let Some(v) = get(var) {
                 *slot = match v.trim() {
@@ -348,6 +354,12 @@ impl Tuning {
                     _ => return Err(GpuError::Config(format!("{var}={v:?}: want 0 or 1"))),
                 };
             }
+        }
+        if let Some(v) = get("LMRR_CUDA_LOADS_FIRST") {
+            return Err(GpuError::Config(format!(
+                "LMRR_CUDA_LOADS_FIRST={v:?}: replaced by LMRR_CUDA_LOADS_FIRST_MIN \
+                 (the rows from which norms load first; 0 = never, 1 = always)"
+            )));
         }
         // matmul_fused holds at most MM_TOKENS tokens of partials.
         t.fused_max = t.fused_max.min(MM_TOKENS);
@@ -400,7 +412,7 @@ mod tuning_tests {
             ("LMRR_CUDA_GATE_UP_SWIGLU", "1"),
             ("LMRR_CUDA_HEAD_DIRECT", "0"),
             ("LMRR_CUDA_SWIGLU4", "1"),
-            ("LMRR_CUDA_LOADS_FIRST", "1"),
+            ("LMRR_CUDA_LOADS_FIRST_MIN", "1"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -431,7 +443,7 @@ mod tuning_tests {
                 gate_up_swiglu: true,
                 head_direct: false,
                 swiglu4: true,
-                loads_first: true,
+                loads_first_min: 1,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
@@ -463,11 +475,20 @@ mod tuning_tests {
             ("LMRR_CUDA_SPLIT_BLOCKS", "-1"),
             ("LMRR_CUDA_GEMM_PIPELINED", "yes"),
             ("LMRR_CUDA_DOWN_SWIGLU", "2"),
+            ("LMRR_CUDA_LOADS_FIRST_MIN", "some"),
         ] {
             match with(&[(var, v)]) {
                 Err(GpuError::Config(m)) => assert!(m.contains(var) && m.contains(v), "{m}"),
                 other => panic!("{var}={v}: {other:?}"),
             }
+        }
+        // The variable of 2026-12-05e, a module-wide switch, now says what
+        // replaced it rather than being ignored.
+        match with(&[("LMRR_CUDA_LOADS_FIRST", "1")]) {
+            Err(GpuError::Config(m)) => {
+                assert!(m.contains("LMRR_CUDA_LOADS_FIRST_MIN"), "{m}")
+            }
+            other => panic!("LMRR_CUDA_LOADS_FIRST=1: {other:?}"),
         }
     }
 }
@@ -491,6 +512,7 @@ pub(crate) struct Kernels {
     pub(crate) matmul_gemm_multi: Func,
     norm_block: Func,
     norm_reg: Func,
+    norm_reg_lf: Func,
     matmul_fused: Func,
     pub(crate) sum_chunks: Func,
     /// Which kernel each step and matmul takes ([`Tuning`]).
@@ -553,6 +575,7 @@ impl Kernels {
             matmul_gemm_multi: f("matmul_gemm_multi")?,
             norm_block: f("norm_block")?,
             norm_reg: f("norm_reg")?,
+            norm_reg_lf: f("norm_reg_lf")?,
             matmul_fused: f("matmul_fused")?,
             sum_chunks: f("sum_chunks")?,
             tuning,
@@ -1679,10 +1702,16 @@ impl Gpu {
         out: u64,
     ) -> Result<(), GpuError> {
         if d.div_ceil(64) <= NR_MAX_CHUNKS {
-            return self.norm_blocks(true, x, y, w, rows, d, eps, out);
+            let min = self.res.tuning.loads_first_min;
+            let kernel = if min > 0 && rows >= min {
+                NormKernel::RegLf
+            } else {
+                NormKernel::Reg
+            };
+            return self.norm_blocks(kernel, x, y, w, rows, d, eps, out);
         }
         if d.div_ceil(64) <= MR_MAX_CHUNKS {
-            return self.norm_blocks(false, x, y, w, rows, d, eps, out);
+            return self.norm_blocks(NormKernel::Block, x, y, w, rows, d, eps, out);
         }
         let y = match y {
             Some(o) => Some(self.sum_split(o, rows * d)?),
@@ -1838,13 +1867,15 @@ impl Gpu {
     }
 
     /// RMSNorm (after `x += y` when given) with one block per row: by
-    /// `norm_reg` (`reg`: the row in registers, a group of 8 threads per
-    /// chunk; `d` at most `64 · NR_MAX_CHUNKS`) or `norm_block` (its chunks
-    /// in flight at once; `d` at most `64 · MR_MAX_CHUNKS`).
+    /// `norm_reg` or `norm_reg_lf` (the row in registers, a group of 8
+    /// threads per chunk; `d` at most `64 · NR_MAX_CHUNKS`) or `norm_block`
+    /// (its chunks in flight at once; `d` at most `64 · MR_MAX_CHUNKS`).
+    /// `kernel` is one of those three ([`NormKernel::Warp`] is
+    /// [`Gpu::norm_warp`]'s).
     #[allow(clippy::too_many_arguments)]
     fn norm_blocks(
         &self,
-        reg: bool,
+        kernel: NormKernel,
         x: u64,
         y: Option<MmOut>,
         w: &DevBuf,
@@ -1856,10 +1887,16 @@ impl Gpu {
         if rows == 0 {
             return Ok(());
         }
-        let (what, most) = if reg {
-            ("norm_reg", NR_MAX_CHUNKS)
-        } else {
-            ("norm_block", MR_MAX_CHUNKS)
+        let (what, most, f, reg) = match kernel {
+            NormKernel::Reg => ("norm_reg", NR_MAX_CHUNKS, &self.res.norm_reg, true),
+            NormKernel::RegLf => ("norm_reg_lf", NR_MAX_CHUNKS, &self.res.norm_reg_lf, true),
+            NormKernel::Block => ("norm_block", MR_MAX_CHUNKS, &self.res.norm_block, false),
+            NormKernel::Warp => {
+                return Err(GpuError::Shape {
+                    what: "norm_blocks",
+                    detail: "rms_norm_warp is not a block-per-row kernel".into(),
+                })
+            }
         };
         if d.div_ceil(64) > most {
             return Err(GpuError::Shape {
@@ -1883,11 +1920,6 @@ impl Gpu {
             block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        let f = if reg {
-            &self.res.norm_reg
-        } else {
-            &self.res.norm_block
-        };
         let mut b = self.kernel(f)?;
         b.arg(&x)
             .arg(&y.y)
@@ -1899,7 +1931,7 @@ impl Gpu {
             .arg(&di)
             .arg(&eps)
             .arg(&add);
-        // SAFETY: matches `norm_block` / `norm_reg` (the same parameters);
+        // SAFETY: matches `norm_block` / `norm_reg` / `norm_reg_lf` (the same parameters);
         // x, out (and y, or its partials chunks·rows·d, when added) hold
         // rows·d floats, w d; d within the
         // partials it holds, and norm_reg has a group for every chunk.
@@ -2472,10 +2504,9 @@ impl Gpu {
         let yp = dy.as_ref().map(|b| b.ptr);
         let yo = yp.map(MmOut::at);
         match kernel {
-            NormKernel::Block => {
-                self.norm_blocks(false, dx.ptr, yo, &dw, rows, d, eps, dout.ptr)?
+            NormKernel::Block | NormKernel::Reg | NormKernel::RegLf => {
+                self.norm_blocks(kernel, dx.ptr, yo, &dw, rows, d, eps, dout.ptr)?
             }
-            NormKernel::Reg => self.norm_blocks(true, dx.ptr, yo, &dw, rows, d, eps, dout.ptr)?,
             NormKernel::Warp => self.norm_warp(dx.ptr, yp, &dw, rows, d, eps, dout.ptr)?,
         }
         if let Some((_, sum)) = add {
