@@ -6,6 +6,7 @@
 # 10 minutes) per set:
 #
 #   scripts/device-ab.sh .gpu                      # DEVICE_AB_SET=loads (default)
+#   DEVICE_AB_SET=rows4 scripts/device-ab.sh .gpu  # matmul_rows4 (built 2026-12-05f, not yet measured)
 #   DEVICE_AB_SET=new scripts/device-ab.sh .gpu    # the four paths built on 2026-12-05e
 #   DEVICE_AB_SET=six scripts/device-ab.sh .gpu    # the six paths made defaults on 2026-12-05
 #
@@ -15,6 +16,9 @@
 # or more: measured on 2026-12-05f, prefill gained and batch-1 decode
 # lost); and the head's add and norm as three launches
 # (LMRR_CUDA_HEAD_DIRECT=0) against the one of the default.
+# `rows4`: four rows a block for the lm head (LMRR_CUDA_ROWS4_MIN=40000:
+# only the 49,152-row head of the `small` preset) at batches 1, 8 and 64, and
+# for every matrix that takes matmul_rows (=1) at batches 1 and 8.
 # `new` (built 2026-12-05e, measured 2026-12-05f: docs/PERFORMANCE.md): gate
 # and up with SwiGLU in one launch (LMRR_CUDA_GATE_UP_SWIGLU), the head's add
 # and norm in one launch (LMRR_CUDA_HEAD_DIRECT, since made the default),
@@ -27,7 +31,7 @@ set -uo pipefail
 bin=${1:-.gpu}
 rounds=${DEVICE_AB_ROUNDS:-2}
 set=${DEVICE_AB_SET:-loads}
-case $set in loads|new|six) ;; *) echo "DEVICE_AB_SET must be loads, new or six, not '$set'"; exit 2 ;; esac
+case $set in loads|rows4|new|six) ;; *) echo "DEVICE_AB_SET must be loads, rows4, new or six, not '$set'"; exit 2 ;; esac
 tmp=$(mktemp -d)
 "$bin/lmrr" gen-model --preset small --dtype f32 --out "$tmp/small" >/dev/null || exit 1
 b() { "$bin/lmrr" bench --device cuda --model "$tmp/small" --speed-only --decode-steps 32 --repeats 5 "$@" 2>&1 | grep -E "^\| (prefill|decode)"; }
@@ -47,6 +51,11 @@ if [ "$set" = loads ]; then
   ab "LMRR_CUDA_LOADS_FIRST_MIN=1" "norm_reg_lf for every norm: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
   ab "LMRR_CUDA_LOADS_FIRST_MIN=0" "norm_reg_lf for no norm: prefill of 512 tokens" --prompt-len 512 --batches 1
   ab "LMRR_CUDA_HEAD_DIRECT=0" "the head's add and norm as three launches (the default before): batches 1, 8" --prompt-len 64 --batches 1,8
+  exit 0
+fi
+if [ "$set" = rows4 ]; then
+  ab "LMRR_CUDA_ROWS4_MIN=40000" "matmul_rows4 for the lm head: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
+  ab "LMRR_CUDA_ROWS4_MIN=1" "matmul_rows4 for every matmul_rows matrix: batches 1, 8" --prompt-len 64 --batches 1,8
   exit 0
 fi
 if [ "$set" = new ]; then

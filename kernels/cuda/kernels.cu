@@ -612,6 +612,78 @@ extern "C" __global__ void matmul_rows(int kind, const float* x, const unsigned 
     mm_rows_block(kind, x, w, y, n, rows, k, row_bytes, blockIdx.x % rows, (blockIdx.x / rows) * MM_TOKENS);
 }
 
+// matmul_rows with MR4_ROWS rows a block (LMRR_CUDA_ROWS4_MIN: wide
+// matrices, the lm head): the same 16 groups of 8 threads, group g taking
+// chunks g, g + MR_GROUPS, ... of all MR4_ROWS rows, each chunk's weights of
+// the rows loaded at once (4 × 8 loads in flight a thread, not 8); then, per
+// row and token, matmul_rows' lane chain (elements j + 8s, s ascending, from
+// 0.0), the xor tree 4, 2, 1 and thread r·8 + tt adding row r's chunk
+// partials for token tt in chunk order from +0.0: matmul_rows' operations
+// in its order, a quarter of its blocks. k ≤ 64 · MR4_MAX_CHUNKS.
+#define MR4_ROWS 4
+#define MR4_MAX_CHUNKS 64
+extern "C" __global__ void matmul_rows4(int kind, const float* x, const unsigned char* w, float* y,
+                                        int n, int rows, int k, long long row_bytes) {
+    PDL_ENTRY_EARLY();
+    __shared__ float part4[MR4_ROWS][MM_TOKENS][MR4_MAX_CHUNKS];
+    int groups = (rows + MR4_ROWS - 1) / MR4_ROWS;
+    int o0 = (int)(blockIdx.x % groups) * MR4_ROWS;
+    int t0 = (int)(blockIdx.x / groups) * MM_TOKENS;
+    int tn = min(MM_TOKENS, n - t0);
+    int g = threadIdx.x >> 3, j = threadIdx.x & 7;
+    int chunks = (k + CHUNK - 1) / CHUNK;
+    // The loop is uniform over each warp (shuffles need all its lanes).
+    for (int cb = 0; cb < chunks; cb += MR_GROUPS) {
+        int c = cb + g;
+        int base = c * CHUNK + j;
+        int cend = c < chunks ? min(c * CHUNK + CHUNK, k) : 0;
+        float wv[MR4_ROWS][CHUNK / LANES];
+        #pragma unroll
+        for (int r = 0; r < MR4_ROWS; ++r) {
+            bool live = o0 + r < rows;
+            const unsigned char* wr = w + (long long)(live ? o0 + r : 0) * row_bytes;
+            #pragma unroll
+            for (int s = 0; s < CHUNK / LANES; ++s) {
+                int i = base + s * LANES;
+                wv[r][s] = live && i < cend ? weight(kind, wr, i) : 0.0f;
+            }
+        }
+        if (cb == 0) PDL_ENTRY_LATE();  // the first weights in flight; now the inputs
+        #pragma unroll
+        for (int tt = 0; tt < MM_TOKENS; ++tt) {
+            if (tt < tn) {  // uniform over the block
+                const float* xr = x + (long long)(t0 + tt) * k;
+                float xv[CHUNK / LANES];
+                #pragma unroll
+                for (int s = 0; s < CHUNK / LANES; ++s) {
+                    int i = base + s * LANES;
+                    xv[s] = i < cend ? xr[i] : 0.0f;
+                }
+                #pragma unroll
+                for (int r = 0; r < MR4_ROWS; ++r) {
+                    float l = 0.0f;
+                    #pragma unroll
+                    for (int s = 0; s < CHUNK / LANES; ++s) {
+                        if (base + s * LANES < cend) l = fmaf(xv[s], wv[r][s], l);
+                    }
+                    l = l + __shfl_xor_sync(0xffffffffu, l, 4);
+                    l = l + __shfl_xor_sync(0xffffffffu, l, 2);
+                    l = l + __shfl_xor_sync(0xffffffffu, l, 1);
+                    if (j == 0 && c < chunks) part4[r][tt][c] = l;
+                }
+            }
+        }
+    }
+    if (chunks == 0) PDL_ENTRY_LATE();  // no weights: wait all the same
+    __syncthreads();
+    int r = threadIdx.x / MM_TOKENS, tt = threadIdx.x % MM_TOKENS;
+    if (r < MR4_ROWS && tt < tn && o0 + r < rows) {
+        float total = 0.0f;
+        for (int c = 0; c < chunks; ++c) total = total + part4[r][tt][c];
+        y[(long long)(t0 + tt) * rows + o0 + r] = total;
+    }
+}
+
 // matmul_rows of SwiGLU(g, u) (down after gate and up): the swiglu launch
 // folded into down's input loads, each input element the swiglu kernel's.
 extern "C" __global__ void matmul_rows_swiglu(int kind, const float* g, const float* u, const unsigned char* w,

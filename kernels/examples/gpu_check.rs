@@ -272,7 +272,7 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
     let q41 = blocks(&mut r, QuantKind::Q4_1, rows * cols / 32);
     let wf = r.uniform_vec(rows * cols, 0.5);
     let mut out = Vec::new();
-    let (mut mm, mut warp, mut tile, mut rowsk, mut gemm) = (0, 0, 0, 0, 0);
+    let (mut mm, mut warp, mut tile, mut rowsk, mut rows4, mut gemm) = (0, 0, 0, 0, 0, 0);
     for w in [Weights::F32(&wf), Weights::Quant(QuantKind::Q4_1, &q41)] {
         let m = Matrix::new(w, rows, cols).expect("shape");
         let (mut cpu, mut dev) = (vec![0.0; n * rows], vec![0.0; n * rows]);
@@ -289,6 +289,9 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
         gpu.matmul_with(MatmulKernel::Rows, &x, n, &m, &mut dev, 1)
             .expect("gpu matmul_rows");
         rowsk += diff(&cpu, &dev);
+        gpu.matmul_with(MatmulKernel::Rows4, &x, n, &m, &mut dev, 1)
+            .expect("gpu matmul_rows4");
+        rows4 += diff(&cpu, &dev);
         gpu.matmul_with(MatmulKernel::Gemm, &x, n, &m, &mut dev, 1)
             .expect("gpu matmul_gemm");
         gemm += diff(&cpu, &dev);
@@ -308,6 +311,7 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
     out.push(("matmul_warp", warp));
     out.push(("matmul_tile", tile));
     out.push(("matmul_rows", rowsk));
+    out.push(("matmul_rows4", rows4));
     out.push(("matmul_gemm", gemm));
     {
         // One launch over two matrices of other row counts (q, k; gate, up),
@@ -616,6 +620,16 @@ fn main() {
                 diff(&cpu, &rk),
                 cpu.len(),
             );
+            if cols.div_ceil(64) <= lmrr_kernels::cuda::resident::MR4_MAX_CHUNKS {
+                let mut r4 = vec![f32::NAN; n * rows];
+                gpu.matmul_with(MatmulKernel::Rows4, &x, n, &m, &mut r4, 1)
+                    .expect("gpu matmul_rows4");
+                report(
+                    format!("matmul_rows4 {label} {n}×{cols} · {cols}×{rows}"),
+                    diff(&cpu, &r4),
+                    cpu.len(),
+                );
+            }
             let mut gm = vec![f32::NAN; n * rows];
             gpu.matmul_with(MatmulKernel::Gemm, &x, n, &m, &mut gm, 1)
                 .expect("gpu matmul_gemm");
@@ -1285,6 +1299,7 @@ fn main() {
             let tw = per_launch(MatmulKernel::Warp);
             let tt = per_launch(MatmulKernel::Tile);
             let tr = per_launch(MatmulKernel::Rows);
+            let tr4 = per_launch(MatmulKernel::Rows4);
             let tc = per_launch(MatmulKernel::Chunk);
             let tg = per_launch(MatmulKernel::Gemm);
             let ts = per_launch(MatmulKernel::GemmSplit(1));
@@ -1293,7 +1308,7 @@ fn main() {
             let tp = per_launch(MatmulKernel::GemmPipelined);
             let tps = per_launch(MatmulKernel::GemmPipelinedSplit(1));
             println!(
-                "  {what:<22} {label:<5} {n:>3}×{cols}·{cols}×{rows}: thread {:>8.1} µs, warp {:>7.1} µs ({:>5.1}×), tile {:>7.1} µs ({:>5.1}×), rows {:>7.1} µs ({:>5.1}×), chunk {:>7.1} µs ({:>6.0} GB/s), gemm {:>7.1} µs ({:>5.1}×, {:>5.2} TFLOP/s), gemm split {:>7.1} µs ({:>5.2} TFLOP/s), wide {:>7.1} µs ({:>5.2} TFLOP/s), wide split {:>7.1} µs ({:>5.2} TFLOP/s), pipelined {:>7.1} µs ({:>5.2} TFLOP/s), pipelined split {:>7.1} µs ({:>5.2} TFLOP/s); rows reads weights at {:>6.0} GB/s",
+                "  {what:<22} {label:<5} {n:>3}×{cols}·{cols}×{rows}: thread {:>8.1} µs, warp {:>7.1} µs ({:>5.1}×), tile {:>7.1} µs ({:>5.1}×), rows {:>7.1} µs ({:>5.1}×), chunk {:>7.1} µs ({:>6.0} GB/s), gemm {:>7.1} µs ({:>5.1}×, {:>5.2} TFLOP/s), gemm split {:>7.1} µs ({:>5.2} TFLOP/s), wide {:>7.1} µs ({:>5.2} TFLOP/s), wide split {:>7.1} µs ({:>5.2} TFLOP/s), pipelined {:>7.1} µs ({:>5.2} TFLOP/s), pipelined split {:>7.1} µs ({:>5.2} TFLOP/s); rows reads weights at {:>6.0} GB/s, rows4 {:>7.1} µs ({:>6.0} GB/s)",
                 t * 1e6,
                 tw * 1e6,
                 t / tw,
@@ -1316,7 +1331,9 @@ fn main() {
                 2.0 * (n * rows * cols) as f64 / tp / 1e12,
                 tps * 1e6,
                 2.0 * (n * rows * cols) as f64 / tps / 1e12,
-                bytes as f64 / tr / 1e9
+                bytes as f64 / tr / 1e9,
+                tr4 * 1e6,
+                bytes as f64 / tr4 / 1e9
             );
         }
     }

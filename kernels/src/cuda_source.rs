@@ -53,6 +53,16 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
             "for (int c = chunks - 1; c >= 0; --c) total = total + part[tt][c];",
         ),
         (
+            "matmul_rows4 chunk partials summed in reverse",
+            "for (int c = 0; c < chunks; ++c) total = total + part4[r][tt][c];",
+            "for (int c = chunks - 1; c >= 0; --c) total = total + part4[r][tt][c];",
+        ),
+        (
+            "matmul_rows4 lane tree xor 1 before xor 4",
+            "l = l + __shfl_xor_sync(0xffffffffu, l, 4);\n                    l = l + __shfl_xor_sync(0xffffffffu, l, 2);\n                    l = l + __shfl_xor_sync(0xffffffffu, l, 1);\n                    if (j == 0 && c < chunks) part4",
+            "l = l + __shfl_xor_sync(0xffffffffu, l, 1);\n                    l = l + __shfl_xor_sync(0xffffffffu, l, 2);\n                    l = l + __shfl_xor_sync(0xffffffffu, l, 4);\n                    if (j == 0 && c < chunks) part4",
+        ),
+        (
             "matmul_gemm lane tree pairs (0,1) first",
             "w4[q] = v[q] + __shfl_xor_sync(0xffffffffu, v[q + 4], 16);",
             "w4[q] = v[q] + __shfl_xor_sync(0xffffffffu, v[q + 4], 4);",

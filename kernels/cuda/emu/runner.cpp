@@ -74,6 +74,9 @@ int main() {
         } else if (kernel == "rows") {
             unsigned b = (unsigned)(rows * ((n + MM_TOKENS - 1) / MM_TOKENS));
             emu::launch(b, 8 * MR_GROUPS, [&] { matmul_rows(kind, xp, wp, yp, n, rows, k, row_bytes); });
+        } else if (kernel == "rows4") {
+            unsigned b = (unsigned)(((rows + MR4_ROWS - 1) / MR4_ROWS) * ((n + MM_TOKENS - 1) / MM_TOKENS));
+            emu::launch(b, 8 * MR_GROUPS, [&] { matmul_rows4(kind, xp, wp, yp, n, rows, k, row_bytes); });
         } else if (kernel == "gemm") {
             unsigned b = (unsigned)(((rows + GM_ROWS - 1) / GM_ROWS) * ((n + GM_TOKS - 1) / GM_TOKS));
             emu::launch(b, GM_THREADS, [&] { matmul_gemm(kind, xp, wp, yp, n, rows, k, row_bytes, nullptr, 0); });

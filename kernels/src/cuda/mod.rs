@@ -201,6 +201,9 @@ pub enum MatmulKernel {
     /// `matmul_chunk`: a thread per (row, chunk), blocks of whole rows
     /// (decode steps of few tokens, [`resident::Tuning::chunk_max`]).
     Chunk,
+    /// `matmul_rows4`: `Rows` with four rows a block (wide matrices,
+    /// [`resident::Tuning::rows4_min`]).
+    Rows4,
 }
 
 pub(crate) fn grid(n: usize) -> LaunchConfig {
@@ -374,7 +377,8 @@ impl Gpu {
         | MatmulKernel::GemmWideSplit(_)
         | MatmulKernel::GemmPipelined
         | MatmulKernel::GemmPipelinedSplit(_)
-        | MatmulKernel::Chunk = kernel
+        | MatmulKernel::Chunk
+        | MatmulKernel::Rows4 = kernel
         {
             return self.gemm_check(kernel, x, n, w, y, reps);
         }
@@ -400,7 +404,8 @@ impl Gpu {
             | MatmulKernel::GemmWideSplit(_)
             | MatmulKernel::GemmPipelined
             | MatmulKernel::GemmPipelinedSplit(_)
-            | MatmulKernel::Chunk => {
+            | MatmulKernel::Chunk
+            | MatmulKernel::Rows4 => {
                 return Err(GpuError::Shape {
                     what: "matmul",
                     detail: "the resident kernels are launched by gemm_check".into(),

@@ -37,6 +37,10 @@ pub use super::split::MmOut;
 pub const MM_TOKENS: usize = 8;
 /// Chunks of a row `matmul_rows` holds partials for (`MR_MAX_CHUNKS`).
 pub const MR_MAX_CHUNKS: usize = 256;
+/// Rows a block of `matmul_rows4` (kernels.cu's `MR4_ROWS`).
+pub const MR4_ROWS: usize = 4;
+/// Chunks of a row `matmul_rows4` holds partials for (`MR4_MAX_CHUNKS`).
+pub const MR4_MAX_CHUNKS: usize = 64;
 /// Threads per block of `matmul_rows` (`MR_GROUPS` groups of 8).
 pub const MR_THREADS: u32 = 128;
 /// Threads a `matmul_chunk` block holds at most (`MC_MAX_THREADS`): a row's
@@ -264,6 +268,15 @@ pub struct Tuning {
     /// 128: every prefill of 128 tokens or more, no decode batch up to the
     /// 64 measured.
     pub loads_first_min: usize,
+    /// `LMRR_CUDA_ROWS4_MIN` (rows; 0 = never): matrices of at least this
+    /// many rows, in steps that take `matmul_rows`, by `matmul_rows4`
+    /// instead: four rows a block, each thread's loads of the four rows in
+    /// flight at once (the same operations; rows of at most
+    /// `64 · MR4_MAX_CHUNKS` columns). Meant for the lm head (49,152 rows
+    /// in the `small` preset: 49,152 one-round-trip blocks of
+    /// `matmul_rows`, 2.2 TB/s by ncu against a 4.2 TB/s copy rate). Not
+    /// yet measured on a device: off.
+    pub rows4_min: usize,
 }
 
 impl Default for Tuning {
@@ -296,6 +309,7 @@ impl Default for Tuning {
             head_direct: true,
             swiglu4: false,
             loads_first_min: 128,
+            rows4_min: 0,
         }
     }
 }
@@ -324,6 +338,7 @@ impl Tuning {
             ("LMRR_CUDA_CHUNK_MAX", &mut t.chunk_max),
             ("LMRR_CUDA_CHUNK_THREADS", &mut t.chunk_threads),
             ("LMRR_CUDA_LOADS_FIRST_MIN", &mut t.loads_first_min),
+            ("LMRR_CUDA_ROWS4_MIN", &mut t.rows4_min),
         ] {
             if let Some(v) = get(var) {
                 *slot = v.trim().parse().map_err(|_| {
@@ -413,6 +428,7 @@ mod tuning_tests {
             ("LMRR_CUDA_HEAD_DIRECT", "0"),
             ("LMRR_CUDA_SWIGLU4", "1"),
             ("LMRR_CUDA_LOADS_FIRST_MIN", "1"),
+            ("LMRR_CUDA_ROWS4_MIN", "1000"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -444,6 +460,7 @@ mod tuning_tests {
                 head_direct: false,
                 swiglu4: true,
                 loads_first_min: 1,
+                rows4_min: 1000,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
@@ -468,6 +485,25 @@ mod tuning_tests {
         assert_eq!(g(&[], 16), None);
     }
 
+    /// The host's launch shapes are kernels.cu's: a block count or a
+    /// shared-memory bound that disagreed would read or write past a row.
+    #[test]
+    fn the_host_constants_are_the_kernels_defines() {
+        let src = crate::cuda_source::SOURCE;
+        for (name, value) in [
+            ("MM_TOKENS", MM_TOKENS),
+            ("MR_MAX_CHUNKS", MR_MAX_CHUNKS),
+            ("MR_GROUPS", MR_THREADS as usize / 8),
+            ("MR4_ROWS", MR4_ROWS),
+            ("MR4_MAX_CHUNKS", MR4_MAX_CHUNKS),
+            ("MC_MAX_THREADS", MC_MAX_THREADS),
+            ("NR_MAX_CHUNKS", NR_MAX_CHUNKS),
+        ] {
+            let line = format!("#define {name} {value}\n");
+            assert!(src.contains(&line), "kernels.cu has no `{}`", line.trim());
+        }
+    }
+
     #[test]
     fn a_bad_value_is_an_error_naming_the_variable() {
         for (var, v) in [
@@ -476,6 +512,7 @@ mod tuning_tests {
             ("LMRR_CUDA_GEMM_PIPELINED", "yes"),
             ("LMRR_CUDA_DOWN_SWIGLU", "2"),
             ("LMRR_CUDA_LOADS_FIRST_MIN", "some"),
+            ("LMRR_CUDA_ROWS4_MIN", "4.5"),
         ] {
             match with(&[(var, v)]) {
                 Err(GpuError::Config(m)) => assert!(m.contains(var) && m.contains(v), "{m}"),
@@ -499,6 +536,7 @@ pub(crate) struct Kernels {
     _module: RawModule,
     pub(crate) matmul_tile: Func,
     pub(crate) matmul_rows: Func,
+    matmul_rows4: Func,
     matmul_rows_swiglu: Func,
     gate_up_swiglu: Func,
     matmul_multi: Func,
@@ -562,6 +600,7 @@ impl Kernels {
         Ok(Self {
             matmul_tile: f("matmul_tile")?,
             matmul_rows: f("matmul_rows")?,
+            matmul_rows4: f("matmul_rows4")?,
             matmul_rows_swiglu: f("matmul_rows_swiglu")?,
             gate_up_swiglu: f("gate_up_swiglu")?,
             matmul_multi: f("matmul_multi")?,
@@ -1176,7 +1215,11 @@ impl Gpu {
         if self.chunk_serves(n, &[(w, y)]) {
             return self.chunk_launch(x, n, None, Fused::Store, &[(w, y)]);
         }
-        let rows_kernel = w.cols.div_ceil(64) <= MR_MAX_CHUNKS;
+        let chunks = w.cols.div_ceil(64);
+        if tun.rows4_min > 0 && w.rows >= tun.rows4_min && chunks <= MR4_MAX_CHUNKS {
+            return self.rows4_launch(x, n, w, y);
+        }
+        let rows_kernel = chunks <= MR_MAX_CHUNKS;
         let (f, cfg) = if rows_kernel {
             (
                 &self.res.matmul_rows,
@@ -1199,6 +1242,45 @@ impl Gpu {
             .arg(&w.row_bytes);
         // SAFETY: matches `matmul_rows` / `matmul_tile`; x holds n·cols, y
         // n·rows floats; matmul_rows only for rows of ≤ MR_MAX_CHUNKS chunks.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+    }
+
+    /// `y (n, rows) = x (n, cols) · Wᵀ` by `matmul_rows4`: a block per
+    /// four rows and token tile ([`Tuning::rows4_min`]).
+    pub(crate) fn rows4_launch(
+        &self,
+        x: u64,
+        n: usize,
+        w: &DevMatrix,
+        y: u64,
+    ) -> Result<(), GpuError> {
+        if n == 0 || w.rows == 0 {
+            return Ok(());
+        }
+        if w.cols.div_ceil(64) > MR4_MAX_CHUNKS {
+            return Err(GpuError::Shape {
+                what: "matmul_rows4",
+                detail: format!(
+                    "rows of {} columns (at most {})",
+                    w.cols,
+                    64 * MR4_MAX_CHUNKS
+                ),
+            });
+        }
+        let (ni, ri, ki) = mm_dims(n, w)?;
+        let cfg = row_blocks(w.rows.div_ceil(MR4_ROWS) * n.div_ceil(MM_TOKENS))?;
+        let mut b = self.kernel(&self.res.matmul_rows4)?;
+        b.arg(&w.kind)
+            .arg(&x)
+            .arg(&w.buf.ptr)
+            .arg(&y)
+            .arg(&ni)
+            .arg(&ri)
+            .arg(&ki)
+            .arg(&w.row_bytes);
+        // SAFETY: matches `matmul_rows4`; x holds n·cols, y n·rows floats;
+        // rows of at most MR4_MAX_CHUNKS chunks (checked above), and the
+        // kernel reads no row at or past `rows`.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 
@@ -2439,6 +2521,17 @@ impl Gpu {
             K::GemmPipelined | K::GemmPipelinedSplit(_) => GemmTiles::Pipelined,
             _ => GemmTiles::Narrow,
         };
+        if kernel == K::Rows4 {
+            self.sync()?;
+            let t0 = std::time::Instant::now();
+            for _ in 0..reps.max(1) {
+                self.rows4_launch(dx.ptr, n, &dw, dy.ptr)?;
+            }
+            self.sync()?;
+            let secs = t0.elapsed().as_secs_f64();
+            self.dtoh(dy.ptr, y)?;
+            return Ok(secs);
+        }
         if kernel == K::Chunk {
             self.sync()?;
             let t0 = std::time::Instant::now();
