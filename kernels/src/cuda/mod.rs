@@ -412,16 +412,7 @@ impl Gpu {
                 })
             }
             MatmulKernel::Rows => {
-                if w.cols.div_ceil(64) > resident::MR_MAX_CHUNKS {
-                    return Err(GpuError::Shape {
-                        what: "matmul_rows",
-                        detail: format!(
-                            "rows of {} columns (at most {})",
-                            w.cols,
-                            64 * resident::MR_MAX_CHUNKS
-                        ),
-                    });
-                }
+                resident::width_fits("matmul_rows", w.cols, resident::MR_MAX_CHUNKS)?;
                 (
                     &self.matmul_rows,
                     LaunchConfig {

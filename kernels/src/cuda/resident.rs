@@ -505,6 +505,21 @@ mod tuning_tests {
     }
 
     #[test]
+    fn a_row_too_wide_for_a_kernel_is_an_error_with_both_widths() {
+        assert!(width_fits("matmul_rows4", 64 * MR4_MAX_CHUNKS, MR4_MAX_CHUNKS).is_ok());
+        match width_fits("matmul_rows4", 64 * MR4_MAX_CHUNKS + 1, MR4_MAX_CHUNKS) {
+            Err(GpuError::Shape { what, detail }) => {
+                assert_eq!(what, "matmul_rows4");
+                assert!(
+                    detail.contains("4097") && detail.contains("4096"),
+                    "{detail}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
     fn a_bad_value_is_an_error_naming_the_variable() {
         for (var, v) in [
             ("LMRR_CUDA_GEMM_MIN", "lots"),
@@ -853,6 +868,18 @@ fn mat_slots(mats: &[(&DevMatrix, u64)]) -> Result<[(u64, u64, i32, i64); 3], Gp
 
 /// A grid of `blocks` blocks of `MR_THREADS` threads (`matmul_rows`,
 /// `matmul_multi`, `matmul_fused`, `matmul_rows_swiglu`).
+/// Rows of `cols` columns fit a kernel that holds `most` 64-chunks a row;
+/// otherwise an error naming the kernel and both widths.
+pub(crate) fn width_fits(what: &'static str, cols: usize, most: usize) -> Result<(), GpuError> {
+    if cols.div_ceil(64) > most {
+        return Err(GpuError::Shape {
+            what,
+            detail: format!("rows of {cols} columns (at most {})", 64 * most),
+        });
+    }
+    Ok(())
+}
+
 fn row_blocks(blocks: usize) -> Result<LaunchConfig, GpuError> {
     Ok(LaunchConfig {
         grid_dim: (as_i32("matmul", blocks)? as u32, 1, 1),
@@ -1257,16 +1284,7 @@ impl Gpu {
         if n == 0 || w.rows == 0 {
             return Ok(());
         }
-        if w.cols.div_ceil(64) > MR4_MAX_CHUNKS {
-            return Err(GpuError::Shape {
-                what: "matmul_rows4",
-                detail: format!(
-                    "rows of {} columns (at most {})",
-                    w.cols,
-                    64 * MR4_MAX_CHUNKS
-                ),
-            });
-        }
+        width_fits("matmul_rows4", w.cols, MR4_MAX_CHUNKS)?;
         let (ni, ri, ki) = mm_dims(n, w)?;
         let cfg = row_blocks(w.rows.div_ceil(MR4_ROWS) * n.div_ceil(MM_TOKENS))?;
         let mut b = self.kernel(&self.res.matmul_rows4)?;
@@ -1540,12 +1558,7 @@ impl Gpu {
         if n == 0 || w.rows == 0 {
             return Ok(());
         }
-        if w.cols.div_ceil(64) > MR_MAX_CHUNKS {
-            return Err(GpuError::Shape {
-                what: "matmul_rows_swiglu",
-                detail: format!("rows of {} (at most {})", w.cols, 64 * MR_MAX_CHUNKS),
-            });
-        }
+        width_fits("matmul_rows_swiglu", w.cols, MR_MAX_CHUNKS)?;
         let (ni, ri, ki) = mm_dims(n, w)?;
         let cfg = row_blocks(w.rows * n.div_ceil(MM_TOKENS))?;
         let mut b = self.kernel(&self.res.matmul_rows_swiglu)?;
@@ -1588,12 +1601,7 @@ impl Gpu {
         if n == 0 || gate.rows == 0 {
             return Ok(());
         }
-        if gate.cols.div_ceil(64) > MR_MAX_CHUNKS {
-            return Err(GpuError::Shape {
-                what: "gate_up_swiglu",
-                detail: format!("rows of {} (at most {})", gate.cols, 64 * MR_MAX_CHUNKS),
-            });
-        }
+        width_fits("gate_up_swiglu", gate.cols, MR_MAX_CHUNKS)?;
         let (ni, ri, ki) = mm_dims(n, gate)?;
         let mut cfg = row_blocks(gate.rows * n.div_ceil(MM_TOKENS))?;
         cfg.block_dim.0 = 2 * MR_THREADS;
@@ -1980,12 +1988,7 @@ impl Gpu {
                 })
             }
         };
-        if d.div_ceil(64) > most {
-            return Err(GpuError::Shape {
-                what,
-                detail: format!("rows of {d} (at most {})", 64 * most),
-            });
-        }
+        width_fits(what, d, most)?;
         let (ri, di) = (as_i32("rms_norm", rows)?, as_i32("rms_norm", d)?);
         as_i32("rms_norm", rows * d)?;
         let add = i32::from(y.is_some());
