@@ -265,8 +265,9 @@ pub struct Tuning {
     /// 49,117 / 49,132 against 48,910 / 48,819), but in a batch-1 decode
     /// chain (graphs, programmatic dependent launch) the step's kernels
     /// take 1.081–1.085 ms against 1.050 and batch 8 is unchanged. Default
-    /// 128: every prefill of 128 tokens or more, no decode batch up to the
-    /// 64 measured.
+    /// 128: a step's norms take it when the step carries 128 tokens or more
+    /// (prefill; a chunked prefill's smaller steps do not), no decode batch
+    /// up to the 64 measured does.
     pub loads_first_min: usize,
     /// `LMRR_CUDA_ROWS4_MIN` (rows; 0 = never): matrices of at least this
     /// many rows, in steps that take `matmul_rows`, by `matmul_rows4`
