@@ -7,6 +7,7 @@
 #
 #   scripts/device-ab.sh .gpu                      # DEVICE_AB_SET=loads (default)
 #   DEVICE_AB_SET=rows4 scripts/device-ab.sh .gpu  # matmul_rows4 (built 2026-12-05f, not yet measured)
+#   DEVICE_AB_SET=qs scripts/device-ab.sh .gpu     # attention_decode_rope_qs (built 2026-12-06)
 #   DEVICE_AB_SET=new scripts/device-ab.sh .gpu    # the four paths built on 2026-12-05e
 #   DEVICE_AB_SET=six scripts/device-ab.sh .gpu    # the six paths made defaults on 2026-12-05
 #
@@ -19,6 +20,9 @@
 # `rows4`: four rows a block for the lm head (LMRR_CUDA_ROWS4_MIN=40000:
 # only the 49,152-row head of the `small` preset) at batches 1, 8 and 64, and
 # for every matrix that takes matmul_rows (=1) at batches 1 and 8.
+# `qs`: decode attention with the rotated q head handed over in shared
+# memory (LMRR_CUDA_ROPE_QS=1) at batches 1, 8 and 64, alone and with
+# matmul_rows4 for the head.
 # `new` (built 2026-12-05e, measured 2026-12-05f: docs/PERFORMANCE.md): gate
 # and up with SwiGLU in one launch (LMRR_CUDA_GATE_UP_SWIGLU), the head's add
 # and norm in one launch (LMRR_CUDA_HEAD_DIRECT, since made the default),
@@ -31,7 +35,7 @@ set -uo pipefail
 bin=${1:-.gpu}
 rounds=${DEVICE_AB_ROUNDS:-2}
 set=${DEVICE_AB_SET:-loads}
-case $set in loads|rows4|new|six) ;; *) echo "DEVICE_AB_SET must be loads, rows4, new or six, not '$set'"; exit 2 ;; esac
+case $set in loads|rows4|qs|new|six) ;; *) echo "DEVICE_AB_SET must be loads, rows4, qs, new or six, not '$set'"; exit 2 ;; esac
 tmp=$(mktemp -d)
 "$bin/lmrr" gen-model --preset small --dtype f32 --out "$tmp/small" >/dev/null || exit 1
 b() { "$bin/lmrr" bench --device cuda --model "$tmp/small" --speed-only --decode-steps 32 --repeats 5 "$@" 2>&1 | grep -E "^\| (prefill|decode)"; }
@@ -56,6 +60,11 @@ fi
 if [ "$set" = rows4 ]; then
   ab "LMRR_CUDA_ROWS4_MIN=40000" "matmul_rows4 for the lm head: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
   ab "LMRR_CUDA_ROWS4_MIN=1" "matmul_rows4 for every matmul_rows matrix: batches 1, 8" --prompt-len 64 --batches 1,8
+  exit 0
+fi
+if [ "$set" = qs ]; then
+  ab "LMRR_CUDA_ROPE_QS=1" "q handed to decode attention in shared memory: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
+  ab "LMRR_CUDA_ROPE_QS=1 LMRR_CUDA_ROWS4_MIN=40000" "that and matmul_rows4 for the lm head: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
   exit 0
 fi
 if [ "$set" = new ]; then

@@ -1658,7 +1658,14 @@ extern "C" __global__ void rope_kv(float* q, float* k, float* v, const float* qp
 // writes now) — for the first batch of scores (chunk 0) and the first V
 // tile pass; rows of this step's positions, q and everything else are read
 // after the wait. The values are the same ones, so the arithmetic is.
-template <int BATCH, bool VPRE, bool PRE = false>
+// q's head for attention_body, at file scope so that a prologue can leave
+// it there (attention_decode_rope_qs) rather than in global memory for the
+// body to load again.
+__shared__ float attn_qs[MAX_HEAD_DIM];
+
+// QS: the caller has put q's head in attn_qs and passed a barrier since
+// (decode_rope_prologue<true>), so the body neither loads it nor waits.
+template <int BATCH, bool VPRE, bool PRE = false, bool QS = false>
 __device__ __forceinline__ void attention_body(const float* q, const unsigned long long* pages,
                                                const unsigned long long* seq_off,
                                                const unsigned long long* pos, float* out,
@@ -1668,7 +1675,7 @@ __device__ __forceinline__ void attention_body(const float* q, const unsigned lo
     int tid = threadIdx.x;
     int hd = head_dim, kvd = n_kv_heads * head_dim, qd = n_heads * head_dim;
     int kvh = h / (n_heads / n_kv_heads);
-    __shared__ float qs[MAX_HEAD_DIM];
+    float* qs = attn_qs;
     __shared__ float sc[SC_POS];
     __shared__ float tm[SC_TILES], ta[SC_TILES], tl[SC_TILES];
     __shared__ float at[ACC_T];
@@ -1712,8 +1719,10 @@ __device__ __forceinline__ void attention_body(const float* q, const unsigned lo
         }
         PDL_ENTRY();
     }
-    for (int d = tid; d < hd; d += ATTN_THREADS) qs[d] = q[(long long)t * qd + h * hd + d];
-    __syncthreads();
+    if (!QS) {
+        for (int d = tid; d < hd; d += ATTN_THREADS) qs[d] = q[(long long)t * qd + h * hd + d];
+        __syncthreads();
+    }
     const unsigned long long* pt = pages + seq_off[t];
     int p_end = (int)pos[t];
     float m = __int_as_float(0xff800000);  // -inf
@@ -1897,7 +1906,10 @@ extern "C" __global__ void attention_decode(const float* q, const unsigned long 
 // RoPE of q's head h of token t in place, of k's head kvh (from `kraw`, the
 // k matmul's unrotated rows) into the page slot dst[t]/slot[t] with v's head
 // kvh, and by the group's first head into `kout`; then a barrier: the
-// prologue of attention_decode_rope and attention_decode_rope_hd64.
+// prologue of attention_decode_rope and attention_decode_rope_hd64. QS
+// (attention_decode_rope_qs): the rotated q head also into attn_qs, which
+// the barrier hands to attention_body<.., QS = true> (no reload of q).
+template <bool QS = false>
 __device__ __forceinline__ void decode_rope_prologue(float* q, const float* kraw, float* kout, const float* v,
                                                      const float* cos_t, const float* sin_t,
                                                      const unsigned long long* pos, const unsigned long long* dst,
@@ -1917,6 +1929,10 @@ __device__ __forceinline__ void decode_rope_prologue(float* q, const float* kraw
         float hi = b * c[tid] + a * sn[tid];
         qr[tid] = lo;
         qr[tid + half] = hi;
+        if (QS) {
+            attn_qs[tid] = lo;
+            attn_qs[tid + half] = hi;
+        }
     }
     if (tid >= 128 && tid - 128 < half) {
         int i = tid - 128;
@@ -1948,6 +1964,26 @@ extern "C" __global__ void attention_decode_rope(float* q, const float* kraw, fl
                          page_len, aux);
     attention_body<ATTN_BATCH, true>(q, pages, seq_off, pos, out, n_heads, n_kv_heads, head_dim, layer, page_len,
                                      aux, scale);
+}
+
+// attention_decode_rope with the rotated q head handed from the prologue to
+// the body in shared memory (LMRR_CUDA_ROPE_QS): one barrier and one load
+// of q from global memory fewer; the same values in the same operations
+// (q is still rotated in place in global memory, as attention_decode_rope
+// leaves it).
+extern "C" __global__ void attention_decode_rope_qs(float* q, const float* kraw, float* kout, const float* v,
+                                                    const float* cos_t, const float* sin_t,
+                                                    const unsigned long long* pages,
+                                                    const unsigned long long* seq_off,
+                                                    const unsigned long long* pos, const unsigned long long* dst,
+                                                    const unsigned long long* slot, float* out, int n_heads,
+                                                    int n_kv_heads, int head_dim, int layer, int page_len, int aux,
+                                                    float scale) {
+    PDL_ENTRY();
+    decode_rope_prologue<true>(q, kraw, kout, v, cos_t, sin_t, pos, dst, slot, n_heads, n_kv_heads, head_dim,
+                               layer, page_len, aux);
+    attention_body<ATTN_BATCH, true, false, true>(q, pages, seq_off, pos, out, n_heads, n_kv_heads, head_dim, layer,
+                                                  page_len, aux, scale);
 }
 
 // Decode attention for head_dim 64 (LMRR_CUDA_ATTN_DECODE_HD64): the same

@@ -7,7 +7,9 @@
 //! Prints one line per case and a summary; exits 1 on any differing bit, 2
 //! when no device can be opened.
 
-use lmrr_kernels::cuda::resident::{AttnKernel, DecodeRopeCase, Fused, NormKernel, Tuning};
+use lmrr_kernels::cuda::resident::{
+    AttnKernel, DecodeRopeCase, DecodeRopeKernel, Fused, NormKernel, Tuning,
+};
 use lmrr_kernels::cuda::split::MultiKernel;
 use lmrr_kernels::cuda::{compile_many, negative_controls, Control, Gpu, MatmulKernel};
 use lmrr_kernels::*;
@@ -89,10 +91,16 @@ fn gate_up_case(
 /// A decode step (9/3 heads × 64, pages of 16, tokens at `positions`, each
 /// one sequence, pages listed out of order, the written slots NaN before
 /// the step) run as `rope_kv` then attention and as
-/// `attention_decode_rope` on the device: the differing bits of the two
+/// `kernel`'s form of `attention_decode_rope` on the device: the differing
+/// bits of the two
 /// paths' outputs, rotated q, rotated K rows and pages (each of the first
 /// path's kernels is checked against the CPU elsewhere), and their count.
-fn decode_rope(gpu: &Gpu, r: &mut Rng, positions: &[usize]) -> (usize, usize) {
+fn decode_rope(
+    gpu: &Gpu,
+    r: &mut Rng,
+    positions: &[usize],
+    kernel: DecodeRopeKernel,
+) -> (usize, usize) {
     let (nh, nkv, hd, page_len) = (9usize, 3usize, 64usize, 16usize);
     let (qd, kvd, n) = (nh * hd, nkv * hd, positions.len());
     let pf = page_len * 2 * kvd;
@@ -142,7 +150,7 @@ fn decode_rope(gpu: &Gpu, r: &mut Rng, positions: &[usize]) -> (usize, usize) {
         pos: &pos,
         dst_page: &dst_page,
     };
-    let [a, b] = case.run(gpu).expect("gpu attention_decode_rope");
+    let [a, b] = case.run(gpu, kernel).expect("gpu attention_decode_rope");
     let d = a.iter().zip(&b).map(|(x, y)| diff(x, y)).sum();
     (d, a.iter().map(Vec::len).sum())
 }
@@ -371,10 +379,13 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
         );
         out.push(("gate_up_swiglu", gate_up_case(gpu, &th, &x, n, &mg, &mu).0));
     }
-    out.push((
-        "attention_decode_rope",
-        decode_rope(gpu, &mut r, &[5, 64, 100]).0,
-    ));
+    for (name, kernel) in [
+        ("attention_decode_rope", DecodeRopeKernel::Rope),
+        ("attention_decode_rope_qs", DecodeRopeKernel::RopeQs),
+        ("attention_decode_rope_hd64", DecodeRopeKernel::Hd64),
+    ] {
+        out.push((name, decode_rope(gpu, &mut r, &[5, 64, 100], kernel).0));
+    }
     let w = r.uniform_vec(cols, 1.5);
     let (mut cpu, mut dev) = (vec![0.0; x.len()], vec![0.0; x.len()]);
     rms_norm(&x, &w, 1e-5, &mut cpu);
@@ -836,13 +847,21 @@ fn main() {
     // A decode step's RoPE, page writes and attention in one launch
     // (attention_decode_rope) against rope_kv then attention: tokens at
     // positions inside a first page, on a page edge and past several pages.
-    for positions in [&[0usize][..], &[5, 64, 100], &[15, 16, 17, 300]] {
-        let (d, count) = decode_rope(&gpu, &mut r, positions);
-        report(
-            format!("attention_decode_rope at positions {positions:?} against rope_kv + attention"),
-            d,
-            count,
-        );
+    // Each form: q reloaded from global memory, q handed over in shared
+    // memory, head_dim 64's.
+    for (name, kernel) in [
+        ("attention_decode_rope", DecodeRopeKernel::Rope),
+        ("attention_decode_rope_qs", DecodeRopeKernel::RopeQs),
+        ("attention_decode_rope_hd64", DecodeRopeKernel::Hd64),
+    ] {
+        for positions in [&[0usize][..], &[5, 64, 100], &[15, 16, 17, 300]] {
+            let (d, count) = decode_rope(&gpu, &mut r, positions, kernel);
+            report(
+                format!("{name} at positions {positions:?} against rope_kv + attention"),
+                d,
+                count,
+            );
+        }
     }
     // det_exp over a wide range and the special values.
     let mut x: Vec<f32> = (0..200_000).map(|i| -100.0 + i as f32 * 0.001).collect();

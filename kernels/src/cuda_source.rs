@@ -148,6 +148,11 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
             "float lo = a * c[tid] + b * sn[tid];",
         ),
         (
+            "attention_decode_rope_qs q's halves swapped in shared memory",
+            "attn_qs[tid] = lo;\n            attn_qs[tid + half] = hi;",
+            "attn_qs[tid] = hi;\n            attn_qs[tid + half] = lo;",
+        ),
+        (
             "attention_decode_hd64 softmax sum in reverse",
             "for (int i = 0; i < cnt; ++i) lt = lt + ps[j0 + i];",
             "for (int i = cnt - 1; i >= 0; --i) lt = lt + ps[j0 + i];",

@@ -1026,8 +1026,9 @@ fn the_emulation_sees_each_broken_kernel() {
         {
             let out = job_on(&bin, &rope_line, &rope_refs);
             for i in 0..4 {
-                d += differing(&floats(&out[i]), &floats(&out[4 + i]));
-                d += differing(&floats(&out[i]), &floats(&out[8 + i]));
+                for form in 1..out.len() / 4 {
+                    d += differing(&floats(&out[i]), &floats(&out[4 * form + i]));
+                }
             }
         }
         println!("negative control `{what}`: {d} differing bits");
@@ -1371,7 +1372,8 @@ fn decode_rope_inputs(
 }
 
 /// `attention_decode_rope` (LMRR_CUDA_ROPE_ATTN: RoPE, the K/V page writes
-/// and decode attention in one launch) against `rope_kv` then
+/// and decode attention in one launch) and its forms (`_qs`: q handed over
+/// in shared memory; `_hd64`) against `rope_kv` then
 /// `attention_decode`: the same attention output, rotated q, step K rows
 /// (for the host) and pages, bit for bit; grouped and ungrouped heads, head
 /// dims of one and two chunks, pages of 1, 7 and 16 positions, a new
@@ -1400,8 +1402,9 @@ fn attention_decode_rope_matches_rope_kv_then_attention_decode() {
                 separate.iter().all(|x| x.is_finite()),
                 "{what}: rope_kv then attention_decode gave non-finite values"
             );
-            // attention_decode_rope, and for head_dim 64 attention_decode_rope_hd64.
-            let fused = if hd == 64 { 2 } else { 1 };
+            // attention_decode_rope, attention_decode_rope_qs, and for
+            // head_dim 64 attention_decode_rope_hd64.
+            let fused = if hd == 64 { 3 } else { 2 };
             assert_eq!(out.len(), 4 * (1 + fused), "{what}: the job's outputs");
             for f in 1..=fused {
                 for (i, name) in ["attention output", "rotated q", "K rows", "pages"]

@@ -37,6 +37,7 @@ fn kernels_cu_compiles_under_nvrtc() {
         "attention_decode",
         "attention_decode_hd64",
         "attention_decode_rope_hd64",
+        "attention_decode_rope_qs",
         "attention_prefill",
         "matmul_gemm_wide",
         "norm_reg",

@@ -313,15 +313,18 @@ int main() {
             write_array(ka);
             write_array(sa);
         }
-        // attention_decode_rope, then (head_dim 64) attention_decode_rope_hd64,
-        // each on the same inputs: out, q, kout, store.
-        for (int hd64 = 0; hd64 < (hd == 64 ? 2 : 1); ++hd64) {
+        // attention_decode_rope, attention_decode_rope_qs, then (head_dim 64)
+        // attention_decode_rope_hd64, each on the same inputs: out, q, kout,
+        // store.
+        for (int form = 0; form < (hd == 64 ? 3 : 2); ++form) {
             auto qb = q, sb = store;
             std::vector<float> kout((size_t)n * kvd, std::nanf(""));
             std::vector<unsigned long long> table, dst;
             tables(sb, table, dst);
             std::vector<float> out((size_t)n * qd, std::nanf(""));
-            auto fused = hd64 ? attention_decode_rope_hd64 : attention_decode_rope;
+            auto fused = form == 2   ? attention_decode_rope_hd64
+                         : form == 1 ? attention_decode_rope_qs
+                                     : attention_decode_rope;
             emu::launch((unsigned)(n * nh), ATTN_THREADS, [&] {
                 fused(qb.data(), k.data(), kout.data(), v.data(), cs.data(), sn.data(), table.data(), so.data(),
                       ps.data(), dst.data(), sl.data(), out.data(), nh, nkv, hd, 0, page_len, 0, scale);

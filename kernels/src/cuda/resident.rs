@@ -278,6 +278,12 @@ pub struct Tuning {
     /// `matmul_rows`, 2.2 TB/s by ncu against a 4.2 TB/s copy rate). Not
     /// yet measured on a device: off.
     pub rows4_min: usize,
+    /// `LMRR_CUDA_ROPE_QS` (0/1): where `attention_decode_rope` serves a
+    /// step, `attention_decode_rope_qs` does: the rotated q head handed
+    /// from the RoPE prologue to the attention in shared memory, one
+    /// barrier and one reload of q from global memory fewer a block (the
+    /// same operations). Not yet measured on a device: off.
+    pub rope_qs: bool,
 }
 
 impl Default for Tuning {
@@ -311,6 +317,7 @@ impl Default for Tuning {
             swiglu4: false,
             loads_first_min: 128,
             rows4_min: 0,
+            rope_qs: false,
         }
     }
 }
@@ -362,6 +369,7 @@ impl Tuning {
             ("LMRR_CUDA_GATE_UP_SWIGLU", &mut t.gate_up_swiglu),
             ("LMRR_CUDA_HEAD_DIRECT", &mut t.head_direct),
             ("LMRR_CUDA_SWIGLU4", &mut t.swiglu4),
+            ("LMRR_CUDA_ROPE_QS", &mut t.rope_qs),
         ] {
             if let Some(v) = get(var) {
                 *slot = match v.trim() {
@@ -430,6 +438,7 @@ mod tuning_tests {
             ("LMRR_CUDA_SWIGLU4", "1"),
             ("LMRR_CUDA_LOADS_FIRST_MIN", "1"),
             ("LMRR_CUDA_ROWS4_MIN", "1000"),
+            ("LMRR_CUDA_ROPE_QS", "1"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -462,6 +471,7 @@ mod tuning_tests {
                 swiglu4: true,
                 loads_first_min: 1,
                 rows4_min: 1000,
+                rope_qs: true,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
@@ -577,6 +587,7 @@ pub(crate) struct Kernels {
     attention_paged: Func,
     attention_decode: Func,
     attention_decode_rope: Func,
+    attention_decode_rope_qs: Func,
     attention_decode_hd64: Func,
     attention_decode_rope_hd64: Func,
     attention_prefill: Func,
@@ -640,6 +651,7 @@ impl Kernels {
             attention_paged: f("attention_paged")?,
             attention_decode: f("attention_decode")?,
             attention_decode_rope: f("attention_decode_rope")?,
+            attention_decode_rope_qs: f("attention_decode_rope_qs")?,
             attention_decode_hd64: f("attention_decode_hd64")?,
             attention_decode_rope_hd64: f("attention_decode_rope_hd64")?,
             attention_prefill: f("attention_prefill")?,
@@ -2245,7 +2257,38 @@ impl Gpu {
     }
 }
 
+/// Which kernel runs [`Gpu::attention_decode_rope_by`]: every one the same
+/// bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeRopeKernel {
+    /// `attention_decode_rope`: the prologue rotates q in global memory and
+    /// the attention body loads it back.
+    Rope,
+    /// `attention_decode_rope_qs`: the rotated q head handed to the body in
+    /// shared memory ([`Tuning::rope_qs`]).
+    RopeQs,
+    /// `attention_decode_rope_hd64` (head_dim 64, [`hd64_fits`];
+    /// [`Tuning::attn_decode_hd64`]).
+    Hd64,
+}
+
 impl Gpu {
+    /// The [`DecodeRopeKernel`] the tuning picks for this shape.
+    pub fn decode_rope_kernel(
+        &self,
+        shape: &crate::AttnShape,
+        layout: &PageLayout,
+    ) -> DecodeRopeKernel {
+        let t = &self.res.tuning;
+        if t.attn_decode_hd64 && hd64_fits(shape, layout) {
+            DecodeRopeKernel::Hd64
+        } else if t.rope_qs {
+            DecodeRopeKernel::RopeQs
+        } else {
+            DecodeRopeKernel::Rope
+        }
+    }
+
     /// `rope_kv` then `attention_decode` in one launch
     /// (`attention_decode_rope`, the same bits): RoPE of `q` (n · qd, in
     /// place) and of the unrotated K rows `kraw` (n · kvd) into `kout` and,
@@ -2257,6 +2300,31 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     pub fn attention_decode_rope(
         &self,
+        qkv: (u64, u64, u64),
+        kout: u64,
+        tables: (&DevBuf, &DevBuf),
+        table: PageTable,
+        dst: u64,
+        slot: u64,
+        n: usize,
+        shape: &crate::AttnShape,
+        layout: PageLayout,
+        layer: usize,
+        scale: f32,
+        out: u64,
+    ) -> Result<(), GpuError> {
+        let kernel = self.decode_rope_kernel(shape, &layout);
+        self.attention_decode_rope_by(
+            kernel, qkv, kout, tables, table, dst, slot, n, shape, layout, layer, scale, out,
+        )
+    }
+
+    /// [`Gpu::attention_decode_rope`] by the given kernel (gpu_check runs
+    /// each); [`DecodeRopeKernel::Hd64`] only where [`hd64_fits`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_decode_rope_by(
+        &self,
+        kernel: DecodeRopeKernel,
         qkv: (u64, u64, u64),
         kout: u64,
         tables: (&DevBuf, &DevBuf),
@@ -2291,10 +2359,23 @@ impl Gpu {
             aux,
             cfg,
         } = attn_args(shape, &layout, layer, n * shape.n_heads)?;
-        let f = if self.res.tuning.attn_decode_hd64 && hd64_fits(shape, &layout) {
-            &self.res.attention_decode_rope_hd64
-        } else {
-            &self.res.attention_decode_rope
+        let f = match kernel {
+            DecodeRopeKernel::Hd64 if hd64_fits(shape, &layout) => {
+                &self.res.attention_decode_rope_hd64
+            }
+            DecodeRopeKernel::Hd64 => {
+                return Err(GpuError::Shape {
+                    what: "attention_decode_rope_hd64",
+                    detail: format!(
+                        "head_dim {} (64), kv_dim {} and page_len·aux_dim {} (multiples of 4)",
+                        shape.head_dim,
+                        layout.kv_dim,
+                        layout.page_len * layout.aux_dim
+                    ),
+                })
+            }
+            DecodeRopeKernel::RopeQs => &self.res.attention_decode_rope_qs,
+            DecodeRopeKernel::Rope => &self.res.attention_decode_rope,
         };
         let mut b = self.kernel(f)?;
         b.arg(&qkv.0)
@@ -2352,9 +2433,9 @@ pub struct DecodeRopeCase<'a> {
 impl DecodeRopeCase<'_> {
     /// Runs the step twice on the device from the same inputs: `rope_kv`
     /// then attention (the kernel [`Gpu::attention_paged`] picks), and
-    /// `attention_decode_rope`; returns each path's attention output,
-    /// rotated q, rotated K rows and pages.
-    pub fn run(&self, gpu: &Gpu) -> Result<[[Vec<f32>; 4]; 2], GpuError> {
+    /// `kernel`'s form of `attention_decode_rope`; returns each path's
+    /// attention output, rotated q, rotated K rows and pages.
+    pub fn run(&self, gpu: &Gpu, kernel: DecodeRopeKernel) -> Result<[[Vec<f32>; 4]; 2], GpuError> {
         let n = self.pos.len();
         let shape = crate::AttnShape {
             n_heads: self.n_heads,
@@ -2399,7 +2480,8 @@ impl DecodeRopeCase<'_> {
                 n_groups: 0,
             };
             let kb = if fused {
-                gpu.attention_decode_rope(
+                gpu.attention_decode_rope_by(
+                    kernel,
                     (dq.ptr, dk.ptr, dv.ptr),
                     kout.ptr,
                     (&tabs.0, &tabs.1),
