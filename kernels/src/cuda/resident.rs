@@ -2257,7 +2257,7 @@ impl Gpu {
     }
 }
 
-/// Which kernel runs [`Gpu::attention_decode_rope_by`]: every one the same
+/// Which kernel runs [`Gpu::attention_decode_rope`]: every one the same
 /// bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DecodeRopeKernel {
@@ -2297,32 +2297,11 @@ impl Gpu {
     /// sequence and whose pages are in no other token's page list (no
     /// block reads a row another block writes), with head_dim even and at
     /// most 256: the caller checks the first two, this the shapes.
+    /// `kernel` is [`Gpu::decode_rope_kernel`]'s choice in the resident
+    /// path (gpu_check runs each); [`DecodeRopeKernel::Hd64`] only where
+    /// [`hd64_fits`].
     #[allow(clippy::too_many_arguments)]
     pub fn attention_decode_rope(
-        &self,
-        qkv: (u64, u64, u64),
-        kout: u64,
-        tables: (&DevBuf, &DevBuf),
-        table: PageTable,
-        dst: u64,
-        slot: u64,
-        n: usize,
-        shape: &crate::AttnShape,
-        layout: PageLayout,
-        layer: usize,
-        scale: f32,
-        out: u64,
-    ) -> Result<(), GpuError> {
-        let kernel = self.decode_rope_kernel(shape, &layout);
-        self.attention_decode_rope_by(
-            kernel, qkv, kout, tables, table, dst, slot, n, shape, layout, layer, scale, out,
-        )
-    }
-
-    /// [`Gpu::attention_decode_rope`] by the given kernel (gpu_check runs
-    /// each); [`DecodeRopeKernel::Hd64`] only where [`hd64_fits`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_decode_rope_by(
         &self,
         kernel: DecodeRopeKernel,
         qkv: (u64, u64, u64),
@@ -2480,7 +2459,7 @@ impl DecodeRopeCase<'_> {
                 n_groups: 0,
             };
             let kb = if fused {
-                gpu.attention_decode_rope_by(
+                gpu.attention_decode_rope(
                     kernel,
                     (dq.ptr, dk.ptr, dv.ptr),
                     kout.ptr,

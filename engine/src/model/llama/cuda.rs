@@ -1021,6 +1021,7 @@ impl Resident {
             }
             return t("attention (with rope, KV write)", &|| {
                 g.attention_decode_rope(
+                    g.decode_rope_kernel(&m.shape, &layout),
                     (qkv[0].y, k.0, qkv[2].y),
                     k.1,
                     (&self.rope.0, &self.rope.1),
