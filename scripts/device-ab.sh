@@ -6,8 +6,8 @@
 # 10 minutes) per set:
 #
 #   scripts/device-ab.sh .gpu                      # DEVICE_AB_SET=loads (default)
-#   DEVICE_AB_SET=rows4 scripts/device-ab.sh .gpu  # matmul_rows4 (built 2026-12-05f, not yet measured)
-#   DEVICE_AB_SET=qs scripts/device-ab.sh .gpu     # attention_decode_rope_qs (built 2026-12-06)
+#   DEVICE_AB_SET=rows4 scripts/device-ab.sh .gpu  # matmul_rows4 (the head's default from 8 tokens since 2026-12-06)
+#   DEVICE_AB_SET=qs scripts/device-ab.sh .gpu     # attention_decode_rope_qs (the default since 2026-12-06)
 #   DEVICE_AB_SET=new scripts/device-ab.sh .gpu    # the four paths built on 2026-12-05e
 #   DEVICE_AB_SET=six scripts/device-ab.sh .gpu    # the six paths made defaults on 2026-12-05
 #
@@ -17,12 +17,13 @@
 # or more: measured on 2026-12-05f, prefill gained and batch-1 decode
 # lost); and the head's add and norm as three launches
 # (LMRR_CUDA_HEAD_DIRECT=0) against the one of the default.
-# `rows4`: four rows a block for the lm head (LMRR_CUDA_ROWS4_MIN=40000:
-# only the 49,152-row head of the `small` preset) at batches 1, 8 and 64, and
-# for every matrix that takes matmul_rows (=1) at batches 1 and 8.
-# `qs`: decode attention with the rotated q head handed over in shared
-# memory (LMRR_CUDA_ROPE_QS=1) at batches 1, 8 and 64, alone and with
-# matmul_rows4 for the head.
+# `rows4`: the lm head by matmul_rows (LMRR_CUDA_ROWS4_MIN=0) against the
+# default (matmul_rows4 for heads of 32,768 rows or more from 8 tokens) at
+# batches 1, 8 and 64; matmul_rows4 at batch 1 too (LMRR_CUDA_ROWS4_TOKENS=1);
+# and for every matmul_rows matrix (=1) at batch 8.
+# `qs`: decode attention reloading q from global memory
+# (LMRR_CUDA_ROPE_QS=0) against the default (q handed over in shared
+# memory) at batches 1, 8 and 64.
 # `new` (built 2026-12-05e, measured 2026-12-05f: docs/PERFORMANCE.md): gate
 # and up with SwiGLU in one launch (LMRR_CUDA_GATE_UP_SWIGLU), the head's add
 # and norm in one launch (LMRR_CUDA_HEAD_DIRECT, since made the default),
@@ -58,13 +59,13 @@ if [ "$set" = loads ]; then
   exit 0
 fi
 if [ "$set" = rows4 ]; then
-  ab "LMRR_CUDA_ROWS4_MIN=40000" "matmul_rows4 for the lm head: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
-  ab "LMRR_CUDA_ROWS4_MIN=1" "matmul_rows4 for every matmul_rows matrix: batches 1, 8" --prompt-len 64 --batches 1,8
+  ab "LMRR_CUDA_ROWS4_MIN=0" "the lm head by matmul_rows: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
+  ab "LMRR_CUDA_ROWS4_TOKENS=1" "matmul_rows4 for the lm head at batch 1 too" --prompt-len 64 --batches 1
+  ab "LMRR_CUDA_ROWS4_MIN=1" "matmul_rows4 for every matmul_rows matrix from 8 tokens: batch 8" --prompt-len 64 --batches 8
   exit 0
 fi
 if [ "$set" = qs ]; then
-  ab "LMRR_CUDA_ROPE_QS=1" "q handed to decode attention in shared memory: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
-  ab "LMRR_CUDA_ROPE_QS=1 LMRR_CUDA_ROWS4_MIN=40000" "that and matmul_rows4 for the lm head: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
+  ab "LMRR_CUDA_ROPE_QS=0" "q reloaded from global memory by decode attention: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
   exit 0
 fi
 if [ "$set" = new ]; then

@@ -269,20 +269,30 @@ pub struct Tuning {
     /// (prefill; a chunked prefill's smaller steps do not), no decode batch
     /// up to the 64 measured does.
     pub loads_first_min: usize,
-    /// `LMRR_CUDA_ROWS4_MIN` (rows; 0 = never): matrices of at least this
-    /// many rows, in steps that take `matmul_rows`, by `matmul_rows4`
-    /// instead: four rows a block, each thread's loads of the four rows in
-    /// flight at once (the same operations; rows of at most
-    /// `64 · MR4_MAX_CHUNKS` columns). Meant for the lm head (49,152 rows
-    /// in the `small` preset: 49,152 one-round-trip blocks of
-    /// `matmul_rows`, 2.2 TB/s by ncu against a 4.2 TB/s copy rate). Not
-    /// yet measured on a device: off.
+    /// `LMRR_CUDA_ROWS4_MIN` (rows; 0 = never; default 32,768: an lm
+    /// head, no layer's matrix): matrices of at least this many rows, in
+    /// steps of at least [`Tuning::rows4_tokens`] tokens that take
+    /// `matmul_rows`, by `matmul_rows4` instead: four rows a block, each
+    /// thread's loads of the four rows in flight at once (the same
+    /// operations; rows of at most `64 · MR4_MAX_CHUNKS` columns). For the
+    /// `small` preset's 49,152-row head, measured on an H100 (2026-12-06,
+    /// two alternating rounds, `docs/gpu-runs-2026-12-06.txt`): batch 8
+    /// 4,322 / 4,338 against 4,138 / 4,129 tok/s (the step's kernels 1.722
+    /// against 1.790 ms), batch 1 939.9 / 941.3 against 938.7 / 949.6 (1.047
+    /// against 1.042 ms: slower, hence the token floor).
     pub rows4_min: usize,
-    /// `LMRR_CUDA_ROPE_QS` (0/1): where `attention_decode_rope` serves a
-    /// step, `attention_decode_rope_qs` does: the rotated q head handed
-    /// from the RoPE prologue to the attention in shared memory, one
-    /// barrier and one reload of q from global memory fewer a block (the
-    /// same operations). Not yet measured on a device: off.
+    /// `LMRR_CUDA_ROWS4_TOKENS` (default 8, one full token tile): the
+    /// fewest tokens a step has for [`Tuning::rows4_min`] to apply.
+    pub rows4_tokens: usize,
+    /// `LMRR_CUDA_ROPE_QS` (0/1, default 1): where `attention_decode_rope`
+    /// serves a step, `attention_decode_rope_qs` does: the rotated q head
+    /// handed from the RoPE prologue to the attention in shared memory,
+    /// one barrier and one reload of q from global memory fewer a block
+    /// (the same operations). Measured on an H100 (2026-12-06, two
+    /// alternating rounds): batch 1 961.0 / 959.5 against 938.7 / 949.6
+    /// tok/s (the step's kernels 1.028 / 1.029 against 1.044 / 1.041 ms),
+    /// batch 64 19,565 / 19,501 against 19,076 / 19,232, batch 8 4,125 /
+    /// 4,161 against 4,138 / 4,129.
     pub rope_qs: bool,
 }
 
@@ -316,8 +326,9 @@ impl Default for Tuning {
             head_direct: true,
             swiglu4: false,
             loads_first_min: 128,
-            rows4_min: 0,
-            rope_qs: false,
+            rows4_min: 32_768,
+            rows4_tokens: 8,
+            rope_qs: true,
         }
     }
 }
@@ -347,6 +358,7 @@ impl Tuning {
             ("LMRR_CUDA_CHUNK_THREADS", &mut t.chunk_threads),
             ("LMRR_CUDA_LOADS_FIRST_MIN", &mut t.loads_first_min),
             ("LMRR_CUDA_ROWS4_MIN", &mut t.rows4_min),
+            ("LMRR_CUDA_ROWS4_TOKENS", &mut t.rows4_tokens),
         ] {
             if let Some(v) = get(var) {
                 *slot = v.trim().parse().map_err(|_| {
@@ -438,7 +450,8 @@ mod tuning_tests {
             ("LMRR_CUDA_SWIGLU4", "1"),
             ("LMRR_CUDA_LOADS_FIRST_MIN", "1"),
             ("LMRR_CUDA_ROWS4_MIN", "1000"),
-            ("LMRR_CUDA_ROPE_QS", "1"),
+            ("LMRR_CUDA_ROWS4_TOKENS", "1"),
+            ("LMRR_CUDA_ROPE_QS", "0"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -471,7 +484,8 @@ mod tuning_tests {
                 swiglu4: true,
                 loads_first_min: 1,
                 rows4_min: 1000,
-                rope_qs: true,
+                rows4_tokens: 1,
+                rope_qs: false,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
@@ -1256,7 +1270,11 @@ impl Gpu {
             return self.chunk_launch(x, n, None, Fused::Store, &[(w, y)]);
         }
         let chunks = w.cols.div_ceil(64);
-        if tun.rows4_min > 0 && w.rows >= tun.rows4_min && chunks <= MR4_MAX_CHUNKS {
+        if tun.rows4_min > 0
+            && w.rows >= tun.rows4_min
+            && n >= tun.rows4_tokens
+            && chunks <= MR4_MAX_CHUNKS
+        {
             return self.rows4_launch(x, n, w, y);
         }
         let rows_kernel = chunks <= MR_MAX_CHUNKS;
