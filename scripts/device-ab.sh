@@ -8,6 +8,7 @@
 #   scripts/device-ab.sh .gpu                      # DEVICE_AB_SET=loads (default)
 #   DEVICE_AB_SET=rows4 scripts/device-ab.sh .gpu  # matmul_rows4 (the head's default from 8 tokens since 2026-12-06)
 #   DEVICE_AB_SET=qs scripts/device-ab.sh .gpu     # attention_decode_rope_qs (the default since 2026-12-06)
+#   DEVICE_AB_SET=multi4 scripts/device-ab.sh .gpu # matmul_multi4 (built 2026-12-06, not yet measured)
 #   DEVICE_AB_SET=new scripts/device-ab.sh .gpu    # the four paths built on 2026-12-05e
 #   DEVICE_AB_SET=six scripts/device-ab.sh .gpu    # the six paths made defaults on 2026-12-05
 #
@@ -24,6 +25,9 @@
 # `qs`: decode attention reloading q from global memory
 # (LMRR_CUDA_ROPE_QS=0) against the default (q handed over in shared
 # memory) at batches 1, 8 and 64.
+# `multi4`: q/k/v and gate/up four rows a block (LMRR_CUDA_MULTI4=1) at
+# batches 1 and 8, alone and with every matmul_rows matrix by matmul_rows4
+# (LMRR_CUDA_ROWS4_MIN=1 LMRR_CUDA_ROWS4_TOKENS=1: o, down and the head).
 # `new` (built 2026-12-05e, measured 2026-12-05f: docs/PERFORMANCE.md): gate
 # and up with SwiGLU in one launch (LMRR_CUDA_GATE_UP_SWIGLU), the head's add
 # and norm in one launch (LMRR_CUDA_HEAD_DIRECT, since made the default),
@@ -36,7 +40,7 @@ set -uo pipefail
 bin=${1:-.gpu}
 rounds=${DEVICE_AB_ROUNDS:-2}
 set=${DEVICE_AB_SET:-loads}
-case $set in loads|rows4|qs|new|six) ;; *) echo "DEVICE_AB_SET must be loads, rows4, qs, new or six, not '$set'"; exit 2 ;; esac
+case $set in loads|rows4|qs|multi4|new|six) ;; *) echo "DEVICE_AB_SET must be loads, rows4, qs, multi4, new or six, not '$set'"; exit 2 ;; esac
 tmp=$(mktemp -d)
 "$bin/lmrr" gen-model --preset small --dtype f32 --out "$tmp/small" >/dev/null || exit 1
 b() { "$bin/lmrr" bench --device cuda --model "$tmp/small" --speed-only --decode-steps 32 --repeats 5 "$@" 2>&1 | grep -E "^\| (prefill|decode)"; }
@@ -66,6 +70,11 @@ if [ "$set" = rows4 ]; then
 fi
 if [ "$set" = qs ]; then
   ab "LMRR_CUDA_ROPE_QS=0" "q reloaded from global memory by decode attention: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
+  exit 0
+fi
+if [ "$set" = multi4 ]; then
+  ab "LMRR_CUDA_MULTI4=1" "q/k/v and gate/up four rows a block: batches 1, 8" --prompt-len 64 --batches 1,8
+  ab "LMRR_CUDA_MULTI4=1 LMRR_CUDA_ROWS4_MIN=1 LMRR_CUDA_ROWS4_TOKENS=1" "every decode matmul four rows a block: batches 1, 8" --prompt-len 64 --batches 1,8
   exit 0
 fi
 if [ "$set" = new ]; then

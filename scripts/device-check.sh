@@ -191,7 +191,9 @@ fi  # the core part
 # embedded model's 1,024 rows) with graphs off (by default only heads of
 # 32,768 rows or more in steps of 8 tokens or more); decode attention with
 # q reloaded from global memory (LMRR_CUDA_ROPE_QS=0; the default hands the
-# rotated q head over in shared memory), graphs on and off.
+# rotated q head over in shared memory), graphs on and off; q/k/v and
+# gate/up four rows a block (LMRR_CUDA_MULTI4), alone and with every
+# matmul_rows matrix by matmul_rows4 with graphs off.
 tunings="LMRR_CUDA_FUSED_MAX=8;LMRR_CUDA_SWIGLU_MAX=8;LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=0"
 tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_WIDE_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=1000000"
 tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_PIPELINED=0;LMRR_CUDA_GEMM_MIN=1000000"
@@ -210,6 +212,7 @@ tunings+=";LMRR_CUDA_HEAD_DIRECT=0 LMRR_CUDA_SWIGLU4=1;LMRR_CUDA_GATE_UP_SWIGLU=
 tunings+=";LMRR_CUDA_LOADS_FIRST_MIN=1;LMRR_CUDA_LOADS_FIRST_MIN=1 LMRR_CUDA_PDL=0"
 tunings+=";LMRR_CUDA_ROWS4_MIN=1 LMRR_CUDA_ROWS4_TOKENS=1;LMRR_CUDA_ROWS4_MIN=1000 LMRR_CUDA_ROWS4_TOKENS=1 LMRR_CUDA_GRAPHS=0"
 tunings+=";LMRR_CUDA_ROPE_QS=0;LMRR_CUDA_ROPE_QS=0 LMRR_CUDA_GRAPHS=0"
+tunings+=";LMRR_CUDA_MULTI4=1;LMRR_CUDA_MULTI4=1 LMRR_CUDA_ROWS4_MIN=1 LMRR_CUDA_ROWS4_TOKENS=1 LMRR_CUDA_GRAPHS=0"
 tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_FOLD_SUMS=1;LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_WIDE_MIN=9 LMRR_CUDA_GEMM_MULTI=1 LMRR_CUDA_SPLIT_BLOCKS=1000000"
 IFS=';' read -r -a tuning_list <<<"${DEVICE_CHECK_TUNINGS:-$tunings}"
 [ "$part" = core ] && tuning_list=()

@@ -622,13 +622,11 @@ extern "C" __global__ void matmul_rows(int kind, const float* x, const unsigned 
 // in its order, a quarter of its blocks. k ≤ 64 · MR4_MAX_CHUNKS.
 #define MR4_ROWS 4
 #define MR4_MAX_CHUNKS 64
-extern "C" __global__ void matmul_rows4(int kind, const float* x, const unsigned char* w, float* y,
-                                        int n, int rows, int k, long long row_bytes) {
-    PDL_ENTRY_EARLY();
+// The body of matmul_rows4 and matmul_multi4 for rows o0 .. o0 + MR4_ROWS
+// (those below `rows`) of W and token tile t0.
+__device__ __forceinline__ void mm_rows4_block(int kind, const float* x, const unsigned char* w, float* y, int n,
+                                               int rows, int k, long long row_bytes, int o0, int t0) {
     __shared__ float part4[MR4_ROWS][MM_TOKENS][MR4_MAX_CHUNKS];
-    int groups = (rows + MR4_ROWS - 1) / MR4_ROWS;
-    int o0 = (int)(blockIdx.x % groups) * MR4_ROWS;
-    int t0 = (int)(blockIdx.x / groups) * MM_TOKENS;
     int tn = min(MM_TOKENS, n - t0);
     int g = threadIdx.x >> 3, j = threadIdx.x & 7;
     int chunks = (k + CHUNK - 1) / CHUNK;
@@ -682,6 +680,39 @@ extern "C" __global__ void matmul_rows4(int kind, const float* x, const unsigned
         for (int c = 0; c < chunks; ++c) total = total + part4[r][tt][c];
         y[(long long)(t0 + tt) * rows + o0 + r] = total;
     }
+}
+
+extern "C" __global__ void matmul_rows4(int kind, const float* x, const unsigned char* w, float* y,
+                                        int n, int rows, int k, long long row_bytes) {
+    PDL_ENTRY_EARLY();
+    int groups = (rows + MR4_ROWS - 1) / MR4_ROWS;
+    mm_rows4_block(kind, x, w, y, n, rows, k, row_bytes, (int)(blockIdx.x % groups) * MR4_ROWS,
+                   (int)(blockIdx.x / groups) * MM_TOKENS);
+}
+
+// matmul_multi with matmul_rows4's blocks (LMRR_CUDA_MULTI4): blocks
+// 0 .. ceil(rows0 / MR4_ROWS)·tiles are matrix 0's, then matrix 1's, then
+// matrix 2's; each output as matmul_rows computes it.
+extern "C" __global__ void matmul_multi4(int kind, const float* x, int n, int k,
+                                         const unsigned char* w0, float* y0, int rows0, long long rb0,
+                                         const unsigned char* w1, float* y1, int rows1, long long rb1,
+                                         const unsigned char* w2, float* y2, int rows2, long long rb2) {
+    PDL_ENTRY_EARLY();
+    int tiles = (n + MM_TOKENS - 1) / MM_TOKENS;
+    int g0 = (rows0 + MR4_ROWS - 1) / MR4_ROWS, g1 = (rows1 + MR4_ROWS - 1) / MR4_ROWS;
+    int g2 = (rows2 + MR4_ROWS - 1) / MR4_ROWS;
+    int b = blockIdx.x;
+    if (b < g0 * tiles) {
+        mm_rows4_block(kind, x, w0, y0, n, rows0, k, rb0, (b % g0) * MR4_ROWS, (b / g0) * MM_TOKENS);
+        return;
+    }
+    b -= g0 * tiles;
+    if (b < g1 * tiles) {
+        mm_rows4_block(kind, x, w1, y1, n, rows1, k, rb1, (b % g1) * MR4_ROWS, (b / g1) * MM_TOKENS);
+        return;
+    }
+    b -= g1 * tiles;
+    mm_rows4_block(kind, x, w2, y2, n, rows2, k, rb2, (b % g2) * MR4_ROWS, (b / g2) * MM_TOKENS);
 }
 
 // matmul_rows of SwiGLU(g, u) (down after gate and up): the swiglu launch

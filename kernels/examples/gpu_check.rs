@@ -337,6 +337,7 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
             ("matmul_gemm_multi", MultiKernel::Gemm),
             ("matmul_gemm_multi split", MultiKernel::GemmSplit),
             ("matmul_chunk", MultiKernel::Chunk),
+            ("matmul_multi4", MultiKernel::Rows4),
         ] {
             let got = gpu
                 .multi_resident(k, &x, n, &[&m1, &m2])
@@ -674,10 +675,11 @@ fn main() {
     }
     // Up to three matmuls of one input in one launch (q/k/v, gate/up; o and
     // down alone), each matrix's output against the CPU's matmul: the
-    // decode kernels (matmul_multi, matmul_chunk) and the gemm's one-launch
+    // decode kernels (matmul_multi, matmul_multi4, matmul_chunk) and the gemm's one-launch
     // form, whole and split (its partials summed).
-    let multi_shapes: [(usize, usize, &[usize]); 5] = [
+    let multi_shapes: [(usize, usize, &[usize]); 6] = [
         (1, 576, &[576, 192, 192]),
+        (3, 224, &[131, 33, 9]),
         (5, 576, &[1536, 1536]),
         (70, 576, &[576, 192, 192]),
         (130, 1536, &[576]),
@@ -713,6 +715,7 @@ fn main() {
             let total: usize = want.iter().map(Vec::len).sum();
             for (kname, k) in [
                 ("matmul_multi", MultiKernel::Rows),
+                ("matmul_multi4", MultiKernel::Rows4),
                 ("matmul_chunk", MultiKernel::Chunk),
                 ("matmul_gemm_multi", MultiKernel::Gemm),
                 ("matmul_gemm_multi split", MultiKernel::GemmSplit),

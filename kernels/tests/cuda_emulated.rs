@@ -341,6 +341,10 @@ fn gate_up_with_swiglu_in_its_epilogue_matches_matmuls_then_swiglu() {
     }
 }
 
+/// `matmul_multi` and `matmul_multi4` (four rows a block) against three
+/// CPU matmuls: row counts that are and are not multiples of four (a last
+/// block of fewer rows in each matrix), one and two token tiles, a partial
+/// last chunk, an absent third matrix.
 #[test]
 fn matmul_multi_matches_three_matmuls() {
     if emulator().is_none() {
@@ -348,22 +352,34 @@ fn matmul_multi_matches_three_matmuls() {
     }
     let th = Threads::new(2).expect("threads");
     let mut r = SplitMix64(6);
-    let (cols, n) = (192, 5);
-    let x = r.uniform_vec(n * cols, 2.0);
-    let ws: Vec<Vec<f32>> = [24usize, 8, 8]
-        .iter()
-        .map(|&rows| r.uniform_vec(rows * cols, 0.5))
-        .collect();
-    let out = job(
-        &format!("multi 0 {n} {cols} 24 8 8"),
-        &[&bytes(&x), &bytes(&ws[0]), &bytes(&ws[1]), &bytes(&ws[2])],
-    );
-    for (i, w) in ws.iter().enumerate() {
-        let rows = w.len() / cols;
-        let m = Matrix::new(Weights::F32(w), rows, cols).expect("shape");
-        let mut cpu = vec![0.0; n * rows];
-        matmul(&th, &x, n, &m, &mut cpu);
-        assert_eq!(differing(&cpu, &floats(&out[i])), 0, "matrix {i}");
+    let cases: &[(usize, usize, [usize; 3])] = &[
+        (192, 5, [24, 8, 8]),
+        (200, 11, [25, 7, 9]),
+        (576, 1, [13, 6, 0]),
+    ];
+    for &(cols, n, rows) in cases {
+        let x = r.uniform_vec(n * cols, 2.0);
+        let ws: Vec<Vec<f32>> = rows.iter().map(|&o| r.uniform_vec(o * cols, 0.5)).collect();
+        for four in [0, 1] {
+            let out = job(
+                &format!(
+                    "multi 0 {n} {cols} {} {} {} {four}",
+                    rows[0], rows[1], rows[2]
+                ),
+                &[&bytes(&x), &bytes(&ws[0]), &bytes(&ws[1]), &bytes(&ws[2])],
+            );
+            for (i, w) in ws.iter().enumerate() {
+                let m = Matrix::new(Weights::F32(w), rows[i], cols).expect("shape");
+                let mut cpu = vec![0.0; n * rows[i]];
+                matmul(&th, &x, n, &m, &mut cpu);
+                assert_eq!(
+                    differing(&cpu, &floats(&out[i])),
+                    0,
+                    "matmul_multi{} {n}×{cols} matrix {i} of {rows:?}",
+                    if four == 1 { "4" } else { "" }
+                );
+            }
+        }
     }
 }
 

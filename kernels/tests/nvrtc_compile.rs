@@ -43,6 +43,7 @@ fn kernels_cu_compiles_under_nvrtc() {
         "norm_reg",
         "norm_reg_lf",
         "matmul_rows4",
+        "matmul_multi4",
         "matmul_rows_swiglu",
         "gate_up_swiglu",
         "swiglu4",

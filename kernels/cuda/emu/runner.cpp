@@ -151,18 +151,21 @@ int main() {
                     [&] { gate_up_swiglu(kind, x.data(), wg.data(), wu.data(), y.data(), n, rows, k, row_bytes); });
         write_array(y);
     } else if (job == "multi") {
-        // multi kind n k rows0 rows1 rows2: three matrices, one launch
-        int kind, n, k, r0, r1, r2;
-        hs >> kind >> n >> k >> r0 >> r1 >> r2;
+        // multi kind n k rows0 rows1 rows2 four: three matrices, one launch
+        // (four: matmul_multi4)
+        int kind, n, k, r0, r1, r2, four;
+        hs >> kind >> n >> k >> r0 >> r1 >> r2 >> four;
         auto x = read_as<float>();
         auto w0 = read_array(), w1 = read_array(), w2 = read_array();
         std::vector<float> y0((size_t)n * r0), y1((size_t)n * r1), y2((size_t)n * r2 + 1);
         auto rb = [](const std::vector<unsigned char>& w, int r) { return r ? (long long)(w.size() / r) : 0LL; };
         int tiles = (n + MM_TOKENS - 1) / MM_TOKENS;
-        unsigned b = (unsigned)((r0 + r1 + r2) * tiles);
+        auto g = [&](int r) { return four ? (r + MR4_ROWS - 1) / MR4_ROWS : r; };
+        unsigned b = (unsigned)((g(r0) + g(r1) + g(r2)) * tiles);
+        auto f = four ? matmul_multi4 : matmul_multi;
         emu::launch(b, 8 * MR_GROUPS, [&] {
-            matmul_multi(kind, x.data(), n, k, w0.data(), y0.data(), r0, rb(w0, r0), w1.data(), y1.data(), r1,
-                         rb(w1, r1), w2.data(), y2.data(), r2, rb(w2, r2));
+            f(kind, x.data(), n, k, w0.data(), y0.data(), r0, rb(w0, r0), w1.data(), y1.data(), r1, rb(w1, r1),
+              w2.data(), y2.data(), r2, rb(w2, r2));
         });
         y2.resize((size_t)n * r2);
         write_array(y0);

@@ -294,6 +294,13 @@ pub struct Tuning {
     /// batch 64 19,565 / 19,501 against 19,076 / 19,232, batch 8 4,125 /
     /// 4,161 against 4,138 / 4,129.
     pub rope_qs: bool,
+    /// `LMRR_CUDA_MULTI4` (0/1): steps that take `matmul_multi` (q/k/v,
+    /// gate/up below [`Tuning::gemm_min`] tokens) take `matmul_multi4`
+    /// instead, `matmul_rows4`'s blocks of four rows (the same operations).
+    /// gpu_check on an H100 (2026-12-06) timed `matmul_rows4` alone on one
+    /// token of gate/up at 3.3 µs against `matmul_rows`' 4.4. Not yet
+    /// measured in a step: off.
+    pub multi4: bool,
 }
 
 impl Default for Tuning {
@@ -329,6 +336,7 @@ impl Default for Tuning {
             rows4_min: 32_768,
             rows4_tokens: 8,
             rope_qs: true,
+            multi4: false,
         }
     }
 }
@@ -382,6 +390,7 @@ impl Tuning {
             ("LMRR_CUDA_HEAD_DIRECT", &mut t.head_direct),
             ("LMRR_CUDA_SWIGLU4", &mut t.swiglu4),
             ("LMRR_CUDA_ROPE_QS", &mut t.rope_qs),
+            ("LMRR_CUDA_MULTI4", &mut t.multi4),
         ] {
             if let Some(v) = get(var) {
                 *slot = match v.trim() {
@@ -452,6 +461,7 @@ mod tuning_tests {
             ("LMRR_CUDA_ROWS4_MIN", "1000"),
             ("LMRR_CUDA_ROWS4_TOKENS", "1"),
             ("LMRR_CUDA_ROPE_QS", "0"),
+            ("LMRR_CUDA_MULTI4", "1"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -486,6 +496,7 @@ mod tuning_tests {
                 rows4_min: 1000,
                 rows4_tokens: 1,
                 rope_qs: false,
+                multi4: true,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
@@ -580,6 +591,7 @@ pub(crate) struct Kernels {
     matmul_rows_swiglu: Func,
     gate_up_swiglu: Func,
     matmul_multi: Func,
+    matmul_multi4: Func,
     matmul_chunk: Func,
     rope_kv: Func,
     rms_norm_warp: Func,
@@ -645,6 +657,7 @@ impl Kernels {
             matmul_rows_swiglu: f("matmul_rows_swiglu")?,
             gate_up_swiglu: f("gate_up_swiglu")?,
             matmul_multi: f("matmul_multi")?,
+            matmul_multi4: f("matmul_multi4")?,
             matmul_chunk: f("matmul_chunk")?,
             rope_kv: f("rope_kv")?,
             rms_norm_warp: f("rms_norm_warp")?,
@@ -1559,19 +1572,66 @@ impl Gpu {
             }
             return Ok(());
         }
+        // Four rows a block where the tuning asks and the rows fit it.
+        let four = self.res.tuning.multi4 && mats[0].0.cols.div_ceil(64) <= MR4_MAX_CHUNKS;
+        self.multi_rows_launch(x, n, mats, four)
+    }
+
+    /// One `matmul_multi` launch (`four`: `matmul_multi4`) over up to three
+    /// matrices of one storage and width, each of at most `MR_MAX_CHUNKS`
+    /// chunks a row (`MR4_MAX_CHUNKS` with `four`).
+    pub(crate) fn multi_rows_launch(
+        &self,
+        x: u64,
+        n: usize,
+        mats: &[(&DevMatrix, u64)],
+        four: bool,
+    ) -> Result<(), GpuError> {
+        let Some((w0, _)) = mats.first() else {
+            return Ok(());
+        };
+        let most = if four { MR4_MAX_CHUNKS } else { MR_MAX_CHUNKS };
+        let what = if four {
+            "matmul_multi4"
+        } else {
+            "matmul_multi"
+        };
+        width_fits(what, w0.cols, most)?;
+        if mats.len() > 3
+            || mats
+                .iter()
+                .any(|(w, _)| w.kind != w0.kind || w.cols != w0.cols)
+        {
+            return Err(GpuError::Shape {
+                what,
+                detail: format!("{} matrices (at most 3, one storage and width)", mats.len()),
+            });
+        }
+        if n == 0 {
+            return Ok(());
+        }
         let tiles = n.div_ceil(MM_TOKENS);
-        let blocks: usize = mats.iter().map(|(w, _)| w.rows * tiles).sum();
+        let per = if four { MR4_ROWS } else { 1 };
+        let blocks: usize = mats.iter().map(|(w, _)| w.rows.div_ceil(per) * tiles).sum();
         let (ni, ki) = (as_i32("matmul", n)?, as_i32("matmul", mats[0].0.cols)?);
         as_i32("matmul", n * mats[0].0.cols)?;
         let cfg = row_blocks(blocks)?;
         let [m0, m1, m2] = mat_slots(mats)?;
-        let mut b = self.kernel(&self.res.matmul_multi)?;
+        let f = if four {
+            &self.res.matmul_multi4
+        } else {
+            &self.res.matmul_multi
+        };
+        let mut b = self.kernel(f)?;
         b.arg(&mats[0].0.kind).arg(&x).arg(&ni).arg(&ki);
         for m in [&m0, &m1, &m2] {
             b.arg(&m.0).arg(&m.1).arg(&m.2).arg(&m.3);
         }
-        // SAFETY: matches `matmul_multi`; x holds n·cols floats, each y
-        // n·rows; an absent third matrix has 0 rows and gets no block.
+        // SAFETY: matches `matmul_multi` / `matmul_multi4` (the same
+        // arguments); x holds n·cols floats, each y n·rows; an absent third
+        // matrix has 0 rows and gets no block; matmul_multi4 only for rows
+        // of at most MR4_MAX_CHUNKS chunks, and it reads no row at or past
+        // a matrix's `rows`.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 

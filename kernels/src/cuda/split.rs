@@ -59,6 +59,9 @@ impl MmOut {
 pub enum MultiKernel {
     /// `matmul_multi` (a block per row; fewer tokens than the gemm's).
     Rows,
+    /// `matmul_multi4` (a block per four rows; as `Rows`), whatever the
+    /// tuning.
+    Rows4,
     /// `matmul_chunk` (a thread per row and chunk).
     Chunk,
     /// `matmul_gemm_multi`, every matrix whole.
@@ -214,6 +217,7 @@ impl Gpu {
                 }
                 self.mm_multi(dx.ptr(), n, &pairs, SplitScratch::NONE)?;
             }
+            MultiKernel::Rows4 => self.multi_rows_launch(dx.ptr(), n, &pairs, true)?,
             MultiKernel::Chunk => {
                 self.chunk_launch(dx.ptr(), n, None, super::resident::Fused::Store, &pairs)?
             }
