@@ -27,7 +27,9 @@
 # memory) at batches 1, 8 and 64.
 # `multi4`: q/k/v and gate/up four rows a block (LMRR_CUDA_MULTI4=1) at
 # batches 1 and 8, alone and with every matmul_rows matrix by matmul_rows4
-# (LMRR_CUDA_ROWS4_MIN=1 LMRR_CUDA_ROWS4_TOKENS=1: o, down and the head).
+# (LMRR_CUDA_ROWS4_MIN=1 LMRR_CUDA_ROWS4_TOKENS=1: o, down and the head),
+# and with o and down by matmul_rows4 but the head by matmul_rows
+# (LMRR_CUDA_ROWS4_MAX=32767).
 # `new` (built 2026-12-05e, measured 2026-12-05f: docs/PERFORMANCE.md): gate
 # and up with SwiGLU in one launch (LMRR_CUDA_GATE_UP_SWIGLU), the head's add
 # and norm in one launch (LMRR_CUDA_HEAD_DIRECT, since made the default),
@@ -75,6 +77,7 @@ fi
 if [ "$set" = multi4 ]; then
   ab "LMRR_CUDA_MULTI4=1" "q/k/v and gate/up four rows a block: batches 1, 8" --prompt-len 64 --batches 1,8
   ab "LMRR_CUDA_MULTI4=1 LMRR_CUDA_ROWS4_MIN=1 LMRR_CUDA_ROWS4_TOKENS=1" "every decode matmul four rows a block: batches 1, 8" --prompt-len 64 --batches 1,8
+  ab "LMRR_CUDA_MULTI4=1 LMRR_CUDA_ROWS4_MIN=1 LMRR_CUDA_ROWS4_TOKENS=1 LMRR_CUDA_ROWS4_MAX=32767" "every layer matmul four rows a block, the head by matmul_rows: batch 1" --prompt-len 64 --batches 1
   exit 0
 fi
 if [ "$set" = new ]; then

@@ -284,6 +284,13 @@ pub struct Tuning {
     /// `LMRR_CUDA_ROWS4_TOKENS` (default 8, one full token tile): the
     /// fewest tokens a step has for [`Tuning::rows4_min`] to apply.
     pub rows4_tokens: usize,
+    /// `LMRR_CUDA_ROWS4_MAX` (rows; default 0 = no maximum): matrices of
+    /// more rows than this keep `matmul_rows` whatever
+    /// [`Tuning::rows4_min`] says, so that the layers' matrices can take
+    /// `matmul_rows4` at a token count where the lm head does not
+    /// (`ROWS4_MIN=1 ROWS4_TOKENS=1 ROWS4_MAX=32767`: o and down of a
+    /// batch-1 step, the head by `matmul_rows`).
+    pub rows4_max: usize,
     /// `LMRR_CUDA_ROPE_QS` (0/1, default 1): where `attention_decode_rope`
     /// serves a step, `attention_decode_rope_qs` does: the rotated q head
     /// handed from the RoPE prologue to the attention in shared memory,
@@ -335,6 +342,7 @@ impl Default for Tuning {
             loads_first_min: 128,
             rows4_min: 32_768,
             rows4_tokens: 8,
+            rows4_max: 0,
             rope_qs: true,
             multi4: false,
         }
@@ -367,6 +375,7 @@ impl Tuning {
             ("LMRR_CUDA_LOADS_FIRST_MIN", &mut t.loads_first_min),
             ("LMRR_CUDA_ROWS4_MIN", &mut t.rows4_min),
             ("LMRR_CUDA_ROWS4_TOKENS", &mut t.rows4_tokens),
+            ("LMRR_CUDA_ROWS4_MAX", &mut t.rows4_max),
         ] {
             if let Some(v) = get(var) {
                 *slot = v.trim().parse().map_err(|_| {
@@ -460,6 +469,7 @@ mod tuning_tests {
             ("LMRR_CUDA_LOADS_FIRST_MIN", "1"),
             ("LMRR_CUDA_ROWS4_MIN", "1000"),
             ("LMRR_CUDA_ROWS4_TOKENS", "1"),
+            ("LMRR_CUDA_ROWS4_MAX", "50000"),
             ("LMRR_CUDA_ROPE_QS", "0"),
             ("LMRR_CUDA_MULTI4", "1"),
         ])
@@ -495,6 +505,7 @@ mod tuning_tests {
                 loads_first_min: 1,
                 rows4_min: 1000,
                 rows4_tokens: 1,
+                rows4_max: 50_000,
                 rope_qs: false,
                 multi4: true,
             }
@@ -1285,6 +1296,7 @@ impl Gpu {
         let chunks = w.cols.div_ceil(64);
         if tun.rows4_min > 0
             && w.rows >= tun.rows4_min
+            && (tun.rows4_max == 0 || w.rows <= tun.rows4_max)
             && n >= tun.rows4_tokens
             && chunks <= MR4_MAX_CHUNKS
         {
