@@ -9,6 +9,7 @@
 #   DEVICE_AB_SET=rows4 scripts/device-ab.sh .gpu  # matmul_rows4 (the head's default from 8 tokens since 2026-12-06)
 #   DEVICE_AB_SET=qs scripts/device-ab.sh .gpu     # attention_decode_rope_qs (the default since 2026-12-06)
 #   DEVICE_AB_SET=multi4 scripts/device-ab.sh .gpu # matmul_multi4 (built 2026-12-06, not yet measured)
+#   DEVICE_AB_SET=lb scripts/device-ab.sh .gpu     # launch bounds (LMRR_CUDA_LB_*, built 2026-12-06b)
 #   DEVICE_AB_SET=new scripts/device-ab.sh .gpu    # the four paths built on 2026-12-05e
 #   DEVICE_AB_SET=six scripts/device-ab.sh .gpu    # the six paths made defaults on 2026-12-05
 #
@@ -30,6 +31,11 @@
 # (LMRR_CUDA_ROWS4_MIN=1 LMRR_CUDA_ROWS4_TOKENS=1: o, down and the head),
 # and with o and down by matmul_rows4 but the head by matmul_rows
 # (LMRR_CUDA_ROWS4_MAX=32767).
+# `lb`: the decode attention kernels with launch bounds of 4 blocks an SM
+# and matmul_rows4 of 8 (LMRR_CUDA_LB_ATTN_DECODE=4 LMRR_CUDA_LB_ROWS4=8:
+# fewer registers, more blocks an SM) at batches 1, 8 and 64; then
+# attention_prefill_hd64 with 4 and with 3 in a 512-token prefill. Each
+# distinct module costs the driver's JIT once (about 50 s on an H100).
 # `new` (built 2026-12-05e, measured 2026-12-05f: docs/PERFORMANCE.md): gate
 # and up with SwiGLU in one launch (LMRR_CUDA_GATE_UP_SWIGLU), the head's add
 # and norm in one launch (LMRR_CUDA_HEAD_DIRECT, since made the default),
@@ -42,7 +48,7 @@ set -uo pipefail
 bin=${1:-.gpu}
 rounds=${DEVICE_AB_ROUNDS:-2}
 set=${DEVICE_AB_SET:-loads}
-case $set in loads|rows4|qs|multi4|new|six) ;; *) echo "DEVICE_AB_SET must be loads, rows4, qs, multi4, new or six, not '$set'"; exit 2 ;; esac
+case $set in loads|rows4|qs|multi4|lb|new|six) ;; *) echo "DEVICE_AB_SET must be loads, rows4, qs, multi4, lb, new or six, not '$set'"; exit 2 ;; esac
 tmp=$(mktemp -d)
 "$bin/lmrr" gen-model --preset small --dtype f32 --out "$tmp/small" >/dev/null || exit 1
 b() { "$bin/lmrr" bench --device cuda --model "$tmp/small" --speed-only --decode-steps 32 --repeats 5 "$@" 2>&1 | grep -E "^\| (prefill|decode)"; }
@@ -78,6 +84,12 @@ if [ "$set" = multi4 ]; then
   ab "LMRR_CUDA_MULTI4=1" "q/k/v and gate/up four rows a block: batches 1, 8" --prompt-len 64 --batches 1,8
   ab "LMRR_CUDA_MULTI4=1 LMRR_CUDA_ROWS4_MIN=1 LMRR_CUDA_ROWS4_TOKENS=1" "every decode matmul four rows a block: batches 1, 8" --prompt-len 64 --batches 1,8
   ab "LMRR_CUDA_MULTI4=1 LMRR_CUDA_ROWS4_MIN=1 LMRR_CUDA_ROWS4_TOKENS=1 LMRR_CUDA_ROWS4_MAX=32767" "every layer matmul four rows a block, the head by matmul_rows: batch 1" --prompt-len 64 --batches 1
+  exit 0
+fi
+if [ "$set" = lb ]; then
+  ab "LMRR_CUDA_LB_ATTN_DECODE=4 LMRR_CUDA_LB_ROWS4=8" "decode attention at 4 blocks an SM, matmul_rows4 at 8: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
+  ab "LMRR_CUDA_LB_ATTN_PREFILL=4" "attention_prefill_hd64 at 4 blocks an SM: prefill of 512 tokens" --prompt-len 512 --batches 1
+  ab "LMRR_CUDA_LB_ATTN_PREFILL=3" "attention_prefill_hd64 at 3 blocks an SM: prefill of 512 tokens" --prompt-len 512 --batches 1
   exit 0
 fi
 if [ "$set" = new ]; then

@@ -51,6 +51,30 @@
     } while (0)
 #endif
 
+// Occupancy asked of the compiler (LMRR_CUDA_LB_*: the host defines
+// LB_ATTN_DECODE, LB_ATTN_PREFILL, LB_ROWS4 when its tuning sets them): the
+// least blocks an SM must hold of the decode attention kernels, of
+// attention_prefill_hd64, of matmul_rows4 and matmul_multi4, which caps
+// their registers a thread (ptxas -v, sm_90: 96, 82 and 75/94 registers
+// without, so two, two and six/five blocks an SM; with 4, 4 and 8: 64,
+// 64 and 59). Register allocation is not arithmetic: the same operations,
+// the same bits; unset, the kernels are compiled as before.
+#if defined(LB_ATTN_DECODE) && LB_ATTN_DECODE > 0
+#define ATTN_DECODE_BOUNDS __launch_bounds__(ATTN_THREADS, LB_ATTN_DECODE)
+#else
+#define ATTN_DECODE_BOUNDS
+#endif
+#if defined(LB_ATTN_PREFILL) && LB_ATTN_PREFILL > 0
+#define ATTN_PREFILL_BOUNDS __launch_bounds__(ATTN_THREADS, LB_ATTN_PREFILL)
+#else
+#define ATTN_PREFILL_BOUNDS __launch_bounds__(ATTN_THREADS)
+#endif
+#if defined(LB_ROWS4) && LB_ROWS4 > 0
+#define ROWS4_BOUNDS __launch_bounds__(MR_GROUPS * LANES, LB_ROWS4)
+#else
+#define ROWS4_BOUNDS
+#endif
+
 __device__ __forceinline__ float lane_tree(const float l[LANES]) {
     float t0 = l[0] + l[4], t1 = l[1] + l[5], t2 = l[2] + l[6], t3 = l[3] + l[7];
     float u0 = t0 + t2, u1 = t1 + t3;
@@ -682,7 +706,7 @@ __device__ __forceinline__ void mm_rows4_block(int kind, const float* x, const u
     }
 }
 
-extern "C" __global__ void matmul_rows4(int kind, const float* x, const unsigned char* w, float* y,
+extern "C" __global__ void ROWS4_BOUNDS matmul_rows4(int kind, const float* x, const unsigned char* w, float* y,
                                         int n, int rows, int k, long long row_bytes) {
     PDL_ENTRY_EARLY();
     int groups = (rows + MR4_ROWS - 1) / MR4_ROWS;
@@ -693,7 +717,7 @@ extern "C" __global__ void matmul_rows4(int kind, const float* x, const unsigned
 // matmul_multi with matmul_rows4's blocks (LMRR_CUDA_MULTI4): blocks
 // 0 .. ceil(rows0 / MR4_ROWS)·tiles are matrix 0's, then matrix 1's, then
 // matrix 2's; each output as matmul_rows computes it.
-extern "C" __global__ void matmul_multi4(int kind, const float* x, int n, int k,
+extern "C" __global__ void ROWS4_BOUNDS matmul_multi4(int kind, const float* x, int n, int k,
                                          const unsigned char* w0, float* y0, int rows0, long long rb0,
                                          const unsigned char* w1, float* y1, int rows1, long long rb1,
                                          const unsigned char* w2, float* y2, int rows2, long long rb2) {
@@ -1906,7 +1930,7 @@ extern "C" __global__ void attention_paged(const float* q, const unsigned long l
 // (small-batch decode): ATTN_BATCH positions per group at a time and each
 // tile's V values loaded before its chain, so a block has its loads in
 // flight together at the cost of registers. The same operations.
-extern "C" __global__ void attention_decode(const float* q, const unsigned long long* pages,
+extern "C" __global__ void ATTN_DECODE_BOUNDS attention_decode(const float* q, const unsigned long long* pages,
                                             const unsigned long long* seq_off,
                                             const unsigned long long* pos, float* out,
                                             int n_heads, int n_kv_heads, int head_dim, int layer,
@@ -1983,7 +2007,7 @@ __device__ __forceinline__ void decode_rope_prologue(float* q, const float* kraw
     __syncthreads();
 }
 
-extern "C" __global__ void attention_decode_rope(float* q, const float* kraw, float* kout, const float* v,
+extern "C" __global__ void ATTN_DECODE_BOUNDS attention_decode_rope(float* q, const float* kraw, float* kout, const float* v,
                                                  const float* cos_t, const float* sin_t,
                                                  const unsigned long long* pages, const unsigned long long* seq_off,
                                                  const unsigned long long* pos, const unsigned long long* dst,
@@ -2002,7 +2026,7 @@ extern "C" __global__ void attention_decode_rope(float* q, const float* kraw, fl
 // of q from global memory fewer; the same values in the same operations
 // (q is still rotated in place in global memory, as attention_decode_rope
 // leaves it).
-extern "C" __global__ void attention_decode_rope_qs(float* q, const float* kraw, float* kout, const float* v,
+extern "C" __global__ void ATTN_DECODE_BOUNDS attention_decode_rope_qs(float* q, const float* kraw, float* kout, const float* v,
                                                     const float* cos_t, const float* sin_t,
                                                     const unsigned long long* pages,
                                                     const unsigned long long* seq_off,
@@ -2484,7 +2508,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_prefill(
 }
 
 // attention_prefill for head_dim 64 (LMRR_CUDA_ATTN_PREFILL_HD64).
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_prefill_hd64(
+extern "C" __global__ void ATTN_PREFILL_BOUNDS attention_prefill_hd64(
     const float* q, const unsigned long long* pages, const unsigned long long* seq_off,
     const unsigned long long* pos, const unsigned long long* groups, float* out, int n_heads, int n_kv_heads,
     int head_dim, int layer, int page_len, int aux, float scale) {

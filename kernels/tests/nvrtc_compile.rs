@@ -169,6 +169,49 @@ fn kernels_cu_compiles_under_nvrtc() {
             "{name}: a load before the wait under ATTN_PREFETCH"
         );
     }
+    // The launch bounds of LMRR_CUDA_LB_* (resident_source defines them):
+    // the kernels they name ask for that many blocks an SM, and without
+    // them the decode attention and rows4 kernels carry no bounds at all.
+    let lb = lmrr_kernels::cuda::resident::Tuning {
+        lb_attn_decode: 4,
+        lb_attn_prefill: 3,
+        lb_rows4: 8,
+        ..Default::default()
+    };
+    let bounded = compile_for(
+        &lmrr_kernels::cuda::resident_source(SOURCE, &lb),
+        false,
+        Some("compute_90"),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let plain = compile_for(
+        &lmrr_kernels::cuda::resident_source(SOURCE, &Default::default()),
+        false,
+        Some("compute_90"),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    for (name, blocks) in [
+        ("attention_decode", 4),
+        ("attention_decode_rope", 4),
+        ("attention_decode_rope_qs", 4),
+        ("attention_prefill_hd64", 3),
+        ("matmul_rows4", 8),
+        ("matmul_multi4", 8),
+    ] {
+        let head = |ptx: &str| -> String {
+            let body = entry(ptx, name);
+            body.split('{').next().unwrap_or("").to_string()
+        };
+        assert!(
+            head(&bounded).contains(&format!(".minnctapersm {blocks}")),
+            "{name}: no .minnctapersm {blocks} under LB_*: {}",
+            head(&bounded)
+        );
+        assert!(
+            !head(&plain).contains(".minnctapersm"),
+            "{name}: launch bounds without LB_*"
+        );
+    }
     // Each negative control's source compiles too (else gpu_check's control
     // would fail to open, not prove anything).
     let controls = negative_controls().unwrap_or_else(|e| panic!("{e}"));

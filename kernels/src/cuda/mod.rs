@@ -106,12 +106,26 @@ pub fn compile_many(items: &[(&str, bool)], threads: usize) -> Vec<Result<String
 /// [`resident::Tuning::pdl_prefetch`], and `ATTN_PREFETCH` too with
 /// [`resident::Tuning::attn_prefetch`] (`attention_decode` loading the
 /// inputs and the K/V rows of earlier steps before its wait).
+/// The launch bounds of [`resident::Tuning::lb_attn_decode`],
+/// `lb_attn_prefill` and `lb_rows4` are defined where set (`LB_ATTN_DECODE`,
+/// `LB_ATTN_PREFILL`, `LB_ROWS4`).
 pub fn resident_source(source: &str, tuning: &resident::Tuning) -> String {
-    match (tuning.pdl_prefetch, tuning.attn_prefetch) {
+    let mut defs = String::new();
+    for (name, blocks) in [
+        ("LB_ATTN_DECODE", tuning.lb_attn_decode),
+        ("LB_ATTN_PREFILL", tuning.lb_attn_prefill),
+        ("LB_ROWS4", tuning.lb_rows4),
+    ] {
+        if blocks > 0 {
+            defs += &format!("#define {name} {blocks}\n");
+        }
+    }
+    let body = match (tuning.pdl_prefetch, tuning.attn_prefetch) {
         (true, true) => format!("#define ATTN_PREFETCH 1\n{}", prefetch_source(source)),
         (true, false) => prefetch_source(source),
         _ => source.to_string(),
-    }
+    };
+    defs + &body
 }
 
 /// Why the device path is unavailable or failed.

@@ -308,6 +308,23 @@ pub struct Tuning {
     /// token of gate/up at 3.3 µs against `matmul_rows`' 4.4. Not yet
     /// measured in a step: off.
     pub multi4: bool,
+    /// `LMRR_CUDA_LB_ATTN_DECODE` (blocks; default 0 = none): the decode
+    /// attention kernels (`attention_decode`, `_rope`, `_rope_qs`)
+    /// compiled with launch bounds asking for this many blocks an SM, which
+    /// caps their registers (kernels.cu's `ATTN_DECODE_BOUNDS`; ptxas for
+    /// sm_90: 96 registers without, two blocks an SM; 64 with 4, no
+    /// spills). Register allocation only: the same operations. With
+    /// [`Tuning::pdl`] (the resident module compiled for sm_90).
+    pub lb_attn_decode: usize,
+    /// `LMRR_CUDA_LB_ATTN_PREFILL` (blocks; default 0 = none):
+    /// `attention_prefill_hd64` likewise (82 registers, two blocks an SM,
+    /// without: 288 blocks of a 512-token prefill do not fit one wave on
+    /// 132 SMs; 80 with 3, 64 with 4, each with a few spilled bytes).
+    pub lb_attn_prefill: usize,
+    /// `LMRR_CUDA_LB_ROWS4` (blocks; default 0 = none): `matmul_rows4` and
+    /// `matmul_multi4` likewise (75 and 94 registers without, six and five
+    /// blocks an SM; 59 and 56 with 8, no spills).
+    pub lb_rows4: usize,
 }
 
 impl Default for Tuning {
@@ -345,6 +362,9 @@ impl Default for Tuning {
             rows4_max: 0,
             rope_qs: true,
             multi4: false,
+            lb_attn_decode: 0,
+            lb_attn_prefill: 0,
+            lb_rows4: 0,
         }
     }
 }
@@ -376,6 +396,9 @@ impl Tuning {
             ("LMRR_CUDA_ROWS4_MIN", &mut t.rows4_min),
             ("LMRR_CUDA_ROWS4_TOKENS", &mut t.rows4_tokens),
             ("LMRR_CUDA_ROWS4_MAX", &mut t.rows4_max),
+            ("LMRR_CUDA_LB_ATTN_DECODE", &mut t.lb_attn_decode),
+            ("LMRR_CUDA_LB_ATTN_PREFILL", &mut t.lb_attn_prefill),
+            ("LMRR_CUDA_LB_ROWS4", &mut t.lb_rows4),
         ] {
             if let Some(v) = get(var) {
                 *slot = v.trim().parse().map_err(|_| {
@@ -422,6 +445,11 @@ impl Tuning {
         t.attn_prefill_group = t.attn_prefill_group.clamp(1, PF_TQ);
         // matmul_chunk's blocks are at most MC_MAX_THREADS threads.
         t.chunk_threads = t.chunk_threads.clamp(32, MC_MAX_THREADS);
+        // Blocks an SM: at most 2,048 threads (8 of attention's 256, 16 of
+        // matmul_rows4's 128) or 32 blocks on any device so far.
+        t.lb_attn_decode = t.lb_attn_decode.min(8);
+        t.lb_attn_prefill = t.lb_attn_prefill.min(8);
+        t.lb_rows4 = t.lb_rows4.min(16);
         Ok(t)
     }
 }
@@ -470,6 +498,9 @@ mod tuning_tests {
             ("LMRR_CUDA_ROWS4_MIN", "1000"),
             ("LMRR_CUDA_ROWS4_TOKENS", "1"),
             ("LMRR_CUDA_ROWS4_MAX", "50000"),
+            ("LMRR_CUDA_LB_ATTN_DECODE", "4"),
+            ("LMRR_CUDA_LB_ATTN_PREFILL", "3"),
+            ("LMRR_CUDA_LB_ROWS4", "99"),
             ("LMRR_CUDA_ROPE_QS", "0"),
             ("LMRR_CUDA_MULTI4", "1"),
         ])
@@ -508,6 +539,9 @@ mod tuning_tests {
                 rows4_max: 50_000,
                 rope_qs: false,
                 multi4: true,
+                lb_attn_decode: 4,
+                lb_attn_prefill: 3,
+                lb_rows4: 16,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
