@@ -31,9 +31,11 @@
 # (LMRR_CUDA_ROWS4_MIN=1 LMRR_CUDA_ROWS4_TOKENS=1: o, down and the head),
 # and with o and down by matmul_rows4 but the head by matmul_rows
 # (LMRR_CUDA_ROWS4_MAX=32767).
-# `lb`: the decode attention kernels with launch bounds of 4 blocks an SM
-# and matmul_rows4 of 8 (LMRR_CUDA_LB_ATTN_DECODE=4 LMRR_CUDA_LB_ROWS4=8:
-# fewer registers, more blocks an SM) at batches 1, 8 and 64; then
+# `lb`: the decode attention kernels with launch bounds of 4 blocks an SM,
+# matmul_rows4 of 8 and matmul_multi of 16 (LMRR_CUDA_LB_ATTN_DECODE=4
+# LMRR_CUDA_LB_ROWS4=8 LMRR_CUDA_LB_MULTI=16: fewer registers, more blocks
+# an SM) at batches 1, 8 and 64; decode attention's step inputs loaded
+# before the PDL wait (LMRR_CUDA_ATTN_EARLY=1) at the same batches; then
 # attention_prefill_hd64 with 4 and with 3 in a 512-token prefill. Each
 # distinct module costs the driver's JIT once (about 50 s on an H100).
 # `new` (built 2026-12-05e, measured 2026-12-05f: docs/PERFORMANCE.md): gate
@@ -87,7 +89,8 @@ if [ "$set" = multi4 ]; then
   exit 0
 fi
 if [ "$set" = lb ]; then
-  ab "LMRR_CUDA_LB_ATTN_DECODE=4 LMRR_CUDA_LB_ROWS4=8" "decode attention at 4 blocks an SM, matmul_rows4 at 8: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
+  ab "LMRR_CUDA_LB_ATTN_DECODE=4 LMRR_CUDA_LB_ROWS4=8 LMRR_CUDA_LB_MULTI=16" "decode attention at 4 blocks an SM, matmul_rows4 at 8, matmul_multi at 16: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
+  ab "LMRR_CUDA_ATTN_EARLY=1" "decode attention's step inputs before the PDL wait: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
   ab "LMRR_CUDA_LB_ATTN_PREFILL=4" "attention_prefill_hd64 at 4 blocks an SM: prefill of 512 tokens" --prompt-len 512 --batches 1
   ab "LMRR_CUDA_LB_ATTN_PREFILL=3" "attention_prefill_hd64 at 3 blocks an SM: prefill of 512 tokens" --prompt-len 512 --batches 1
   exit 0

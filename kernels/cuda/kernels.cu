@@ -54,11 +54,12 @@
 // Occupancy asked of the compiler (LMRR_CUDA_LB_*: the host defines
 // LB_ATTN_DECODE, LB_ATTN_PREFILL, LB_ROWS4 when its tuning sets them): the
 // least blocks an SM must hold of the decode attention kernels, of
-// attention_prefill_hd64, of matmul_rows4 and matmul_multi4, which caps
-// their registers a thread (ptxas -v, sm_90: 96, 82 and 75/94 registers
-// without, so two, two and six/five blocks an SM; with 4, 4 and 8: 64,
-// 64 and 59). Register allocation is not arithmetic: the same operations,
-// the same bits; unset, the kernels are compiled as before.
+// attention_prefill_hd64, of matmul_rows4 and matmul_multi4, and
+// (LB_MULTI) of matmul_multi, which caps their registers a thread (ptxas
+// -v, sm_90: 96, 82, 75/94 and 40 registers without, so two, two, six/five
+// and twelve blocks an SM; with 4, 4, 8 and 16: 64, 64, 59/56 and 32).
+// Register allocation is not arithmetic: the same operations, the same
+// bits; unset, the kernels are compiled as before.
 #if defined(LB_ATTN_DECODE) && LB_ATTN_DECODE > 0
 #define ATTN_DECODE_BOUNDS __launch_bounds__(ATTN_THREADS, LB_ATTN_DECODE)
 #else
@@ -68,6 +69,11 @@
 #define ATTN_PREFILL_BOUNDS __launch_bounds__(ATTN_THREADS, LB_ATTN_PREFILL)
 #else
 #define ATTN_PREFILL_BOUNDS __launch_bounds__(ATTN_THREADS)
+#endif
+#if defined(LB_MULTI) && LB_MULTI > 0
+#define MULTI_BOUNDS __launch_bounds__(MR_GROUPS * LANES, LB_MULTI)
+#else
+#define MULTI_BOUNDS
 #endif
 #if defined(LB_ROWS4) && LB_ROWS4 > 0
 #define ROWS4_BOUNDS __launch_bounds__(MR_GROUPS * LANES, LB_ROWS4)
@@ -750,7 +756,7 @@ extern "C" __global__ void matmul_rows_swiglu(int kind, const float* g, const fl
 // Up to three matmuls of one input in one launch (q, k, v; gate, up): blocks
 // 0 .. rows0·tiles are matrix 0's, then matrix 1's, then matrix 2's; each
 // output as matmul_rows computes it.
-extern "C" __global__ void matmul_multi(int kind, const float* x, int n, int k,
+extern "C" __global__ void MULTI_BOUNDS matmul_multi(int kind, const float* x, int n, int k,
                                         const unsigned char* w0, float* y0, int rows0, long long rb0,
                                         const unsigned char* w1, float* y1, int rows1, long long rb1,
                                         const unsigned char* w2, float* y2, int rows2, long long rb2) {
@@ -1713,6 +1719,21 @@ extern "C" __global__ void rope_kv(float* q, float* k, float* v, const float* qp
 // writes now) — for the first batch of scores (chunk 0) and the first V
 // tile pass; rows of this step's positions, q and everything else are read
 // after the wait. The values are the same ones, so the arithmetic is.
+// The step's inputs of one decode-rope block (ATTN_EARLY, LMRR_CUDA_ATTN_EARLY):
+// its position, page slot and page, its sequence's page-list offset, the
+// cos/sin pair of its thread's rotation index (thread i < half rotates q's
+// element pair i, thread 128 + i k's), and the pages of the first batch of
+// K rows its group reads (positions u·32 + group, u < ATTN_BATCH). The host
+// uploads these before a step's first kernel and no kernel writes them (the
+// RoPE tables never change), so they may be loaded before the PDL wait: the
+// same values, two or three dependent round trips off the chain after it.
+struct DecodeIn {
+    int pos, slot;
+    unsigned long long dst, so;
+    float c, sn;
+    unsigned long long pg[4];
+};
+
 // q's head for attention_body, at file scope so that a prologue can leave
 // it there (attention_decode_rope_qs) rather than in global memory for the
 // body to load again.
@@ -1720,12 +1741,16 @@ __shared__ float attn_qs[MAX_HEAD_DIM];
 
 // QS: the caller has put q's head in attn_qs and passed a barrier since
 // (decode_rope_prologue<true>), so the body neither loads it nor waits.
-template <int BATCH, bool VPRE, bool PRE = false, bool QS = false>
+// EARLY: `ein` holds the block's inputs, loaded before the PDL wait
+// (DecodeIn); its first batch of K rows takes its pages from there.
+template <int BATCH, bool VPRE, bool PRE = false, bool QS = false, bool EARLY = false>
 __device__ __forceinline__ void attention_body(const float* q, const unsigned long long* pages,
                                                const unsigned long long* seq_off,
                                                const unsigned long long* pos, float* out,
                                                int n_heads, int n_kv_heads, int head_dim, int layer,
-                                               int page_len, int aux, float scale) {
+                                               int page_len, int aux, float scale,
+                                               const DecodeIn* ein = nullptr) {
+    static_assert(!EARLY || BATCH <= 4, "DecodeIn holds four pages of a first batch");
     int t = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
     int tid = threadIdx.x;
     int hd = head_dim, kvd = n_kv_heads * head_dim, qd = n_heads * head_dim;
@@ -1778,8 +1803,8 @@ __device__ __forceinline__ void attention_body(const float* q, const unsigned lo
         for (int d = tid; d < hd; d += ATTN_THREADS) qs[d] = q[(long long)t * qd + h * hd + d];
         __syncthreads();
     }
-    const unsigned long long* pt = pages + seq_off[t];
-    int p_end = (int)pos[t];
+    const unsigned long long* pt = pages + (EARLY ? ein->so : seq_off[t]);
+    int p_end = EARLY ? ein->pos : (int)pos[t];
     float m = __int_as_float(0xff800000);  // -inf
     float l = 0.0f;
     float acc = 0.0f;  // dimension tid (tid < hd; MAX_HEAD_DIM == ATTN_THREADS)
@@ -1799,8 +1824,9 @@ __device__ __forceinline__ void attention_body(const float* q, const unsigned lo
             for (int u = 0; u < BATCH; ++u) {
                 int jj = jb + u * 32 + grp;
                 int j = base + jj;
-                kr[u] = jj < npos ? kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 0) + kvh * hd
-                                  : qs;
+                // EARLY: the first batch's pages came before the wait.
+                unsigned long long pg = jj < npos ? (EARLY && base == 0 && jb == 0 ? ein->pg[u] : pt[j / page_len]) : 0;
+                kr[u] = jj < npos ? kv_row(pg, layer, page_len, kvd, aux, j % page_len, 0) + kvh * hd : qs;
                 total[u] = 0.0f;
             }
             for (int c = 0; c < chunks; ++c) {
@@ -1964,24 +1990,29 @@ extern "C" __global__ void ATTN_DECODE_BOUNDS attention_decode(const float* q, c
 // prologue of attention_decode_rope and attention_decode_rope_hd64. QS
 // (attention_decode_rope_qs): the rotated q head also into attn_qs, which
 // the barrier hands to attention_body<.., QS = true> (no reload of q).
-template <bool QS = false>
+// EARLY (ATTN_EARLY): the block's inputs come in `ein` (DecodeIn), loaded
+// before the PDL wait, not from pos, dst, slot and the tables.
+template <bool QS = false, bool EARLY = false>
 __device__ __forceinline__ void decode_rope_prologue(float* q, const float* kraw, float* kout, const float* v,
                                                      const float* cos_t, const float* sin_t,
                                                      const unsigned long long* pos, const unsigned long long* dst,
                                                      const unsigned long long* slot, int n_heads, int n_kv_heads,
-                                                     int head_dim, int layer, int page_len, int aux) {
+                                                     int head_dim, int layer, int page_len, int aux,
+                                                     const DecodeIn* ein = nullptr) {
     int t = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
     int tid = threadIdx.x;
     int hd = head_dim, half = head_dim / 2, kvd = n_kv_heads * head_dim, qd = n_heads * head_dim;
     int group = n_heads / n_kv_heads, kvh = h / group;
-    const float* c = cos_t + (long long)pos[t] * half;
-    const float* sn = sin_t + (long long)pos[t] * half;
-    int s = (int)slot[t];
+    const float* c = cos_t + (long long)(EARLY ? 0 : pos[t]) * half;
+    const float* sn = sin_t + (long long)(EARLY ? 0 : pos[t]) * half;
+    int s = EARLY ? ein->slot : (int)slot[t];
+    unsigned long long dpage = EARLY ? ein->dst : dst[t];
     if (tid < half) {
         float* qr = q + (long long)t * qd + h * hd;
         float a = qr[tid], b = qr[tid + half];
-        float lo = a * c[tid] - b * sn[tid];
-        float hi = b * c[tid] + a * sn[tid];
+        float ci = EARLY ? ein->c : c[tid], si = EARLY ? ein->sn : sn[tid];
+        float lo = a * ci - b * si;
+        float hi = b * ci + a * si;
         qr[tid] = lo;
         qr[tid + half] = hi;
         if (QS) {
@@ -1993,9 +2024,10 @@ __device__ __forceinline__ void decode_rope_prologue(float* q, const float* kraw
         int i = tid - 128;
         long long at = (long long)t * kvd + kvh * hd + i;
         float a = kraw[at], b = kraw[at + half];
-        float lo = a * c[i] - b * sn[i];
-        float hi = b * c[i] + a * sn[i];
-        float* kr = kv_row(dst[t], layer, page_len, kvd, aux, s, 0) + kvh * hd;
+        float ci = EARLY ? ein->c : c[i], si = EARLY ? ein->sn : sn[i];
+        float lo = a * ci - b * si;
+        float hi = b * ci + a * si;
+        float* kr = kv_row(dpage, layer, page_len, kvd, aux, s, 0) + kvh * hd;
         kr[i] = lo;
         kr[i + half] = hi;
         if (h % group == 0) {
@@ -2003,8 +2035,33 @@ __device__ __forceinline__ void decode_rope_prologue(float* q, const float* kraw
             kout[at + half] = hi;
         }
     }
-    if (tid < hd) kv_row(dst[t], layer, page_len, kvd, aux, s, 1)[kvh * hd + tid] = v[(long long)t * kvd + kvh * hd + tid];
+    if (tid < hd) kv_row(dpage, layer, page_len, kvd, aux, s, 1)[kvh * hd + tid] = v[(long long)t * kvd + kvh * hd + tid];
     __syncthreads();
+}
+
+// DecodeIn of this block and thread: what decode_rope_prologue and
+// attention_body<.., EARLY> read of the step's inputs, loaded at once.
+__device__ __forceinline__ DecodeIn decode_inputs(const float* cos_t, const float* sin_t,
+                                                  const unsigned long long* pages,
+                                                  const unsigned long long* seq_off,
+                                                  const unsigned long long* pos, const unsigned long long* dst,
+                                                  const unsigned long long* slot, int n_heads, int head_dim,
+                                                  int page_len) {
+    int t = blockIdx.x / n_heads, tid = threadIdx.x, half = head_dim / 2;
+    DecodeIn in;
+    in.pos = (int)pos[t];
+    in.slot = (int)slot[t];
+    in.dst = dst[t];
+    in.so = seq_off[t];
+    int i = tid < 128 ? tid : tid - 128;
+    in.c = i < half ? cos_t[(long long)in.pos * half + i] : 0.0f;
+    in.sn = i < half ? sin_t[(long long)in.pos * half + i] : 0.0f;
+    #pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        int j = u * 32 + (tid >> 3);
+        in.pg[u] = j <= in.pos ? pages[in.so + j / page_len] : 0ull;
+    }
+    return in;
 }
 
 extern "C" __global__ void ATTN_DECODE_BOUNDS attention_decode_rope(float* q, const float* kraw, float* kout, const float* v,
@@ -2034,11 +2091,21 @@ extern "C" __global__ void ATTN_DECODE_BOUNDS attention_decode_rope_qs(float* q,
                                                     const unsigned long long* slot, float* out, int n_heads,
                                                     int n_kv_heads, int head_dim, int layer, int page_len, int aux,
                                                     float scale) {
+#if defined(ATTN_EARLY)
+    // The step's inputs before the wait (LMRR_CUDA_ATTN_EARLY): DecodeIn.
+    DecodeIn in = decode_inputs(cos_t, sin_t, pages, seq_off, pos, dst, slot, n_heads, head_dim, page_len);
+    PDL_ENTRY();
+    decode_rope_prologue<true, true>(q, kraw, kout, v, cos_t, sin_t, pos, dst, slot, n_heads, n_kv_heads, head_dim,
+                                     layer, page_len, aux, &in);
+    attention_body<ATTN_BATCH, true, false, true, true>(q, pages, seq_off, pos, out, n_heads, n_kv_heads, head_dim,
+                                                        layer, page_len, aux, scale, &in);
+#else
     PDL_ENTRY();
     decode_rope_prologue<true>(q, kraw, kout, v, cos_t, sin_t, pos, dst, slot, n_heads, n_kv_heads, head_dim,
                                layer, page_len, aux);
     attention_body<ATTN_BATCH, true, false, true>(q, pages, seq_off, pos, out, n_heads, n_kv_heads, head_dim, layer,
                                                   page_len, aux, scale);
+#endif
 }
 
 // Decode attention for head_dim 64 (LMRR_CUDA_ATTN_DECODE_HD64): the same

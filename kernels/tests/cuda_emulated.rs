@@ -817,6 +817,23 @@ fn emulator_prefetch() -> Option<&'static PathBuf> {
     .as_ref()
 }
 
+/// The emulation of kernels.cu as the resident module is compiled with
+/// `ATTN_EARLY` (LMRR_CUDA_ATTN_EARLY): `attention_decode_rope_qs` taking
+/// its step inputs from the loads made before the wait (`DecodeIn`).
+fn emulator_early() -> Option<&'static PathBuf> {
+    static BIN: OnceLock<Option<PathBuf>> = OnceLock::new();
+    BIN.get_or_init(|| {
+        have_gxx().then(|| {
+            let src = format!(
+                "#define ATTN_EARLY 1\n{}",
+                lmrr_kernels::cuda_source::prefetch_source(lmrr_kernels::cuda_source::SOURCE)
+            );
+            build("cuda_emu_early", &src, false)
+        })
+    })
+    .as_ref()
+}
+
 /// The tests above can fail: every negative control that breaks one of the
 /// kernels they run (its source built and run the same way) gives other bits
 /// on a small case of that kernel. Contraction (`fmad=true` on the device)
@@ -1408,11 +1425,15 @@ fn attention_decode_rope_matches_rope_kv_then_attention_decode() {
     for &(nh, nkv, hd, page_len, positions) in cases {
         let (line, arrays) = decode_rope_inputs(&mut r, nh, nkv, hd, page_len, positions);
         let refs: Vec<&[u8]> = arrays.iter().map(|a| a.as_slice()).collect();
-        {
-            let Some(bin) = emulator() else { return };
+        // The module as compiled by default, then with ATTN_EARLY (the
+        // step's inputs loaded before the wait); each form against the
+        // separate kernels of its own build.
+        for (build_name, bin) in [("default", emulator()), ("ATTN_EARLY", emulator_early())] {
+            let Some(bin) = bin else { return };
             let out = job_on(bin, &line, &refs);
-            let what =
-                format!("{nh}/{nkv} heads × {hd}, pages of {page_len}, positions {positions:?}");
+            let what = format!(
+                "{build_name}: {nh}/{nkv} heads × {hd}, pages of {page_len}, positions {positions:?}"
+            );
             let separate = floats(&out[0]);
             assert!(
                 separate.iter().all(|x| x.is_finite()),

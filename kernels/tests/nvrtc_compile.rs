@@ -176,6 +176,7 @@ fn kernels_cu_compiles_under_nvrtc() {
         lb_attn_decode: 4,
         lb_attn_prefill: 3,
         lb_rows4: 8,
+        lb_multi: 16,
         ..Default::default()
     };
     let bounded = compile_for(
@@ -197,6 +198,7 @@ fn kernels_cu_compiles_under_nvrtc() {
         ("attention_prefill_hd64", 3),
         ("matmul_rows4", 8),
         ("matmul_multi4", 8),
+        ("matmul_multi", 16),
     ] {
         let head = |ptx: &str| -> String {
             let body = entry(ptx, name);
@@ -210,6 +212,32 @@ fn kernels_cu_compiles_under_nvrtc() {
         assert!(
             !head(&plain).contains(".minnctapersm"),
             "{name}: launch bounds without LB_*"
+        );
+    }
+    // ATTN_EARLY (LMRR_CUDA_ATTN_EARLY): attention_decode_rope_qs loads the
+    // step's inputs before its wait; without it, nothing before the wait.
+    let early = compile_for(
+        &lmrr_kernels::cuda::resident_source(
+            SOURCE,
+            &lmrr_kernels::cuda::resident::Tuning {
+                attn_early: true,
+                ..Default::default()
+            },
+        ),
+        false,
+        Some("compute_90"),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    for (ptx, before) in [(&early, true), (&plain, false)] {
+        let body = entry(ptx, "attention_decode_rope_qs");
+        let (wait, load) = (
+            body.find("griddepcontrol.wait").expect("a wait"),
+            body.find("ld.global").expect("a load"),
+        );
+        assert_eq!(
+            load < wait,
+            before,
+            "attention_decode_rope_qs: a load before the wait with ATTN_EARLY {before}"
         );
     }
     // Each negative control's source compiles too (else gpu_check's control

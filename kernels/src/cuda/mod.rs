@@ -107,18 +107,23 @@ pub fn compile_many(items: &[(&str, bool)], threads: usize) -> Vec<Result<String
 /// [`resident::Tuning::attn_prefetch`] (`attention_decode` loading the
 /// inputs and the K/V rows of earlier steps before its wait).
 /// The launch bounds of [`resident::Tuning::lb_attn_decode`],
-/// `lb_attn_prefill` and `lb_rows4` are defined where set (`LB_ATTN_DECODE`,
-/// `LB_ATTN_PREFILL`, `LB_ROWS4`).
+/// `lb_attn_prefill`, `lb_rows4` and `lb_multi` are defined where set
+/// (`LB_ATTN_DECODE`, `LB_ATTN_PREFILL`, `LB_ROWS4`, `LB_MULTI`), and `ATTN_EARLY` with
+/// [`resident::Tuning::attn_early`].
 pub fn resident_source(source: &str, tuning: &resident::Tuning) -> String {
     let mut defs = String::new();
     for (name, blocks) in [
         ("LB_ATTN_DECODE", tuning.lb_attn_decode),
         ("LB_ATTN_PREFILL", tuning.lb_attn_prefill),
         ("LB_ROWS4", tuning.lb_rows4),
+        ("LB_MULTI", tuning.lb_multi),
     ] {
         if blocks > 0 {
             defs += &format!("#define {name} {blocks}\n");
         }
+    }
+    if tuning.attn_early {
+        defs += "#define ATTN_EARLY 1\n";
     }
     let body = match (tuning.pdl_prefetch, tuning.attn_prefetch) {
         (true, true) => format!("#define ATTN_PREFETCH 1\n{}", prefetch_source(source)),

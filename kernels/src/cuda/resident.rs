@@ -325,6 +325,19 @@ pub struct Tuning {
     /// `matmul_multi4` likewise (75 and 94 registers without, six and five
     /// blocks an SM; 59 and 56 with 8, no spills).
     pub lb_rows4: usize,
+    /// `LMRR_CUDA_LB_MULTI` (blocks; default 0 = none): `matmul_multi`
+    /// likewise (40 registers without, twelve blocks an SM, so a batch-1
+    /// gate/up's 3,072 blocks take two rounds of 132 × 12 slots; 32 with
+    /// 16, no spills).
+    pub lb_multi: usize,
+    /// `LMRR_CUDA_ATTN_EARLY` (0/1, default 0): `attention_decode_rope_qs`
+    /// compiled with `ATTN_EARLY`: each block loads the step's inputs it
+    /// reads (position, page slot and page, its page list, its cos/sin pair,
+    /// the pages of its first K rows: kernels.cu's `DecodeIn`) before the
+    /// PDL wait, so that after it only q/k/v and the K/V rows are loaded.
+    /// The host uploads those inputs before the step and no kernel writes
+    /// them: the same values. With [`Tuning::pdl`].
+    pub attn_early: bool,
 }
 
 impl Default for Tuning {
@@ -365,6 +378,8 @@ impl Default for Tuning {
             lb_attn_decode: 0,
             lb_attn_prefill: 0,
             lb_rows4: 0,
+            lb_multi: 0,
+            attn_early: false,
         }
     }
 }
@@ -399,6 +414,7 @@ impl Tuning {
             ("LMRR_CUDA_LB_ATTN_DECODE", &mut t.lb_attn_decode),
             ("LMRR_CUDA_LB_ATTN_PREFILL", &mut t.lb_attn_prefill),
             ("LMRR_CUDA_LB_ROWS4", &mut t.lb_rows4),
+            ("LMRR_CUDA_LB_MULTI", &mut t.lb_multi),
         ] {
             if let Some(v) = get(var) {
                 *slot = v.trim().parse().map_err(|_| {
@@ -423,6 +439,7 @@ impl Tuning {
             ("LMRR_CUDA_SWIGLU4", &mut t.swiglu4),
             ("LMRR_CUDA_ROPE_QS", &mut t.rope_qs),
             ("LMRR_CUDA_MULTI4", &mut t.multi4),
+            ("LMRR_CUDA_ATTN_EARLY", &mut t.attn_early),
         ] {
             if let Some(v) = get(var) {
                 *slot = match v.trim() {
@@ -450,6 +467,7 @@ impl Tuning {
         t.lb_attn_decode = t.lb_attn_decode.min(8);
         t.lb_attn_prefill = t.lb_attn_prefill.min(8);
         t.lb_rows4 = t.lb_rows4.min(16);
+        t.lb_multi = t.lb_multi.min(16);
         Ok(t)
     }
 }
@@ -501,6 +519,8 @@ mod tuning_tests {
             ("LMRR_CUDA_LB_ATTN_DECODE", "4"),
             ("LMRR_CUDA_LB_ATTN_PREFILL", "3"),
             ("LMRR_CUDA_LB_ROWS4", "99"),
+            ("LMRR_CUDA_ATTN_EARLY", "1"),
+            ("LMRR_CUDA_LB_MULTI", "12"),
             ("LMRR_CUDA_ROPE_QS", "0"),
             ("LMRR_CUDA_MULTI4", "1"),
         ])
@@ -542,6 +562,8 @@ mod tuning_tests {
                 lb_attn_decode: 4,
                 lb_attn_prefill: 3,
                 lb_rows4: 16,
+                lb_multi: 12,
+                attn_early: true,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
