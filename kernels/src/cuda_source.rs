@@ -144,8 +144,8 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
         ),
         (
             "attention_decode_rope q's RoPE with sin's sign flipped",
-            "float lo = a * c[tid] - b * sn[tid];",
-            "float lo = a * c[tid] + b * sn[tid];",
+            "float ci = EARLY ? ein->c : c[tid], si = EARLY ? ein->sn : sn[tid];\n        float lo = a * ci - b * si;",
+            "float ci = EARLY ? ein->c : c[tid], si = EARLY ? ein->sn : sn[tid];\n        float lo = a * ci + b * si;",
         ),
         (
             "attention_decode_rope_qs q's halves swapped in shared memory",
@@ -216,4 +216,20 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
         });
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every control's target text is still in kernels.cu (else gpu_check
+    /// would stop at its first control on a device): checked without NVRTC
+    /// or a GPU, so that an edit of kernels.cu that moves a target fails here.
+    #[test]
+    fn every_control_finds_its_target() {
+        let controls = negative_controls().unwrap_or_else(|e| panic!("{e}"));
+        for c in &controls[1..] {
+            assert_ne!(c.source, SOURCE, "control `{}` changes nothing", c.label);
+        }
+    }
 }
