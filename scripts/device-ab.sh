@@ -9,7 +9,7 @@
 #   DEVICE_AB_SET=rows4 scripts/device-ab.sh .gpu  # matmul_rows4 (the head's default from 8 tokens since 2026-12-06)
 #   DEVICE_AB_SET=qs scripts/device-ab.sh .gpu     # attention_decode_rope_qs (the default since 2026-12-06)
 #   DEVICE_AB_SET=multi4 scripts/device-ab.sh .gpu # matmul_multi4 (built 2026-12-06, not yet measured)
-#   DEVICE_AB_SET=lb scripts/device-ab.sh .gpu     # launch bounds (LMRR_CUDA_LB_*, built 2026-12-06b)
+#   DEVICE_AB_SET=lb scripts/device-ab.sh .gpu     # launch bounds (LMRR_CUDA_LB_*), the early attention inputs (2026-12-06b)
 #   DEVICE_AB_SET=new scripts/device-ab.sh .gpu    # the four paths built on 2026-12-05e
 #   DEVICE_AB_SET=six scripts/device-ab.sh .gpu    # the six paths made defaults on 2026-12-05
 #
@@ -34,8 +34,10 @@
 # `lb`: the decode attention kernels with launch bounds of 4 blocks an SM,
 # matmul_rows4 of 8 and matmul_multi of 16 (LMRR_CUDA_LB_ATTN_DECODE=4
 # LMRR_CUDA_LB_ROWS4=8 LMRR_CUDA_LB_MULTI=16: fewer registers, more blocks
-# an SM) at batches 1, 8 and 64; decode attention's step inputs loaded
-# before the PDL wait (LMRR_CUDA_ATTN_EARLY=1) at the same batches; then
+# an SM) at batches 1, 8 and 64 (measured 2026-12-06b on an H200: slower
+# with the early inputs at batch 1, no gain at 64 or in prefill); decode
+# attention's step inputs loaded after the PDL wait (LMRR_CUDA_ATTN_EARLY=0,
+# the form before 2026-12-06b) at the same batches; then
 # attention_prefill_hd64 with 4 and with 3 in a 512-token prefill. Each
 # distinct module costs the driver's JIT once (about 50 s on an H100).
 # `new` (built 2026-12-05e, measured 2026-12-05f: docs/PERFORMANCE.md): gate
@@ -90,7 +92,7 @@ if [ "$set" = multi4 ]; then
 fi
 if [ "$set" = lb ]; then
   ab "LMRR_CUDA_LB_ATTN_DECODE=4 LMRR_CUDA_LB_ROWS4=8 LMRR_CUDA_LB_MULTI=16" "decode attention at 4 blocks an SM, matmul_rows4 at 8, matmul_multi at 16: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
-  ab "LMRR_CUDA_ATTN_EARLY=1" "decode attention's step inputs before the PDL wait: batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
+  ab "LMRR_CUDA_ATTN_EARLY=0" "decode attention's step inputs after the PDL wait (the form before 2026-12-06b): batches 1, 8, 64" --prompt-len 64 --batches 1,8,64
   ab "LMRR_CUDA_LB_ATTN_PREFILL=4" "attention_prefill_hd64 at 4 blocks an SM: prefill of 512 tokens" --prompt-len 512 --batches 1
   ab "LMRR_CUDA_LB_ATTN_PREFILL=3" "attention_prefill_hd64 at 3 blocks an SM: prefill of 512 tokens" --prompt-len 512 --batches 1
   exit 0

@@ -195,9 +195,9 @@ fi  # the core part
 # gate/up four rows a block (LMRR_CUDA_MULTI4), alone and with every
 # matmul_rows matrix by matmul_rows4 with graphs off; the kernels
 # compiled with launch bounds (LMRR_CUDA_LB_*: fewer registers, more blocks
-# an SM) and decode attention's step inputs loaded before the PDL wait
-# (LMRR_CUDA_ATTN_EARLY) with q/k/v and gate/up four rows a block; the
-# early inputs alone with graphs off.
+# an SM) with q/k/v and gate/up four rows a block; decode attention's step
+# inputs loaded after the PDL wait (LMRR_CUDA_ATTN_EARLY=0; the default
+# loads them before it), graphs on and off.
 tunings="LMRR_CUDA_FUSED_MAX=8;LMRR_CUDA_SWIGLU_MAX=8;LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=0"
 tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_WIDE_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=1000000"
 tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_PIPELINED=0;LMRR_CUDA_GEMM_MIN=1000000"
@@ -217,16 +217,16 @@ tunings+=";LMRR_CUDA_LOADS_FIRST_MIN=1;LMRR_CUDA_LOADS_FIRST_MIN=1 LMRR_CUDA_PDL
 tunings+=";LMRR_CUDA_ROWS4_MIN=1 LMRR_CUDA_ROWS4_TOKENS=1;LMRR_CUDA_ROWS4_MIN=1000 LMRR_CUDA_ROWS4_TOKENS=1 LMRR_CUDA_GRAPHS=0"
 tunings+=";LMRR_CUDA_ROPE_QS=0;LMRR_CUDA_ROPE_QS=0 LMRR_CUDA_GRAPHS=0"
 tunings+=";LMRR_CUDA_MULTI4=1;LMRR_CUDA_MULTI4=1 LMRR_CUDA_ROWS4_MIN=1 LMRR_CUDA_ROWS4_TOKENS=1 LMRR_CUDA_GRAPHS=0"
-tunings+=";LMRR_CUDA_LB_ATTN_DECODE=4 LMRR_CUDA_LB_ATTN_PREFILL=4 LMRR_CUDA_LB_ROWS4=8 LMRR_CUDA_LB_MULTI=16 LMRR_CUDA_ATTN_EARLY=1 LMRR_CUDA_MULTI4=1"
-tunings+=";LMRR_CUDA_ATTN_EARLY=1 LMRR_CUDA_GRAPHS=0"
+tunings+=";LMRR_CUDA_LB_ATTN_DECODE=4 LMRR_CUDA_LB_ATTN_PREFILL=4 LMRR_CUDA_LB_ROWS4=8 LMRR_CUDA_LB_MULTI=16 LMRR_CUDA_MULTI4=1"
+tunings+=";LMRR_CUDA_ATTN_EARLY=0;LMRR_CUDA_ATTN_EARLY=0 LMRR_CUDA_GRAPHS=0"
 tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_FOLD_SUMS=1;LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_WIDE_MIN=9 LMRR_CUDA_GEMM_MULTI=1 LMRR_CUDA_SPLIT_BLOCKS=1000000"
 IFS=';' read -r -a tuning_list <<<"${DEVICE_CHECK_TUNINGS:-$tunings}"
 [ "$part" = core ] && tuning_list=()
-# The kernels compiled with launch bounds and early inputs, each against the CPU or its
+# The kernels compiled with launch bounds, each against the CPU or its
 # reference as gpu_check checks the defaults (the launch bounds change the
 # module, not the negative controls' sources: those ran above).
 if [ "$part" != core ] && [ "${DEVICE_CHECK_GPU_CHECK:-1}" != 0 ]; then
-  lb="LMRR_CUDA_LB_ATTN_DECODE=4 LMRR_CUDA_LB_ATTN_PREFILL=4 LMRR_CUDA_LB_ROWS4=8 LMRR_CUDA_LB_MULTI=16 LMRR_CUDA_ATTN_EARLY=1"
+  lb="LMRR_CUDA_LB_ATTN_DECODE=4 LMRR_CUDA_LB_ATTN_PREFILL=4 LMRR_CUDA_LB_ROWS4=8 LMRR_CUDA_LB_MULTI=16"
   out=$(env $lb GPU_CHECK_CONTROLS=none "$bin/gpu_check" 2>&1); rc=$?
   printf '%-72s gpu_check: exit %s  %s\n' "$lb:" "$rc" "$(echo "$out" | grep -m1 -E 'cases bit-identical|FAIL')"
   [ $rc = 0 ] || fail=1

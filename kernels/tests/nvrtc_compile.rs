@@ -214,8 +214,9 @@ fn kernels_cu_compiles_under_nvrtc() {
             "{name}: launch bounds without LB_*"
         );
     }
-    // ATTN_EARLY (LMRR_CUDA_ATTN_EARLY): attention_decode_rope_qs loads the
-    // step's inputs before its wait; without it, nothing before the wait.
+    // ATTN_EARLY (LMRR_CUDA_ATTN_EARLY, the default): attention_decode_rope_qs
+    // loads the step's inputs before its wait; without it, nothing before
+    // the wait.
     let early = compile_for(
         &lmrr_kernels::cuda::resident_source(
             SOURCE,
@@ -228,7 +229,19 @@ fn kernels_cu_compiles_under_nvrtc() {
         Some("compute_90"),
     )
     .unwrap_or_else(|e| panic!("{e}"));
-    for (ptx, before) in [(&early, true), (&plain, false)] {
+    let late = compile_for(
+        &lmrr_kernels::cuda::resident_source(
+            SOURCE,
+            &lmrr_kernels::cuda::resident::Tuning {
+                attn_early: false,
+                ..Default::default()
+            },
+        ),
+        false,
+        Some("compute_90"),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    for (ptx, before) in [(&early, true), (&late, false)] {
         let body = entry(ptx, "attention_decode_rope_qs");
         let (wait, load) = (
             body.find("griddepcontrol.wait").expect("a wait"),

@@ -330,13 +330,19 @@ pub struct Tuning {
     /// gate/up's 3,072 blocks take two rounds of 132 × 12 slots; 32 with
     /// 16, no spills).
     pub lb_multi: usize,
-    /// `LMRR_CUDA_ATTN_EARLY` (0/1, default 0): `attention_decode_rope_qs`
+    /// `LMRR_CUDA_ATTN_EARLY` (0/1, default 1): `attention_decode_rope_qs`
     /// compiled with `ATTN_EARLY`: each block loads the step's inputs it
     /// reads (position, page slot and page, its page list, its cos/sin pair,
     /// the pages of its first K rows: kernels.cu's `DecodeIn`) before the
     /// PDL wait, so that after it only q/k/v and the K/V rows are loaded.
     /// The host uploads those inputs before the step and no kernel writes
-    /// them: the same values. With [`Tuning::pdl`].
+    /// them: the same values. With [`Tuning::pdl`]. Measured on an H200
+    /// (2026-12-06b, `docs/gpu-runs-2026-12-06b.txt`, alternating with the
+    /// form before in one call): batch 1 984.1 / 967.5 / 980.5 / 963.0 /
+    /// 981.3 against 817.5 / 810.0 / 819.9 / 803.2 / 807.4 tok/s (the step's
+    /// kernels 1.004–1.009 against 1.205–1.210 ms), batch 8 4,168–4,332
+    /// against 3,740–3,935, batch 64 unchanged (19,699 / 19,931 against
+    /// 19,674–20,098).
     pub attn_early: bool,
 }
 
@@ -379,7 +385,7 @@ impl Default for Tuning {
             lb_attn_prefill: 0,
             lb_rows4: 0,
             lb_multi: 0,
-            attn_early: false,
+            attn_early: true,
         }
     }
 }
@@ -519,7 +525,7 @@ mod tuning_tests {
             ("LMRR_CUDA_LB_ATTN_DECODE", "4"),
             ("LMRR_CUDA_LB_ATTN_PREFILL", "3"),
             ("LMRR_CUDA_LB_ROWS4", "99"),
-            ("LMRR_CUDA_ATTN_EARLY", "1"),
+            ("LMRR_CUDA_ATTN_EARLY", "0"),
             ("LMRR_CUDA_LB_MULTI", "12"),
             ("LMRR_CUDA_ROPE_QS", "0"),
             ("LMRR_CUDA_MULTI4", "1"),
@@ -563,7 +569,7 @@ mod tuning_tests {
                 lb_attn_prefill: 3,
                 lb_rows4: 16,
                 lb_multi: 12,
-                attn_early: true,
+                attn_early: false,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
