@@ -179,18 +179,17 @@ fn kernels_cu_compiles_under_nvrtc() {
         lb_multi: 16,
         ..Default::default()
     };
-    let bounded = compile_for(
-        &lmrr_kernels::cuda::resident_source(SOURCE, &lb),
-        false,
-        Some("compute_90"),
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
-    let plain = compile_for(
-        &lmrr_kernels::cuda::resident_source(SOURCE, &Default::default()),
-        false,
-        Some("compute_90"),
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
+    // The resident module's PTX under a tuning (resident_source's defines).
+    let resident = |t: &lmrr_kernels::cuda::resident::Tuning| {
+        compile_for(
+            &lmrr_kernels::cuda::resident_source(SOURCE, t),
+            false,
+            Some("compute_90"),
+        )
+        .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let bounded = resident(&lb);
+    let plain = resident(&Default::default());
     for (name, blocks) in [
         ("attention_decode", 4),
         ("attention_decode_rope", 4),
@@ -217,31 +216,12 @@ fn kernels_cu_compiles_under_nvrtc() {
     // ATTN_EARLY (LMRR_CUDA_ATTN_EARLY, the default): attention_decode_rope_qs
     // loads the step's inputs before its wait; without it, nothing before
     // the wait.
-    let early = compile_for(
-        &lmrr_kernels::cuda::resident_source(
-            SOURCE,
-            &lmrr_kernels::cuda::resident::Tuning {
-                attn_early: true,
-                ..Default::default()
-            },
-        ),
-        false,
-        Some("compute_90"),
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
-    let late = compile_for(
-        &lmrr_kernels::cuda::resident_source(
-            SOURCE,
-            &lmrr_kernels::cuda::resident::Tuning {
-                attn_early: false,
-                ..Default::default()
-            },
-        ),
-        false,
-        Some("compute_90"),
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
-    for (ptx, before) in [(&early, true), (&late, false)] {
+    assert!(lmrr_kernels::cuda::resident::Tuning::default().attn_early);
+    let late = resident(&lmrr_kernels::cuda::resident::Tuning {
+        attn_early: false,
+        ..Default::default()
+    });
+    for (ptx, before) in [(&plain, true), (&late, false)] {
         let body = entry(ptx, "attention_decode_rope_qs");
         let (wait, load) = (
             body.find("griddepcontrol.wait").expect("a wait"),
