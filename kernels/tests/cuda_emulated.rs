@@ -752,6 +752,9 @@ fn paged_attention_matches_the_cpu() {
             ("attention_prefill", 2, emulator()),
             ("attention_prefill_hd64", 3, emulator()),
             ("attention_decode_hd64", 4, emulator()),
+            // The groups listed last first (LMRR_CUDA_PF_LONGEST_FIRST
+            // reorders them): which block serves which group moves no bit.
+            ("attention_prefill_hd64, groups reversed", 5, emulator()),
         ] {
             let Some(bin) = bin else { continue };
             // attention_prefill holds head dims up to PF_MAXHD (128);

@@ -12,6 +12,7 @@
 #endif
 #include KERNELS_CU
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -465,7 +466,8 @@ int main() {
         write_array(x);
     } else if (job == "attention") {
         // attention tasks nh nkv hd page_len scale_bits [decode: 1 attention_decode, 2
-        // attention_prefill, 3 attention_prefill_hd64, 4 attention_decode_hd64]: q, pages (floats,
+        // attention_prefill, 3 attention_prefill_hd64, 4 attention_decode_hd64, 5 attention_prefill_hd64
+        // with its groups listed last first]: q, pages (floats,
         // whole pages of one layer), page index per table entry, seq_off,
         // pos (u64 each)
         int tasks, nh, nkv, hd, page_len, decode = 0;
@@ -484,9 +486,10 @@ int main() {
             table[i] = (unsigned long long)(uintptr_t)(pages.data() + index[i] * page_floats);
         std::vector<unsigned long long> so(seq_off.begin(), seq_off.end()), ps(pos.begin(), pos.end());
         std::vector<float> out((size_t)tasks * nh * hd, std::nanf(""));
-        if (decode >= 2) {
-            // attention_prefill (3: attention_prefill_hd64): groups of up
-            // to PF_TQ consecutive tasks of one sequence (equal seq_off).
+        if (decode == 2 || decode == 3 || decode == 5) {
+            // attention_prefill (3: attention_prefill_hd64; 5: the same with
+            // the groups listed last first): groups of up to PF_TQ
+            // consecutive tasks of one sequence (equal seq_off).
             std::vector<unsigned long long> groups;
             for (int t = 0; t < tasks;) {
                 int c = 1;
@@ -494,8 +497,9 @@ int main() {
                 groups.push_back(((unsigned long long)t << 32) | (unsigned)c);
                 t += c;
             }
+            if (decode == 5) std::reverse(groups.begin(), groups.end());
             emu::launch((unsigned)(groups.size() * nh), ATTN_THREADS, [&] {
-                if (decode == 3)
+                if (decode == 3 || decode == 5)
                     attention_prefill_hd64(q.data(), table.data(), so.data(), ps.data(), groups.data(), out.data(), nh,
                                            nkv, hd, 0, page_len, 0, scale);
                 else

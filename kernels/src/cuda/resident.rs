@@ -344,6 +344,15 @@ pub struct Tuning {
     /// against 3,740–3,935, batch 64 unchanged (19,699 / 19,931 against
     /// 19,674–20,098).
     pub attn_early: bool,
+    /// `LMRR_CUDA_PF_LONGEST_FIRST` (0/1, default 0): a prefill step's
+    /// attention groups listed longest first ([`longest_first`]: by the
+    /// position of each group's last token, descending), so that the blocks
+    /// that walk the most K/V tiles are dispatched first rather than last
+    /// (a 512-token prefill's 288 blocks of `attention_prefill_hd64` exceed
+    /// the 264 an H100 or H200 holds at once, and in span order the ones left
+    /// waiting are the longest). Which block serves which group moves no
+    /// bit: each writes its own tokens' rows.
+    pub pf_longest_first: bool,
 }
 
 impl Default for Tuning {
@@ -386,6 +395,7 @@ impl Default for Tuning {
             lb_rows4: 0,
             lb_multi: 0,
             attn_early: true,
+            pf_longest_first: false,
         }
     }
 }
@@ -446,6 +456,7 @@ impl Tuning {
             ("LMRR_CUDA_ROPE_QS", &mut t.rope_qs),
             ("LMRR_CUDA_MULTI4", &mut t.multi4),
             ("LMRR_CUDA_ATTN_EARLY", &mut t.attn_early),
+            ("LMRR_CUDA_PF_LONGEST_FIRST", &mut t.pf_longest_first),
         ] {
             if let Some(v) = get(var) {
                 *slot = match v.trim() {
@@ -527,6 +538,7 @@ mod tuning_tests {
             ("LMRR_CUDA_LB_ROWS4", "99"),
             ("LMRR_CUDA_ATTN_EARLY", "0"),
             ("LMRR_CUDA_LB_MULTI", "12"),
+            ("LMRR_CUDA_PF_LONGEST_FIRST", "1"),
             ("LMRR_CUDA_ROPE_QS", "0"),
             ("LMRR_CUDA_MULTI4", "1"),
         ])
@@ -570,9 +582,30 @@ mod tuning_tests {
                 lb_rows4: 16,
                 lb_multi: 12,
                 attn_early: false,
+                pf_longest_first: true,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
+    }
+
+    #[test]
+    fn longest_first_orders_groups_by_their_last_position() {
+        // Two spans: 20 tokens at positions 0.. and 20 at 100.. (a chunk
+        // after a cached prefix), in groups of 8.
+        let pos: Vec<u64> = (0..20).chain(100..120).collect();
+        let mut g = prefill_groups([20usize, 20].into_iter(), 8).expect("groups");
+        let parts = |v: &[u64]| -> Vec<(u64, u64)> {
+            v.iter().map(|x| (x >> 32, x & 0xffff_ffff)).collect()
+        };
+        longest_first(&mut g, &pos);
+        assert_eq!(
+            parts(&g),
+            vec![(36, 4), (28, 8), (20, 8), (16, 4), (8, 8), (0, 8)]
+        );
+        // Equal last positions keep their order; a group past `pos` sorts last.
+        let mut h = vec![1u64 << 32 | 1, 2u64 << 32 | 1, 9u64 << 32 | 1, 0u64 << 32 | 1];
+        longest_first(&mut h, &[5, 7, 7]);
+        assert_eq!(parts(&h), vec![(1, 1), (2, 1), (0, 1), (9, 1)]);
     }
 
     #[test]
@@ -3118,4 +3151,20 @@ pub fn prefill_groups(
         first += len;
     }
     Some(out)
+}
+
+/// Orders `groups` ([`prefill_groups`]' `first << 32 | count`) longest
+/// first: by the position of each group's last token (`pos`, a position per
+/// stacked token), descending, ties in their order ([`Tuning::pf_longest_first`]).
+/// A group whose tokens are past `pos` keeps its place among the shortest.
+pub fn longest_first(groups: &mut [u64], pos: &[u64]) {
+    let last = |g: u64| {
+        let (first, count) = ((g >> 32) as usize, (g & 0xffff_ffff) as usize);
+        (first + count)
+            .checked_sub(1)
+            .and_then(|i| pos.get(i))
+            .copied()
+            .unwrap_or(0)
+    };
+    groups.sort_by_key(|&g| std::cmp::Reverse(last(g)));
 }

@@ -440,7 +440,12 @@ impl Resident {
             spans.iter().map(|s| s.tokens.len()),
             gpu.tuning().attn_prefill_group,
         ) {
-            Some(g) => {
+            Some(mut g) => {
+                if gpu.tuning().pf_longest_first {
+                    // Positions are the inputs' second n (pack_inputs).
+                    let pos = st.host_in.get(n..2 * n).unwrap_or(&[]);
+                    lmrr_kernels::cuda::resident::longest_first(&mut g, pos);
+                }
                 st.host_in.extend(&g);
                 g.len()
             }
