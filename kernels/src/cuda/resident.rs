@@ -603,7 +603,7 @@ mod tuning_tests {
             vec![(36, 4), (28, 8), (20, 8), (16, 4), (8, 8), (0, 8)]
         );
         // Equal last positions keep their order; a group past `pos` sorts last.
-        let mut h = vec![1u64 << 32 | 1, 2u64 << 32 | 1, 9u64 << 32 | 1, 0u64 << 32 | 1];
+        let mut h = vec![1u64 << 32 | 1, 2u64 << 32 | 1, 9u64 << 32 | 1, 1];
         longest_first(&mut h, &[5, 7, 7]);
         assert_eq!(parts(&h), vec![(1, 1), (2, 1), (0, 1), (9, 1)]);
     }
