@@ -157,14 +157,14 @@ fn kernels_cu_compiles_under_nvrtc() {
             .nth(1)
             .map_or(String::new(), |s| s.to_string())
     };
+    // Whether kernel `name` of `ptx` issues a global load before its wait.
+    let loads_before_wait = |ptx: &str, name: &str| -> bool {
+        let body = entry(ptx, name);
+        body.find("ld.global").expect("a load") < body.find("griddepcontrol.wait").expect("a wait")
+    };
     for (name, early) in [("attention_decode", true), ("attention_paged", false)] {
-        let body = entry(&attn, name);
-        let (wait, load) = (
-            body.find("griddepcontrol.wait").expect("a wait"),
-            body.find("ld.global").expect("a load"),
-        );
         assert_eq!(
-            load < wait,
+            loads_before_wait(&attn, name),
             early,
             "{name}: a load before the wait under ATTN_PREFETCH"
         );
@@ -222,13 +222,8 @@ fn kernels_cu_compiles_under_nvrtc() {
         ..Default::default()
     });
     for (ptx, before) in [(&plain, true), (&late, false)] {
-        let body = entry(ptx, "attention_decode_rope_qs");
-        let (wait, load) = (
-            body.find("griddepcontrol.wait").expect("a wait"),
-            body.find("ld.global").expect("a load"),
-        );
         assert_eq!(
-            load < wait,
+            loads_before_wait(ptx, "attention_decode_rope_qs"),
             before,
             "attention_decode_rope_qs: a load before the wait with ATTN_EARLY {before}"
         );
