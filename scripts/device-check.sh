@@ -223,14 +223,18 @@ tunings+=";LMRR_CUDA_ATTN_EARLY=0;LMRR_CUDA_ATTN_EARLY=0 LMRR_CUDA_GRAPHS=0;LMRR
 tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_FOLD_SUMS=1;LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_WIDE_MIN=9 LMRR_CUDA_GEMM_MULTI=1 LMRR_CUDA_SPLIT_BLOCKS=1000000"
 IFS=';' read -r -a tuning_list <<<"${DEVICE_CHECK_TUNINGS:-$tunings}"
 [ "$part" = core ] && tuning_list=()
-# The kernels compiled with launch bounds, each against the CPU or its
-# reference as gpu_check checks the defaults (the launch bounds change the
-# module, not the negative controls' sources: those ran above).
+# The resident module as compiled under other defines, each kernel against
+# the CPU or its reference as gpu_check checks the defaults: with launch
+# bounds, and with decode attention's inputs read after the wait (the form
+# before the default; these change the module, not the negative controls'
+# sources, which ran above).
 if [ "$part" != core ] && [ "${DEVICE_CHECK_GPU_CHECK:-1}" != 0 ]; then
-  lb="LMRR_CUDA_LB_ATTN_DECODE=4 LMRR_CUDA_LB_ATTN_PREFILL=4 LMRR_CUDA_LB_ROWS4=8 LMRR_CUDA_LB_MULTI=16"
-  out=$(env $lb GPU_CHECK_CONTROLS=none "$bin/gpu_check" 2>&1); rc=$?
-  printf '%-72s gpu_check: exit %s  %s\n' "$lb:" "$rc" "$(echo "$out" | grep -m1 -E 'cases bit-identical|FAIL')"
-  [ $rc = 0 ] || fail=1
+  for defs in "LMRR_CUDA_LB_ATTN_DECODE=4 LMRR_CUDA_LB_ATTN_PREFILL=4 LMRR_CUDA_LB_ROWS4=8 LMRR_CUDA_LB_MULTI=16" \
+    "LMRR_CUDA_ATTN_EARLY=0"; do
+    out=$(env $defs GPU_CHECK_CONTROLS=none "$bin/gpu_check" 2>&1); rc=$?
+    printf '%-72s gpu_check: exit %s  %s\n' "$defs:" "$rc" "$(echo "$out" | grep -m1 -E 'cases bit-identical|FAIL')"
+    [ $rc = 0 ] || fail=1
+  done
 fi
 for tun in "${tuning_list[@]}"; do
   for s in incident multi-user; do
