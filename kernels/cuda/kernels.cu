@@ -1719,6 +1719,11 @@ extern "C" __global__ void rope_kv(float* q, float* k, float* v, const float* qp
 // writes now) — for the first batch of scores (chunk 0) and the first V
 // tile pass; rows of this step's positions, q and everything else are read
 // after the wait. The values are the same ones, so the arithmetic is.
+// q's head for attention_body, at file scope so that a prologue can leave
+// it there (attention_decode_rope_qs) rather than in global memory for the
+// body to load again.
+__shared__ float attn_qs[MAX_HEAD_DIM];
+
 // The step's inputs of one decode-rope block (ATTN_EARLY, LMRR_CUDA_ATTN_EARLY):
 // its position, page slot and page, its sequence's page-list offset, the
 // cos/sin pair of its thread's rotation index (thread i < half rotates q's
@@ -1733,11 +1738,6 @@ struct DecodeIn {
     float c, sn;
     unsigned long long pg[4];
 };
-
-// q's head for attention_body, at file scope so that a prologue can leave
-// it there (attention_decode_rope_qs) rather than in global memory for the
-// body to load again.
-__shared__ float attn_qs[MAX_HEAD_DIM];
 
 // QS: the caller has put q's head in attn_qs and passed a barrier since
 // (decode_rope_prologue<true>), so the body neither loads it nor waits.
