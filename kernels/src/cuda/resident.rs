@@ -344,14 +344,19 @@ pub struct Tuning {
     /// against 3,740–3,935, batch 64 unchanged (19,699 / 19,931 against
     /// 19,674–20,098).
     pub attn_early: bool,
-    /// `LMRR_CUDA_PF_LONGEST_FIRST` (0/1, default 0): a prefill step's
+    /// `LMRR_CUDA_PF_LONGEST_FIRST` (0/1, default 1): a prefill step's
     /// attention groups listed longest first ([`longest_first`]: by the
     /// position of each group's last token, descending), so that the blocks
     /// that walk the most K/V tiles are dispatched first rather than last
     /// (a 512-token prefill's 288 blocks of `attention_prefill_hd64` exceed
     /// the 264 an H100 or H200 holds at once, and in span order the ones left
     /// waiting are the longest). Which block serves which group moves no
-    /// bit: each writes its own tokens' rows.
+    /// bit: each writes its own tokens' rows. Measured faster on an H100
+    /// (2026-12-06c, `docs/gpu-runs-2026-12-06c.txt`, alternating with span
+    /// order in one call): 512-token prefill 50,281 / 50,315 / 50,311
+    /// against 48,985 / 48,977 / 49,149 tok/s, 2,048 tokens
+    /// 49,935 / 50,010 against 47,409 / 47,220, 8 × 64 tokens 59,638 /
+    /// 58,555 against 58,146 / 57,867, 64 × 64 unchanged; 0: span order.
     pub pf_longest_first: bool,
 }
 
@@ -395,7 +400,7 @@ impl Default for Tuning {
             lb_rows4: 0,
             lb_multi: 0,
             attn_early: true,
-            pf_longest_first: false,
+            pf_longest_first: true,
         }
     }
 }
@@ -538,7 +543,7 @@ mod tuning_tests {
             ("LMRR_CUDA_LB_ROWS4", "99"),
             ("LMRR_CUDA_ATTN_EARLY", "0"),
             ("LMRR_CUDA_LB_MULTI", "12"),
-            ("LMRR_CUDA_PF_LONGEST_FIRST", "1"),
+            ("LMRR_CUDA_PF_LONGEST_FIRST", "0"),
             ("LMRR_CUDA_ROPE_QS", "0"),
             ("LMRR_CUDA_MULTI4", "1"),
         ])
@@ -582,7 +587,7 @@ mod tuning_tests {
                 lb_rows4: 16,
                 lb_multi: 12,
                 attn_early: false,
-                pf_longest_first: true,
+                pf_longest_first: false,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
