@@ -10,7 +10,8 @@
 #   DEVICE_AB_SET=qs scripts/device-ab.sh .gpu     # attention_decode_rope_qs (the default since 2026-12-06)
 #   DEVICE_AB_SET=multi4 scripts/device-ab.sh .gpu # matmul_multi4 (built 2026-12-06, not yet measured)
 #   DEVICE_AB_SET=lb scripts/device-ab.sh .gpu     # launch bounds (LMRR_CUDA_LB_*), the early attention inputs (2026-12-06b)
-#   DEVICE_AB_SET=pf scripts/device-ab.sh .gpu     # prefill attention groups longest first (built 2026-12-06b)
+#   DEVICE_AB_SET=pf scripts/device-ab.sh .gpu     # prefill attention groups longest first (the default since 2026-12-06c)
+#   DEVICE_AB_SET=rn scripts/device-ab.sh .gpu     # o and down with the norm after them (matmul_rows_norm, built 2026-12-06c)
 #   DEVICE_AB_SET=new scripts/device-ab.sh .gpu    # the four paths built on 2026-12-05e
 #   DEVICE_AB_SET=six scripts/device-ab.sh .gpu    # the six paths made defaults on 2026-12-05
 #
@@ -44,6 +45,9 @@
 # `pf`: a prefill's attention groups listed longest first
 # (LMRR_CUDA_PF_LONGEST_FIRST=1) against span order, in prefills of 512
 # and 2,048 tokens and of 8 and 64 sequences of 64.
+# `rn`: o and down each one launch with the residual add and RMSNorm
+# after them (LMRR_CUDA_ROWS_NORM_MAX: matmul_rows_norm, the last block to
+# finish adds and norms) at batch 1 (=1) and at batches 1 and 8 (=8).
 # `new` (built 2026-12-05e, measured 2026-12-05f: docs/PERFORMANCE.md): gate
 # and up with SwiGLU in one launch (LMRR_CUDA_GATE_UP_SWIGLU), the head's add
 # and norm in one launch (LMRR_CUDA_HEAD_DIRECT, since made the default),
@@ -56,7 +60,7 @@ set -uo pipefail
 bin=${1:-.gpu}
 rounds=${DEVICE_AB_ROUNDS:-2}
 set=${DEVICE_AB_SET:-loads}
-case $set in loads|rows4|qs|multi4|lb|pf|new|six) ;; *) echo "DEVICE_AB_SET must be loads, rows4, qs, multi4, lb, pf, new or six, not '$set'"; exit 2 ;; esac
+case $set in loads|rows4|qs|multi4|lb|pf|rn|new|six) ;; *) echo "DEVICE_AB_SET must be loads, rows4, qs, multi4, lb, pf, rn, new or six, not '$set'"; exit 2 ;; esac
 tmp=$(mktemp -d)
 "$bin/lmrr" gen-model --preset small --dtype f32 --out "$tmp/small" >/dev/null || exit 1
 b() { "$bin/lmrr" bench --device cuda --model "$tmp/small" --speed-only --decode-steps 32 --repeats 5 "$@" 2>&1 | grep -E "^\| (prefill|decode)"; }
@@ -105,6 +109,11 @@ if [ "$set" = pf ]; then
   ab "LMRR_CUDA_PF_LONGEST_FIRST=1" "prefill attention groups longest first: 512 tokens" --prompt-len 512 --batches 1
   ab "LMRR_CUDA_PF_LONGEST_FIRST=1" "prefill attention groups longest first: 2048 tokens" --prompt-len 2048 --batches 1
   ab "LMRR_CUDA_PF_LONGEST_FIRST=1" "prefill attention groups longest first: 8 × 64 and 64 × 64 tokens" --prompt-len 64 --batches 8,64
+  exit 0
+fi
+if [ "$set" = rn ]; then
+  ab "LMRR_CUDA_ROWS_NORM_MAX=1" "o and down with the norm after them, batch 1" --prompt-len 64 --batches 1
+  ab "LMRR_CUDA_ROWS_NORM_MAX=8" "o and down with the norm after them, to 8 tokens: batches 1, 8" --prompt-len 64 --batches 1,8
   exit 0
 fi
 if [ "$set" = new ]; then

@@ -1067,12 +1067,15 @@ extern "C" __global__ void norm_block(float* x, const float* y, const float* ypa
 // and in prefill, slower in a batch-1 decode chain under programmatic
 // dependent launch, so the host picks by row count (Tuning::loads_first_min).
 #define NR_MAX_CHUNKS 128
-template <bool LOADS_FIRST>
-__device__ __forceinline__ void norm_reg_body(float* x, const float* y, const float* ypart, int ychunks,
-                                              const float* w, float* out, int rows, int d, float eps, int add) {
+// Row r of norm_reg's work (its body, and the last block of
+// matmul_rows_norm). WAIT: the PDL wait after the norm weight's loads
+// (norm_reg; matmul_rows_norm has waited already). CG: y read through L2
+// (ld.global.cg), for y written by other blocks of the same launch.
+template <bool LOADS_FIRST, bool WAIT, bool CG>
+__device__ __forceinline__ void norm_reg_row(float* x, const float* y, const float* ypart, int ychunks,
+                                             const float* w, float* out, int rows, int d, float eps, int add,
+                                             long long r) {
     __shared__ float part[NR_MAX_CHUNKS];
-    long long r = blockIdx.x;
-    if (r >= rows) return;  // uniform over the block
     int c = threadIdx.x >> 3, j = threadIdx.x & 7;
     int chunks = (d + CHUNK - 1) / CHUNK;
     int base = c * CHUNK + j;
@@ -1084,7 +1087,7 @@ __device__ __forceinline__ void norm_reg_body(float* x, const float* y, const fl
         int i = base + s * LANES;
         wv[s] = i < cend ? w[i] : 0.0f;
     }
-    PDL_ENTRY_LATE();  // the norm weight in flight; now the row
+    if (WAIT) PDL_ENTRY_LATE();  // the norm weight in flight; now the row
     #pragma unroll
     for (int s = 0; s < CHUNK / LANES; ++s) {
         int i = base + s * LANES;
@@ -1112,7 +1115,8 @@ __device__ __forceinline__ void norm_reg_body(float* x, const float* y, const fl
         for (int s = 0; s < CHUNK / LANES; ++s) {
             int i = base + s * LANES;
             if (i < cend) {
-                xv[s] = xv[s] + split_value(y, ypart, ychunks, (long long)rows * d, r * d + i);
+                xv[s] = xv[s] + (CG ? __ldcg(y + r * d + i)
+                                    : split_value(y, ypart, ychunks, (long long)rows * d, r * d + i));
                 xr[i] = xv[s];
             }
         }
@@ -1137,6 +1141,14 @@ __device__ __forceinline__ void norm_reg_body(float* x, const float* y, const fl
     }
 }
 
+template <bool LOADS_FIRST>
+__device__ __forceinline__ void norm_reg_body(float* x, const float* y, const float* ypart, int ychunks,
+                                              const float* w, float* out, int rows, int d, float eps, int add) {
+    long long r = blockIdx.x;
+    if (r >= rows) return;  // uniform over the block
+    norm_reg_row<LOADS_FIRST, true, false>(x, y, ypart, ychunks, w, out, rows, d, eps, add, r);
+}
+
 extern "C" __global__ void norm_reg(float* x, const float* y, const float* ypart, int ychunks, const float* w,
                                     float* out, int rows, int d, float eps, int add) {
     PDL_ENTRY_EARLY();
@@ -1147,6 +1159,34 @@ extern "C" __global__ void norm_reg_lf(float* x, const float* y, const float* yp
                                        float* out, int rows, int d, float eps, int add) {
     PDL_ENTRY_EARLY();
     norm_reg_body<true>(x, y, ypart, ychunks, w, out, rows, d, eps, add);
+}
+
+// matmul_rows, then the residual add and RMSNorm of norm_reg on its output
+// in the same launch (LMRR_CUDA_ROWS_NORM_MAX): y (n, rows) = x · Wᵀ as
+// matmul_rows makes it; then the last block to finish (a counter every
+// block bumps after a fence over its stores: atomicInc, which wraps it
+// back to 0 for the next launch) makes, for each token t < n,
+// resid[t] += y[t] and hout[t] = rms_norm(resid[t]) · nw, norm_reg's
+// operations in its order, reading y through L2 (other blocks wrote it).
+// Which block is last moves no bit: it only adds and norms finished rows.
+// The norm's row is `rows` wide (d = rows), at most 8 · MR_GROUPS / 8 =
+// MR_GROUPS chunks (128 threads a block, a group of 8 a chunk).
+extern "C" __global__ void matmul_rows_norm(int kind, const float* x, const unsigned char* w, float* y, int n,
+                                            int rows, int k, long long row_bytes, float* resid, const float* nw,
+                                            float* hout, float eps, unsigned* counter) {
+    PDL_ENTRY_EARLY();
+    mm_rows_block(kind, x, w, y, n, rows, k, row_bytes, blockIdx.x % rows, (blockIdx.x / rows) * MM_TOKENS);
+    __shared__ int last;
+    __threadfence();  // this block's y stores before its count
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicInc(counter, gridDim.x - 1) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;  // uniform over the block
+    __threadfence();  // every other block's y stores seen before the reads below
+    for (int t = 0; t < n; ++t) {
+        norm_reg_row<false, false, true>(resid, y, nullptr, 0, nw, hout, n, rows, eps, 1, t);
+        __syncthreads();  // the next row's partials over this row's
+    }
 }
 
 // ---- Fused decode kernels (LMRR_CUDA_FUSED_MAX, LMRR_CUDA_SWIGLU_MAX): one launch where the

@@ -811,6 +811,42 @@ fn main() {
             );
         }
     }
+    // o and down with the residual add and RMSNorm after them in one launch
+    // (matmul_rows_norm: the last block to finish adds and norms) against
+    // the CPU's matmul, add and norm: the `small` preset's o and down at one
+    // token and a full tile of 8, and a partial tile over ragged chunks;
+    // f32 and Q4_1; launched three times on one counter.
+    for &(n, rows, cols) in &[
+        (1usize, 576usize, 576usize),
+        (1, 576, 1536),
+        (8, 576, 1536),
+        (11, 100, 224),
+    ] {
+        let x = r.uniform_vec(n * cols, 2.0);
+        let resid = r.uniform_vec(n * rows, 3.0);
+        let nw = r.uniform_vec(rows, 1.5);
+        let wf = r.uniform_vec(rows * cols, 0.5);
+        let q41 = blocks(&mut r, QuantKind::Q4_1, rows * cols / 32);
+        for (label, w) in [
+            ("f32", Weights::F32(&wf)),
+            ("Q4_1", Weights::Quant(QuantKind::Q4_1, &q41)),
+        ] {
+            let m = Matrix::new(w, rows, cols).expect("shape");
+            let mut y = vec![0.0; n * rows];
+            matmul(&th, &x, n, &m, &mut y);
+            let sum: Vec<f32> = resid.iter().zip(&y).map(|(a, b)| a + b).collect();
+            let mut h = vec![0.0; sum.len()];
+            rms_norm(&sum, &nw, 1e-5, &mut h);
+            let (dy, dsum, dh) = gpu
+                .rows_norm_resident(&x, n, &m, &resid, &nw, 1e-5, 3)
+                .expect("gpu matmul_rows_norm");
+            report(
+                format!("matmul_rows_norm {label} {n}×{cols}·{cols}×{rows} (y, sum, norm)"),
+                diff(&y, &dy) + diff(&sum, &dsum) + diff(&h, &dh),
+                3 * y.len(),
+            );
+        }
+    }
     // Gate and up with SwiGLU in the epilogue (gate_up_swiglu) against the
     // CPU's two matmuls then swiglu: the `small` preset's one token and a
     // full tile of 8, a partial tile over ragged chunks; f32, bf16 and Q4_1.

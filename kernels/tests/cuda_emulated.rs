@@ -277,6 +277,49 @@ fn down_with_swiglu_in_its_input_matches_swiglu_then_matmul() {
 }
 
 #[test]
+fn matmul_rows_norm_matches_the_matmul_then_the_norm() {
+    if emulator().is_none() {
+        return;
+    }
+    let th = Threads::new(2).expect("threads");
+    let mut r = SplitMix64(17);
+    let eps = 1e-5f32;
+    // (rows = the norm's width, cols, tokens): down's shape at batch 1 (576
+    // blocks: the last one norms); two token tiles with ragged chunks.
+    for &(rows, cols, n) in &[(576usize, 1536usize, 1usize), (100, 224, 11)] {
+        let x = r.uniform_vec(n * cols, 2.0);
+        let resid = r.uniform_vec(n * rows, 3.0);
+        let nw = r.uniform_vec(rows, 1.5);
+        let st = Stored::new(&mut r, rows * cols, 0.5);
+        for (label, kind, w, raw) in st.each() {
+            let m = Matrix::new(w, rows, cols).expect("shape");
+            let mut y = vec![0.0; n * rows];
+            matmul(&th, &x, n, &m, &mut y);
+            let sum: Vec<f32> = resid.iter().zip(&y).map(|(a, b)| a + b).collect();
+            let mut h = vec![0.0; sum.len()];
+            rms_norm(&sum, &nw, eps, &mut h);
+            let out = job(
+                &format!("rows_norm {kind} {n} {rows} {cols} {}", eps.to_bits()),
+                &[&bytes(&x), &raw, &bytes(&resid), &bytes(&nw)],
+            );
+            let what = format!("matmul_rows_norm {label} {n}×{cols}·{cols}×{rows}");
+            assert_eq!(differing(&y, &floats(&out[0])), 0, "{what}: y");
+            assert_eq!(differing(&sum, &floats(&out[1])), 0, "{what}: the residual");
+            assert_eq!(differing(&h, &floats(&out[2])), 0, "{what}: the norm");
+            assert_eq!(out[3], 0u32.to_le_bytes(), "{what}: the counter back at 0");
+            // And the two launches it stands for, on the same emulation.
+            for (i, part) in ["y", "the residual", "the norm"].iter().enumerate() {
+                assert_eq!(
+                    out[i],
+                    out[4 + i],
+                    "{what}: {part} against matmul_rows + norm_reg"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn swiglu_four_a_thread_matches_the_cpu() {
     if emulator().is_none() {
         return;

@@ -10,6 +10,7 @@
 // Used by kernels/tests/cuda_emulated.rs; not a performance model.
 #pragma once
 
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -96,6 +97,21 @@ inline float __uint_as_float(unsigned i) {
     return f;
 }
 inline int __clz(unsigned x) { return x == 0 ? 32 : __builtin_clz(x); }
+// Blocks run one after another, so a fence orders nothing the emulation
+// could reorder; it is a real one all the same. atomicInc as CUDA defines
+// it: old = *a; *a = old >= val ? 0 : old + 1; returns old.
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline unsigned atomicInc(unsigned* a, unsigned val) {
+    unsigned old = __atomic_load_n(a, __ATOMIC_SEQ_CST);
+    while (!__atomic_compare_exchange_n(a, &old, old >= val ? 0u : old + 1u, false, __ATOMIC_SEQ_CST,
+                                        __ATOMIC_SEQ_CST)) {
+    }
+    return old;
+}
+template <class T>
+inline T __ldcg(const T* p) {
+    return *p;
+}
 using std::isnan;
 using std::max;
 using std::min;

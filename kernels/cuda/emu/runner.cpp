@@ -127,6 +127,47 @@ int main() {
         emu::launch(b, 8 * MR_GROUPS,
                     [&] { matmul_rows_swiglu(kind, g.data(), u.data(), w.data(), y.data(), n, rows, k, row_bytes); });
         write_array(y);
+    } else if (job == "rows_norm") {
+        // rows_norm kind n rows k eps_bits: x (n·k floats), w, resid (n·rows
+        // floats), nw (rows floats) -> y, resid after the add, hout, the
+        // counter after the launch; then the same by matmul_rows and
+        // norm_reg (y, resid, hout). The fused kernel runs twice on one
+        // counter (the second launch's outputs are written), so a counter
+        // left other than 0 by the first would show.
+        int kind, n, rows, k;
+        unsigned eps_bits;
+        hs >> kind >> n >> rows >> k >> eps_bits;
+        float eps = __uint_as_float(eps_bits);
+        auto x = read_as<float>();
+        auto w = read_array();
+        auto resid0 = read_as<float>();
+        auto nw = read_as<float>();
+        long long row_bytes = rows ? (long long)(w.size() / rows) : 0;
+        unsigned b = (unsigned)(rows * ((n + MM_TOKENS - 1) / MM_TOKENS));
+        unsigned counter = 0;
+        std::vector<float> y, resid, hout;
+        for (int pass = 0; pass < 2; ++pass) {
+            y.assign((size_t)n * rows, std::nanf(""));
+            hout.assign((size_t)n * rows, std::nanf(""));
+            resid = resid0;
+            emu::launch(b, 8 * MR_GROUPS, [&] {
+                matmul_rows_norm(kind, x.data(), w.data(), y.data(), n, rows, k, row_bytes, resid.data(), nw.data(),
+                                 hout.data(), eps, &counter);
+            });
+        }
+        write_array(y);
+        write_array(resid);
+        write_array(hout);
+        write_array(std::vector<unsigned>{counter});
+        std::vector<float> y2((size_t)n * rows, std::nanf("")), h2((size_t)n * rows, std::nanf(""));
+        auto r2 = resid0;
+        emu::launch(b, 8 * MR_GROUPS, [&] { matmul_rows(kind, x.data(), w.data(), y2.data(), n, rows, k, row_bytes); });
+        unsigned threads = (unsigned)((8 * ((rows + CHUNK - 1) / CHUNK) + 31) / 32 * 32);
+        emu::launch((unsigned)n, threads,
+                    [&] { norm_reg(r2.data(), y2.data(), nullptr, 0, nw.data(), h2.data(), n, rows, eps, 1); });
+        write_array(y2);
+        write_array(r2);
+        write_array(h2);
     } else if (job == "swiglu4") {
         // swiglu4 n: g, u (n floats each, n a multiple of 4) -> out
         int n;

@@ -358,6 +358,21 @@ pub struct Tuning {
     /// 49,935 / 50,010 against 47,409 / 47,220, 8 × 64 tokens 59,638 /
     /// 58,555 against 58,146 / 57,867, 64 × 64 unchanged; 0: span order.
     pub pf_longest_first: bool,
+    /// `LMRR_CUDA_ROWS_NORM_MAX` (default 0: never): in steps of at most
+    /// this many tokens, o and down are each one launch with the residual
+    /// add and RMSNorm that follow them (`matmul_rows_norm`: `matmul_rows`,
+    /// then the last of its blocks to finish adds and norms the rows;
+    /// [`Gpu::rows_norm_serves`]), where they would take `matmul_rows`
+    /// then `norm_reg`: 60 launches fewer a step of the `small` preset.
+    /// Measured slower on an H100 (2026-12-06c, alternating in one call):
+    /// batch 1 896.5 / 890.4 / 903.4 against 942.9 / 963.1 / 965.3 tok/s
+    /// (the step's kernels 1.083–1.090 against 1.023–1.028 ms), batch 8
+    /// 2,961 against 4,357–4,365 (the last block norms the 8 rows one
+    /// after another). Each of the 576 blocks fences and counts on one
+    /// address before the norm can start, where `norm_reg`'s block was
+    /// already resident under PDL with its weights loaded. Bit-identical
+    /// (gpu_check, device-check core under it); off.
+    pub rows_norm_max: usize,
 }
 
 impl Default for Tuning {
@@ -401,6 +416,7 @@ impl Default for Tuning {
             lb_multi: 0,
             attn_early: true,
             pf_longest_first: true,
+            rows_norm_max: 0,
         }
     }
 }
@@ -436,6 +452,7 @@ impl Tuning {
             ("LMRR_CUDA_LB_ATTN_PREFILL", &mut t.lb_attn_prefill),
             ("LMRR_CUDA_LB_ROWS4", &mut t.lb_rows4),
             ("LMRR_CUDA_LB_MULTI", &mut t.lb_multi),
+            ("LMRR_CUDA_ROWS_NORM_MAX", &mut t.rows_norm_max),
         ] {
             if let Some(v) = get(var) {
                 *slot = v.trim().parse().map_err(|_| {
@@ -544,6 +561,7 @@ mod tuning_tests {
             ("LMRR_CUDA_ATTN_EARLY", "0"),
             ("LMRR_CUDA_LB_MULTI", "12"),
             ("LMRR_CUDA_PF_LONGEST_FIRST", "0"),
+            ("LMRR_CUDA_ROWS_NORM_MAX", "3"),
             ("LMRR_CUDA_ROPE_QS", "0"),
             ("LMRR_CUDA_MULTI4", "1"),
         ])
@@ -588,6 +606,7 @@ mod tuning_tests {
                 lb_multi: 12,
                 attn_early: false,
                 pf_longest_first: false,
+                rows_norm_max: 3,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
@@ -714,6 +733,10 @@ pub(crate) struct Kernels {
     norm_block: Func,
     norm_reg: Func,
     norm_reg_lf: Func,
+    matmul_rows_norm: Func,
+    /// `matmul_rows_norm`'s count of finished blocks: 0 between launches
+    /// (the last block's `atomicInc` wraps it back).
+    rows_norm_counter: DevBuf,
     matmul_fused: Func,
     pub(crate) sum_chunks: Func,
     /// Which kernel each step and matmul takes ([`Tuning`]).
@@ -761,6 +784,16 @@ impl Kernels {
                 .map(Func)
                 .map_err(drv)
         };
+        // SAFETY: a 4-byte allocation in the bound context, zeroed before
+        // any launch can read it.
+        let counter = unsafe { result::malloc_sync(4) }.map_err(drv)?;
+        let rows_norm_counter = DevBuf {
+            ptr: counter,
+            bytes: 4,
+            ctx: ctx.clone(),
+        };
+        // SAFETY: the 4 bytes just allocated.
+        unsafe { result::memset_d8_sync(counter, 0, 4) }.map_err(drv)?;
         Ok(Self {
             matmul_tile: f("matmul_tile")?,
             matmul_rows: f("matmul_rows")?,
@@ -780,6 +813,8 @@ impl Kernels {
             norm_block: f("norm_block")?,
             norm_reg: f("norm_reg")?,
             norm_reg_lf: f("norm_reg_lf")?,
+            matmul_rows_norm: f("matmul_rows_norm")?,
+            rows_norm_counter,
             matmul_fused: f("matmul_fused")?,
             sum_chunks: f("sum_chunks")?,
             tuning,
@@ -1428,6 +1463,83 @@ impl Gpu {
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 
+    /// Whether [`Gpu::mm_rows_norm`] serves `w` in a step of `n` tokens
+    /// with a norm of width `d`: the tuning asks for it
+    /// ([`Tuning::rows_norm_max`], in steps below [`Tuning::gemm_min`]),
+    /// the rows fit `matmul_rows` (at most `MR_MAX_CHUNKS` chunks), and the
+    /// norm's row is `w`'s output row and fits one block of `MR_THREADS`
+    /// threads (a group of 8 a chunk).
+    pub fn rows_norm_serves(&self, n: usize, w: &DevMatrix, d: usize) -> bool {
+        let tun = self.res.tuning;
+        n > 0
+            && n <= tun.rows_norm_max
+            && n < tun.gemm_min.max(1)
+            && w.rows == d
+            && w.cols.div_ceil(64) <= MR_MAX_CHUNKS
+            && d.div_ceil(64) * 8 <= MR_THREADS as usize
+    }
+
+    /// `y (n, rows) = x (n, cols) · Wᵀ`, then `resid += y` and
+    /// `hout = rms_norm(resid) · nw` (rows of `rows`), one
+    /// `matmul_rows_norm` launch: the bits of [`Gpu::mm`] then
+    /// [`Gpu::add_norm`]. Only where [`Gpu::rows_norm_serves`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn mm_rows_norm(
+        &self,
+        x: u64,
+        n: usize,
+        w: &DevMatrix,
+        y: u64,
+        resid: u64,
+        nw: &DevBuf,
+        eps: f32,
+        hout: u64,
+    ) -> Result<(), GpuError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let (ni, ri, ki) = mm_dims(n, w)?;
+        if w.cols.div_ceil(64) > MR_MAX_CHUNKS
+            || w.rows.div_ceil(64) * 8 > MR_THREADS as usize
+            || nw.bytes < 4 * w.rows
+        {
+            return Err(GpuError::Shape {
+                what: "matmul_rows_norm",
+                detail: format!(
+                    "{n} tokens, {} rows (≤ {} for the norm's block) of {} cols (≤ {} chunks), \
+                     norm weight of {} bytes",
+                    w.rows,
+                    64 * MR_THREADS as usize / 8,
+                    w.cols,
+                    MR_MAX_CHUNKS,
+                    nw.bytes
+                ),
+            });
+        }
+        let cfg = row_blocks(w.rows * n.div_ceil(MM_TOKENS))?;
+        let counter = self.res.rows_norm_counter.ptr;
+        let mut b = self.kernel(&self.res.matmul_rows_norm)?;
+        b.arg(&w.kind)
+            .arg(&x)
+            .arg(&w.buf.ptr)
+            .arg(&y)
+            .arg(&ni)
+            .arg(&ri)
+            .arg(&ki)
+            .arg(&w.row_bytes)
+            .arg(&resid)
+            .arg(&nw.ptr)
+            .arg(&hout)
+            .arg(&eps)
+            .arg(&counter);
+        // SAFETY: matches `matmul_rows_norm`; x holds n·cols floats, y,
+        // resid and hout n·rows, nw rows (checked); the rows fit matmul_rows'
+        // partials and the norm's groups fit the block (checked); the
+        // counter is 0 between launches, and launches on this stream are
+        // ordered (each waits for the one ahead before its count).
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+    }
+
     /// `y (n, rows) = x (n, cols) · Wᵀ` by `matmul_rows4`: a block per
     /// four rows and token tile ([`Tuning::rows4_min`]).
     pub(crate) fn rows4_launch(
@@ -1884,6 +1996,57 @@ impl Gpu {
         let mut y = vec![0.0; n * w.rows];
         self.dtoh(dy.ptr, &mut y)?;
         Ok(y)
+    }
+
+    /// [`Gpu::mm_rows_norm`] on host operands (gpu_check): `x (n, cols)`,
+    /// `w`, the residual `resid (n, rows)` and the norm weight `nw (rows)`;
+    /// returns `(y, resid + y, rms_norm(resid + y) · nw)`. Launched
+    /// `launches` times on the same buffers and counter from the same
+    /// inputs (the residual uploaded again before each), so that a counter
+    /// not back at 0 after a launch shows in the next one's outputs.
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
+    pub fn rows_norm_resident(
+        &self,
+        x: &[f32],
+        n: usize,
+        w: &Matrix,
+        resid: &[f32],
+        nw: &[f32],
+        eps: f32,
+        launches: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>), GpuError> {
+        if x.len() != n * w.cols || resid.len() != n * w.rows || nw.len() != w.rows {
+            return Err(GpuError::Shape {
+                what: "matmul_rows_norm",
+                detail: format!(
+                    "x {}, resid {}, nw {} for n {n} × ({} rows, {} cols)",
+                    x.len(),
+                    resid.len(),
+                    nw.len(),
+                    w.rows,
+                    w.cols
+                ),
+            });
+        }
+        let dx = self.upload(x, "x")?;
+        let dw = self.upload_matrix(w, "w")?;
+        let dnw = self.upload(nw, "norm weight")?;
+        let dr = self.alloc(n * w.rows * 4, "residual")?;
+        let dy = self.alloc(n * w.rows * 4, "y")?;
+        let dh = self.alloc(n * w.rows * 4, "norm out")?;
+        for _ in 0..launches.max(1) {
+            self.htod(resid, dr.ptr)?;
+            self.mm_rows_norm(dx.ptr, n, &dw, dy.ptr, dr.ptr, &dnw, eps, dh.ptr)?;
+        }
+        let mut out = (
+            vec![0.0; n * w.rows],
+            vec![0.0; n * w.rows],
+            vec![0.0; n * w.rows],
+        );
+        self.dtoh(dy.ptr, &mut out.0)?;
+        self.dtoh(dr.ptr, &mut out.1)?;
+        self.dtoh(dh.ptr, &mut out.2)?;
+        Ok(out)
     }
 
     /// How this device's resident path chooses its kernels.

@@ -914,15 +914,21 @@ impl Resident {
         // The MLP output of the layer before, added to the residual by the
         // next norm (or, after the last layer, by the head's add).
         let mut mlp_out: Option<MmOut> = None;
+        // Whether the layer's attention norm was made by the launch before
+        // it (down with the norm after it: matmul_rows_norm).
+        let mut normed = false;
         for (li, l) in self.layers.iter().enumerate() {
             let (k, v) = (
                 a.k + 4 * (li * n * kvd) as u64,
                 a.v + 4 * (li * n * kvd) as u64,
             );
-            t("norms (with residual adds)", &|| match mlp_out {
-                None => g.norm_rows(a.x, &l.attn_norm, n, d, eps, a.h),
-                Some(o) => g.add_norm(a.x, o, &l.attn_norm, n, d, eps, a.h),
-            })?;
+            if !normed {
+                t("norms (with residual adds)", &|| match mlp_out {
+                    None => g.norm_rows(a.x, &l.attn_norm, n, d, eps, a.h),
+                    Some(o) => g.add_norm(a.x, o, &l.attn_norm, n, d, eps, a.h),
+                })?;
+            }
+            normed = false;
             let kraw = if rope_attn { a.g } else { k };
             let qkv = self.timed("matmul q, k, v", || {
                 g.mm_outs(a.h, n, &[(&l.q, a.q), (&l.k, kraw), (&l.v, v)], sp, fold)
@@ -947,12 +953,19 @@ impl Resident {
                 ov.queue(&[(k, li * rows, rows), (v, per + li * rows, rows)])
                     .map_err(e)?;
             }
-            let o = self.timed("matmul o", || {
-                g.mm_outs(a.att, n, &[(&l.o, a.o)], sp, fold).map_err(e)
-            })?;
-            t("norms (with residual adds)", &|| {
-                g.add_norm(a.x, o[0], &l.mlp_norm, n, d, eps, a.h)
-            })?;
+            if g.rows_norm_serves(n, &l.o, d) {
+                // o, the residual add and the MLP norm in one launch.
+                t("matmul o (with the norm after it)", &|| {
+                    g.mm_rows_norm(a.att, n, &l.o, a.o, a.x, &l.mlp_norm, eps, a.h)
+                })?;
+            } else {
+                let o = self.timed("matmul o", || {
+                    g.mm_outs(a.att, n, &[(&l.o, a.o)], sp, fold).map_err(e)
+                })?;
+                t("norms (with residual adds)", &|| {
+                    g.add_norm(a.x, o[0], &l.mlp_norm, n, d, eps, a.h)
+                })?;
+            }
             if n <= swiglu_max {
                 // SwiGLU in gate/up's epilogue: the same values, one launch fewer.
                 t("matmul gate, up, swiglu", &|| {
@@ -980,6 +993,19 @@ impl Resident {
                         .map_err(e)
                 })?;
                 t("swiglu", &|| g.swiglu_out(gu[0], gu[1], a.a, n * ff))?;
+            }
+            // Down, the residual add and the next layer's attention norm in
+            // one launch where it serves (the last layer's add and norm are
+            // the head's).
+            if let Some(next) = self.layers.get(li + 1) {
+                if g.rows_norm_serves(n, &l.down, d) {
+                    t("matmul down (with the norm after it)", &|| {
+                        g.mm_rows_norm(a.a, n, &l.down, a.o, a.x, &next.attn_norm, eps, a.h)
+                    })?;
+                    mlp_out = None;
+                    normed = true;
+                    continue;
+                }
             }
             let down = self.timed("matmul down", || {
                 g.mm_outs(a.a, n, &[(&l.down, a.o)], sp, fold).map_err(e)
