@@ -892,6 +892,25 @@ impl<'a> Launch<'a> {
         self
     }
 
+    /// A matmul kernel's leading parameters: the storage kind, `x`, the
+    /// weights, `y`, `(n, rows, cols)` ([`mm_dims`]) and the row stride.
+    pub(crate) fn matmul_args(
+        &mut self,
+        w: &'a DevMatrix,
+        x: &'a u64,
+        y: &'a u64,
+        dims: &'a (i32, i32, i32),
+    ) -> &mut Self {
+        self.arg(&w.kind)
+            .arg(x)
+            .arg(&w.buf.ptr)
+            .arg(y)
+            .arg(&dims.0)
+            .arg(&dims.1)
+            .arg(&dims.2)
+            .arg(&w.row_bytes)
+    }
+
     /// Queues the kernel.
     ///
     /// # Safety
@@ -1407,7 +1426,7 @@ impl Gpu {
         if n == 0 || w.rows == 0 {
             return Ok(());
         }
-        let (ni, ri, ki) = mm_dims(n, w)?;
+        let dims = mm_dims(n, w)?;
         let tun = self.res.tuning;
         if n >= tun.gemm_min.max(1) {
             let kind = match (n >= tun.gemm_wide_min.max(1), tun.gemm_pipelined) {
@@ -1450,14 +1469,7 @@ impl Gpu {
             )
         };
         let mut b = self.kernel(f)?;
-        b.arg(&w.kind)
-            .arg(&x)
-            .arg(&w.buf.ptr)
-            .arg(&y)
-            .arg(&ni)
-            .arg(&ri)
-            .arg(&ki)
-            .arg(&w.row_bytes);
+        b.matmul_args(w, &x, &y, &dims);
         // SAFETY: matches `matmul_rows` / `matmul_tile`; x holds n·cols, y
         // n·rows floats; matmul_rows only for rows of ≤ MR_MAX_CHUNKS chunks.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
@@ -1498,7 +1510,7 @@ impl Gpu {
         if n == 0 {
             return Ok(());
         }
-        let (ni, ri, ki) = mm_dims(n, w)?;
+        let dims = mm_dims(n, w)?;
         if w.cols.div_ceil(64) > MR_MAX_CHUNKS
             || w.rows.div_ceil(64) * 8 > MR_THREADS as usize
             || nw.bytes < 4 * w.rows
@@ -1519,14 +1531,7 @@ impl Gpu {
         let cfg = row_blocks(w.rows * n.div_ceil(MM_TOKENS))?;
         let counter = self.res.rows_norm_counter.ptr;
         let mut b = self.kernel(&self.res.matmul_rows_norm)?;
-        b.arg(&w.kind)
-            .arg(&x)
-            .arg(&w.buf.ptr)
-            .arg(&y)
-            .arg(&ni)
-            .arg(&ri)
-            .arg(&ki)
-            .arg(&w.row_bytes)
+        b.matmul_args(w, &x, &y, &dims)
             .arg(&resid)
             .arg(&nw.ptr)
             .arg(&hout)
@@ -1553,17 +1558,10 @@ impl Gpu {
             return Ok(());
         }
         width_fits("matmul_rows4", w.cols, MR4_MAX_CHUNKS)?;
-        let (ni, ri, ki) = mm_dims(n, w)?;
+        let dims = mm_dims(n, w)?;
         let cfg = row_blocks(w.rows.div_ceil(MR4_ROWS) * n.div_ceil(MM_TOKENS))?;
         let mut b = self.kernel(&self.res.matmul_rows4)?;
-        b.arg(&w.kind)
-            .arg(&x)
-            .arg(&w.buf.ptr)
-            .arg(&y)
-            .arg(&ni)
-            .arg(&ri)
-            .arg(&ki)
-            .arg(&w.row_bytes);
+        b.matmul_args(w, &x, &y, &dims);
         // SAFETY: matches `matmul_rows4`; x holds n·cols, y n·rows floats;
         // rows of at most MR4_MAX_CHUNKS chunks (checked above), and the
         // kernel reads no row at or past `rows`.
@@ -1613,7 +1611,7 @@ impl Gpu {
         if n == 0 || w.rows == 0 {
             return Ok(());
         }
-        let (ni, ri, ki) = mm_dims(n, w)?;
+        let dims = mm_dims(n, w)?;
         let chunks = w.cols.div_ceil(64);
         let tiles = gemm_tiles(kind, w.rows, n);
         let cpb = if part == 0 {
@@ -1642,16 +1640,7 @@ impl Gpu {
             GemmTiles::Pipelined => &self.res.matmul_gemm_pipelined,
         };
         let mut b = self.kernel(f)?;
-        b.arg(&w.kind)
-            .arg(&x)
-            .arg(&w.buf.ptr)
-            .arg(&y)
-            .arg(&ni)
-            .arg(&ri)
-            .arg(&ki)
-            .arg(&w.row_bytes)
-            .arg(&part)
-            .arg(&cpbi);
+        b.matmul_args(w, &x, &y, &dims).arg(&part).arg(&cpbi);
         // SAFETY: matches `matmul_gemm`; x holds n·cols, y n·rows floats,
         // part (when non-null) chunks·n·rows; the grid is tiles · groups.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
