@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
-use lmrr_engine::generate::hex;
+use lmrr_engine::digest::hex;
 use lmrr_engine::synth::SynthDtype;
 use lmrr_engine::{
     run_session, EngineConfig, GenerateOptions, Model, Patch, PatchSet, Preset, SamplingParams,

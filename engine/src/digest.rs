@@ -5,6 +5,11 @@
 
 use sha2::{Digest, Sha256};
 
+/// Lower-case hex of a digest.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// Little-endian bits of a logits row.
 pub fn row_bytes(row: &[f32]) -> Vec<u8> {
     row.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect()

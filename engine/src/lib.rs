@@ -3,9 +3,9 @@
 //! Two halves. `model/` owns what a model is: the [`ModelFamily`] trait and
 //! its families (`llama`, `mini_v4`), loading an HF directory (`config.json`,
 //! `model.safetensors`, `tokenizer.json`), GGUF import, tokenizer, chat
-//! templates, the synthetic generator and content identity. `serve/` owns the
+//! templates, the synthetic generator and content identity. `runtime/` owns the
 //! serving core, which knows no family: the paged KV pool, the radix cache,
-//! the scheduler, session scripts and the single-request driver. `serve/`
+//! the scheduler, session scripts and the single-request driver. `runtime/`
 //! imports `model/`, never the other way round.
 //!
 //! Invariant (the contract, see docs/ARCHITECTURE.md): the logits at position
@@ -17,12 +17,12 @@ pub mod digest;
 pub mod error;
 pub mod model;
 pub mod patches;
+pub mod runtime;
 pub mod sampling;
-pub mod serve;
 
 pub use model::llama::config;
 pub use model::{chat, gguf, identity, kv, llama, mini_v4, synth, tokenizer, weights};
-pub use serve::{generate, pool, radix, scheduler, session};
+pub use runtime::{generate, pool, radix, scheduler, session};
 
 pub use config::LlamaConfig;
 pub use error::EngineError;

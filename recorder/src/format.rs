@@ -190,7 +190,7 @@ impl std::fmt::Display for Integrity {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Complete { sha256 } => {
-                write!(f, "complete, sha256 {}", lmrr_engine::generate::hex(sha256))
+                write!(f, "complete, sha256 {}", lmrr_engine::digest::hex(sha256))
             }
             Self::Truncated {
                 frames,

@@ -197,7 +197,7 @@ pub(crate) fn token_info(model: &Model, token: u32, top: &[(u32, f32)]) -> Token
 }
 
 fn short(h: &[u8; 32]) -> String {
-    lmrr_engine::generate::hex(&h[..6])
+    lmrr_engine::digest::hex(&h[..6])
 }
 
 /// Drift between two logits rows: (max |Δ|, KL(P_expected ‖ P_actual), argmax equal).

@@ -651,7 +651,7 @@ fn deliver(
         };
         let out = ep.sch.take_output(id);
         let (cached, digest) = out.as_ref().map_or((0, String::new()), |o| {
-            (o.cached_tokens, lmrr_engine::generate::hex(&o.digest))
+            (o.cached_tokens, lmrr_engine::digest::hex(&o.digest))
         });
         let fin = |reason: &'static str| Finish {
             reason,

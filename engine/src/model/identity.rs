@@ -49,12 +49,12 @@ impl Sha256Digest {
 
     /// All 64 hex digits.
     pub fn hex(&self) -> String {
-        crate::generate::hex(&self.0)
+        crate::digest::hex(&self.0)
     }
 
     /// The first 16 hex digits, for one-line messages.
     pub fn short(&self) -> String {
-        crate::generate::hex(&self.0[..8])
+        crate::digest::hex(&self.0[..8])
     }
 
     /// Parses 64 hex digits (either case).

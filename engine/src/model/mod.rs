@@ -3,7 +3,7 @@
 //! A family is one folder under `model/` behind the [`ModelFamily`] trait: a
 //! forward pass over a batch of (sequence, span) entries, the per-position
 //! state it keeps in the KV store ([`KvLayout`]), and the engine patches it
-//! owns ([`ModelFamily::patch_points`]). The serving core (`serve/`) sees only
+//! owns ([`ModelFamily::patch_points`]). The serving core (`runtime/`) sees only
 //! the trait; a new family is a new folder plus one line in [`load_family`].
 //!
 //! Invariant (the contract): a family's logits at position `p` of a sequence

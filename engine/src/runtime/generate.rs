@@ -164,8 +164,3 @@ pub fn generate(
     out.digest = hasher.finalize().into();
     Ok(out)
 }
-
-/// Lower-case hex of a digest.
-pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
