@@ -1,7 +1,8 @@
 //! Matmul `y[t][o] = dot(x[t], W[o])` with `W` row-major `(rows, cols)` as HF
 //! `Linear` weights are stored: f32, bf16 (widened exactly in registers, so a
 //! memory-mapped bf16 checkpoint is used in place) or GGUF blocks
-//! (`Q4_0`/`Q4_1`/`Q8_0`, dequantized exactly, see [`crate::quant`]). Each
+//! (`Q4_0`/`Q4_1`/`Q8_0`/`Q4_K`/`Q6_K`, dequantized exactly, see
+//! [`crate::quant`]; a K-quant super-block is four canonical chunks). Each
 //! output is one canonical dot (see [`crate::dot_ref`]) over the exact f32
 //! weights, so every storage of the same values gives the same bits.
 //!
@@ -14,7 +15,7 @@
 //! sequence whichever block or thread it falls in, so neither the batch nor the
 //! thread count changes a bit.
 
-use crate::quant::{QuantKind, QBLOCK};
+use crate::quant::QuantKind;
 use crate::threads::{SendPtr, Threads};
 
 /// Storage of a weight matrix. bf16 is kept as raw `u16` bits; quantized rows
@@ -36,13 +37,15 @@ pub struct Matrix<'a> {
 
 impl<'a> Matrix<'a> {
     /// Wraps storage; `None` if its length does not hold `rows × cols` weights
-    /// (for quantized storage, `cols` must also be a multiple of 32).
+    /// (for quantized storage, `cols` must also be a multiple of the block:
+    /// 32 weights, or 256 for the K-quants).
     pub fn new(w: Weights<'a>, rows: usize, cols: usize) -> Option<Self> {
         let ok = match w {
             Weights::F32(s) => rows.checked_mul(cols) == Some(s.len()),
             Weights::Bf16(s) => rows.checked_mul(cols) == Some(s.len()),
             Weights::Quant(kind, s) => {
-                cols % QBLOCK == 0 && rows.checked_mul(kind.row_bytes(cols)) == Some(s.len())
+                cols % kind.block_weights() == 0
+                    && rows.checked_mul(kind.row_bytes(cols)) == Some(s.len())
             }
         };
         ok.then_some(Self { w, rows, cols })
@@ -189,7 +192,7 @@ fn scalar_rows(x: &[f32], n: usize, w: &Matrix, range: std::ops::Range<usize>, y
 mod avx2 {
     use super::SendPtr;
     use crate::quant::QuantKind;
-    use crate::x86::{dequant_row, dot8, dot8q, Lanes, Q4_0, Q4_1, Q8_0};
+    use crate::x86::{dequant_row, dot8, dot8q, Lanes, Q4K, Q4_0, Q4_1, Q6K, Q8_0};
     use std::arch::x86_64::*;
 
     /// Tokens per L2-resident block of activations.
@@ -257,6 +260,8 @@ mod avx2 {
                 QuantKind::Q4_0 => decode_quant::<Q4_0>(x, wp, rb, k, range, y),
                 QuantKind::Q4_1 => decode_quant::<Q4_1>(x, wp, rb, k, range, y),
                 QuantKind::Q8_0 => decode_quant::<Q8_0>(x, wp, rb, k, range, y),
+                QuantKind::Q4K => decode_quant::<Q4K>(x, wp, rb, k, range, y),
+                QuantKind::Q6K => decode_quant::<Q6K>(x, wp, rb, k, range, y),
             }
             return;
         }

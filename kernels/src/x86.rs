@@ -327,6 +327,7 @@ pub(crate) unsafe fn qblock<const K: u8>(p: *const u8) -> [__m256; 4] {
                 _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(hi[1]), m),
             ]
         }
+        QuantKind::Q4K | QuantKind::Q6K => unreachable!("K-quants are read by `kchunk`"),
     }
 }
 
@@ -350,14 +351,24 @@ unsafe fn nibbles(q: *const u8) -> ([__m256i; 2], [__m256i; 2]) {
 pub(crate) const Q4_0: u8 = 0;
 pub(crate) const Q4_1: u8 = 1;
 pub(crate) const Q8_0: u8 = 2;
+pub(crate) const Q4K: u8 = 3;
+pub(crate) const Q6K: u8 = 4;
 
 #[inline(always)]
 const fn kind_of<const K: u8>() -> QuantKind {
     match K {
         Q4_0 => QuantKind::Q4_0,
         Q4_1 => QuantKind::Q4_1,
+        Q4K => QuantKind::Q4K,
+        Q6K => QuantKind::Q6K,
         _ => QuantKind::Q8_0,
     }
+}
+
+/// Whether format `K` is a 256-weight K-quant, read a chunk at a time.
+#[inline(always)]
+const fn is_k<const K: u8>() -> bool {
+    K == Q4K || K == Q6K
 }
 
 /// The low 8 bytes of `v`, signed, as 8 f32s.
@@ -374,11 +385,22 @@ pub(crate) unsafe fn dequant_row(kind: QuantKind, p: *const u8, out: &mut [f32])
         QuantKind::Q4_0 => dequant_row_k::<Q4_0>(p, out),
         QuantKind::Q4_1 => dequant_row_k::<Q4_1>(p, out),
         QuantKind::Q8_0 => dequant_row_k::<Q8_0>(p, out),
+        QuantKind::Q4K => dequant_row_k::<Q4K>(p, out),
+        QuantKind::Q6K => dequant_row_k::<Q6K>(p, out),
     }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dequant_row_k<const K: u8>(p: *const u8, out: &mut [f32]) {
+    if is_k::<K>() {
+        for (c, o) in out.chunks_exact_mut(CHUNK).enumerate() {
+            let v = kchunk::<K>(p, c);
+            for (j, x) in v.iter().enumerate() {
+                _mm256_storeu_ps(o.as_mut_ptr().add(8 * j), *x);
+            }
+        }
+        return;
+    }
     let bb = kind_of::<K>().block_bytes();
     for (b, o) in out.chunks_exact_mut(QBLOCK).enumerate() {
         let v = qblock::<K>(p.add(b * bb));
@@ -387,6 +409,9 @@ unsafe fn dequant_row_k<const K: u8>(p: *const u8, out: &mut [f32]) {
         }
     }
 }
+
+/// Chunks per window of parked accumulators (8 × 16 × 32 B = 4 KiB).
+const WINDOW: usize = 16;
 
 /// 8 canonical dot products of one activation row `x` with 8 quantized rows
 /// of `k` weights (`k` a multiple of 32) in format `K`: output `r` is
@@ -406,8 +431,9 @@ pub(crate) unsafe fn dot8q<const K: u8>(
     k: usize,
     ahead: usize,
 ) -> __m256 {
-    /// Chunks per window of parked accumulators (8 × 16 × 32 B = 4 KiB).
-    const WINDOW: usize = 16;
+    if is_k::<K>() {
+        return dot8k::<K>(x, ws, k, ahead);
+    }
     let bb = kind_of::<K>().block_bytes();
     let per_chunk = CHUNK / QBLOCK;
     // Every slot read below is written first (rows 0..8 × chunks w0..w1), so
@@ -437,6 +463,135 @@ pub(crate) unsafe fn dot8q<const K: u8>(
                         a0 = _mm256_fmadd_ps(xv, wa[j], a0);
                         a1 = _mm256_fmadd_ps(xv, wb[j], a1);
                     }
+                }
+                (*slots.add(c - w0))[r] = a0;
+                (*slots.add(c - w0))[r + 1] = a1;
+            }
+        }
+        for c in 0..w1 - w0 {
+            tot = _mm256_add_ps(tot, hsum8x(&*slots.add(c)));
+        }
+        w0 = w1;
+    }
+    tot
+}
+
+/// Canonical chunk `c` (weights `64c..64c + 64`) of a K-quant row starting at
+/// `p`, as 8 × 8 f32 lanes equal bit for bit to
+/// [`crate::quant::dequant_block_ref`]. A super-block is four chunks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn kchunk<const K: u8>(p: *const u8, c: usize) -> [__m256; 8] {
+    let b = p.add(c / 4 * kind_of::<K>().block_bytes());
+    if K == Q4K {
+        q4k_chunk(b, c % 4)
+    } else {
+        q6k_chunk(b, c % 4)
+    }
+}
+
+/// Chunk `cb` of a `Q4_K` super-block at `b`: its sub-blocks `2cb` and
+/// `2cb + 1` are the low and high nibbles of the 32 quant bytes `32cb..`.
+/// Each weight is `(d·sc)·q − (dmin·m)`: a multiply then a subtract, as the
+/// reference (the product is exact; the subtraction rounds once).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4k_chunk(b: *const u8, cb: usize) -> [__m256; 8] {
+    let hdr = _mm_cvtph_ps(_mm_cvtsi32_si128((b as *const i32).read_unaligned()));
+    let (d, dmin) = (_mm_cvtss_f32(hdr), _mm_cvtss_f32(_mm_movehdup_ps(hdr)));
+    let scales = std::slice::from_raw_parts(b.add(4), 12);
+    let (sc0, m0) = crate::kquant::scale_min_k4(scales, 2 * cb);
+    let (sc1, m1) = crate::kquant::scale_min_k4(scales, 2 * cb + 1);
+    let (dl0, ml0) = (
+        _mm256_set1_ps(d * sc0 as f32),
+        _mm256_set1_ps(dmin * m0 as f32),
+    );
+    let (dl1, ml1) = (
+        _mm256_set1_ps(d * sc1 as f32),
+        _mm256_set1_ps(dmin * m1 as f32),
+    );
+    let q = b.add(16 + 32 * cb);
+    let (lo_a, hi_a) = nibbles(q);
+    let (lo_b, hi_b) = nibbles(q.add(16));
+    let w = |dl: __m256, ml: __m256, v: __m256i| {
+        _mm256_sub_ps(_mm256_mul_ps(dl, _mm256_cvtepi32_ps(v)), ml)
+    };
+    [
+        w(dl0, ml0, lo_a[0]),
+        w(dl0, ml0, lo_a[1]),
+        w(dl0, ml0, lo_b[0]),
+        w(dl0, ml0, lo_b[1]),
+        w(dl1, ml1, hi_a[0]),
+        w(dl1, ml1, hi_a[1]),
+        w(dl1, ml1, hi_b[0]),
+        w(dl1, ml1, hi_b[1]),
+    ]
+}
+
+/// Chunk `cb` of a `Q6_K` super-block at `b` (layout in
+/// [`crate::kquant::q6`]): half `cb / 2`, the low (even `cb`) or high (odd)
+/// nibbles of its 64 `ql` bytes, and the bit pairs `4·(cb % 2) + 2·(l / 32)`
+/// of its 32 `qh` bytes. Each weight is `(d·s)·q`, exact.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k_chunk(b: *const u8, cb: usize) -> [__m256; 8] {
+    let (half, odd) = (cb / 2, (cb % 2) as i32);
+    let d = crate::quant::f16_to_f32(u16::from_le_bytes([*b.add(208), *b.add(209)]));
+    let ql = b.add(64 * half);
+    let qh = b.add(128 + 32 * half);
+    let scales = b.add(192 + 4 * cb) as *const i8;
+    let lo_shift = _mm_cvtsi32_si128(4 * odd);
+    let (m4, m2, off) = (
+        _mm256_set1_epi32(0x0f),
+        _mm256_set1_epi32(0x03),
+        _mm256_set1_epi32(32),
+    );
+    let mut out = [_mm256_setzero_ps(); 8];
+    for v in 0..4 {
+        let h = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qh.add(8 * v) as *const __m128i));
+        for g in 0..2 {
+            // Weights l = 8v + 32g .. +8 of the chunk.
+            let l = 8 * v + 32 * g;
+            let lq = _mm256_cvtepu8_epi32(_mm_loadl_epi64(ql.add(l) as *const __m128i));
+            let lo = _mm256_and_si256(_mm256_srl_epi32(lq, lo_shift), m4);
+            let hs = _mm_cvtsi32_si128(4 * odd + 2 * g as i32);
+            let hi = _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(h, hs), m2), 4);
+            let q = _mm256_sub_epi32(_mm256_or_si256(lo, hi), off);
+            let dl = d * *scales.add(l / 16) as f32;
+            out[v + 4 * g] = _mm256_mul_ps(_mm256_set1_ps(dl), _mm256_cvtepi32_ps(q));
+        }
+    }
+    out
+}
+
+/// [`dot8q`] for the K-quants: one canonical chunk (64 weights) of a row is
+/// dequantized in registers at a time, with the chunk's scales read once.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot8k<const K: u8>(x: *const f32, ws: &[*const u8; 8], k: usize, ahead: usize) -> __m256 {
+    let chunk_bytes = kind_of::<K>().block_bytes() / 4;
+    // Every slot read below is written first (rows 0..8 × chunks w0..w1).
+    let mut parked = std::mem::MaybeUninit::<[[__m256; 8]; WINDOW]>::uninit();
+    let slots = parked.as_mut_ptr() as *mut [__m256; 8];
+    let mut tot = _mm256_setzero_ps();
+    let chunks = k / CHUNK;
+    let mut w0 = 0;
+    while w0 < chunks {
+        let w1 = (w0 + WINDOW).min(chunks);
+        for r in (0..8).step_by(2) {
+            for c in w0..w1 {
+                // The same chunk of the rows 8 further on: a hint only.
+                let pf = c * chunk_bytes + ahead;
+                _mm_prefetch::<_MM_HINT_T0>(ws[r].wrapping_add(pf) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(ws[r + 1].wrapping_add(pf) as *const i8);
+                let wa = kchunk::<K>(ws[r], c);
+                let wb = kchunk::<K>(ws[r + 1], c);
+                let xc = x.add(c * CHUNK);
+                let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                for j in 0..8 {
+                    let xv = _mm256_loadu_ps(xc.add(8 * j));
+                    a0 = _mm256_fmadd_ps(xv, wa[j], a0);
+                    a1 = _mm256_fmadd_ps(xv, wb[j], a1);
                 }
                 (*slots.add(c - w0))[r] = a0;
                 (*slots.add(c - w0))[r + 1] = a1;

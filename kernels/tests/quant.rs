@@ -1,7 +1,9 @@
 //! Quantized weights: hand-computed dequantized values, SIMD dequantization ≡
 //! reference on every kind of scale (normal, subnormal, zero, inf, NaN), and a
 //! matmul over quantized storage ≡ the canonical matmul over the dequantized f32
-//! copy, bit for bit, for decode and prefill shapes at 1, 2 and 3 threads.
+//! copy, bit for bit, for decode and prefill shapes at 1, 2 and 3 threads;
+//! and every block format's dequantization ≡ gguf-py's, bit for bit, on the
+//! fixture `scripts/check_dequant.py --write-fixture` made with it.
 
 #![allow(clippy::needless_range_loop)]
 
@@ -14,7 +16,16 @@ fn bytes(r: &mut Rng, n: usize) -> Vec<u8> {
     (0..n).map(|_| r.next_u64() as u8).collect()
 }
 
-const KINDS: [QuantKind; 3] = [QuantKind::Q4_0, QuantKind::Q4_1, QuantKind::Q8_0];
+const KINDS: [QuantKind; 5] = QuantKind::ALL;
+
+/// Byte offsets of a block's f16 scales: `d`, then `m`/`dmin` where present.
+fn scale_offsets(kind: QuantKind) -> &'static [usize] {
+    match kind {
+        QuantKind::Q4_0 | QuantKind::Q8_0 => &[0],
+        QuantKind::Q4_1 | QuantKind::Q4K => &[0, 2],
+        QuantKind::Q6K => &[208],
+    }
+}
 
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
@@ -38,10 +49,19 @@ fn realistic(r: &mut Rng, kind: QuantKind, blocks: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(blocks * kind.block_bytes());
     for _ in 0..blocks {
         let mut b = bytes(r, kind.block_bytes());
-        let d = f16_bits_near(r.uniform(0.05));
-        b[0..2].copy_from_slice(&d);
-        if kind == QuantKind::Q4_1 {
-            b[2..4].copy_from_slice(&f16_bits_near(r.uniform(0.2)));
+        // K-quants multiply d by 6-bit (Q4_K) or 8-bit (Q6_K) sub-scales.
+        let d = match kind {
+            QuantKind::Q4K => 0.002,
+            QuantKind::Q6K => 0.0005,
+            _ => 0.05,
+        };
+        for (i, &o) in scale_offsets(kind).iter().enumerate() {
+            let v = if i == 0 {
+                d
+            } else {
+                0.2 / kind.block_weights() as f32
+            };
+            b[o..o + 2].copy_from_slice(&f16_bits_near(r.uniform(v)));
         }
         out.extend(b);
     }
@@ -101,17 +121,16 @@ fn fast_dequant_matches_reference_for_every_kind_of_scale() {
     ];
     for kind in KINDS {
         let bb = kind.block_bytes();
-        let blocks = 600;
+        let blocks = 600 * QBLOCK / kind.block_weights();
         let mut bytes = bytes(&mut r, blocks * bb);
-        for (i, s) in special.iter().enumerate() {
-            bytes[i * bb..i * bb + 2].copy_from_slice(&s.to_le_bytes());
-            if kind == QuantKind::Q4_1 {
-                let m = special[(i + 3) % special.len()];
-                bytes[i * bb + 2..i * bb + 4].copy_from_slice(&m.to_le_bytes());
+        for (i, _) in special.iter().enumerate() {
+            for (j, &o) in scale_offsets(kind).iter().enumerate() {
+                let s = special[(i + 3 * j) % special.len()];
+                bytes[i * bb + o..i * bb + o + 2].copy_from_slice(&s.to_le_bytes());
             }
         }
-        let mut want = vec![0.0f32; blocks * QBLOCK];
-        let mut got = vec![0.0f32; blocks * QBLOCK];
+        let mut want = vec![0.0f32; blocks * kind.block_weights()];
+        let mut got = vec![0.0f32; blocks * kind.block_weights()];
         dequant_ref(kind, &bytes, &mut want);
         dequant(kind, &bytes, &mut got);
         assert_eq!(bits(&got), bits(&want), "{kind:?}");
@@ -124,7 +143,9 @@ fn quantized_matmul_equals_matmul_over_the_dequantized_copy() {
     let pools: Vec<Threads> = (1..=3).map(|n| Threads::new(n).unwrap()).collect();
     for kind in KINDS {
         for &(rows, cols) in &[(1usize, 32usize), (7, 96), (13, 64), (37, 576), (9, 160)] {
-            let q = realistic(&mut r, kind, rows * cols / QBLOCK);
+            // The same shapes in blocks: 256-weight super-blocks for K-quants.
+            let cols = cols / QBLOCK * kind.block_weights();
+            let q = realistic(&mut r, kind, rows * cols / kind.block_weights());
             let mut deq = vec![0.0f32; rows * cols];
             dequant_ref(kind, &q, &mut deq);
             let mq = Matrix::new(Weights::Quant(kind, &q), rows, cols).unwrap();
@@ -166,6 +187,66 @@ fn quantized_matrix_shapes_are_checked() {
     assert!(Matrix::new(Weights::Quant(QuantKind::Q4_1, &q), 1, 48).is_none());
     assert_eq!(QuantKind::parse("q8_0"), Some(QuantKind::Q8_0));
     assert_eq!(QuantKind::parse("Q5_K"), None);
+    assert_eq!(QuantKind::parse("Q6_K"), Some(QuantKind::Q6K));
+    // K-quant rows are whole 256-weight super-blocks.
+    let q = vec![0u8; 2 * QuantKind::Q4K.row_bytes(512)];
+    assert_eq!(q.len(), 2 * 2 * 144);
+    assert!(Matrix::new(Weights::Quant(QuantKind::Q4K, &q), 2, 512).is_some());
+    assert!(Matrix::new(Weights::Quant(QuantKind::Q4K, &q[..288]), 1, 512).is_some());
+    assert!(Matrix::new(Weights::Quant(QuantKind::Q4K, &q[..288]), 2, 256).is_some());
+    assert!(Matrix::new(Weights::Quant(QuantKind::Q4K, &q[..144]), 1, 128).is_none());
+}
+
+/// One format's records in the gguf-py fixture: (name, blocks, expected bits).
+fn fixture() -> Vec<(String, Vec<u8>, Vec<u32>)> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/dequant_gguf_py.bin"
+    );
+    let b = std::fs::read(path).expect("fixture (scripts/check_dequant.py --write-fixture)");
+    let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap()) as usize;
+    let (mut out, mut i) = (Vec::new(), 0);
+    while i < b.len() {
+        let n = b[i] as usize;
+        let name = String::from_utf8(b[i + 1..i + 1 + n].to_vec()).unwrap();
+        i += 1 + n;
+        let (blocks, bb, bw) = (u32_at(i), u32_at(i + 4), u32_at(i + 8));
+        i += 12;
+        let data = b[i..i + blocks * bb].to_vec();
+        i += blocks * bb;
+        let want = (0..blocks * bw).map(|j| u32_at(i + 4 * j) as u32).collect();
+        i += 4 * blocks * bw;
+        out.push((name, data, want));
+    }
+    out
+}
+
+#[test]
+fn dequant_matches_gguf_py_fixture() {
+    let recs = fixture();
+    let names: Vec<&str> = recs.iter().map(|r| r.0.as_str()).collect();
+    let all: Vec<&str> = BlockFormat::ALL.iter().map(|f| f.name()).collect();
+    assert_eq!(names, all, "the fixture covers every format");
+    let mut nans = 0;
+    for (name, data, want) in &recs {
+        let fmt = BlockFormat::parse(name).unwrap();
+        assert_eq!(
+            data.len() / fmt.block_bytes() * fmt.block_weights(),
+            want.len()
+        );
+        let mut got = vec![0.0f32; want.len()];
+        dequant_format_ref(fmt, data, &mut got);
+        assert_eq!(bits(&got), *want, "{name}: reference vs gguf-py");
+        let mut fast = vec![0.0f32; want.len()];
+        dequant_format(fmt, data, &mut fast);
+        assert_eq!(bits(&fast), *want, "{name}: fast path vs gguf-py");
+        if let Some(kind) = fmt.storage() {
+            dequant_ref(kind, data, &mut got);
+            assert_eq!(bits(&got), *want, "{name}: storage reference vs gguf-py");
+        }
+        nans += got.iter().filter(|x| x.is_nan()).count();
+    }
+    assert!(nans > 0, "the fixture exercises NaN scales");
 }
 
 #[test]
