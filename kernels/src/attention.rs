@@ -18,7 +18,7 @@ use crate::threads::{SendPtr, Threads};
 use crate::ATTN_TILE;
 
 /// Head layout.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct AttnShape {
     pub n_heads: usize,
     pub n_kv_heads: usize,

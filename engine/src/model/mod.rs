@@ -14,6 +14,7 @@
 //! page hashes cover it.
 
 pub mod chat;
+pub mod exec;
 pub(crate) mod device_kv;
 pub mod gguf;
 pub mod identity;

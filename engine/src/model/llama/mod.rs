@@ -34,13 +34,16 @@ pub struct StepSplit {
     pub after: f64,
 }
 
-use lmrr_kernels::{AttnShape, AttnTask, RopeTable, Threads};
+use lmrr_kernels::{AttnShape, RopeTable, Threads};
 
 use crate::kv::KvCache;
+use crate::model::exec::{
+    self, Act, AttnSpec, Buf, Builder, Mat, MatJob, Op, Program, Rows, Step, Tables, Vector,
+};
 use crate::model::ops::Ops;
 use crate::model::{
-    add_into, check_spans, split_rows, stacked_tokens, stored, vector, wanted_rows, Device, Family,
-    KvLayout, ModelFamily, NamedTensor, SeqSpan,
+    check_spans, split_rows, stored, vector, Device, Family, KvLayout, ModelFamily, NamedTensor,
+    SeqSpan,
 };
 use crate::patches::{Patch, PatchSet};
 use crate::weights::{Tensor, TensorFile};
@@ -72,20 +75,6 @@ pub struct Llama {
     /// Weights and KV pages on the device, when `device` is CUDA.
     #[cfg(feature = "cuda")]
     resident: Option<cuda::Resident>,
-}
-
-/// Per-step scratch, `(n, width)` each.
-struct Scratch {
-    x: Vec<f32>,
-    h: Vec<f32>,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    att: Vec<f32>,
-    o: Vec<f32>,
-    g: Vec<f32>,
-    u: Vec<f32>,
-    a: Vec<f32>,
 }
 
 impl Llama {
@@ -136,6 +125,96 @@ impl Llama {
             #[cfg(feature = "cuda")]
             resident: None,
         })
+    }
+
+    /// What the step programs name by index: matrices (embedding, head, then
+    /// per layer q, k, v, o, gate, up, down), vectors (final norm, then per
+    /// layer the two norms) and the one RoPE table.
+    fn tables(&self) -> Tables<'_> {
+        let mut mats = vec![&self.embed, self.lm_head.as_ref().unwrap_or(&self.embed)];
+        let mut vecs = vec![&self.norm[..]];
+        for l in &self.layers {
+            mats.extend([&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]);
+            vecs.extend([&l.attn_norm[..], &l.mlp_norm[..]]);
+        }
+        Tables {
+            mats,
+            vecs,
+            ropes: vec![&self.rope],
+        }
+    }
+
+    /// The step as a program over [`Self::tables`]: per layer, norm → q/k/v →
+    /// RoPE + KV write + attention → o + residual → norm → gate/up → SwiGLU →
+    /// down + residual; then the wanted rows' final norm and head. Patch
+    /// points (`splitk-decode`, `fast-exp`) pick the attention variant.
+    fn program(&self, patches: &PatchSet) -> Program {
+        let cfg = &self.cfg;
+        let (d, ff, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+        let (qd, kvd) = (self.shape.q_dim(), self.shape.kv_dim());
+        let eps = cfg.rms_norm_eps;
+        let mut spec = AttnSpec::canonical(self.shape);
+        spec.fast_exp = patches.contains(Patch::FastExp);
+        spec.splitk_decode = patches.contains(Patch::SplitkDecode);
+        let mut b = Builder::default();
+        let x = b.buf("x", Rows::Tokens, d);
+        let h = b.buf("h", Rows::Tokens, d);
+        let q = b.buf("q", Rows::Tokens, qd);
+        let k = b.buf("k", Rows::Tokens, kvd);
+        let v = b.buf("v", Rows::Tokens, kvd);
+        let att = b.buf("att", Rows::Tokens, qd);
+        let o = b.buf("o", Rows::Tokens, d);
+        let g = b.buf("gate", Rows::Tokens, ff);
+        let u = b.buf("up", Rows::Tokens, ff);
+        let a = b.buf("act", Rows::Tokens, ff);
+        let hx = b.buf("last", Rows::Wanted, d);
+        let hn = b.buf("last_norm", Rows::Wanted, d);
+        let logits = b.buf("logits", Rows::Wanted, vocab);
+        let job = |w: u32, out: Buf| MatJob {
+            w: Mat(w),
+            out,
+            bias: None,
+        };
+        b.op(Op::Embed {
+            table: Mat(0),
+            out: x,
+        });
+        for li in 0..self.layers.len() {
+            let (m0, v0) = (2 + 7 * li as u32, 1 + 2 * li as u32);
+            b.rms_norm(x, Vector(v0), eps, h);
+            b.op(Op::Matmul {
+                x: h,
+                jobs: vec![job(m0, q), job(m0 + 1, k), job(m0 + 2, v)],
+            });
+            b.op(Op::RopeKvAttend {
+                layer: li,
+                rope: 0,
+                q,
+                k,
+                v,
+                out: att,
+                spec,
+            });
+            b.matmul(att, Mat(m0 + 3), o);
+            b.op(Op::AddInto { x, y: o });
+            b.rms_norm(x, Vector(v0 + 1), eps, h);
+            b.op(Op::Matmul {
+                x: h,
+                jobs: vec![job(m0 + 4, g), job(m0 + 5, u)],
+            });
+            b.op(Op::Glu {
+                gate: g,
+                up: u,
+                out: a,
+                act: Act::Silu,
+            });
+            b.matmul(a, Mat(m0 + 6), o);
+            b.op(Op::AddInto { x, y: o });
+        }
+        b.op(Op::GatherWanted { x, out: hx });
+        b.rms_norm(hx, Vector(0), eps, hn);
+        b.matmul(hn, Mat(1), logits);
+        b.finish(logits)
     }
 
     /// Every tensor the forward pass reads, by its HF name, with its shape and
@@ -253,10 +332,7 @@ impl Llama {
         threads: &Threads,
         patches: &PatchSet,
     ) -> Result<Vec<Vec<f32>>, EngineError> {
-        let cfg = &self.cfg;
-        let (d, ff, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
-        let (qd, kvd) = (self.shape.q_dim(), self.shape.kv_dim());
-        let eps = cfg.rms_norm_eps;
+        let vocab = self.cfg.vocab_size;
         let ops = Ops {
             device: &self.device,
             threads,
@@ -267,92 +343,18 @@ impl Llama {
         for s in spans {
             kv.prepare(s.seq, s.start, s.tokens.len())?;
         }
-        let tok = stacked_tokens(spans);
-        let n = tok.len();
         #[cfg(feature = "cuda")]
         if let Some(r) = &self.resident {
-            if n == 0 {
+            let tok = crate::model::stacked_tokens(spans);
+            if tok.is_empty() {
                 return Ok(split_rows(spans, &[], vocab, threads));
             }
-            let rows = wanted_rows(spans);
+            let rows = crate::model::wanted_rows(spans);
             return r.forward(self, kv, spans, &tok, &rows, threads);
         }
-        let mut sc = Scratch {
-            x: vec![0.0; n * d],
-            h: vec![0.0; n * d],
-            q: vec![0.0; n * qd],
-            k: vec![0.0; n * kvd],
-            v: vec![0.0; n * kvd],
-            att: vec![0.0; n * qd],
-            o: vec![0.0; n * d],
-            g: vec![0.0; n * ff],
-            u: vec![0.0; n * ff],
-            a: vec![0.0; n * ff],
-        };
-        for (i, &t) in spans.iter().flat_map(|s| s.tokens).enumerate() {
-            self.embed
-                .row_into(t as usize, &mut sc.x[i * d..(i + 1) * d]);
-        }
-        let scale = 1.0 / (self.shape.head_dim as f32).sqrt();
-
-        for (li, l) in self.layers.iter().enumerate() {
-            // Attention block.
-            ops.norm(&sc.x, &l.attn_norm, eps, &mut sc.h)?;
-            let (wq, wk, wv) = (l.q.matrix(), l.k.matrix(), l.v.matrix());
-            ops.matmuls(
-                &sc.h,
-                n,
-                &mut [(&wq, &mut sc.q), (&wk, &mut sc.k), (&wv, &mut sc.v)],
-            )?;
-            for (i, &(si, pos)) in tok.iter().enumerate() {
-                ops.rope_row(&self.rope, &mut sc.q[i * qd..(i + 1) * qd], pos)?;
-                ops.rope_row(&self.rope, &mut sc.k[i * kvd..(i + 1) * kvd], pos)?;
-                let r = i * kvd..(i + 1) * kvd;
-                kv.write(spans[si].seq, li, pos, &sc.k[r.clone()], &sc.v[r]);
-            }
-            {
-                let views: Vec<_> = spans.iter().map(|s| kv.view(s.seq, li)).collect();
-                let tasks: Vec<AttnTask> = tok
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &(si, pos))| AttnTask {
-                        q: &sc.q[i * qd..(i + 1) * qd],
-                        kv: &views[si],
-                        pos,
-                    })
-                    .collect();
-                ops.attend_patched(
-                    &tasks,
-                    spans,
-                    &tok,
-                    patches,
-                    &self.shape,
-                    scale,
-                    &mut sc.att,
-                )?;
-            }
-            ops.matmuls(&sc.att, n, &mut [(&l.o.matrix(), &mut sc.o)])?;
-            add_into(&mut sc.x, &sc.o);
-            // MLP block.
-            ops.norm(&sc.x, &l.mlp_norm, eps, &mut sc.h)?;
-            let (wg, wu) = (l.gate.matrix(), l.up.matrix());
-            ops.matmuls(&sc.h, n, &mut [(&wg, &mut sc.g), (&wu, &mut sc.u)])?;
-            ops.swiglu(&sc.g, &sc.u, &mut sc.a)?;
-            ops.matmuls(&sc.a, n, &mut [(&l.down.matrix(), &mut sc.o)])?;
-            add_into(&mut sc.x, &sc.o);
-        }
-        // Logits for the wanted rows only.
-        let rows = wanted_rows(spans);
-        let m = rows.len();
-        let mut hx = vec![0.0; m * d];
-        for (j, &i) in rows.iter().enumerate() {
-            hx[j * d..(j + 1) * d].copy_from_slice(&sc.x[i * d..(i + 1) * d]);
-        }
-        let mut hn = vec![0.0; m * d];
-        ops.norm(&hx, &self.norm, eps, &mut hn)?;
-        let mut logits = vec![0.0; m * vocab];
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        ops.matmuls(&hn, m, &mut [(&head.matrix(), &mut logits)])?;
+        let step = Step::new(spans);
+        let prog = self.program(patches);
+        let logits = exec::host::run(&prog, &self.tables(), &step, kv, &ops)?;
         Ok(split_rows(spans, &logits, vocab, threads))
     }
 }

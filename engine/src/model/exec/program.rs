@@ -1,0 +1,312 @@
+//! A family's step as data: a sequence of fused operations over named
+//! buffers, which an executor ([`super::cpu`], the CUDA executor) runs.
+//!
+//! A family builds one [`Program`] per step from the step's shape and its
+//! patch set (its patch points pick op variants here, once, at the top of the
+//! step). Buffers are `rows × width` f32 matrices whose rows are either every
+//! stacked token of the step ([`Rows::Tokens`]) or the rows whose logits the
+//! spans want ([`Rows::Wanted`]). Weights and vectors are named by their index
+//! in the family's [`Tables`], which stay the same across steps, so an
+//! executor may keep them resident and key what it caches by index.
+//!
+//! Invariant: every op computes each output element from the same inputs by
+//! the same canonical instruction sequence whatever the step's batch, so a
+//! program's results for one token do not depend on the other tokens of the
+//! step (I2) or on how its sequence was chunked (I3). Ops that reduce name the
+//! kernel order they follow (`lmrr_kernels`).
+
+use lmrr_kernels::{AttnShape, RopeTable};
+
+use crate::weights::Tensor;
+
+/// A buffer of the step, by its index in [`Program::bufs`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Buf(pub u16);
+
+/// A stored weight matrix, by its index in [`Tables::mats`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Mat(pub u32);
+
+/// A vector widened at load (norm weights, biases), by its index in
+/// [`Tables::vecs`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Vector(pub u32);
+
+/// Which rows a buffer holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Rows {
+    /// One per stacked token of the step.
+    Tokens,
+    /// One per row whose logits a span wants, in span order.
+    Wanted,
+}
+
+/// A buffer's declaration: its name (for messages and dumps), rows, width.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct BufDecl {
+    pub name: &'static str,
+    pub rows: Rows,
+    pub width: usize,
+}
+
+/// The activation of a gated MLP: `out = act(gate) · up`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Act {
+    /// SiLU (SwiGLU), from `lmrr_kernels::act`.
+    Silu,
+}
+
+/// One matrix product of a [`Op::Matmul`]: `out = x · Wᵀ (+ bias)`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct MatJob {
+    pub w: Mat,
+    pub out: Buf,
+    /// Added after the canonical dot product, one IEEE add per element.
+    pub bias: Option<Vector>,
+}
+
+/// How attention runs. The variants are engine patches (CPU only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AttnSpec {
+    pub shape: AttnShape,
+    /// The scale of `q · k` (bits of an f32).
+    pub scale_bits: u32,
+    /// `fast-exp`: the approximate exp in the softmax.
+    pub fast_exp: bool,
+    /// `splitk-decode`: a decode query's keys split by the decoding batch.
+    pub splitk_decode: bool,
+}
+
+impl AttnSpec {
+    /// Canonical attention of `shape` with scale `1/√head_dim`.
+    pub fn canonical(shape: AttnShape) -> Self {
+        Self {
+            shape,
+            scale_bits: (1.0 / (shape.head_dim as f32).sqrt()).to_bits(),
+            fast_exp: false,
+            splitk_decode: false,
+        }
+    }
+
+    pub fn scale(&self) -> f32 {
+        f32::from_bits(self.scale_bits)
+    }
+
+    /// Whether a patch variant is on.
+    pub fn patched(&self) -> bool {
+        self.fast_exp || self.splitk_decode
+    }
+}
+
+/// One fused operation.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// `out[i] =` row `token(i)` of `table`, widened exactly.
+    Embed { table: Mat, out: Buf },
+    /// Row-wise RMSNorm of `x` with weight `w` into `out`.
+    RmsNorm {
+        x: Buf,
+        w: Vector,
+        eps_bits: u32,
+        out: Buf,
+    },
+    /// Every job's product over one input (each weight row read once per step).
+    Matmul { x: Buf, jobs: Vec<MatJob> },
+    /// RoPE on `q` and `k` at each token's position, the token's K and V rows
+    /// into the KV store at `layer`, then causal attention of `q` over the
+    /// sequence's keys into `out`.
+    RopeKvAttend {
+        layer: usize,
+        rope: usize,
+        q: Buf,
+        k: Buf,
+        v: Buf,
+        out: Buf,
+        spec: AttnSpec,
+    },
+    /// `x += y`, elementwise (a residual add).
+    AddInto { x: Buf, y: Buf },
+    /// `out = act(gate) · up`, elementwise.
+    Glu {
+        gate: Buf,
+        up: Buf,
+        out: Buf,
+        act: Act,
+    },
+    /// The wanted rows of `x` (a [`Rows::Tokens`] buffer) into `out` (a
+    /// [`Rows::Wanted`] one).
+    GatherWanted { x: Buf, out: Buf },
+}
+
+/// A step: its buffers, its ops in order, and which buffer holds the logits
+/// (a [`Rows::Wanted`] buffer of the vocabulary's width).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Program {
+    pub bufs: Vec<BufDecl>,
+    pub ops: Vec<Op>,
+    pub logits: Buf,
+}
+
+/// What a family's programs name by index, the same for every step.
+pub struct Tables<'a> {
+    pub mats: Vec<&'a Tensor>,
+    pub vecs: Vec<&'a [f32]>,
+    pub ropes: Vec<&'a RopeTable>,
+}
+
+/// A program under construction: declares buffers and appends ops.
+#[derive(Default)]
+pub struct Builder {
+    bufs: Vec<BufDecl>,
+    ops: Vec<Op>,
+}
+
+impl Builder {
+    /// Declares a buffer.
+    pub fn buf(&mut self, name: &'static str, rows: Rows, width: usize) -> Buf {
+        self.bufs.push(BufDecl { name, rows, width });
+        Buf((self.bufs.len() - 1) as u16)
+    }
+
+    /// Appends an op.
+    pub fn op(&mut self, op: Op) {
+        self.ops.push(op);
+    }
+
+    /// `out = x · Wᵀ` for one matrix.
+    pub fn matmul(&mut self, x: Buf, w: Mat, out: Buf) {
+        self.op(Op::Matmul {
+            x,
+            jobs: vec![MatJob { w, out, bias: None }],
+        });
+    }
+
+    /// Row-wise RMSNorm.
+    pub fn rms_norm(&mut self, x: Buf, w: Vector, eps: f32, out: Buf) {
+        self.op(Op::RmsNorm {
+            x,
+            w,
+            eps_bits: eps.to_bits(),
+            out,
+        });
+    }
+
+    /// The finished program, `logits` its output.
+    pub fn finish(self, logits: Buf) -> Program {
+        Program {
+            bufs: self.bufs,
+            ops: self.ops,
+            logits,
+        }
+    }
+}
+
+impl Program {
+    /// The declaration of `b`.
+    pub fn decl(&self, b: Buf) -> &BufDecl {
+        &self.bufs[b.0 as usize]
+    }
+
+    /// Every op's buffers exist, and every op's operands have the widths its
+    /// shapes imply (against `tables`): a malformed program is a family bug,
+    /// reported with the op's index and the widths.
+    pub fn check(&self, tables: &Tables) -> Result<(), String> {
+        let width = |b: Buf| -> Result<usize, String> {
+            self.bufs
+                .get(b.0 as usize)
+                .map(|d| d.width)
+                .ok_or_else(|| format!("buffer {} of {} undeclared", b.0, self.bufs.len()))
+        };
+        let mat = |m: Mat| -> Result<(usize, usize), String> {
+            let t = tables
+                .mats
+                .get(m.0 as usize)
+                .ok_or_else(|| format!("matrix {} of {} unknown", m.0, tables.mats.len()))?;
+            match t.shape[..] {
+                [r, c] => Ok((r, c)),
+                _ => Err(format!("`{}` is not a matrix: shape {:?}", t.name, t.shape)),
+            }
+        };
+        let vec_len = |v: Vector| -> Result<usize, String> {
+            tables
+                .vecs
+                .get(v.0 as usize)
+                .map(|v| v.len())
+                .ok_or_else(|| format!("vector {} of {} unknown", v.0, tables.vecs.len()))
+        };
+        let same = |what: &str, a: usize, b: usize| -> Result<(), String> {
+            if a == b {
+                Ok(())
+            } else {
+                Err(format!("{what}: {a} against {b}"))
+            }
+        };
+        for (i, op) in self.ops.iter().enumerate() {
+            let r: Result<(), String> = (|| match op {
+                Op::Embed { table, out } => same("embedding width", mat(*table)?.1, width(*out)?),
+                Op::RmsNorm { x, w, out, .. } => {
+                    same("norm input/output", width(*x)?, width(*out)?)?;
+                    same("norm weight", vec_len(*w)?, width(*x)?)
+                }
+                Op::Matmul { x, jobs } => {
+                    for j in jobs {
+                        let (rows, cols) = mat(j.w)?;
+                        same("matmul input", cols, width(*x)?)?;
+                        same("matmul output", rows, width(j.out)?)?;
+                        if let Some(b) = j.bias {
+                            same("bias", vec_len(b)?, rows)?;
+                        }
+                    }
+                    Ok(())
+                }
+                Op::RopeKvAttend {
+                    rope,
+                    q,
+                    k,
+                    v,
+                    out,
+                    spec,
+                    ..
+                } => {
+                    let t = tables
+                        .ropes
+                        .get(*rope)
+                        .ok_or_else(|| format!("rope table {rope} unknown"))?;
+                    same("rope head_dim", t.head_dim(), spec.shape.head_dim)?;
+                    same("q", width(*q)?, spec.shape.q_dim())?;
+                    same("k", width(*k)?, spec.shape.kv_dim())?;
+                    same("v", width(*v)?, spec.shape.kv_dim())?;
+                    same("attention output", width(*out)?, spec.shape.q_dim())
+                }
+                Op::AddInto { x, y } => same("residual add", width(*x)?, width(*y)?),
+                Op::Glu { gate, up, out, .. } => {
+                    same("gate/up", width(*gate)?, width(*up)?)?;
+                    same("gated output", width(*gate)?, width(*out)?)
+                }
+                Op::GatherWanted { x, out } => {
+                    if self.decl(*x).rows != Rows::Tokens || self.decl(*out).rows != Rows::Wanted {
+                        return Err("gather goes from a token buffer to a wanted one".into());
+                    }
+                    same("gather", width(*x)?, width(*out)?)
+                }
+            })();
+            r.map_err(|e| format!("op {i} ({}): {e}", op.name()))?;
+        }
+        width(self.logits).map(|_| ())
+    }
+}
+
+impl Op {
+    /// The op's name, for messages and profiles.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Embed { .. } => "embed",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::Matmul { .. } => "matmul",
+            Op::RopeKvAttend { .. } => "rope_kv_attend",
+            Op::AddInto { .. } => "add",
+            Op::Glu { .. } => "glu",
+            Op::GatherWanted { .. } => "gather",
+        }
+    }
+}
