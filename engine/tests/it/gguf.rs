@@ -4,7 +4,7 @@
 
 use lmrr_engine::gguf::{dequantize, unpermute_rope_rows, GgmlType, Gguf, Value};
 
-#[path = "fixtures/tiny_gguf.rs"]
+#[path = "../fixtures/tiny_gguf.rs"]
 mod tiny_gguf;
 use tiny_gguf::{gguf, tiny_quantized_llama};
 

@@ -6,7 +6,7 @@
 //! test; chunk and page sizes are chosen not to line up with its index blocks.
 
 #[macro_use]
-#[path = "common/families.rs"]
+#[path = "../common/families.rs"]
 mod families;
 
 use families::{assert_reaches_sparse, model};

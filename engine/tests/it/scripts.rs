@@ -4,7 +4,7 @@
 //! request.
 
 #[macro_use]
-#[path = "common/families.rs"]
+#[path = "../common/families.rs"]
 mod families;
 
 use families::assert_reaches_sparse;

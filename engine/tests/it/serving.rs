@@ -6,7 +6,7 @@
 //! up; plus pool accounting, and page hashes over every row a family keeps.
 
 #[macro_use]
-#[path = "common/families.rs"]
+#[path = "../common/families.rs"]
 mod families;
 
 use proptest::prelude::*;
