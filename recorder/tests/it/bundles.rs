@@ -5,7 +5,7 @@
 //! tests of recorded content run on a session of each family's tiny model.
 
 #[macro_use]
-#[path = "../../engine/tests/common/families.rs"]
+#[path = "../../../engine/tests/common/families.rs"]
 mod families;
 
 use lmrr_engine::session::SessionEvent;
