@@ -5,8 +5,9 @@
 //! never a panic, on a seed bundle of each family's tiny model.
 
 #[macro_use]
-#[path = "../../engine/tests/common/families.rs"]
+#[path = "../../../engine/tests/common/families.rs"]
 mod families;
+#[path = "../mutator/mod.rs"]
 mod mutator;
 
 use lmrr_engine::scheduler::Decision;

@@ -34,7 +34,7 @@ const V4_PATCH_SETS: [&str; 8] = [
 
 fn settings() -> insta::Settings {
     let mut s = insta::Settings::clone_current();
-    s.set_snapshot_path("../../snapshots");
+    s.set_snapshot_path("../../../snapshots");
     s.set_prepend_module_to_snapshot(false);
     // Paths are volatile; the reports name bundles by file name already.
     s.add_filter(r"(/[^\s/]+)+/replays/", "replays/");

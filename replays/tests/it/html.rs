@@ -67,7 +67,7 @@ fn incident_report_data_under_abort_inserts_partial() {
         assert!(html.contains(id), "page lacks {id}");
     }
     let mut s = insta::Settings::clone_current();
-    s.set_snapshot_path("../../snapshots");
+    s.set_snapshot_path("../../../snapshots");
     s.set_prepend_module_to_snapshot(false);
     s.bind(|| {
         insta::assert_snapshot!("html__incident_abort-inserts-partial", r.to_json().unwrap())

@@ -3,6 +3,7 @@
 //! position in both turns).
 
 #[macro_use]
+#[path = "../common/mod.rs"]
 mod common;
 
 use common::families::{self, sparse_from};

@@ -3,7 +3,7 @@
 //! content identity, so `--dtype keep` and `--dtype f32` (same logits) are one
 //! model and a bf16 import (rounded weights) is another.
 
-#[path = "../../engine/tests/fixtures/tiny_gguf.rs"]
+#[path = "../../../engine/tests/fixtures/tiny_gguf.rs"]
 mod tiny_gguf;
 
 use lmrr_engine::gguf::{import, ImportDtype};

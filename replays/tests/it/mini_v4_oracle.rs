@@ -6,13 +6,14 @@
 //! reference engine (or a bisect) shows them. A cache patch, by contrast, is
 //! caught by the oracle on mini-v4 as on llama.
 
+#[path = "../common/mod.rs"]
 mod common;
 
 use lmrr_engine::{EngineConfig, Model, PatchSet, Preset, SynthSpec};
 use lmrr_kernels::Threads;
 use lmrr_replays::{oracle, replay, ReplayOptions};
 
-const SESSION: &str = include_str!("../../examples/v4-agent.toml");
+const SESSION: &str = include_str!("../../../examples/v4-agent.toml");
 
 #[test]
 fn the_oracle_is_blind_to_the_mini_v4_patches_and_replay_is_not() {

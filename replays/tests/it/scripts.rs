@@ -4,6 +4,7 @@
 //! driver still produces every committed bundle's session event for event.
 
 #[macro_use]
+#[path = "../common/mod.rs"]
 mod common;
 
 use common::families;
