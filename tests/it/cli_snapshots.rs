@@ -48,7 +48,7 @@ fn lmrr(args: &[&str], tmp: Option<&Path>) -> (i32, String, String) {
 
 fn settings() -> insta::Settings {
     let mut s = insta::Settings::clone_current();
-    s.set_snapshot_path("../snapshots");
+    s.set_snapshot_path("../../snapshots");
     s.set_prepend_module_to_snapshot(false);
     s
 }

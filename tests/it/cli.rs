@@ -3,7 +3,7 @@
 //! model (`--model synthetic:tiny`, `synthetic:mini-v4-tiny`).
 
 #[macro_use]
-#[path = "../engine/tests/common/families.rs"]
+#[path = "../../engine/tests/common/families.rs"]
 mod families;
 
 use std::process::{Command, Output};

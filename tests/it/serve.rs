@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-#[path = "common/listening.rs"]
+#[path = "../common/listening.rs"]
 mod listening;
 
 const MODEL: &str = "synthetic:tiny:seed0";

@@ -1,0 +1,10 @@
+//! The `lmrr` binary's integration tests, one test binary (one link instead
+//! of one per file): each module is a former `tests/*.rs` file and keeps its
+//! name, so `cargo test --test it serve::` runs one of them. Every module
+//! runs the real binary (`CARGO_BIN_EXE_lmrr`) in its own temp dir or on
+//! its own loopback port, so they share one process safely.
+
+mod cli;
+mod cli_snapshots;
+mod proxy;
+mod serve;
