@@ -1,4 +1,4 @@
-"""Independent reference for kernels/tests/rope_table.rs (run: python3 this-file).
+"""Independent reference for kernels/tests/it/rope_table.rs (run: python3 this-file).
 
 Computes the RoPE cos/sin tables the way lmrr defines them, with every
 transcendental correctly rounded instead of taken from a math library:
