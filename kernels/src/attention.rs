@@ -10,6 +10,12 @@
 //! Finally `out[d] = acc[d] / l`. A split-KV variant must merge in tile order to
 //! stay inside the contract.
 //!
+//! A sliding window of `W` positions ([`attention_window`]) limits the keys of
+//! position `pos` to `[max(0, pos − W + 1), pos]`, walked in the same absolute
+//! tiles: the first tile is cut at the window's first key, every later tile is
+//! whole. Without a window the first key is 0 and the walk is the one above,
+//! instruction for instruction.
+//!
 //! The KV store is seen through [`KvView`]: fixed-length blocks of positions,
 //! so a per-sequence buffer (one block) and a paged pool look the same here.
 
@@ -96,19 +102,49 @@ fn check(tasks: &[AttnTask], shape: &AttnShape, out: &[f32]) {
     }
 }
 
+/// The first key a query at `pos` attends to under `window` (`None`: all).
+#[inline]
+pub fn first_key(pos: usize, window: Option<usize>) -> usize {
+    window.map_or(0, |w| (pos + 1).saturating_sub(w))
+}
+
+/// The end (exclusive) of the tile that starts at key `j0`: the next
+/// multiple of [`ATTN_TILE`], cut at `pos + 1`.
+#[inline]
+fn tile_end(j0: usize, pos: usize) -> usize {
+    ((j0 / ATTN_TILE + 1) * ATTN_TILE).min(pos + 1)
+}
+
+fn check_window(window: Option<usize>) {
+    assert!(window != Some(0), "attention: a window of zero positions");
+}
+
 /// Scalar reference for all tasks and heads.
 pub fn attention_ref(tasks: &[AttnTask], shape: &AttnShape, scale: f32, out: &mut [f32]) {
+    attention_window_ref(tasks, shape, scale, None, out)
+}
+
+/// Scalar reference of sliding-window attention: each task's keys are
+/// `[first_key(pos, window), pos]`.
+pub fn attention_window_ref(
+    tasks: &[AttnTask],
+    shape: &AttnShape,
+    scale: f32,
+    window: Option<usize>,
+    out: &mut [f32],
+) {
     check(tasks, shape, out);
+    check_window(window);
     let (hd, qd) = (shape.head_dim, shape.q_dim());
     for (ti, task) in tasks.iter().enumerate() {
         for h in 0..shape.n_heads {
             let o = &mut out[ti * qd + h * hd..ti * qd + (h + 1) * hd];
-            head_ref(task, h, shape, scale, o);
+            head_ref(task, h, shape, scale, first_key(task.pos, window), o);
         }
     }
 }
 
-fn head_ref(task: &AttnTask, h: usize, shape: &AttnShape, scale: f32, out: &mut [f32]) {
+fn head_ref(task: &AttnTask, h: usize, shape: &AttnShape, scale: f32, lo: usize, out: &mut [f32]) {
     let (hd, kvd) = (shape.head_dim, shape.kv_dim());
     let kvh = h / (shape.n_heads / shape.n_kv_heads);
     let q = &task.q[h * hd..(h + 1) * hd];
@@ -116,9 +152,9 @@ fn head_ref(task: &AttnTask, h: usize, shape: &AttnShape, scale: f32, out: &mut 
     let mut m = f32::NEG_INFINITY;
     let mut l = 0.0f32;
     let mut acc = vec![0.0f32; hd];
-    let mut j0 = 0;
+    let mut j0 = lo;
     while j0 <= task.pos {
-        let j1 = (j0 + ATTN_TILE).min(task.pos + 1);
+        let j1 = tile_end(j0, task.pos);
         let s: Vec<f32> = (j0..j1)
             .map(|j| crate::dot_ref(q, &slice(task.kv.key(j, kvd))) * scale)
             .collect();
@@ -163,7 +199,20 @@ pub fn attention(
     scale: f32,
     out: &mut [f32],
 ) {
+    attention_window(threads, tasks, shape, scale, None, out)
+}
+
+/// Fast sliding-window attention, bitwise equal to [`attention_window_ref`].
+pub fn attention_window(
+    threads: &Threads,
+    tasks: &[AttnTask],
+    shape: &AttnShape,
+    scale: f32,
+    window: Option<usize>,
+    out: &mut [f32],
+) {
     check(tasks, shape, out);
+    check_window(window);
     let (hd, nh) = (shape.head_dim, shape.n_heads);
     let items = tasks.len() * nh;
     let op = SendPtr(out.as_mut_ptr());
@@ -174,21 +223,22 @@ pub fn attention(
             // SAFETY: item `(ti, h)` owns `out[item·hd .. (item+1)·hd]`
             // exclusively, and `out` outlives `for_ranges`.
             let o = unsafe { std::slice::from_raw_parts_mut(op.get().add(item * hd), hd) };
+            let lo = first_key(tasks[ti].pos, window);
             #[cfg(target_arch = "x86_64")]
             if avx {
                 // SAFETY: AVX2+FMA detected; shapes checked by `check`.
-                unsafe { avx2::head(&tasks[ti], h, shape, scale, o) };
+                unsafe { avx2::head(&tasks[ti], h, shape, scale, lo, o) };
                 continue;
             }
             let _ = avx;
-            head_ref(&tasks[ti], h, shape, scale, o);
+            head_ref(&tasks[ti], h, shape, scale, lo, o);
         }
     });
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{AttnShape, AttnTask};
+    use super::{tile_end, AttnShape, AttnTask};
     use crate::exp::det_exp;
     use crate::x86::{dot8, exp8};
     use crate::ATTN_TILE;
@@ -200,6 +250,7 @@ mod avx2 {
         h: usize,
         shape: &AttnShape,
         scale: f32,
+        lo: usize,
         out: &mut [f32],
     ) {
         let (hd, kvd) = (shape.head_dim, shape.kv_dim());
@@ -214,9 +265,9 @@ mod avx2 {
         let mut s = [0.0f32; ATTN_TILE];
         let mut p = [0.0f32; ATTN_TILE];
         let vd = hd / 8 * 8;
-        let mut j0 = 0;
+        let mut j0 = lo;
         while j0 <= task.pos {
-            let j1 = (j0 + ATTN_TILE).min(task.pos + 1);
+            let j1 = tile_end(j0, task.pos);
             let nt = j1 - j0;
             // Scores, 8 keys per micro-kernel call.
             let mut j = 0;
@@ -290,5 +341,170 @@ mod avx2 {
         for d in vd..hd {
             out[d] = acc[d] / l;
         }
+    }
+}
+
+#[cfg(test)]
+mod window_tests {
+    use super::*;
+    use crate::SplitMix64;
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// KV storage of `data` cut into blocks of `block_len` positions (the
+    /// tail NaN: never read).
+    fn blocks(data: &[f32], kv_dim: usize, block_len: usize) -> Vec<Vec<f32>> {
+        data.chunks(block_len * kv_dim)
+            .map(|c| {
+                let mut b = c.to_vec();
+                b.resize(block_len * kv_dim, f32::NAN);
+                b
+            })
+            .collect()
+    }
+
+    /// Softmax attention of one head over keys `[lo, pos]` in f64, straight
+    /// from the definition (an independent expectation).
+    fn naive(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        hd: usize,
+        lo: usize,
+        pos: usize,
+        scale: f32,
+    ) -> Vec<f64> {
+        let s: Vec<f64> = (lo..=pos)
+            .map(|j| {
+                let d: f64 = (0..hd).map(|i| q[i] as f64 * k[j * hd + i] as f64).sum();
+                d * scale as f64
+            })
+            .collect();
+        let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let p: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+        let l: f64 = p.iter().sum();
+        (0..hd)
+            .map(|i| {
+                (lo..=pos)
+                    .zip(&p)
+                    .map(|(j, pj)| pj * v[j * hd + i] as f64)
+                    .sum::<f64>()
+                    / l
+            })
+            .collect()
+    }
+
+    #[test]
+    fn windowed_fast_path_matches_reference_and_definition() {
+        let mut r = SplitMix64(41);
+        let shape = AttnShape {
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 12,
+        };
+        let (kvd, qd, len) = (shape.kv_dim(), shape.q_dim(), 120);
+        let k = r.uniform_vec(len * kvd, 1.5);
+        let v = r.uniform_vec(len * kvd, 1.0);
+        let positions = [0usize, 1, 5, 31, 32, 33, 63, 64, 70, 119];
+        let qs: Vec<Vec<f32>> = positions.iter().map(|_| r.uniform_vec(qd, 1.0)).collect();
+        let scale = 0.3;
+        for window in [1usize, 2, 7, 32, 33, 40, 64, 200] {
+            let mut want: Option<Vec<u32>> = None;
+            for block_len in [1usize, 5, 16, 120] {
+                let (kb, vb) = (blocks(&k, kvd, block_len), blocks(&v, kvd, block_len));
+                let view = KvView {
+                    block_len,
+                    k: kb.iter().map(|b| b.as_slice()).collect(),
+                    v: vb.iter().map(|b| b.as_slice()).collect(),
+                };
+                let tasks: Vec<AttnTask> = positions
+                    .iter()
+                    .zip(&qs)
+                    .map(|(&pos, q)| AttnTask { q, kv: &view, pos })
+                    .collect();
+                let mut refo = vec![0.0; tasks.len() * qd];
+                attention_window_ref(&tasks, &shape, scale, Some(window), &mut refo);
+                let want = want.get_or_insert_with(|| bits(&refo));
+                assert_eq!(&bits(&refo), want, "layout changed the reference");
+                for n in 1..=3 {
+                    let th = Threads::new(n).unwrap();
+                    let mut got = vec![0.0; refo.len()];
+                    attention_window(&th, &tasks, &shape, scale, Some(window), &mut got);
+                    assert_eq!(
+                        &bits(&got),
+                        want,
+                        "window {window} block {block_len} threads {n}"
+                    );
+                }
+            }
+            // Against the definition, head by head (kv head `h / 2`).
+            let out = want.unwrap();
+            for (ti, &pos) in positions.iter().enumerate() {
+                let lo = first_key(pos, Some(window));
+                for h in 0..shape.n_heads {
+                    let kvh = h / 2;
+                    let hd = shape.head_dim;
+                    let sel = |m: &[f32]| -> Vec<f32> {
+                        (0..len)
+                            .flat_map(|j| m[j * kvd + kvh * hd..j * kvd + (kvh + 1) * hd].to_vec())
+                            .collect()
+                    };
+                    let e = naive(
+                        &qs[ti][h * hd..(h + 1) * hd],
+                        &sel(&k),
+                        &sel(&v),
+                        hd,
+                        lo,
+                        pos,
+                        scale,
+                    );
+                    for (d, e) in e.iter().enumerate() {
+                        let g = f32::from_bits(out[ti * qd + h * hd + d]) as f64;
+                        assert!(
+                            (g - e).abs() < 1e-5,
+                            "window {window} pos {pos} head {h}: {g} against {e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_window_covering_the_prefix_is_full_attention_bit_for_bit() {
+        let mut r = SplitMix64(42);
+        let shape = AttnShape {
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 16,
+        };
+        let len = 70;
+        let k = r.uniform_vec(len * 16, 1.0);
+        let v = r.uniform_vec(len * 16, 1.0);
+        let view = KvView {
+            block_len: len,
+            k: vec![&k],
+            v: vec![&v],
+        };
+        let q = r.uniform_vec(32, 1.0);
+        let tasks: Vec<AttnTask> = [0usize, 33, 69]
+            .iter()
+            .map(|&pos| AttnTask {
+                q: &q,
+                kv: &view,
+                pos,
+            })
+            .collect();
+        let th = Threads::single();
+        let mut full = vec![0.0; 3 * 32];
+        attention(&th, &tasks, &shape, 0.25, &mut full);
+        let mut win = vec![0.0; 3 * 32];
+        attention_window(&th, &tasks, &shape, 0.25, Some(70), &mut win);
+        assert_eq!(bits(&full), bits(&win));
+        // A window of one key returns that key's value exactly.
+        attention_window(&th, &tasks, &shape, 0.25, Some(1), &mut win);
+        assert_eq!(bits(&win[32..48]), bits(&v[33 * 16..34 * 16]));
     }
 }

@@ -46,9 +46,11 @@ pub mod threads;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-pub use act::{silu, silu_ref, swiglu, swiglu_ref};
+pub use act::{geglu, geglu_ref, gelu_tanh_scalar, silu, silu_ref, swiglu, swiglu_ref};
 pub use argmax::{argmax, argmax_ref};
-pub use attention::{attention, attention_ref, AttnShape, AttnTask, KvView};
+pub use attention::{
+    attention, attention_ref, attention_window, attention_window_ref, AttnShape, AttnTask, KvView,
+};
 pub use exp::{det_exp, exp_slice, exp_slice_ref};
 pub use hyper::{hc_coeffs, hc_post, hc_pre, index_scores, moe_combine, sigmoid};
 pub use kquant::{dequant_format, dequant_format_ref, BlockFormat, QK_K};
