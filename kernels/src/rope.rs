@@ -3,7 +3,12 @@
 //! product rounded, no fma.
 //!
 //! The cos/sin table is computed once on the host in f64 and rounded to f32:
-//! `inv_freq[i] = θ^(−2i/d)`, angle `= pos · inv_freq[i]`. Every device reads
+//! `inv_freq[i] = θ^(−2i/d)`, angle `= pos · inv_freq[i]`, entries
+//! `cos(angle) · a` and `sin(angle) · a` with the attention factor `a` (1 by
+//! default, which leaves every bit as it is; YaRN's scales the table). RoPE
+//! scaling (linear, llama3, YaRN) changes only the inverse frequencies and
+//! `a`; the engine computes those in f64 as well and builds the table with
+//! [`RopeTable::from_inv_freq`]. Every device reads
 //! the same table, so no device ever evaluates a transcendental for RoPE.
 //! `pow`, `cos` and `sin` come from the pure-Rust `libm` crate (version pinned
 //! in the workspace), never from the platform's C library, whose results
@@ -27,17 +32,22 @@ impl RopeTable {
             head_dim % 2 == 0 && head_dim > 0,
             "rope: head_dim must be even"
         );
-        let half = head_dim / 2;
+        Self::from_inv_freq(&default_inv_freq(head_dim, theta), 1.0, max_pos)
+    }
+
+    /// Builds the table for positions `0..max_pos` from the inverse frequency
+    /// of each rotated pair (`head_dim / 2` of them) and the attention factor
+    /// that multiplies every cos and sin (before the rounding to f32).
+    pub fn from_inv_freq(inv_freq: &[f64], attention_factor: f64, max_pos: usize) -> Self {
+        assert!(!inv_freq.is_empty(), "rope: no frequencies");
+        let half = inv_freq.len();
         let mut cos = Vec::with_capacity(max_pos * half);
         let mut sin = Vec::with_capacity(max_pos * half);
-        let inv: Vec<f64> = (0..half)
-            .map(|i| libm::pow(theta, -((2 * i) as f64) / head_dim as f64))
-            .collect();
         for p in 0..max_pos {
-            for &f in &inv {
+            for &f in inv_freq {
                 let a = p as f64 * f;
-                cos.push(libm::cos(a) as f32);
-                sin.push(libm::sin(a) as f32);
+                cos.push((libm::cos(a) * attention_factor) as f32);
+                sin.push((libm::sin(a) * attention_factor) as f32);
             }
         }
         Self {
@@ -72,6 +82,14 @@ impl RopeTable {
         let r = pos * self.half..(pos + 1) * self.half;
         (&self.cos[r.clone()], &self.sin[r])
     }
+}
+
+/// The unscaled inverse frequencies `θ^(−2i/d)` for `i < d/2`, in f64 by
+/// `libm` (the definition every table starts from).
+pub fn default_inv_freq(head_dim: usize, theta: f64) -> Vec<f64> {
+    (0..head_dim / 2)
+        .map(|i| libm::pow(theta, -((2 * i) as f64) / head_dim as f64))
+        .collect()
 }
 
 /// Scalar reference: rotates every head of `x` (`[heads · head_dim]`) in place.
