@@ -11,7 +11,8 @@ L=${1:-./target/release/lmrr}
 OUT=${LMRR_REPORT_DIR:-target/report-pngs}
 mkdir -p "$OUT"
 if ! command -v chromium >/dev/null; then
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null || true
+  command -v chromium >/dev/null || { echo "FAIL: no chromium, and installing Debian's failed" >&2; exit 1; }
 fi
 # Without the background-networking flags Chromium dials out at start, which
 # a closed network refuses (and logs as errors).
