@@ -26,12 +26,6 @@ for dt in f32 bf16; do
   echo "## lmrr bench --device cuda --speed-only, small $dt, prefill of 512 tokens"
   "$bin/lmrr" bench --device cuda --model "$tmp/small-$dt" --speed-only --prompt-len 512 --batches 1 --decode-steps 8 --repeats 5
 done
-echo "## wide gemm tiles (LMRR_CUDA_GEMM_WIDE_MIN) against the narrow ones, small f32"
-for wm in 64 1000000; do
-  echo "# LMRR_CUDA_GEMM_WIDE_MIN=$wm"
-  LMRR_CUDA_GEMM_WIDE_MIN=$wm "$bin/lmrr" bench --device cuda --model "$tmp/small-f32" --speed-only --prompt-len 64 --batches 64 --decode-steps 32 --repeats 5 | grep -E "^\| (prefill|decode)"
-  LMRR_CUDA_GEMM_WIDE_MIN=$wm "$bin/lmrr" bench --device cuda --model "$tmp/small-f32" --speed-only --prompt-len 512 --batches 1 --decode-steps 8 --repeats 5 | grep -E "^\| prefill"
-done
 echo "## the step's parts (each synchronized), small f32, batch 64"
 LMRR_CUDA_PROFILE=1 "$bin/lmrr" bench --device cuda --model "$tmp/small-f32" --prompt-len 64 --batches 64 --decode-steps 8 --repeats 1 | grep -E "share of"
 if [ -n "$anchors" ] && [ -d "$anchors" ]; then

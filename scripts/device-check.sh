@@ -154,90 +154,33 @@ for case in "incident abort-inserts-partial" "v4-batch mhc-bf16" "v4-agent moe-r
   [ $rc = 1 ] || fail=1
 done
 fi  # the core part
-# Every kernel choice (Tuning in kernels/src/cuda/resident.rs) gives the
-# same bits: sessions recorded on the GPU under each replay bit-exactly on
-# the CPU, and committed bundles replay under each: fused steps
-# (matmul_fused) up to 8 tokens; SwiGLU in gate/up's epilogue up to 8
-# tokens; matmul_gemm from 9 tokens, unsplit;
-# matmul_gemm_wide from 9 tokens, always split over chunks;
-# matmul_gemm_wide unpipelined from 9 tokens; matmul_rows for every step;
-# SwiGLU in down's input loads with attention_paged for every step (the
-# defaults keep the swiglu kernel and take attention_decode for small
-# steps); attention_decode for every step; plain launches instead of
-# programmatic dependent launch (the kernels at NVRTC's default
-# architecture, not sm_90), with matmul_rows and with gemm from 9 tokens;
-# every kernel waiting before its weight loads (LMRR_CUDA_PDL_PREFETCH=0,
-# the default loads them first); fused steps with graphs off;
-# attention_decode loading earlier steps' K/V rows before its wait
-# (LMRR_CUDA_ATTN_PREFETCH=1), also for every attention step (prefill
-# chunks: rows of the step's own span must wait) with graphs off; each
-# layer's K/V rows copied back on the second stream while later layers run
-# (LMRR_CUDA_KV_OVERLAP_MIN), for every step with graphs off; all of them
-# copied back after the step (LMRR_CUDA_KV_EARLY_MIN=0; the default copies
-# them after the last layer while the head runs, decode graphs captured as
-# layers and head apart); decode matmuls by
-# matmul_chunk (a thread per row and chunk), alone and in fused steps
-# (norms, residual adds and SwiGLU inside it), graphs on and off; decode
-# attention by attention_decode_hd64 (fused with RoPE, and alone); gate and
-# up row by row in one block with SwiGLU in its epilogue (gate_up_swiglu),
-# graphs on and off; the head's add and norm as add_rows, gather_rows and
-# norm_reg (LMRR_CUDA_HEAD_DIRECT=0; the default is one norm_reg launch) with
-# SwiGLU four elements a thread; those four elements with gate_up_swiglu and
-# the one-launch head, graphs off;
-# every norm by norm_reg_lf (the residual row loaded before its stores;
-# by default only norms of 128 rows or more), with and without programmatic
-# dependent launch; matmul_rows4 (four rows a block) for every matrix
-# that takes matmul_rows in every step, and for the lm head alone (the
-# embedded model's 1,024 rows) with graphs off (by default only heads of
-# 32,768 rows or more in steps of 8 tokens or more); decode attention with
-# q reloaded from global memory (LMRR_CUDA_ROPE_QS=0; the default hands the
-# rotated q head over in shared memory), graphs on and off; q/k/v and
-# gate/up four rows a block (LMRR_CUDA_MULTI4), alone and with every
-# matmul_rows matrix by matmul_rows4 with graphs off; the kernels
-# compiled with launch bounds (LMRR_CUDA_LB_*: fewer registers, more blocks
-# an SM) with q/k/v and gate/up four rows a block; decode attention's step
-# inputs loaded after the PDL wait (LMRR_CUDA_ATTN_EARLY=0; the default
-# loads them before it), graphs on and off; a prefill's attention groups
-# in span order (LMRR_CUDA_PF_LONGEST_FIRST=0; the default lists them
-# longest first); o and down with the add and norm after them in one
-# launch (LMRR_CUDA_ROWS_NORM_MAX, matmul_rows_norm), graphs on and off.
-tunings="LMRR_CUDA_FUSED_MAX=8;LMRR_CUDA_SWIGLU_MAX=8;LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=0"
-tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_WIDE_MIN=9 LMRR_CUDA_SPLIT_BLOCKS=1000000"
-tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_PIPELINED=0;LMRR_CUDA_GEMM_MIN=1000000"
-tunings+=";LMRR_CUDA_DOWN_SWIGLU=1 LMRR_CUDA_ATTN_DECODE_MAX=0;LMRR_CUDA_ATTN_DECODE_MAX=100000"
+# Every kernel choice left in the table (Tuning in kernels/src/cuda/tuning.rs)
+# gives the same bits: sessions recorded on the GPU under each replay
+# bit-exactly on the CPU, and committed bundles replay under each:
+# matmul_gemm from 9 tokens (split over chunks where its tiles are few);
+# matmul_rows for every step; attention_paged for every step, and
+# attention_decode for every step; plain launches instead of programmatic
+# dependent launch (the kernels at NVRTC's default architecture, the form a
+# pre-Hopper device runs), with matmul_rows and with gemm from 9 tokens;
+# each layer's K/V rows copied back on the second stream while later layers
+# run, for every step, graphs off; every norm by norm_reg_lf, with and
+# without programmatic dependent launch; matmul_rows4 for every matrix of
+# 1,000 rows or more (the embedded model's lm head), graphs on and off.
+tunings="LMRR_CUDA_GEMM_MIN=9;LMRR_CUDA_GEMM_MIN=1000000"
+tunings+=";LMRR_CUDA_ATTN_DECODE_MAX=0;LMRR_CUDA_ATTN_DECODE_MAX=100000"
 tunings+=";LMRR_CUDA_PDL=0;LMRR_CUDA_PDL=0 LMRR_CUDA_GEMM_MIN=9"
-tunings+=";LMRR_CUDA_PDL_PREFETCH=0;LMRR_CUDA_FUSED_MAX=8 LMRR_CUDA_GRAPHS=0"
-tunings+=";LMRR_CUDA_ATTN_PREFETCH=1;LMRR_CUDA_ATTN_PREFETCH=1 LMRR_CUDA_GRAPHS=0 LMRR_CUDA_ATTN_DECODE_MAX=100000"
-tunings+=";LMRR_CUDA_GEMM_MULTI=1 LMRR_CUDA_FOLD_SUMS=1;LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_WIDE_MIN=9 LMRR_CUDA_GEMM_MULTI=1 LMRR_CUDA_FOLD_SUMS=1"
-tunings+=";LMRR_CUDA_ATTN_PREFILL_HD64=1;LMRR_CUDA_ATTN_PREFILL_HD64=1 LMRR_CUDA_ATTN_PREFILL_GROUP=5"
-tunings+=";LMRR_CUDA_ROPE_ATTN=1;LMRR_CUDA_ROPE_ATTN=1 LMRR_CUDA_GRAPHS=0 LMRR_CUDA_ATTN_DECODE_MAX=100000"
-tunings+=";LMRR_CUDA_KV_OVERLAP_MIN=1 LMRR_CUDA_GRAPHS=0;LMRR_CUDA_KV_EARLY_MIN=0"
-tunings+=";LMRR_CUDA_ATTN_DECODE_HD64=1;LMRR_CUDA_ATTN_DECODE_HD64=1 LMRR_CUDA_GRAPHS=0 LMRR_CUDA_ROPE_ATTN=0"
-tunings+=";LMRR_CUDA_CHUNK_MAX=8;LMRR_CUDA_CHUNK_MAX=8 LMRR_CUDA_FUSED_MAX=8;LMRR_CUDA_CHUNK_MAX=8 LMRR_CUDA_FUSED_MAX=8 LMRR_CUDA_GRAPHS=0"
-tunings+=";LMRR_CUDA_GATE_UP_SWIGLU=1;LMRR_CUDA_GATE_UP_SWIGLU=1 LMRR_CUDA_GRAPHS=0"
-tunings+=";LMRR_CUDA_HEAD_DIRECT=0 LMRR_CUDA_SWIGLU4=1;LMRR_CUDA_GATE_UP_SWIGLU=1 LMRR_CUDA_HEAD_DIRECT=1 LMRR_CUDA_SWIGLU4=1 LMRR_CUDA_GRAPHS=0"
+tunings+=";LMRR_CUDA_KV_OVERLAP_MIN=1 LMRR_CUDA_GRAPHS=0"
 tunings+=";LMRR_CUDA_LOADS_FIRST_MIN=1;LMRR_CUDA_LOADS_FIRST_MIN=1 LMRR_CUDA_PDL=0"
-tunings+=";LMRR_CUDA_ROWS4_MIN=1 LMRR_CUDA_ROWS4_TOKENS=1;LMRR_CUDA_ROWS4_MIN=1000 LMRR_CUDA_ROWS4_TOKENS=1 LMRR_CUDA_GRAPHS=0"
-tunings+=";LMRR_CUDA_ROPE_QS=0;LMRR_CUDA_ROPE_QS=0 LMRR_CUDA_GRAPHS=0"
-tunings+=";LMRR_CUDA_MULTI4=1;LMRR_CUDA_MULTI4=1 LMRR_CUDA_ROWS4_MIN=1 LMRR_CUDA_ROWS4_TOKENS=1 LMRR_CUDA_GRAPHS=0"
-tunings+=";LMRR_CUDA_LB_ATTN_DECODE=4 LMRR_CUDA_LB_ATTN_PREFILL=4 LMRR_CUDA_LB_ROWS4=8 LMRR_CUDA_LB_MULTI=16 LMRR_CUDA_MULTI4=1"
-tunings+=";LMRR_CUDA_ATTN_EARLY=0;LMRR_CUDA_ATTN_EARLY=0 LMRR_CUDA_GRAPHS=0;LMRR_CUDA_PF_LONGEST_FIRST=0"
-tunings+=";LMRR_CUDA_ROWS_NORM_MAX=8;LMRR_CUDA_ROWS_NORM_MAX=8 LMRR_CUDA_GRAPHS=0"
-tunings+=";LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_FOLD_SUMS=1;LMRR_CUDA_GEMM_MIN=9 LMRR_CUDA_GEMM_WIDE_MIN=9 LMRR_CUDA_GEMM_MULTI=1 LMRR_CUDA_SPLIT_BLOCKS=1000000"
+tunings+=";LMRR_CUDA_ROWS4_MIN=1000;LMRR_CUDA_ROWS4_MIN=1000 LMRR_CUDA_GRAPHS=0"
 IFS=';' read -r -a tuning_list <<<"${DEVICE_CHECK_TUNINGS:-$tunings}"
 [ "$part" = core ] && tuning_list=()
-# The resident module as compiled under other defines, each kernel against
-# the CPU or its reference as gpu_check checks the defaults: with launch
-# bounds, and with decode attention's inputs read after the wait (the form
-# before the default; these change the module, not the negative controls'
-# sources, which ran above).
+# gpu_check under plain launches: the resident kernels as a pre-Hopper
+# device compiles them (the default run above has programmatic dependent
+# launch), each against the CPU or its reference.
 if [ "$part" != core ] && [ "${DEVICE_CHECK_GPU_CHECK:-1}" != 0 ]; then
-  for defs in "LMRR_CUDA_LB_ATTN_DECODE=4 LMRR_CUDA_LB_ATTN_PREFILL=4 LMRR_CUDA_LB_ROWS4=8 LMRR_CUDA_LB_MULTI=16" \
-    "LMRR_CUDA_ATTN_EARLY=0"; do
-    out=$(env $defs GPU_CHECK_CONTROLS=none "$bin/gpu_check" 2>&1); rc=$?
-    printf '%-72s gpu_check: exit %s  %s\n' "$defs:" "$rc" "$(echo "$out" | grep -m1 -E 'cases bit-identical|FAIL')"
-    [ $rc = 0 ] || fail=1
-  done
+  out=$(env LMRR_CUDA_PDL=0 GPU_CHECK_CONTROLS=none "$bin/gpu_check" 2>&1); rc=$?
+  printf '%-72s gpu_check: exit %s  %s\n' "LMRR_CUDA_PDL=0:" "$rc" "$(echo "$out" | grep -m1 -E 'cases bit-identical|FAIL')"
+  [ $rc = 0 ] || fail=1
 fi
 for tun in "${tuning_list[@]}"; do
   for s in incident multi-user; do

@@ -2,11 +2,11 @@
 """Registers, spills and static shared memory of every kernel in
 kernels/cuda/kernels.cu, as ptxas assigns them for a GPU architecture,
 without a GPU: NVRTC compiles the source as the resident module is compiled
-(`--fmad=false --prec-div=true --prec-sqrt=true --ftz=false`, `PDL_PREFETCH`
-defined) straight to SASS with `-Xptxas=-v` and the report is read back.
+(`--fmad=false --prec-div=true --prec-sqrt=true --ftz=false`, `ATTN_EARLY`
+and `PDL_PREFETCH` defined) straight to SASS with `-Xptxas=-v` and the report is read back.
 
     scripts/kernel-regs.py                          # sm_90, the resident module's defines
-    scripts/kernel-regs.py -D LB_ATTN_DECODE=4      # with a tuning's define (resident_source)
+    scripts/kernel-regs.py --no-prefetch            # as compiled under LMRR_CUDA_PDL=0
     scripts/kernel-regs.py --arch sm_80 --kernel attention_decode_rope_qs
 
 libnvrtc 13 is looked for where .ci/run unpacks it (target/nvrtc/...) unless
@@ -27,7 +27,7 @@ def main() -> int:
     ap.add_argument("--nvrtc", default=os.path.join(ROOT, "target/nvrtc/nvidia/cu13/lib/libnvrtc.so.13"))
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("-D", dest="defines", action="append", default=[], help="NAME=VALUE, prepended as #define")
-    ap.add_argument("--no-prefetch", action="store_true", help="without PDL_PREFETCH (LMRR_CUDA_PDL_PREFETCH=0)")
+    ap.add_argument("--no-prefetch", action="store_true", help="without ATTN_EARLY and PDL_PREFETCH (plain launches: LMRR_CUDA_PDL=0)")
     ap.add_argument("--kernel", help="only kernels whose name holds this")
     ap.add_argument("--threads", type=int, default=0, help="block size: also print blocks an SM by registers")
     a = ap.parse_args()
@@ -36,7 +36,7 @@ def main() -> int:
     except OSError as e:
         print(f"kernel-regs: cannot load libnvrtc at {a.nvrtc}: {e} (run .ci/run once, or pass --nvrtc)", file=sys.stderr)
         return 2
-    defs = [] if a.no_prefetch else ["#define PDL_PREFETCH 1"]
+    defs = [] if a.no_prefetch else ["#define ATTN_EARLY 1", "#define PDL_PREFETCH 1"]
     for d in a.defines:
         name, _, value = d.partition("=")
         defs.append(f"#define {name} {value or 1}")

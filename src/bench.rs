@@ -582,22 +582,7 @@ fn device_tuning(m: &dyn lmrr_engine::ModelFamily) -> Option<String> {
     let lmrr_engine::Device::Cuda(g) = m.device() else {
         return None;
     };
-    let t = g.tuning();
-    let yes = |b: bool| if b { "yes" } else { "no" };
-    Some(format!(
-        "steps of ≤ {} tokens fused (LMRR_CUDA_FUSED_MAX), SwiGLU in gate/up's epilogue to ≤ {} (LMRR_CUDA_SWIGLU_MAX), in down's input: {} (LMRR_CUDA_DOWN_SWIGLU); matmul_gemm from {} tokens (LMRR_CUDA_GEMM_MIN), its wide tiles from {} (LMRR_CUDA_GEMM_WIDE_MIN), pipelined: {} (LMRR_CUDA_GEMM_PIPELINED), split over chunks below {} blocks (LMRR_CUDA_SPLIT_BLOCKS); attention_decode to {} blocks (LMRR_CUDA_ATTN_DECODE_MAX); programmatic dependent launch: {} (LMRR_CUDA_PDL), decode matmuls' and norms' weights loaded before its wait: {} (LMRR_CUDA_PDL_PREFETCH), attention_decode's inputs and earlier steps' K/V rows too: {} (LMRR_CUDA_ATTN_PREFETCH)",
-        t.fused_max,
-        t.swiglu_max,
-        yes(t.down_swiglu),
-        t.gemm_min,
-        t.gemm_wide_min,
-        yes(t.gemm_pipelined),
-        t.split_blocks,
-        t.attn_decode_max,
-        yes(t.pdl),
-        yes(t.pdl && t.pdl_prefetch),
-        yes(t.pdl && t.pdl_prefetch && t.attn_prefetch)
-    ))
+    Some(g.tuning().describe())
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -7,18 +7,17 @@
 //! Prints one line per case and a summary; exits 1 on any differing bit, 2
 //! when no device can be opened.
 
-use lmrr_kernels::cuda::resident::{
-    AttnKernel, DecodeRopeCase, DecodeRopeKernel, Fused, NormKernel, Tuning,
-};
+use lmrr_kernels::cuda::resident::{AttnKernel, DecodeRopeCase, NormKernel, Tuning};
 use lmrr_kernels::cuda::split::MultiKernel;
-use lmrr_kernels::cuda::{compile_many, negative_controls, Control, Gpu, MatmulKernel};
+use lmrr_kernels::cuda::{
+    compile_many, negative_controls, Control, Gpu, MatmulKernel, ANY_CASE, CONTROL_CASES,
+};
 use lmrr_kernels::*;
 
 /// The paged attention kernels, each held to the CPU.
-const ATTN_KERNELS: [(&str, AttnKernel); 5] = [
+const ATTN_KERNELS: [(&str, AttnKernel); 4] = [
     ("attention_paged", AttnKernel::Paged),
     ("attention_decode", AttnKernel::Decode),
-    ("attention_decode_hd64", AttnKernel::DecodeHd64),
     ("attention_prefill", AttnKernel::Prefill),
     ("attention_prefill_hd64", AttnKernel::PrefillHd64),
 ];
@@ -67,40 +66,15 @@ fn block_view<'a>(kb: &'a [Vec<f32>], vb: &'a [Vec<f32>]) -> KvView<'a> {
     }
 }
 
-/// `gate_up_swiglu` on the device against the CPU's two matmuls then
-/// swiglu: (differing bits, outputs).
-fn gate_up_case(
-    gpu: &Gpu,
-    th: &Threads,
-    x: &[f32],
-    n: usize,
-    gate: &Matrix,
-    up: &Matrix,
-) -> (usize, usize) {
-    let (mut g, mut u) = (vec![0.0; n * gate.rows], vec![0.0; n * up.rows]);
-    matmul(th, x, n, gate, &mut g);
-    matmul(th, x, n, up, &mut u);
-    let mut cpu = vec![0.0; g.len()];
-    swiglu(&g, &u, &mut cpu);
-    let dev = gpu
-        .gate_up_swiglu_resident(x, n, gate, up)
-        .expect("gpu gate_up_swiglu");
-    (diff(&cpu, &dev), cpu.len())
-}
-
 /// A decode step (9/3 heads × 64, pages of 16, tokens at `positions`, each
 /// one sequence, pages listed out of order, the written slots NaN before
 /// the step) run as `rope_kv` then attention and as
-/// `kernel`'s form of `attention_decode_rope` on the device: the differing
-/// bits of the two
-/// paths' outputs, rotated q, rotated K rows and pages (each of the first
-/// path's kernels is checked against the CPU elsewhere), and their count.
-fn decode_rope(
-    gpu: &Gpu,
-    r: &mut Rng,
-    positions: &[usize],
-    kernel: DecodeRopeKernel,
-) -> (usize, usize) {
+/// `attention_decode_rope` on the device: `(fused, rope_kv, outputs)`: the
+/// differing bits of the two paths' outputs, rotated q, rotated K rows and
+/// pages (the attention kernels are checked against the CPU elsewhere);
+/// and of the rotated q and K rows of `rope_kv` and of the fused kernel
+/// against the CPU's `rope` of the same rows.
+fn decode_rope(gpu: &Gpu, r: &mut Rng, positions: &[usize]) -> (usize, usize, usize) {
     let (nh, nkv, hd, page_len) = (9usize, 3usize, 64usize, 16usize);
     let (qd, kvd, n) = (nh * hd, nkv * hd, positions.len());
     let pf = page_len * 2 * kvd;
@@ -150,9 +124,16 @@ fn decode_rope(
         pos: &pos,
         dst_page: &dst_page,
     };
-    let [a, b] = case.run(gpu, kernel).expect("gpu attention_decode_rope");
+    let [a, b] = case.run(gpu).expect("gpu attention_decode_rope");
     let d = a.iter().zip(&b).map(|(x, y)| diff(x, y)).sum();
-    (d, a.iter().map(Vec::len).sum())
+    // The CPU's RoPE of each token's q and k rows at its position.
+    let (mut qc, mut kc) = (q.clone(), k.clone());
+    for (t, &p) in positions.iter().enumerate() {
+        rope(&table, &mut qc[t * qd..(t + 1) * qd], p);
+        rope(&table, &mut kc[t * kvd..(t + 1) * kvd], p);
+    }
+    let cpu = diff(&qc, &a[1]) + diff(&kc, &a[2]) + diff(&qc, &b[1]) + diff(&kc, &b[2]);
+    (d, cpu, a.iter().map(Vec::len).sum())
 }
 
 fn diff(a: &[f32], b: &[f32]) -> usize {
@@ -307,8 +288,6 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
             MatmulKernel::GemmSplit(1),
             MatmulKernel::GemmWide,
             MatmulKernel::GemmWideSplit(2),
-            MatmulKernel::GemmPipelined,
-            MatmulKernel::GemmPipelinedSplit(2),
         ] {
             gpu.matmul_with(k, &x, n, &m, &mut dev, 1)
                 .expect("gpu matmul_gemm variant");
@@ -323,7 +302,7 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
     out.push(("matmul_gemm", gemm));
     {
         // One launch over two matrices of other row counts (q, k; gate, up),
-        // the gemm whole and split, and the chunk kernel.
+        // the gemm whole and split.
         let w2 = r.uniform_vec(32 * cols, 0.5);
         let m1 = Matrix::new(Weights::F32(&wf), rows, cols).expect("shape");
         let m2 = Matrix::new(Weights::F32(&w2), 32, cols).expect("shape");
@@ -336,8 +315,6 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
         for (label, k) in [
             ("matmul_gemm_multi", MultiKernel::Gemm),
             ("matmul_gemm_multi split", MultiKernel::GemmSplit),
-            ("matmul_chunk", MultiKernel::Chunk),
-            ("matmul_multi4", MultiKernel::Rows4),
         ] {
             let got = gpu
                 .multi_resident(k, &x, n, &[&m1, &m2])
@@ -345,48 +322,9 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
             out.push((label, diff(&want[0], &got[0]) + diff(&want[1], &got[1])));
         }
     }
-    {
-        let nw = r.uniform_vec(cols, 1.5);
-        let mut h = vec![0.0; x.len()];
-        rms_norm(&x, &nw, 1e-5, &mut h);
-        let m = Matrix::new(Weights::F32(&wf), rows, cols).expect("shape");
-        let mut cpu = vec![0.0; n * rows];
-        matmul(&th, &h, n, &m, &mut cpu);
-        let got = gpu
-            .fused_resident(&x, n, Some((&nw, 1e-5)), Fused::Store, &[&m], &[], false)
-            .expect("gpu matmul_fused");
-        out.push(("matmul_fused", diff(&cpu, &got[0])));
-    }
-    {
-        // Down with SwiGLU made in its input loads.
-        let u = r.uniform_vec(n * cols, 2.0);
-        let mut a = vec![0.0; x.len()];
-        swiglu(&x, &u, &mut a);
-        let m = Matrix::new(Weights::F32(&wf), rows, cols).expect("shape");
-        let mut cpu = vec![0.0; n * rows];
-        matmul(&th, &a, n, &m, &mut cpu);
-        let dev = gpu
-            .rows_swiglu_resident(&x, &u, n, &m)
-            .expect("gpu matmul_rows_swiglu");
-        out.push(("matmul_rows_swiglu", diff(&cpu, &dev)));
-    }
-    {
-        // Gate and up with SwiGLU in the epilogue: x·W as gate, another
-        // matrix as up (its own generator: the draws after stay the same).
-        let wu = SplitMix64(99).uniform_vec(rows * cols, 0.5);
-        let (mg, mu) = (
-            Matrix::new(Weights::F32(&wf), rows, cols).expect("shape"),
-            Matrix::new(Weights::F32(&wu), rows, cols).expect("shape"),
-        );
-        out.push(("gate_up_swiglu", gate_up_case(gpu, &th, &x, n, &mg, &mu).0));
-    }
-    for (name, kernel) in [
-        ("attention_decode_rope", DecodeRopeKernel::Rope),
-        ("attention_decode_rope_qs", DecodeRopeKernel::RopeQs),
-        ("attention_decode_rope_hd64", DecodeRopeKernel::Hd64),
-    ] {
-        out.push((name, decode_rope(gpu, &mut r, &[5, 64, 100], kernel).0));
-    }
+    let (fused, cpu_rope, _) = decode_rope(gpu, &mut r, &[5, 64, 100]);
+    out.push(("attention_decode_rope_qs", fused));
+    out.push(("rope_kv", cpu_rope));
     let w = r.uniform_vec(cols, 1.5);
     let (mut cpu, mut dev) = (vec![0.0; x.len()], vec![0.0; x.len()]);
     rms_norm(&x, &w, 1e-5, &mut cpu);
@@ -508,6 +446,7 @@ fn main() {
     for (
         Control {
             label,
+            kernel,
             source: src,
             fmad,
         },
@@ -525,18 +464,27 @@ fn main() {
         match opened {
             Ok(g) => {
                 let per_op = control(&g);
+                let names: Vec<&str> = per_op.iter().map(|x| x.0).collect();
+                assert_eq!(names, CONTROL_CASES, "control()'s cases are CONTROL_CASES");
                 let n: usize = per_op.iter().map(|x| x.1).sum();
+                // The case of the kernel the control breaks must differ
+                // (`any` for the control that changes only the options).
+                let named = if kernel == ANY_CASE {
+                    n
+                } else {
+                    per_op.iter().filter(|x| x.0 == kernel).map(|x| x.1).sum()
+                };
                 let seen: Vec<String> = per_op
                     .iter()
                     .filter(|x| x.1 > 0)
                     .map(|(op, d)| format!("{op} {d}"))
                     .collect();
                 println!(
-                    "negative control, {label}: {n} differing bits (must be > 0) [{}]",
+                    "negative control, {label}: {named} differing bits in {kernel} (must be > 0), {n} in all [{}]",
                     seen.join(", ")
                 );
-                if n == 0 {
-                    println!("  the check cannot see this broken mirror");
+                if named == 0 {
+                    println!("  the check cannot see this broken {kernel}");
                     blind.push(label);
                 }
             }
@@ -655,12 +603,6 @@ fn main() {
                 ("matmul_gemm split 3", MatmulKernel::GemmSplit(3)),
                 ("matmul_gemm_wide", MatmulKernel::GemmWide),
                 ("matmul_gemm_wide split 2", MatmulKernel::GemmWideSplit(2)),
-                ("matmul_chunk", MatmulKernel::Chunk),
-                ("matmul_gemm_pipelined", MatmulKernel::GemmPipelined),
-                (
-                    "matmul_gemm_pipelined split 2",
-                    MatmulKernel::GemmPipelinedSplit(2),
-                ),
             ] {
                 let mut gs = vec![f32::NAN; n * rows];
                 gpu.matmul_with(k, &x, n, &m, &mut gs, 1)
@@ -675,7 +617,7 @@ fn main() {
     }
     // Up to three matmuls of one input in one launch (q/k/v, gate/up; o and
     // down alone), each matrix's output against the CPU's matmul: the
-    // decode kernels (matmul_multi, matmul_multi4, matmul_chunk) and the gemm's one-launch
+    // decode kernel (matmul_multi) and the gemm's one-launch
     // form, whole and split (its partials summed).
     let multi_shapes: [(usize, usize, &[usize]); 6] = [
         (1, 576, &[576, 192, 192]),
@@ -715,8 +657,6 @@ fn main() {
             let total: usize = want.iter().map(Vec::len).sum();
             for (kname, k) in [
                 ("matmul_multi", MultiKernel::Rows),
-                ("matmul_multi4", MultiKernel::Rows4),
-                ("matmul_chunk", MultiKernel::Chunk),
                 ("matmul_gemm_multi", MultiKernel::Gemm),
                 ("matmul_gemm_multi split", MultiKernel::GemmSplit),
             ] {
@@ -784,123 +724,24 @@ fn main() {
             );
         }
     }
-    // Down with SwiGLU made in its input loads (matmul_rows_swiglu) against
-    // the CPU's swiglu then matmul: one token and a partial token tile,
-    // f32 and Q4_1.
-    for &(n, rows, cols) in &[(1usize, 576usize, 1536usize), (11, 40, 224)] {
-        let g = r.uniform_vec(n * cols, 6.0);
-        let u = r.uniform_vec(n * cols, 2.0);
-        let mut a = vec![0.0; g.len()];
-        swiglu(&g, &u, &mut a);
-        let wf = r.uniform_vec(rows * cols, 0.5);
-        let q41 = blocks(&mut r, QuantKind::Q4_1, rows * cols / 32);
-        for (label, w) in [
-            ("f32", Weights::F32(&wf)),
-            ("Q4_1", Weights::Quant(QuantKind::Q4_1, &q41)),
-        ] {
-            let m = Matrix::new(w, rows, cols).expect("shape");
-            let mut cpu = vec![0.0; n * rows];
-            matmul(&th, &a, n, &m, &mut cpu);
-            let dev = gpu
-                .rows_swiglu_resident(&g, &u, n, &m)
-                .expect("gpu matmul_rows_swiglu");
-            report(
-                format!("matmul_rows_swiglu {label} {n}×{cols}·{cols}×{rows}"),
-                diff(&cpu, &dev),
-                cpu.len(),
-            );
-        }
-    }
-    // o and down with the residual add and RMSNorm after them in one launch
-    // (matmul_rows_norm: the last block to finish adds and norms) against
-    // the CPU's matmul, add and norm: the `small` preset's o and down at one
-    // token and a full tile of 8, and a partial tile over ragged chunks;
-    // f32 and Q4_1; launched three times on one counter.
-    for &(n, rows, cols) in &[
-        (1usize, 576usize, 576usize),
-        (1, 576, 1536),
-        (8, 576, 1536),
-        (11, 100, 224),
-    ] {
-        let x = r.uniform_vec(n * cols, 2.0);
-        let resid = r.uniform_vec(n * rows, 3.0);
-        let nw = r.uniform_vec(rows, 1.5);
-        let wf = r.uniform_vec(rows * cols, 0.5);
-        let q41 = blocks(&mut r, QuantKind::Q4_1, rows * cols / 32);
-        for (label, w) in [
-            ("f32", Weights::F32(&wf)),
-            ("Q4_1", Weights::Quant(QuantKind::Q4_1, &q41)),
-        ] {
-            let m = Matrix::new(w, rows, cols).expect("shape");
-            let mut y = vec![0.0; n * rows];
-            matmul(&th, &x, n, &m, &mut y);
-            let sum: Vec<f32> = resid.iter().zip(&y).map(|(a, b)| a + b).collect();
-            let mut h = vec![0.0; sum.len()];
-            rms_norm(&sum, &nw, 1e-5, &mut h);
-            let (dy, dsum, dh) = gpu
-                .rows_norm_resident(&x, n, &m, &resid, &nw, 1e-5, 3)
-                .expect("gpu matmul_rows_norm");
-            report(
-                format!("matmul_rows_norm {label} {n}×{cols}·{cols}×{rows} (y, sum, norm)"),
-                diff(&y, &dy) + diff(&sum, &dsum) + diff(&h, &dh),
-                3 * y.len(),
-            );
-        }
-    }
-    // Gate and up with SwiGLU in the epilogue (gate_up_swiglu) against the
-    // CPU's two matmuls then swiglu: the `small` preset's one token and a
-    // full tile of 8, a partial tile over ragged chunks; f32, bf16 and Q4_1.
-    for &(n, rows, cols) in &[(1usize, 1536usize, 576usize), (8, 1536, 576), (11, 40, 224)] {
-        let x = r.uniform_vec(n * cols, 2.0);
-        let (gf, uf) = (
-            r.uniform_vec(rows * cols, 0.5),
-            r.uniform_vec(rows * cols, 0.5),
-        );
-        let bf = |v: &[f32]| -> Vec<u16> { v.iter().map(|f| (f.to_bits() >> 16) as u16).collect() };
-        let (gb, ub) = (bf(&gf), bf(&uf));
-        let (gq, uq) = (
-            blocks(&mut r, QuantKind::Q4_1, rows * cols / 32),
-            blocks(&mut r, QuantKind::Q4_1, rows * cols / 32),
-        );
-        for (label, wg, wu) in [
-            ("f32", Weights::F32(&gf), Weights::F32(&uf)),
-            ("bf16", Weights::Bf16(&gb), Weights::Bf16(&ub)),
-            (
-                "Q4_1",
-                Weights::Quant(QuantKind::Q4_1, &gq),
-                Weights::Quant(QuantKind::Q4_1, &uq),
-            ),
-        ] {
-            let (mg, mu) = (
-                Matrix::new(wg, rows, cols).expect("shape"),
-                Matrix::new(wu, rows, cols).expect("shape"),
-            );
-            let (d, count) = gate_up_case(&gpu, &th, &x, n, &mg, &mu);
-            report(
-                format!("gate_up_swiglu {label} {n}×{cols}·{cols}×{rows} (two matrices)"),
-                d,
-                count,
-            );
-        }
-    }
     // A decode step's RoPE, page writes and attention in one launch
     // (attention_decode_rope) against rope_kv then attention: tokens at
     // positions inside a first page, on a page edge and past several pages.
-    // Each form: q reloaded from global memory, q handed over in shared
-    // memory, head_dim 64's.
-    for (name, kernel) in [
-        ("attention_decode_rope", DecodeRopeKernel::Rope),
-        ("attention_decode_rope_qs", DecodeRopeKernel::RopeQs),
-        ("attention_decode_rope_hd64", DecodeRopeKernel::Hd64),
-    ] {
-        for positions in [&[0usize][..], &[5, 64, 100], &[15, 16, 17, 300]] {
-            let (d, count) = decode_rope(&gpu, &mut r, positions, kernel);
-            report(
-                format!("{name} at positions {positions:?} against rope_kv + attention"),
-                d,
-                count,
-            );
-        }
+    // The rotated q and K rows of both against the CPU's rope.
+    for positions in [&[0usize][..], &[5, 64, 100], &[15, 16, 17, 300]] {
+        let (d, cpu, count) = decode_rope(&gpu, &mut r, positions);
+        report(
+            format!(
+                "attention_decode_rope_qs at positions {positions:?} against rope_kv + attention"
+            ),
+            d,
+            count,
+        );
+        report(
+            format!("rope_kv and attention_decode_rope_qs at positions {positions:?}: q, K rows against the CPU's rope"),
+            cpu,
+            4 * positions.len() * 12 * 64,
+        );
     }
     // det_exp over a wide range and the special values.
     let mut x: Vec<f32> = (0..200_000).map(|i| -100.0 + i as f32 * 0.001).collect();
@@ -937,32 +778,6 @@ fn main() {
     let mut dev = vec![0.0; g.len()];
     gpu.swiglu(&g, &u, &mut dev).expect("gpu swiglu");
     report("swiglu 100003".into(), diff(&cpu, &dev), cpu.len());
-    // The resident path's SwiGLU: four a thread (swiglu4) where the count
-    // is a multiple of 4 and the buffers aligned, one a thread otherwise.
-    for n in [100_000usize, 99_999] {
-        let (g, u, cpu) = (&g[..n], &u[..n], &cpu[..n]);
-        let (dg, du) = (
-            gpu.upload(g, "g").expect("upload g"),
-            gpu.upload(u, "u").expect("upload u"),
-        );
-        let dy = gpu.alloc(4 * n, "out").expect("alloc out");
-        if n % 4 == 0 {
-            gpu.swiglu4_dev(dg.ptr(), du.ptr(), dy.ptr(), n)
-        } else {
-            gpu.swiglu_dev(dg.ptr(), du.ptr(), dy.ptr(), n)
-        }
-        .expect("gpu resident swiglu");
-        let mut dev = vec![f32::NAN; n];
-        gpu.dtoh(dy.ptr(), &mut dev).expect("download");
-        report(
-            format!(
-                "resident swiglu {n} ({})",
-                if n % 4 == 0 { "swiglu4" } else { "swiglu" }
-            ),
-            diff(cpu, &dev),
-            n,
-        );
-    }
     // RoPE at several positions (SmolLM2: head_dim 64, theta 1e5).
     let table = RopeTable::new(64, 100_000.0, 8192);
     for pos in [0usize, 1, 17, 511, 8191] {
@@ -1028,84 +843,6 @@ fn main() {
             }
         }
     }
-    // matmul_fused against the separate ops: the norm then q, k, v; the
-    // residual add; the norm then gate, up and SwiGLU (f32 and Q4_1).
-    for &(n, cols) in &[(1usize, 576usize), (3, 96), (8, 1088)] {
-        let x = r.uniform_vec(n * cols, 3.0);
-        let nw = r.uniform_vec(cols, 1.5);
-        let mut h = vec![0.0; x.len()];
-        rms_norm(&x, &nw, 1e-5, &mut h);
-        let rows = [24usize, 8, 8];
-        let wf: Vec<Vec<f32>> = rows.iter().map(|&o| r.uniform_vec(o * cols, 0.5)).collect();
-        let q41: Vec<Vec<u8>> = rows
-            .iter()
-            .map(|&o| blocks(&mut r, QuantKind::Q4_1, o * cols / 32))
-            .collect();
-        for (label, quant) in [("f32", false), ("Q4_1", true)] {
-            let ms: Vec<Matrix> = (0..3)
-                .map(|i| {
-                    let w = if quant {
-                        Weights::Quant(QuantKind::Q4_1, &q41[i])
-                    } else {
-                        Weights::F32(&wf[i])
-                    };
-                    Matrix::new(w, rows[i], cols).expect("shape")
-                })
-                .collect();
-            let mm = |inp: &[f32], i: usize| {
-                let mut y = vec![0.0; n * rows[i]];
-                matmul(&th, inp, n, &ms[i], &mut y);
-                y
-            };
-            for (kname, chunk) in [("matmul_fused", false), ("matmul_chunk", true)] {
-                let got = gpu
-                    .fused_resident(
-                        &x,
-                        n,
-                        Some((&nw, 1e-5)),
-                        Fused::Store,
-                        &[&ms[0], &ms[1], &ms[2]],
-                        &[],
-                        chunk,
-                    )
-                    .expect("gpu matmul_fused");
-                let d: usize = (0..3).map(|i| diff(&mm(&h, i), &got[i])).sum();
-                report(
-                    format!("{kname} norm + q/k/v {label} {n}×{cols}"),
-                    d,
-                    n * 40,
-                );
-                let base = r.uniform_vec(n * 24, 4.0);
-                let got = gpu
-                    .fused_resident(&x, n, None, Fused::Accumulate, &[&ms[0]], &base, chunk)
-                    .expect("gpu matmul_fused");
-                let want: Vec<f32> = base.iter().zip(mm(&x, 0)).map(|(a, b)| a + b).collect();
-                report(
-                    format!("{kname} residual {label} {n}×{cols}"),
-                    diff(&want, &got[0]),
-                    n * 24,
-                );
-                // SwiGLU with the norm made in the kernel, and of an input
-                // already normalized (the unfused step's epilogue form).
-                for (norm, input, case) in [
-                    (Some((&nw[..], 1e-5)), &h, "norm + gate/up + swiglu"),
-                    (None, &x, "gate/up + swiglu"),
-                ] {
-                    let got = gpu
-                        .fused_resident(&x, n, norm, Fused::Swiglu, &[&ms[1], &ms[2]], &[], chunk)
-                        .expect("gpu matmul_fused");
-                    let (g, u) = (mm(input, 1), mm(input, 2));
-                    let mut a = vec![0.0; g.len()];
-                    swiglu(&g, &u, &mut a);
-                    report(
-                        format!("{kname} {case} {label} {n}×{cols}"),
-                        diff(&a, &got[0]),
-                        n * 8,
-                    );
-                }
-            }
-        }
-    }
     // Paged attention with head_dim 128 and 256 (two chunks and more per
     // score) and MHA.
     for &(nh, nkv, hd, pos) in &[
@@ -1135,7 +872,7 @@ fn main() {
         attention(&th, &tasks, &shape, 0.088, &mut cpu);
         for (label, kernel) in ATTN_KERNELS {
             if (kernel == AttnKernel::Prefill && hd > lmrr_kernels::cuda::resident::PF_MAXHD)
-                || (matches!(kernel, AttnKernel::PrefillHd64 | AttnKernel::DecodeHd64) && hd != 64)
+                || (kernel == AttnKernel::PrefillHd64 && hd != 64)
             {
                 continue;
             }
@@ -1358,15 +1095,12 @@ fn main() {
             let tt = per_launch(MatmulKernel::Tile);
             let tr = per_launch(MatmulKernel::Rows);
             let tr4 = per_launch(MatmulKernel::Rows4);
-            let tc = per_launch(MatmulKernel::Chunk);
             let tg = per_launch(MatmulKernel::Gemm);
             let ts = per_launch(MatmulKernel::GemmSplit(1));
             let tw2 = per_launch(MatmulKernel::GemmWide);
             let tws = per_launch(MatmulKernel::GemmWideSplit(1));
-            let tp = per_launch(MatmulKernel::GemmPipelined);
-            let tps = per_launch(MatmulKernel::GemmPipelinedSplit(1));
             println!(
-                "  {what:<22} {label:<5} {n:>3}×{cols}·{cols}×{rows}: thread {:>8.1} µs, warp {:>7.1} µs ({:>5.1}×), tile {:>7.1} µs ({:>5.1}×), rows {:>7.1} µs ({:>5.1}×), chunk {:>7.1} µs ({:>6.0} GB/s), gemm {:>7.1} µs ({:>5.1}×, {:>5.2} TFLOP/s), gemm split {:>7.1} µs ({:>5.2} TFLOP/s), wide {:>7.1} µs ({:>5.2} TFLOP/s), wide split {:>7.1} µs ({:>5.2} TFLOP/s), pipelined {:>7.1} µs ({:>5.2} TFLOP/s), pipelined split {:>7.1} µs ({:>5.2} TFLOP/s); rows reads weights at {:>6.0} GB/s, rows4 {:>7.1} µs ({:>6.0} GB/s)",
+                "  {what:<22} {label:<5} {n:>3}×{cols}·{cols}×{rows}: thread {:>8.1} µs, warp {:>7.1} µs ({:>5.1}×), tile {:>7.1} µs ({:>5.1}×), rows {:>7.1} µs ({:>5.1}×), gemm {:>7.1} µs ({:>5.1}×, {:>5.2} TFLOP/s), gemm split {:>7.1} µs ({:>5.2} TFLOP/s), wide {:>7.1} µs ({:>5.2} TFLOP/s), wide split {:>7.1} µs ({:>5.2} TFLOP/s); rows reads weights at {:>6.0} GB/s, rows4 {:>7.1} µs ({:>6.0} GB/s)",
                 t * 1e6,
                 tw * 1e6,
                 t / tw,
@@ -1374,8 +1108,6 @@ fn main() {
                 t / tt,
                 tr * 1e6,
                 t / tr,
-                tc * 1e6,
-                bytes as f64 / tc / 1e9,
                 tg * 1e6,
                 t / tg,
                 2.0 * (n * rows * cols) as f64 / tg / 1e12,
@@ -1385,10 +1117,6 @@ fn main() {
                 2.0 * (n * rows * cols) as f64 / tw2 / 1e12,
                 tws * 1e6,
                 2.0 * (n * rows * cols) as f64 / tws / 1e12,
-                tp * 1e6,
-                2.0 * (n * rows * cols) as f64 / tp / 1e12,
-                tps * 1e6,
-                2.0 * (n * rows * cols) as f64 / tps / 1e12,
                 bytes as f64 / tr / 1e9,
                 tr4 * 1e6,
                 bytes as f64 / tr4 / 1e9
@@ -1413,7 +1141,7 @@ fn main() {
         let mut first: Option<Vec<f32>> = None;
         let mut line = format!("  prefill {len:>4} tokens:");
         for (label, kernel) in ATTN_KERNELS {
-            if matches!(kernel, AttnKernel::Decode | AttnKernel::DecodeHd64) {
+            if kernel == AttnKernel::Decode {
                 continue;
             }
             let mut out = vec![f32::NAN; len * shape.q_dim()];

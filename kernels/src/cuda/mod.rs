@@ -26,11 +26,12 @@ use crate::{AttnShape, AttnTask, RopeTable};
 pub mod overlap;
 pub mod resident;
 pub mod split;
+pub mod tuning;
 
 /// Largest head dimension the attention kernel's per-thread arrays hold.
 pub const MAX_HEAD_DIM: usize = 256;
 
-pub use crate::cuda_source::{negative_controls, Control, SOURCE};
+pub use crate::cuda_source::{negative_controls, Control, ANY_CASE, CONTROL_CASES, SOURCE};
 
 /// Whether libnvrtc can be loaded here (no GPU needed).
 pub fn nvrtc_present() -> bool {
@@ -102,35 +103,12 @@ pub fn compile_many(items: &[(&str, bool)], threads: usize) -> Vec<Result<String
 }
 
 /// `source` as the resident module is compiled under programmatic
-/// dependent launch for `tuning`: `PDL_PREFETCH` defined with
-/// [`resident::Tuning::pdl_prefetch`], and `ATTN_PREFETCH` too with
-/// [`resident::Tuning::attn_prefetch`] (`attention_decode` loading the
-/// inputs and the K/V rows of earlier steps before its wait).
-/// The launch bounds of [`resident::Tuning::lb_attn_decode`],
-/// `lb_attn_prefill`, `lb_rows4` and `lb_multi` are defined where set
-/// (`LB_ATTN_DECODE`, `LB_ATTN_PREFILL`, `LB_ROWS4`, `LB_MULTI`), and `ATTN_EARLY` with
-/// [`resident::Tuning::attn_early`].
-pub fn resident_source(source: &str, tuning: &resident::Tuning) -> String {
-    let mut defs = String::new();
-    for (name, blocks) in [
-        ("LB_ATTN_DECODE", tuning.lb_attn_decode),
-        ("LB_ATTN_PREFILL", tuning.lb_attn_prefill),
-        ("LB_ROWS4", tuning.lb_rows4),
-        ("LB_MULTI", tuning.lb_multi),
-    ] {
-        if blocks > 0 {
-            defs += &format!("#define {name} {blocks}\n");
-        }
-    }
-    if tuning.attn_early {
-        defs += "#define ATTN_EARLY 1\n";
-    }
-    let body = match (tuning.pdl_prefetch, tuning.attn_prefetch) {
-        (true, true) => format!("#define ATTN_PREFETCH 1\n{}", prefetch_source(source)),
-        (true, false) => prefetch_source(source),
-        _ => source.to_string(),
-    };
-    defs + &body
+/// dependent launch: `ATTN_EARLY` and `PDL_PREFETCH` defined, so that the
+/// kernels load what no kernel ahead of them writes (weights, the step's
+/// inputs) before waiting for it (kernels.cu's `PDL_ENTRY_EARLY`,
+/// `DecodeIn`).
+pub fn resident_source(source: &str) -> String {
+    format!("#define ATTN_EARLY 1\n{}", prefetch_source(source))
 }
 
 /// Why the device path is unavailable or failed.
@@ -212,17 +190,23 @@ pub enum MatmulKernel {
     GemmWide,
     /// `matmul_gemm_wide` split over chunks, this many per block.
     GemmWideSplit(usize),
-    /// `matmul_gemm_pipelined`: the wide tiles, the next chunk's loads in
-    /// flight during this one's FMAs.
-    GemmPipelined,
-    /// `matmul_gemm_pipelined` split over chunks, this many per block.
-    GemmPipelinedSplit(usize),
-    /// `matmul_chunk`: a thread per (row, chunk), blocks of whole rows
-    /// (decode steps of few tokens, [`resident::Tuning::chunk_max`]).
-    Chunk,
     /// `matmul_rows4`: `Rows` with four rows a block (wide matrices,
     /// [`resident::Tuning::rows4_min`]).
     Rows4,
+}
+
+/// The kernels' storage code (`weight()` in kernels.cu) of a block format,
+/// or an error for one they do not read.
+pub(crate) fn quant_code(q: QuantKind) -> Result<i32, GpuError> {
+    #[allow(unreachable_patterns)]
+    match q {
+        QuantKind::Q4_0 => Ok(2),
+        QuantKind::Q4_1 => Ok(3),
+        QuantKind::Q8_0 => Ok(4),
+        other => Err(GpuError::Config(format!(
+            "{other:?} weights have no CUDA kernel yet (the device reads f32, bf16, Q4_0, Q4_1, Q8_0)"
+        ))),
+    }
 }
 
 pub(crate) fn grid(n: usize) -> LaunchConfig {
@@ -301,7 +285,7 @@ impl Gpu {
             .map_err(drv)?;
         tuning.pdl &= major >= 9;
         let res_ptx = if tuning.pdl {
-            compile_for(&resident_source(source, &tuning), fmad, Some("compute_90"))?
+            compile_for(&resident_source(source), fmad, Some("compute_90"))?
         } else {
             ptx.clone()
         };
@@ -380,23 +364,13 @@ impl Gpu {
         let (kind, bytes): (i32, Vec<u8>) = match w.w {
             Weights::F32(s) => (0, s.iter().flat_map(|v| v.to_le_bytes()).collect()),
             Weights::Bf16(s) => (1, s.iter().flat_map(|v| v.to_le_bytes()).collect()),
-            Weights::Quant(q, s) => (
-                match q {
-                    QuantKind::Q4_0 => 2,
-                    QuantKind::Q4_1 => 3,
-                    QuantKind::Q8_0 => 4,
-                },
-                s.to_vec(),
-            ),
+            Weights::Quant(q, s) => (quant_code(q)?, s.to_vec()),
         };
         let row_bytes = (bytes.len() / w.rows.max(1)) as i64;
         if let MatmulKernel::Gemm
         | MatmulKernel::GemmSplit(_)
         | MatmulKernel::GemmWide
         | MatmulKernel::GemmWideSplit(_)
-        | MatmulKernel::GemmPipelined
-        | MatmulKernel::GemmPipelinedSplit(_)
-        | MatmulKernel::Chunk
         | MatmulKernel::Rows4 = kernel
         {
             return self.gemm_check(kernel, x, n, w, y, reps);
@@ -421,9 +395,6 @@ impl Gpu {
             | MatmulKernel::GemmSplit(_)
             | MatmulKernel::GemmWide
             | MatmulKernel::GemmWideSplit(_)
-            | MatmulKernel::GemmPipelined
-            | MatmulKernel::GemmPipelinedSplit(_)
-            | MatmulKernel::Chunk
             | MatmulKernel::Rows4 => {
                 return Err(GpuError::Shape {
                     what: "matmul",

@@ -28,9 +28,9 @@ use cudarc::driver::{result, sys, CudaContext, LaunchConfig};
 use super::{as_i32, drv, Gpu, GpuError, MAX_HEAD_DIM};
 use crate::matmul::{Matrix, Weights};
 pub use crate::paged::PageLayout;
-use crate::quant::QuantKind;
 
 pub use super::split::MmOut;
+pub use super::tuning::{longest_first, prefill_groups, Tuning};
 
 /// Tokens per warp of `matmul_tile` and per block of `matmul_rows`
 /// (`MM_TOKENS` in kernels.cu).
@@ -43,9 +43,6 @@ pub const MR4_ROWS: usize = 4;
 pub const MR4_MAX_CHUNKS: usize = 64;
 /// Threads per block of `matmul_rows` (`MR_GROUPS` groups of 8).
 pub const MR_THREADS: u32 = 128;
-/// Threads a `matmul_chunk` block holds at most (`MC_MAX_THREADS`): a row's
-/// chunks must fit one block, so rows of at most this many chunks.
-pub const MC_MAX_THREADS: usize = 256;
 /// Chunks of a row `norm_reg` holds in registers (`NR_MAX_CHUNKS`).
 pub const NR_MAX_CHUNKS: usize = 128;
 /// Rows, tokens and threads of a `matmul_gemm` block (`GM_*`).
@@ -79,577 +76,9 @@ pub enum NormKernel {
     RegLf,
 }
 
-/// Which kernel the resident path takes for a step or a matmul. Tuning
-/// only: every choice computes the same bits (device-check.sh holds each
-/// path to the CPU), so these move speed and nothing else. Each can be set
-/// by its environment variable to measure another choice.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Tuning {
-    /// `LMRR_CUDA_FUSED_MAX`: steps of at most this many tokens (and
-    /// wanted logits rows) run fused (`matmul_fused`: the norms, residual
-    /// adds and SwiGLU inside the matmuls; 6 launches a layer); 0: never.
-    pub fused_max: usize,
-    /// `LMRR_CUDA_SWIGLU_MAX`: in steps of at most this many tokens that are
-    /// not fused whole, gate/up computes SwiGLU in its epilogue
-    /// (`matmul_fused` with no norm: one launch a layer fewer); 0: never.
-    /// Off: measured slower on the H200 (batch 1 671 against 716 tok/s,
-    /// batch 8 3,323 against 3,420).
-    pub swiglu_max: usize,
-    /// `LMRR_CUDA_GEMM_MIN`: matmuls of at least this many tokens take
-    /// `matmul_gemm` (staged tiles) rather than `matmul_rows`.
-    pub gemm_min: usize,
-    /// `LMRR_CUDA_GEMM_WIDE_MIN`: from this many tokens, `matmul_gemm_wide`
-    /// (tiles of 64 rows × 32 tokens, 256 threads) instead of `matmul_gemm`
-    /// (32 × 16, 64 threads).
-    pub gemm_wide_min: usize,
-    /// `LMRR_CUDA_GEMM_PIPELINED=1`: the wide tiles by
-    /// `matmul_gemm_pipelined` (the next chunk's loads held in registers
-    /// during this one's FMAs); off (0): `matmul_gemm_wide`, staging then
-    /// computing, two blocks an SM. Off since the lane-major tiles: the held
-    /// loads spill at 128 registers (H200, 4096-token gate/up: 418 against
-    /// 340 µs; 512-token prefill 22,090 against 25,674 tok/s).
-    pub gemm_pipelined: bool,
-    /// `LMRR_CUDA_DOWN_SWIGLU=1`: in steps that take `matmul_rows`, down
-    /// reads SwiGLU(gate, up) made in its own loads (`matmul_rows_swiglu`:
-    /// one launch a layer fewer). Off: measured slower on the H200 (batch 1
-    /// 728 against 792 tok/s, batch 8 2,550 against 3,603), each of down's
-    /// blocks recomputing the whole row's SwiGLU.
-    pub down_swiglu: bool,
-    /// `LMRR_CUDA_ATTN_DECODE_MAX`: attention steps of at most this many
-    /// blocks (tokens × heads) take `attention_decode` (a block's loads in
-    /// flight together, more registers) rather than `attention_paged`; 0:
-    /// never.
-    pub attn_decode_max: usize,
-    /// `LMRR_CUDA_PDL` (default 1; sm_90 and later, ignored on an earlier
-    /// device): programmatic dependent launch, each resident kernel
-    /// launched while the one ahead of it runs and waiting for it inside
-    /// (`PDL_ENTRY`), the kernels compiled for sm_90. Measured faster on the
-    /// H200 at every batch (batch 1 836 against 784 tok/s, graphs off 761
-    /// against 620); 0: plain launches, the kernels at NVRTC's default
-    /// architecture.
-    pub pdl: bool,
-    /// `LMRR_CUDA_PDL_PREFETCH` (default 1, with [`Tuning::pdl`]): the
-    /// resident module compiled with `PDL_PREFETCH`, so that `matmul_rows`,
-    /// `matmul_multi`, `matmul_rows_swiglu`, `matmul_fused` and `norm_reg`
-    /// load their first weights before waiting for the kernel ahead of them
-    /// (weights are never written while steps run: the same values).
-    /// Measured faster on the H200 (three rounds, batch 1 912-961 against
-    /// 834-838 tok/s, batch 8 3,654-3,880 against 3,439-3,527, bf16 batch 1
-    /// 888 against 767); 0: every kernel waits first.
-    pub pdl_prefetch: bool,
-    /// `LMRR_CUDA_ATTN_PREFETCH` (with [`Tuning::pdl_prefetch`]):
-    /// `attention_decode` loads the step's inputs and the K/V rows that
-    /// earlier steps wrote (below the first position its span writes now)
-    /// before its wait; rows of this step's positions and q after it. Off:
-    /// bit-identical on the H200 but slower (two alternating rounds: batch 1
-    /// 700-702 against 940-951 tok/s, batch 8 3,216-3,265 against
-    /// 3,749-3,878, after 512 tokens 434-437 against 505-508); the held
-    /// rows cost the kernel its occupancy.
-    pub attn_prefetch: bool,
-    /// `LMRR_CUDA_ATTN_PREFILL` (default 1): attention over a step's tokens
-    /// in groups of up to [`PF_TQ`] of one sequence (`attention_prefill`:
-    /// each K/V tile loaded once for the group), where the step's
-    /// [`PageTable`] lists groups (steps whose spans are long); 0:
-    /// `attention_paged`, a block per token and head.
-    pub attn_prefill: bool,
-    /// `LMRR_CUDA_ATTN_PREFILL_GROUP` (1..=[`PF_TQ`], default 16): tokens
-    /// per `attention_prefill` group. Fewer: more blocks (a 512-token
-    /// prefill has 32 groups of 16 per head), each K/V tile loaded for
-    /// fewer tokens.
-    pub attn_prefill_group: usize,
-    /// `LMRR_CUDA_ATTN_PREFILL_HD64` (default 1): where `attention_prefill`
-    /// serves a step of head_dim 64 ([`hd64_fits`]), `attention_prefill_hd64`
-    /// does (float4 tiles, the next tile's loads in flight, fewer
-    /// shared-memory reads; the same bits). Measured on the H200: 75.8
-    /// against 169.8 µs a layer of a 512-token prefill (606 against 1,212
-    /// at 2,048); 512-token prefill 43,989 against 35,570 tok/s, 2,048
-    /// tokens 43,739 against 31,236.
-    pub attn_prefill_hd64: bool,
-    /// `LMRR_CUDA_ROPE_ATTN` (default 1): a decode step's RoPE and K/V page
-    /// writes made by its attention blocks (`attention_decode_rope`), one
-    /// launch a layer fewer, where the step qualifies
-    /// ([`Gpu::attention_decode_rope`]). Measured on the H200: batch 1 937
-    /// against 910 tok/s, batch 8 3,919 against 3,752.
-    pub rope_attn: bool,
-    /// `LMRR_CUDA_SPLIT_BLOCKS`: a `matmul_gemm` whose tiles are fewer
-    /// than this many blocks is split over its chunks (partials, then
-    /// `sum_chunks`) to about this many blocks; 0: never split.
-    pub split_blocks: usize,
-    /// `LMRR_CUDA_GEMM_MULTI` (default 1): in steps of wide gemm tiles, the
-    /// matmuls of one input (q, k, v; gate, up) in one `matmul_gemm_multi`
-    /// launch, each block the block it is in its own launch (the same
-    /// bits), rather than a launch each; a single matrix (o, down) takes
-    /// it too. With [`Tuning::fold_sums`], measured on the H200: batch 64
-    /// 17,420 against 16,762 tok/s.
-    pub gemm_multi: bool,
-    /// `LMRR_CUDA_FOLD_SUMS` (default 1): a split gemm's chunk partials are
-    /// summed by the kernel that reads its output (`rope_kv`,
-    /// `norm_reg`/`norm_block`, `swiglu_split`, `add_rows`, each through
-    /// `split_value`: sum_chunks' bits) rather than by a `sum_chunks` launch
-    /// ahead of it. Measured on the H200 with [`Tuning::gemm_multi`] (above);
-    /// alone it was slower at batch 64 (16,319 against 17,218 tok/s).
-    pub fold_sums: bool,
-    /// `LMRR_CUDA_KV_OVERLAP_MIN` (default 256; 0: off): in steps of at
-    /// least this many tokens that are not replayed from a graph, each
-    /// layer's K/V rows are copied to the host on a second stream as soon as
-    /// the layer has made them, and the host writes them into its KV store
-    /// while the later layers run ([`super::overlap`]), rather than one
-    /// download after the step. Measured on the H200: 512-token prefill
-    /// 38,332 against 35,425 tok/s.
-    pub kv_overlap_min: usize,
-    /// `LMRR_CUDA_KV_EARLY_MIN` (default 1; 0: off): in steps of at least
-    /// this many tokens (and not overlapped layer by layer), the K/V rows
-    /// are copied to the host on the second stream right after the last
-    /// layer, and the host writes them into its KV store while the head
-    /// runs and the logits come back (decode graphs capture the layers and
-    /// the head apart for it). Measured on the H200: batch 64 18,277
-    /// against 16,981 tok/s (at 16, the default then); on the H100
-    /// (2026-12-05e, two alternating rounds) at 1: batch 1 957.9 / 959.0
-    /// against 953.0, batch 8 4,286 / 4,325 against 4,113 / 4,115 (the
-    /// step's copies, 14–95 µs, run during the head).
-    pub kv_early_min: usize,
-    /// `LMRR_CUDA_CHUNK_MAX` (0: off): matmuls of at most this many tokens
-    /// (below [`Tuning::gemm_min`]) take `matmul_chunk` — a thread per
-    /// (row, 64-chunk), its chunk's weights loaded at once, a block of
-    /// several rows — rather than `matmul_rows` / `matmul_multi` (a block
-    /// per row). The same bits.
-    pub chunk_max: usize,
-    /// `LMRR_CUDA_CHUNK_THREADS` (32..=256, default 128): the threads a
-    /// `matmul_chunk` block aims at (whole rows of chunks: 14 rows of 9
-    /// chunks make 126).
-    pub chunk_threads: usize,
-    /// `LMRR_CUDA_ATTN_DECODE_HD64` (0/1, off: measured slower):
-    /// where `attention_decode` (or `attention_decode_rope`) serves a step
-    /// of head_dim 64 ([`hd64_fits`]), `attention_decode_hd64` (or
-    /// `attention_decode_rope_hd64`) does: a thread per position's score,
-    /// the tile maxima by warp shuffles, every thread its own running max,
-    /// three barriers a pass instead of seven (the same bits). Off: slower on
-    /// the H100 (two alternating rounds, batch 1 835/838 against 943/941
-    /// tok/s, batch 8 3,550/3,663 against 3,966/3,873, after 512 tokens
-    /// 437/439 against 478/489; gpu_check's kernel time 11.1 against 9.6 µs
-    /// at 64 positions).
-    pub attn_decode_hd64: bool,
-    /// `LMRR_CUDA_GATE_UP_SWIGLU` (0/1): in steps that take `matmul_rows`
-    /// (below [`Tuning::gemm_min`] tokens), gate and up of each row in one
-    /// block and SwiGLU in its epilogue (`gate_up_swiglu`,
-    /// [`Gpu::gate_up_swiglu`]): one launch a layer fewer, the same bits.
-    /// Off: slower on an H100 (2026-12-05f, `scripts/device-ab.sh`): the
-    /// batch-1 step's kernels 1.106 ms against 1.042 (898–900 against
-    /// 948–949 tok/s), batch 8 3,169–3,249 against 3,833–3,895 tok/s; a
-    /// block's two matrices cost more than the launch it saves.
-    pub gate_up_swiglu: bool,
-    /// `LMRR_CUDA_HEAD_DIRECT` (0/1): where a step wants every token's
-    /// logits row, in order (every decode step), the head's residual add
-    /// and final norm are one `norm_reg` launch over the rows where they
-    /// are, with no `add_rows` or `gather_rows` launch (two launches a step
-    /// fewer; the same operations on the same rows). On since 2026-12-05f:
-    /// on an H100 the batch-1 step's kernels took 1.042–1.043 ms against
-    /// 1.044–1.045 (`scripts/device-ab.sh`; a small gain, within the
-    /// rounds' spread at batch 8).
-    pub head_direct: bool,
-    /// `LMRR_CUDA_SWIGLU4` (0/1): the resident SwiGLU (of unsplit gate and
-    /// up outputs: prefill steps, decode steps below
-    /// [`Tuning::gemm_min`]) four elements a thread (`swiglu4`, float4
-    /// loads; the same operations on each element) where the count is a
-    /// multiple of 4 and the buffers 16-byte aligned. Off: no faster on an
-    /// H100 (2026-12-05f): a 512-token prefill at 48,178–48,194 tok/s
-    /// against 48,171–48,223 by default.
-    pub swiglu4: bool,
-    /// `LMRR_CUDA_LOADS_FIRST_MIN` (rows; 0 = never): norms of at least
-    /// this many rows take `norm_reg_lf`, which loads the whole residual
-    /// row before storing the sums (one round trip a row, not one an
-    /// element; the same values). Measured on an H100 (2026-12-05f,
-    /// `docs/gpu-runs-2026-12-05f.txt`): alone each batch-1 norm takes
-    /// 3.24 µs against 4.64 (ncu, graphs off), and prefill gains (64
-    /// tokens 25,627 / 26,045 against 24,019 / 24,536 tok/s, 512 tokens
-    /// 49,117 / 49,132 against 48,910 / 48,819), but in a batch-1 decode
-    /// chain (graphs, programmatic dependent launch) the step's kernels
-    /// take 1.081–1.085 ms against 1.050 and batch 8 is unchanged. Default
-    /// 128: a step's norms take it when the step carries 128 tokens or more
-    /// (prefill; a chunked prefill's smaller steps do not), no decode batch
-    /// up to the 64 measured does.
-    pub loads_first_min: usize,
-    /// `LMRR_CUDA_ROWS4_MIN` (rows; 0 = never; default 32,768: an lm
-    /// head, no layer's matrix): matrices of at least this many rows, in
-    /// steps of at least [`Tuning::rows4_tokens`] tokens that take
-    /// `matmul_rows`, by `matmul_rows4` instead: four rows a block, each
-    /// thread's loads of the four rows in flight at once (the same
-    /// operations; rows of at most `64 · MR4_MAX_CHUNKS` columns). For the
-    /// `small` preset's 49,152-row head, measured on an H100 (2026-12-06,
-    /// two alternating rounds, `docs/gpu-runs-2026-12-06.txt`): batch 8
-    /// 4,322 / 4,338 against 4,138 / 4,129 tok/s (the step's kernels 1.722
-    /// against 1.790 ms), batch 1 939.9 / 941.3 against 938.7 / 949.6 (1.047
-    /// against 1.042 ms: slower, hence the token floor).
-    pub rows4_min: usize,
-    /// `LMRR_CUDA_ROWS4_TOKENS` (default 8, one full token tile): the
-    /// fewest tokens a step has for [`Tuning::rows4_min`] to apply.
-    pub rows4_tokens: usize,
-    /// `LMRR_CUDA_ROWS4_MAX` (rows; default 0 = no maximum): matrices of
-    /// more rows than this keep `matmul_rows` whatever
-    /// [`Tuning::rows4_min`] says, so that the layers' matrices can take
-    /// `matmul_rows4` at a token count where the lm head does not
-    /// (`ROWS4_MIN=1 ROWS4_TOKENS=1 ROWS4_MAX=32767`: o and down of a
-    /// batch-1 step, the head by `matmul_rows`).
-    pub rows4_max: usize,
-    /// `LMRR_CUDA_ROPE_QS` (0/1, default 1): where `attention_decode_rope`
-    /// serves a step, `attention_decode_rope_qs` does: the rotated q head
-    /// handed from the RoPE prologue to the attention in shared memory,
-    /// one barrier and one reload of q from global memory fewer a block
-    /// (the same operations). Measured on an H100 (2026-12-06, two
-    /// alternating rounds): batch 1 961.0 / 959.5 against 938.7 / 949.6
-    /// tok/s (the step's kernels 1.028 / 1.029 against 1.044 / 1.041 ms),
-    /// batch 64 19,565 / 19,501 against 19,076 / 19,232, batch 8 4,125 /
-    /// 4,161 against 4,138 / 4,129.
-    pub rope_qs: bool,
-    /// `LMRR_CUDA_MULTI4` (0/1): steps that take `matmul_multi` (q/k/v,
-    /// gate/up below [`Tuning::gemm_min`] tokens) take `matmul_multi4`
-    /// instead, `matmul_rows4`'s blocks of four rows (the same operations).
-    /// gpu_check on an H100 (2026-12-06) timed `matmul_rows4` alone on one
-    /// token of gate/up at 3.3 µs against `matmul_rows`' 4.4. Not yet
-    /// measured in a step: off.
-    pub multi4: bool,
-    /// `LMRR_CUDA_LB_ATTN_DECODE` (blocks; default 0 = none): the decode
-    /// attention kernels (`attention_decode`, `_rope`, `_rope_qs`)
-    /// compiled with launch bounds asking for this many blocks an SM, which
-    /// caps their registers (kernels.cu's `ATTN_DECODE_BOUNDS`; ptxas for
-    /// sm_90: 96 registers without, two blocks an SM; 64 with 4, no
-    /// spills). Register allocation only: the same operations. With
-    /// [`Tuning::pdl`] (the resident module compiled for sm_90).
-    pub lb_attn_decode: usize,
-    /// `LMRR_CUDA_LB_ATTN_PREFILL` (blocks; default 0 = none):
-    /// `attention_prefill_hd64` likewise (82 registers, two blocks an SM,
-    /// without: 288 blocks of a 512-token prefill do not fit one wave on
-    /// 132 SMs; 80 with 3, 64 with 4, each with a few spilled bytes).
-    pub lb_attn_prefill: usize,
-    /// `LMRR_CUDA_LB_ROWS4` (blocks; default 0 = none): `matmul_rows4` and
-    /// `matmul_multi4` likewise (75 and 94 registers without, six and five
-    /// blocks an SM; 59 and 56 with 8, no spills).
-    pub lb_rows4: usize,
-    /// `LMRR_CUDA_LB_MULTI` (blocks; default 0 = none): `matmul_multi`
-    /// likewise (40 registers without, twelve blocks an SM, so a batch-1
-    /// gate/up's 3,072 blocks take two rounds of 132 × 12 slots; 32 with
-    /// 16, no spills).
-    pub lb_multi: usize,
-    /// `LMRR_CUDA_ATTN_EARLY` (0/1, default 1): `attention_decode_rope_qs`
-    /// compiled with `ATTN_EARLY`: each block loads the step's inputs it
-    /// reads (position, page slot and page, its page list, its cos/sin pair,
-    /// the pages of its first K rows: kernels.cu's `DecodeIn`) before the
-    /// PDL wait, so that after it only q/k/v and the K/V rows are loaded.
-    /// The host uploads those inputs before the step and no kernel writes
-    /// them: the same values. With [`Tuning::pdl`]. Measured on an H200
-    /// (2026-12-06b, `docs/gpu-runs-2026-12-06b.txt`, alternating with the
-    /// form before in one call): batch 1 984.1 / 967.5 / 980.5 / 963.0 /
-    /// 981.3 against 817.5 / 810.0 / 819.9 / 803.2 / 807.4 tok/s (the step's
-    /// kernels 1.004–1.009 against 1.205–1.210 ms), batch 8 4,168–4,332
-    /// against 3,740–3,935, batch 64 unchanged (19,699 / 19,931 against
-    /// 19,674–20,098).
-    pub attn_early: bool,
-    /// `LMRR_CUDA_PF_LONGEST_FIRST` (0/1, default 1): a prefill step's
-    /// attention groups listed longest first ([`longest_first`]: by the
-    /// position of each group's last token, descending), so that the blocks
-    /// that walk the most K/V tiles are dispatched first rather than last
-    /// (a 512-token prefill's 288 blocks of `attention_prefill_hd64` exceed
-    /// the 264 an H100 or H200 holds at once, and in span order the ones left
-    /// waiting are the longest). Which block serves which group moves no
-    /// bit: each writes its own tokens' rows. Measured faster on an H100
-    /// (2026-12-06c, `docs/gpu-runs-2026-12-06c.txt`, alternating with span
-    /// order in one call): 512-token prefill 50,281 / 50,315 / 50,311
-    /// against 48,985 / 48,977 / 49,149 tok/s, 2,048 tokens
-    /// 49,935 / 50,010 against 47,409 / 47,220, 8 × 64 tokens 59,638 /
-    /// 58,555 against 58,146 / 57,867, 64 × 64 unchanged; 0: span order.
-    pub pf_longest_first: bool,
-    /// `LMRR_CUDA_ROWS_NORM_MAX` (default 0: never): in steps of at most
-    /// this many tokens, o and down are each one launch with the residual
-    /// add and RMSNorm that follow them (`matmul_rows_norm`: `matmul_rows`,
-    /// then the last of its blocks to finish adds and norms the rows;
-    /// [`Gpu::rows_norm_serves`]), where they would take `matmul_rows`
-    /// then `norm_reg`: 60 launches fewer a step of the `small` preset.
-    /// Measured slower on an H100 (2026-12-06c, alternating in one call):
-    /// batch 1 896.5 / 890.4 / 903.4 against 942.9 / 963.1 / 965.3 tok/s
-    /// (the step's kernels 1.083–1.090 against 1.023–1.028 ms), batch 8
-    /// 2,961 against 4,357–4,365 (the last block norms the 8 rows one
-    /// after another). Each of the 576 blocks fences and counts on one
-    /// address before the norm can start, where `norm_reg`'s block was
-    /// already resident under PDL with its weights loaded. Bit-identical
-    /// (gpu_check, device-check core under it); off.
-    pub rows_norm_max: usize,
-}
-
-impl Default for Tuning {
-    /// The choices measured fastest on the H200 (docs/PERFORMANCE.md).
-    fn default() -> Self {
-        Self {
-            fused_max: 0,
-            swiglu_max: 0,
-            gemm_min: 64,
-            gemm_wide_min: 64,
-            gemm_pipelined: false,
-            attn_decode_max: 132,
-            down_swiglu: false,
-            pdl: true,
-            pdl_prefetch: true,
-            attn_prefetch: false,
-            attn_prefill: true,
-            attn_prefill_group: PF_TQ,
-            attn_prefill_hd64: true,
-            rope_attn: true,
-            split_blocks: 4096,
-            gemm_multi: true,
-            fold_sums: true,
-            kv_overlap_min: 256,
-            kv_early_min: 1,
-            chunk_max: 0,
-            chunk_threads: 128,
-            attn_decode_hd64: false,
-            gate_up_swiglu: false,
-            head_direct: true,
-            swiglu4: false,
-            loads_first_min: 128,
-            rows4_min: 32_768,
-            rows4_tokens: 8,
-            rows4_max: 0,
-            rope_qs: true,
-            multi4: false,
-            lb_attn_decode: 0,
-            lb_attn_prefill: 0,
-            lb_rows4: 0,
-            lb_multi: 0,
-            attn_early: true,
-            pf_longest_first: true,
-            rows_norm_max: 0,
-        }
-    }
-}
-
-impl Tuning {
-    /// The defaults, with any of the environment variables applied.
-    pub fn from_env() -> Result<Self, GpuError> {
-        Self::from_vars(|var| std::env::var(var).ok())
-    }
-
-    /// The defaults, with the variables `get` returns applied; a value that
-    /// is not a count (or 0/1 for `LMRR_CUDA_GEMM_PIPELINED`) is an error
-    /// naming it.
-    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self, GpuError> {
-        let mut t = Self::default();
-        for (var, slot) in [
-            ("LMRR_CUDA_FUSED_MAX", &mut t.fused_max),
-            ("LMRR_CUDA_SWIGLU_MAX", &mut t.swiglu_max),
-            ("LMRR_CUDA_GEMM_MIN", &mut t.gemm_min),
-            ("LMRR_CUDA_GEMM_WIDE_MIN", &mut t.gemm_wide_min),
-            ("LMRR_CUDA_SPLIT_BLOCKS", &mut t.split_blocks),
-            ("LMRR_CUDA_ATTN_DECODE_MAX", &mut t.attn_decode_max),
-            ("LMRR_CUDA_ATTN_PREFILL_GROUP", &mut t.attn_prefill_group),
-            ("LMRR_CUDA_KV_OVERLAP_MIN", &mut t.kv_overlap_min),
-            ("LMRR_CUDA_KV_EARLY_MIN", &mut t.kv_early_min),
-            ("LMRR_CUDA_CHUNK_MAX", &mut t.chunk_max),
-            ("LMRR_CUDA_CHUNK_THREADS", &mut t.chunk_threads),
-            ("LMRR_CUDA_LOADS_FIRST_MIN", &mut t.loads_first_min),
-            ("LMRR_CUDA_ROWS4_MIN", &mut t.rows4_min),
-            ("LMRR_CUDA_ROWS4_TOKENS", &mut t.rows4_tokens),
-            ("LMRR_CUDA_ROWS4_MAX", &mut t.rows4_max),
-            ("LMRR_CUDA_LB_ATTN_DECODE", &mut t.lb_attn_decode),
-            ("LMRR_CUDA_LB_ATTN_PREFILL", &mut t.lb_attn_prefill),
-            ("LMRR_CUDA_LB_ROWS4", &mut t.lb_rows4),
-            ("LMRR_CUDA_LB_MULTI", &mut t.lb_multi),
-            ("LMRR_CUDA_ROWS_NORM_MAX", &mut t.rows_norm_max),
-        ] {
-            if let Some(v) = get(var) {
-                *slot = v.trim().parse().map_err(|_| {
-                    GpuError::Config(format!("{var}={v:?} is not a count (want 0, 1, 2, …)"))
-                })?;
-            }
-        }
-        for (var, slot) in [
-            ("LMRR_CUDA_GEMM_PIPELINED", &mut t.gemm_pipelined),
-            ("LMRR_CUDA_DOWN_SWIGLU", &mut t.down_swiglu),
-            ("LMRR_CUDA_PDL", &mut t.pdl),
-            ("LMRR_CUDA_PDL_PREFETCH", &mut t.pdl_prefetch),
-            ("LMRR_CUDA_ATTN_PREFETCH", &mut t.attn_prefetch),
-            ("LMRR_CUDA_ATTN_PREFILL", &mut t.attn_prefill),
-            ("LMRR_CUDA_ATTN_PREFILL_HD64", &mut t.attn_prefill_hd64),
-            ("LMRR_CUDA_ROPE_ATTN", &mut t.rope_attn),
-            ("LMRR_CUDA_GEMM_MULTI", &mut t.gemm_multi),
-            ("LMRR_CUDA_FOLD_SUMS", &mut t.fold_sums),
-            ("LMRR_CUDA_ATTN_DECODE_HD64", &mut t.attn_decode_hd64),
-            ("LMRR_CUDA_GATE_UP_SWIGLU", &mut t.gate_up_swiglu),
-            ("LMRR_CUDA_HEAD_DIRECT", &mut t.head_direct),
-            ("LMRR_CUDA_SWIGLU4", &mut t.swiglu4),
-            ("LMRR_CUDA_ROPE_QS", &mut t.rope_qs),
-            ("LMRR_CUDA_MULTI4", &mut t.multi4),
-            ("LMRR_CUDA_ATTN_EARLY", &mut t.attn_early),
-            ("LMRR_CUDA_PF_LONGEST_FIRST", &mut t.pf_longest_first),
-        ] {
-            if let Some(v) = get(var) {
-                *slot = match v.trim() {
-                    "1" => true,
-                    "0" => false,
-                    _ => return Err(GpuError::Config(format!("{var}={v:?}: want 0 or 1"))),
-                };
-            }
-        }
-        if let Some(v) = get("LMRR_CUDA_LOADS_FIRST") {
-            return Err(GpuError::Config(format!(
-                "LMRR_CUDA_LOADS_FIRST={v:?}: replaced by LMRR_CUDA_LOADS_FIRST_MIN \
-                 (the rows from which norms load first; 0 = never, 1 = always)"
-            )));
-        }
-        // matmul_fused holds at most MM_TOKENS tokens of partials.
-        t.fused_max = t.fused_max.min(MM_TOKENS);
-        t.swiglu_max = t.swiglu_max.min(MM_TOKENS);
-        // attention_prefill holds at most PF_TQ tokens a group.
-        t.attn_prefill_group = t.attn_prefill_group.clamp(1, PF_TQ);
-        // matmul_chunk's blocks are at most MC_MAX_THREADS threads.
-        t.chunk_threads = t.chunk_threads.clamp(32, MC_MAX_THREADS);
-        // Blocks an SM: at most 2,048 threads (8 of attention's 256, 16 of
-        // matmul_rows4's 128) or 32 blocks on any device so far.
-        t.lb_attn_decode = t.lb_attn_decode.min(8);
-        t.lb_attn_prefill = t.lb_attn_prefill.min(8);
-        t.lb_rows4 = t.lb_rows4.min(16);
-        t.lb_multi = t.lb_multi.min(16);
-        Ok(t)
-    }
-}
-
 #[cfg(test)]
-mod tuning_tests {
+mod tests {
     use super::*;
-
-    fn with(vars: &[(&str, &str)]) -> Result<Tuning, GpuError> {
-        Tuning::from_vars(|k| {
-            vars.iter()
-                .find(|(n, _)| *n == k)
-                .map(|(_, v)| v.to_string())
-        })
-    }
-
-    #[test]
-    fn variables_set_each_choice_and_fused_steps_stay_within_the_kernel() {
-        let t = with(&[
-            ("LMRR_CUDA_FUSED_MAX", "64"),
-            ("LMRR_CUDA_SWIGLU_MAX", "4"),
-            ("LMRR_CUDA_GEMM_MIN", " 9 "),
-            ("LMRR_CUDA_GEMM_WIDE_MIN", "128"),
-            ("LMRR_CUDA_SPLIT_BLOCKS", "0"),
-            ("LMRR_CUDA_GEMM_PIPELINED", "1"),
-            ("LMRR_CUDA_ATTN_DECODE_MAX", "0"),
-            ("LMRR_CUDA_DOWN_SWIGLU", "1"),
-            ("LMRR_CUDA_PDL", "0"),
-            ("LMRR_CUDA_PDL_PREFETCH", "0"),
-            ("LMRR_CUDA_ATTN_PREFETCH", "1"),
-            ("LMRR_CUDA_ATTN_PREFILL", "0"),
-            ("LMRR_CUDA_ATTN_PREFILL_GROUP", "100"),
-            ("LMRR_CUDA_GEMM_MULTI", "0"),
-            ("LMRR_CUDA_FOLD_SUMS", "0"),
-            ("LMRR_CUDA_ATTN_PREFILL_HD64", "0"),
-            ("LMRR_CUDA_ROPE_ATTN", "0"),
-            ("LMRR_CUDA_KV_OVERLAP_MIN", "256"),
-            ("LMRR_CUDA_KV_EARLY_MIN", "16"),
-            ("LMRR_CUDA_CHUNK_MAX", "8"),
-            ("LMRR_CUDA_CHUNK_THREADS", "4096"),
-            ("LMRR_CUDA_ATTN_DECODE_HD64", "1"),
-            ("LMRR_CUDA_GATE_UP_SWIGLU", "1"),
-            ("LMRR_CUDA_HEAD_DIRECT", "0"),
-            ("LMRR_CUDA_SWIGLU4", "1"),
-            ("LMRR_CUDA_LOADS_FIRST_MIN", "1"),
-            ("LMRR_CUDA_ROWS4_MIN", "1000"),
-            ("LMRR_CUDA_ROWS4_TOKENS", "1"),
-            ("LMRR_CUDA_ROWS4_MAX", "50000"),
-            ("LMRR_CUDA_LB_ATTN_DECODE", "4"),
-            ("LMRR_CUDA_LB_ATTN_PREFILL", "3"),
-            ("LMRR_CUDA_LB_ROWS4", "99"),
-            ("LMRR_CUDA_ATTN_EARLY", "0"),
-            ("LMRR_CUDA_LB_MULTI", "12"),
-            ("LMRR_CUDA_PF_LONGEST_FIRST", "0"),
-            ("LMRR_CUDA_ROWS_NORM_MAX", "3"),
-            ("LMRR_CUDA_ROPE_QS", "0"),
-            ("LMRR_CUDA_MULTI4", "1"),
-        ])
-        .unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(
-            t,
-            Tuning {
-                fused_max: MM_TOKENS,
-                swiglu_max: 4,
-                gemm_min: 9,
-                gemm_wide_min: 128,
-                split_blocks: 0,
-                gemm_pipelined: true,
-                attn_decode_max: 0,
-                down_swiglu: true,
-                pdl: false,
-                pdl_prefetch: false,
-                attn_prefetch: true,
-                attn_prefill: false,
-                attn_prefill_group: PF_TQ,
-                attn_prefill_hd64: false,
-                rope_attn: false,
-                gemm_multi: false,
-                fold_sums: false,
-                kv_overlap_min: 256,
-                kv_early_min: 16,
-                chunk_max: 8,
-                chunk_threads: MC_MAX_THREADS,
-                attn_decode_hd64: true,
-                gate_up_swiglu: true,
-                head_direct: false,
-                swiglu4: true,
-                loads_first_min: 1,
-                rows4_min: 1000,
-                rows4_tokens: 1,
-                rows4_max: 50_000,
-                rope_qs: false,
-                multi4: true,
-                lb_attn_decode: 4,
-                lb_attn_prefill: 3,
-                lb_rows4: 16,
-                lb_multi: 12,
-                attn_early: false,
-                pf_longest_first: false,
-                rows_norm_max: 3,
-            }
-        );
-        assert_eq!(with(&[]).ok(), Some(Tuning::default()));
-    }
-
-    #[test]
-    fn longest_first_orders_groups_by_their_last_position() {
-        // Two spans: 20 tokens at positions 0.. and 20 at 100.. (a chunk
-        // after a cached prefix), in groups of 8.
-        let pos: Vec<u64> = (0..20).chain(100..120).collect();
-        let mut g = prefill_groups([20usize, 20].into_iter(), 8).expect("groups");
-        let parts = |v: &[u64]| -> Vec<(u64, u64)> {
-            v.iter().map(|x| (x >> 32, x & 0xffff_ffff)).collect()
-        };
-        longest_first(&mut g, &pos);
-        assert_eq!(
-            parts(&g),
-            vec![(36, 4), (28, 8), (20, 8), (16, 4), (8, 8), (0, 8)]
-        );
-        // Equal last positions keep their order; a group past `pos` sorts last.
-        let mut h = vec![1u64 << 32 | 1, 2u64 << 32 | 1, 9u64 << 32 | 1, 1];
-        longest_first(&mut h, &[5, 7, 7]);
-        assert_eq!(parts(&h), vec![(1, 1), (2, 1), (0, 1), (9, 1)]);
-    }
-
-    #[test]
-    fn prefill_groups_cut_spans_and_skip_short_ones() {
-        let g = |lens: &[usize], group| prefill_groups(lens.iter().copied(), group);
-        let parts = |v: Vec<u64>| -> Vec<(u64, u64)> {
-            v.iter().map(|x| (x >> 32, x & 0xffff_ffff)).collect()
-        };
-        assert_eq!(
-            g(&[40, 1, 16], 16).map(parts),
-            Some(vec![(0, 16), (16, 16), (32, 8), (40, 1), (41, 16)])
-        );
-        assert_eq!(g(&[20], 8).map(parts), Some(vec![(0, 8), (8, 8), (16, 4)]));
-        // Above PF_TQ, the kernel's limit.
-        assert_eq!(g(&[17], 64).map(parts), Some(vec![(0, 16), (16, 1)]));
-        // Decode steps and mostly-short steps: no groups.
-        assert_eq!(g(&[1; 64], 16), None);
-        assert_eq!(g(&[3, 3, 3, 20], 16), None);
-        assert_eq!(g(&[], 16), None);
-    }
 
     /// The host's launch shapes are kernels.cu's: a block count or a
     /// shared-memory bound that disagreed would read or write past a row.
@@ -662,7 +91,6 @@ mod tuning_tests {
             ("MR_GROUPS", MR_THREADS as usize / 8),
             ("MR4_ROWS", MR4_ROWS),
             ("MR4_MAX_CHUNKS", MR4_MAX_CHUNKS),
-            ("MC_MAX_THREADS", MC_MAX_THREADS),
             ("NR_MAX_CHUNKS", NR_MAX_CHUNKS),
         ] {
             let line = format!("#define {name} {value}\n");
@@ -684,31 +112,6 @@ mod tuning_tests {
             other => panic!("{other:?}"),
         }
     }
-
-    #[test]
-    fn a_bad_value_is_an_error_naming_the_variable() {
-        for (var, v) in [
-            ("LMRR_CUDA_GEMM_MIN", "lots"),
-            ("LMRR_CUDA_SPLIT_BLOCKS", "-1"),
-            ("LMRR_CUDA_GEMM_PIPELINED", "yes"),
-            ("LMRR_CUDA_DOWN_SWIGLU", "2"),
-            ("LMRR_CUDA_LOADS_FIRST_MIN", "some"),
-            ("LMRR_CUDA_ROWS4_MIN", "4.5"),
-        ] {
-            match with(&[(var, v)]) {
-                Err(GpuError::Config(m)) => assert!(m.contains(var) && m.contains(v), "{m}"),
-                other => panic!("{var}={v}: {other:?}"),
-            }
-        }
-        // The variable of 2026-12-05e, a module-wide switch, now says what
-        // replaced it rather than being ignored.
-        match with(&[("LMRR_CUDA_LOADS_FIRST", "1")]) {
-            Err(GpuError::Config(m)) => {
-                assert!(m.contains("LMRR_CUDA_LOADS_FIRST_MIN"), "{m}")
-            }
-            other => panic!("LMRR_CUDA_LOADS_FIRST=1: {other:?}"),
-        }
-    }
 }
 
 /// The resident kernels, loaded with the module.
@@ -718,26 +121,16 @@ pub(crate) struct Kernels {
     pub(crate) matmul_tile: Func,
     pub(crate) matmul_rows: Func,
     matmul_rows4: Func,
-    matmul_rows_swiglu: Func,
-    gate_up_swiglu: Func,
     matmul_multi: Func,
-    matmul_multi4: Func,
-    matmul_chunk: Func,
     rope_kv: Func,
     rms_norm_warp: Func,
     add_norm: Func,
     pub(crate) matmul_gemm: Func,
     matmul_gemm_wide: Func,
-    matmul_gemm_pipelined: Func,
     pub(crate) matmul_gemm_multi: Func,
     norm_block: Func,
     norm_reg: Func,
     norm_reg_lf: Func,
-    matmul_rows_norm: Func,
-    /// `matmul_rows_norm`'s count of finished blocks: 0 between launches
-    /// (the last block's `atomicInc` wraps it back).
-    rows_norm_counter: DevBuf,
-    matmul_fused: Func,
     pub(crate) sum_chunks: Func,
     /// Which kernel each step and matmul takes ([`Tuning`]).
     pub(crate) tuning: Tuning,
@@ -746,14 +139,10 @@ pub(crate) struct Kernels {
     gather_rows: Func,
     attention_paged: Func,
     attention_decode: Func,
-    attention_decode_rope: Func,
     attention_decode_rope_qs: Func,
-    attention_decode_hd64: Func,
-    attention_decode_rope_hd64: Func,
     attention_prefill: Func,
     attention_prefill_hd64: Func,
     swiglu: Func,
-    swiglu4: Func,
     pub(crate) swiglu_split: Func,
     fma_peak: Func,
 }
@@ -784,38 +173,20 @@ impl Kernels {
                 .map(Func)
                 .map_err(drv)
         };
-        // SAFETY: a 4-byte allocation in the bound context, zeroed before
-        // any launch can read it.
-        let counter = unsafe { result::malloc_sync(4) }.map_err(drv)?;
-        let rows_norm_counter = DevBuf {
-            ptr: counter,
-            bytes: 4,
-            ctx: ctx.clone(),
-        };
-        // SAFETY: the 4 bytes just allocated.
-        unsafe { result::memset_d8_sync(counter, 0, 4) }.map_err(drv)?;
         Ok(Self {
             matmul_tile: f("matmul_tile")?,
             matmul_rows: f("matmul_rows")?,
             matmul_rows4: f("matmul_rows4")?,
-            matmul_rows_swiglu: f("matmul_rows_swiglu")?,
-            gate_up_swiglu: f("gate_up_swiglu")?,
             matmul_multi: f("matmul_multi")?,
-            matmul_multi4: f("matmul_multi4")?,
-            matmul_chunk: f("matmul_chunk")?,
             rope_kv: f("rope_kv")?,
             rms_norm_warp: f("rms_norm_warp")?,
             add_norm: f("add_norm")?,
             matmul_gemm: f("matmul_gemm")?,
             matmul_gemm_wide: f("matmul_gemm_wide")?,
-            matmul_gemm_pipelined: f("matmul_gemm_pipelined")?,
             matmul_gemm_multi: f("matmul_gemm_multi")?,
             norm_block: f("norm_block")?,
             norm_reg: f("norm_reg")?,
             norm_reg_lf: f("norm_reg_lf")?,
-            matmul_rows_norm: f("matmul_rows_norm")?,
-            rows_norm_counter,
-            matmul_fused: f("matmul_fused")?,
             sum_chunks: f("sum_chunks")?,
             tuning,
             embed_rows: f("embed_rows")?,
@@ -823,14 +194,10 @@ impl Kernels {
             gather_rows: f("gather_rows")?,
             attention_paged: f("attention_paged")?,
             attention_decode: f("attention_decode")?,
-            attention_decode_rope: f("attention_decode_rope")?,
             attention_decode_rope_qs: f("attention_decode_rope_qs")?,
-            attention_decode_hd64: f("attention_decode_hd64")?,
-            attention_decode_rope_hd64: f("attention_decode_rope_hd64")?,
             attention_prefill: f("attention_prefill")?,
             attention_prefill_hd64: f("attention_prefill_hd64")?,
             swiglu: f("swiglu")?,
-            swiglu4: f("swiglu4")?,
             swiglu_split: f("swiglu_split")?,
             fma_peak: f("fma_peak")?,
             _module: module,
@@ -1032,19 +399,6 @@ impl DevMatrix {
     pub fn bytes(&self) -> usize {
         self.buf.bytes
     }
-
-    /// One storage, shape and row stride with `other` (two matrices one
-    /// kernel reads by the same offsets, as `gate_up_swiglu` does).
-    fn same_layout(&self, other: &DevMatrix) -> bool {
-        (self.kind, self.rows, self.cols, self.row_bytes)
-            == (other.kind, other.rows, other.cols, other.row_bytes)
-    }
-}
-
-/// Whether `swiglu4` can serve `n` floats at `g`, `u`, `out`: a multiple of
-/// 4 at 16-byte aligned addresses.
-fn swiglu4_fits(g: u64, u: u64, out: u64, n: usize) -> bool {
-    n % 4 == 0 && [g, u, out].iter().all(|p| p % 16 == 0)
 }
 
 fn warps(n: usize) -> Result<LaunchConfig, GpuError> {
@@ -1109,15 +463,13 @@ pub(crate) fn mm_dims(n: usize, w: &DevMatrix) -> Result<(i32, i32, i32), GpuErr
     ))
 }
 
-/// Which `matmul_gemm` kernel: its tiles, and whether staging is pipelined.
+/// Which `matmul_gemm` kernel: its tiles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemmTiles {
     /// `matmul_gemm`: 32 rows × 16 tokens, 64 threads.
     Narrow,
     /// `matmul_gemm_wide`: 64 rows × 32 tokens, 256 threads.
     Wide,
-    /// `matmul_gemm_pipelined`: the wide tiles, staging pipelined.
-    Pipelined,
 }
 
 /// Which attention kernel (each gives the same bits).
@@ -1136,10 +488,6 @@ pub enum AttnKernel {
     /// tiles loaded as float4 rows with the next in flight (the same
     /// operations; [`hd64_fits`] says where it may run).
     PrefillHd64,
-    /// `attention_decode_hd64`: `attention_decode`'s blocks for head_dim 64,
-    /// a thread per position, the tile maxima by warp shuffles, fewer
-    /// barriers (the same values; [`hd64_fits`]).
-    DecodeHd64,
 }
 
 impl AttnKernel {
@@ -1164,17 +512,6 @@ pub(crate) fn gemm_tiles(tiles: GemmTiles, rows: usize, n: usize) -> usize {
     } else {
         rows.div_ceil(GM_ROWS) * n.div_ceil(GM_TOKS)
     }
-}
-
-/// What [`Gpu::mm_fused`] does with each output.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fused {
-    /// `y = x·Wᵀ`.
-    Store,
-    /// `y = y + x·Wᵀ` (one matrix: the residual add).
-    Accumulate,
-    /// `y0 = silu(x·W0ᵀ) · (x·W1ᵀ)` (two matrices of the same rows).
-    Swiglu,
 }
 
 /// Device scratch for split matmuls ([`Gpu::mm_split`]): an address and
@@ -1365,14 +702,7 @@ impl Gpu {
         let (kind, buf) = match w.w {
             Weights::F32(s) => (0, self.upload(s, what)?),
             Weights::Bf16(s) => (1, self.upload(s, what)?),
-            Weights::Quant(q, s) => (
-                match q {
-                    QuantKind::Q4_0 => 2,
-                    QuantKind::Q4_1 => 3,
-                    QuantKind::Q8_0 => 4,
-                },
-                self.upload(s, what)?,
-            ),
+            Weights::Quant(q, s) => (super::quant_code(q)?, self.upload(s, what)?),
         };
         as_i32("matrix", w.rows)?;
         as_i32("matrix", w.cols)?;
@@ -1429,10 +759,10 @@ impl Gpu {
         let dims = mm_dims(n, w)?;
         let tun = self.res.tuning;
         if n >= tun.gemm_min.max(1) {
-            let kind = match (n >= tun.gemm_wide_min.max(1), tun.gemm_pipelined) {
-                (false, _) => GemmTiles::Narrow,
-                (true, false) => GemmTiles::Wide,
-                (true, true) => GemmTiles::Pipelined,
+            let kind = if n >= tun.gemm_wide_min.max(1) {
+                GemmTiles::Wide
+            } else {
+                GemmTiles::Narrow
             };
             let tiles = gemm_tiles(kind, w.rows, n);
             let chunks = w.cols.div_ceil(64);
@@ -1444,13 +774,9 @@ impl Gpu {
             });
             return self.gemm_launch(x, n, w, y, kind, split.map(|cpb| (scratch.addr, cpb)));
         }
-        if self.chunk_serves(n, &[(w, y)]) {
-            return self.chunk_launch(x, n, None, Fused::Store, &[(w, y)]);
-        }
         let chunks = w.cols.div_ceil(64);
         if tun.rows4_min > 0
             && w.rows >= tun.rows4_min
-            && (tun.rows4_max == 0 || w.rows <= tun.rows4_max)
             && n >= tun.rows4_tokens
             && chunks <= MR4_MAX_CHUNKS
         {
@@ -1472,76 +798,6 @@ impl Gpu {
         b.matmul_args(w, &x, &y, &dims);
         // SAFETY: matches `matmul_rows` / `matmul_tile`; x holds n·cols, y
         // n·rows floats; matmul_rows only for rows of ≤ MR_MAX_CHUNKS chunks.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
-    }
-
-    /// Whether [`Gpu::mm_rows_norm`] serves `w` in a step of `n` tokens
-    /// with a norm of width `d`: the tuning asks for it
-    /// ([`Tuning::rows_norm_max`], in steps below [`Tuning::gemm_min`]),
-    /// the rows fit `matmul_rows` (at most `MR_MAX_CHUNKS` chunks), and the
-    /// norm's row is `w`'s output row and fits one block of `MR_THREADS`
-    /// threads (a group of 8 a chunk).
-    pub fn rows_norm_serves(&self, n: usize, w: &DevMatrix, d: usize) -> bool {
-        let tun = self.res.tuning;
-        n > 0
-            && n <= tun.rows_norm_max
-            && n < tun.gemm_min.max(1)
-            && w.rows == d
-            && w.cols.div_ceil(64) <= MR_MAX_CHUNKS
-            && d.div_ceil(64) * 8 <= MR_THREADS as usize
-    }
-
-    /// `y (n, rows) = x (n, cols) · Wᵀ`, then `resid += y` and
-    /// `hout = rms_norm(resid) · nw` (rows of `rows`), one
-    /// `matmul_rows_norm` launch: the bits of [`Gpu::mm`] then
-    /// [`Gpu::add_norm`]. Only where [`Gpu::rows_norm_serves`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn mm_rows_norm(
-        &self,
-        x: u64,
-        n: usize,
-        w: &DevMatrix,
-        y: u64,
-        resid: u64,
-        nw: &DevBuf,
-        eps: f32,
-        hout: u64,
-    ) -> Result<(), GpuError> {
-        if n == 0 {
-            return Ok(());
-        }
-        let dims = mm_dims(n, w)?;
-        if w.cols.div_ceil(64) > MR_MAX_CHUNKS
-            || w.rows.div_ceil(64) * 8 > MR_THREADS as usize
-            || nw.bytes < 4 * w.rows
-        {
-            return Err(GpuError::Shape {
-                what: "matmul_rows_norm",
-                detail: format!(
-                    "{n} tokens, {} rows (≤ {} for the norm's block) of {} cols (≤ {} chunks), \
-                     norm weight of {} bytes",
-                    w.rows,
-                    64 * MR_THREADS as usize / 8,
-                    w.cols,
-                    MR_MAX_CHUNKS,
-                    nw.bytes
-                ),
-            });
-        }
-        let cfg = row_blocks(w.rows * n.div_ceil(MM_TOKENS))?;
-        let counter = self.res.rows_norm_counter.ptr;
-        let mut b = self.kernel(&self.res.matmul_rows_norm)?;
-        b.matmul_args(w, &x, &y, &dims)
-            .arg(&resid)
-            .arg(&nw.ptr)
-            .arg(&hout)
-            .arg(&eps)
-            .arg(&counter);
-        // SAFETY: matches `matmul_rows_norm`; x holds n·cols floats, y,
-        // resid and hout n·rows, nw rows (checked); the rows fit matmul_rows'
-        // partials and the norm's groups fit the block (checked); the
-        // counter is 0 between launches, and launches on this stream are
-        // ordered (each waits for the one ahead before its count).
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 
@@ -1637,125 +893,11 @@ impl Gpu {
         let f = match kind {
             GemmTiles::Narrow => &self.res.matmul_gemm,
             GemmTiles::Wide => &self.res.matmul_gemm_wide,
-            GemmTiles::Pipelined => &self.res.matmul_gemm_pipelined,
         };
         let mut b = self.kernel(f)?;
         b.matmul_args(w, &x, &y, &dims).arg(&part).arg(&cpbi);
         // SAFETY: matches `matmul_gemm`; x holds n·cols, y n·rows floats,
         // part (when non-null) chunks·n·rows; the grid is tiles · groups.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
-    }
-
-    /// Whether [`Gpu::chunk_launch`] serves `mats` in a step of `n` tokens
-    /// ([`Tuning::chunk_max`]): one to three matrices of one storage and
-    /// width, rows of at most [`MC_MAX_THREADS`] chunks.
-    fn chunk_serves(&self, n: usize, mats: &[(&DevMatrix, u64)]) -> bool {
-        let tun = self.res.tuning;
-        n > 0
-            && n <= tun.chunk_max
-            && n < tun.gemm_min.max(1)
-            && (1..=3).contains(&mats.len())
-            && mats
-                .iter()
-                .all(|(w, _)| w.kind == mats[0].0.kind && w.cols == mats[0].0.cols && w.rows > 0)
-            && mats[0].0.cols.div_ceil(64) <= MC_MAX_THREADS
-    }
-
-    /// `y = x (n, cols) · Wᵀ` for each `(W, y)` of `mats` (one to three, one
-    /// storage and width, rows of at most [`MC_MAX_THREADS`] chunks) by one
-    /// `matmul_chunk` launch: a thread per (row, chunk), blocks of whole
-    /// rows near [`Tuning::chunk_threads`] threads; the bits of
-    /// [`Gpu::mm`]. Vector loads where x, the rows and the widths allow.
-    /// With `norm` and `mode`, [`Gpu::mm_fused`]'s forms (the same bits).
-    pub(crate) fn chunk_launch(
-        &self,
-        x: u64,
-        n: usize,
-        norm: Option<(&DevBuf, f32)>,
-        mode: Fused,
-        mats: &[(&DevMatrix, u64)],
-    ) -> Result<(), GpuError> {
-        let Some(((w0, _), rest)) = mats.split_first() else {
-            return Ok(());
-        };
-        let cols = w0.cols;
-        let chunks = cols.div_ceil(64);
-        if n == 0 || chunks == 0 {
-            return Ok(());
-        }
-        let pairs = mode == Fused::Swiglu;
-        if mats.len() > 3
-            || chunks > MC_MAX_THREADS / if pairs { 2 } else { 1 }
-            || rest
-                .iter()
-                .any(|(w, _)| w.kind != w0.kind || w.cols != cols)
-            || (pairs && (mats.len() != 2 || mats[1].0.rows != w0.rows))
-            || (mode == Fused::Accumulate && mats.len() != 1)
-        {
-            return Err(GpuError::Shape {
-                what: "matmul_chunk",
-                detail: format!(
-                    "{mode:?}: {} matrices of {:?} rows × {cols} (at most 3, one storage and width; at most {} columns, {} for SwiGLU pairs)",
-                    mats.len(),
-                    mats.iter().map(|m| m.0.rows).collect::<Vec<_>>(),
-                    64 * MC_MAX_THREADS,
-                    32 * MC_MAX_THREADS
-                ),
-            });
-        }
-        // Rows a block: whole rows near the target; SwiGLU pairs an even count.
-        let rpb = if pairs {
-            ((self.res.tuning.chunk_threads / chunks) & !1).max(2)
-        } else {
-            (self.res.tuning.chunk_threads / chunks).max(1)
-        };
-        let threads = (rpb * chunks).div_ceil(32) * 32;
-        let total: usize = mats.iter().map(|(w, _)| w.rows).sum();
-        let units = if pairs {
-            w0.rows.div_ceil(rpb / 2)
-        } else {
-            total.div_ceil(rpb)
-        };
-        let blocks = units * n.div_ceil(MM_TOKENS);
-        let vec = cols % 4 == 0
-            && x % 16 == 0
-            && mats
-                .iter()
-                .all(|(w, _)| w.row_bytes % 16 == 0 && w.buf.ptr % 16 == 0);
-        let (ni, ki) = (as_i32("matmul", n)?, as_i32("matmul", cols)?);
-        as_i32("matmul", n * cols)?;
-        as_i32("matmul", total)?;
-        let cfg = LaunchConfig {
-            grid_dim: (as_i32("matmul", blocks)? as u32, 1, 1),
-            block_dim: (threads as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let [m0, m1, m2] = mat_slots(mats)?;
-        let (veci, rpbi) = (i32::from(vec), as_i32("matmul", rpb)?);
-        let (nw, eps) = norm.map_or((0u64, 0.0f32), |(w, e)| (w.ptr, e));
-        let mode_i: i32 = match mode {
-            Fused::Store => 0,
-            Fused::Accumulate => 1,
-            Fused::Swiglu => 2,
-        };
-        let mut b = self.kernel(&self.res.matmul_chunk)?;
-        b.arg(&w0.kind)
-            .arg(&veci)
-            .arg(&x)
-            .arg(&ni)
-            .arg(&ki)
-            .arg(&rpbi)
-            .arg(&nw)
-            .arg(&eps)
-            .arg(&mode_i);
-        for m in [&m0, &m1, &m2] {
-            b.arg(&m.0).arg(&m.1).arg(&m.2).arg(&m.3);
-        }
-        // SAFETY: matches `matmul_chunk`; x holds n·cols floats, each y
-        // n·rows (y0 n·rows0 in the SwiGLU form), nw (when set) cols; absent
-        // matrices have 0 rows and no thread reads them; the block's rows of
-        // chunks fit MC_MAX_THREADS (checked above); vector loads only where
-        // every address they form is 16-byte aligned.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 
@@ -1776,18 +918,13 @@ impl Gpu {
                     && w.cols.div_ceil(64) <= MR_MAX_CHUNKS
                     && w.rows > 0
             });
-        if self.chunk_serves(n, mats) {
-            return self.chunk_launch(x, n, None, Fused::Store, mats);
-        }
         if !shared || n == 0 || n >= self.res.tuning.gemm_min.max(1) || mats.len() < 2 {
             for (w, y) in mats {
                 self.mm_split(x, n, w, *y, scratch)?;
             }
             return Ok(());
         }
-        // Four rows a block where the tuning asks and the rows fit it.
-        let four = self.res.tuning.multi4 && mats[0].0.cols.div_ceil(64) <= MR4_MAX_CHUNKS;
-        self.multi_rows_launch(x, n, mats, four)
+        self.multi_rows_launch(x, n, mats)
     }
 
     /// One `matmul_multi` launch (`four`: `matmul_multi4`) over up to three
@@ -1798,18 +935,12 @@ impl Gpu {
         x: u64,
         n: usize,
         mats: &[(&DevMatrix, u64)],
-        four: bool,
     ) -> Result<(), GpuError> {
         let Some((w0, _)) = mats.first() else {
             return Ok(());
         };
-        let most = if four { MR4_MAX_CHUNKS } else { MR_MAX_CHUNKS };
-        let what = if four {
-            "matmul_multi4"
-        } else {
-            "matmul_multi"
-        };
-        width_fits(what, w0.cols, most)?;
+        let what = "matmul_multi";
+        width_fits(what, w0.cols, MR_MAX_CHUNKS)?;
         if mats.len() > 3
             || mats
                 .iter()
@@ -1824,298 +955,24 @@ impl Gpu {
             return Ok(());
         }
         let tiles = n.div_ceil(MM_TOKENS);
-        let per = if four { MR4_ROWS } else { 1 };
-        let blocks: usize = mats.iter().map(|(w, _)| w.rows.div_ceil(per) * tiles).sum();
+        let blocks: usize = mats.iter().map(|(w, _)| w.rows * tiles).sum();
         let (ni, ki) = (as_i32("matmul", n)?, as_i32("matmul", mats[0].0.cols)?);
         as_i32("matmul", n * mats[0].0.cols)?;
         let cfg = row_blocks(blocks)?;
         let [m0, m1, m2] = mat_slots(mats)?;
-        let f = if four {
-            &self.res.matmul_multi4
-        } else {
-            &self.res.matmul_multi
-        };
-        let mut b = self.kernel(f)?;
+        let mut b = self.kernel(&self.res.matmul_multi)?;
         b.arg(&mats[0].0.kind).arg(&x).arg(&ni).arg(&ki);
         for m in [&m0, &m1, &m2] {
             b.arg(&m.0).arg(&m.1).arg(&m.2).arg(&m.3);
         }
-        // SAFETY: matches `matmul_multi` / `matmul_multi4` (the same
-        // arguments); x holds n·cols floats, each y n·rows; an absent third
-        // matrix has 0 rows and gets no block; matmul_multi4 only for rows
-        // of at most MR4_MAX_CHUNKS chunks, and it reads no row at or past
-        // a matrix's `rows`.
+        // SAFETY: matches `matmul_multi`; x holds n·cols floats, each y
+        // n·rows; an absent third matrix has 0 rows and gets no block.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
-    }
-
-    /// `y (n, rows) = SwiGLU(g, u) · Wᵀ` by `matmul_rows_swiglu` (g and u
-    /// `(n, cols)`): matmul_rows' bits on the swiglu kernel's values, one
-    /// launch. `cols` at most `64 · MR_MAX_CHUNKS`.
-    pub fn mm_rows_swiglu(
-        &self,
-        g: u64,
-        u: u64,
-        n: usize,
-        w: &DevMatrix,
-        y: u64,
-    ) -> Result<(), GpuError> {
-        if n == 0 || w.rows == 0 {
-            return Ok(());
-        }
-        width_fits("matmul_rows_swiglu", w.cols, MR_MAX_CHUNKS)?;
-        let (ni, ri, ki) = mm_dims(n, w)?;
-        let cfg = row_blocks(w.rows * n.div_ceil(MM_TOKENS))?;
-        let mut b = self.kernel(&self.res.matmul_rows_swiglu)?;
-        b.arg(&w.kind)
-            .arg(&g)
-            .arg(&u)
-            .arg(&w.buf.ptr)
-            .arg(&y)
-            .arg(&ni)
-            .arg(&ri)
-            .arg(&ki)
-            .arg(&w.row_bytes);
-        // SAFETY: matches `matmul_rows_swiglu`; g and u hold n·cols floats,
-        // y n·rows; cols within the partials matmul_rows holds.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
-    }
-
-    /// `y (n, rows) = SwiGLU(x · Gᵀ, x · Uᵀ)` by `gate_up_swiglu`: gate and
-    /// up (one storage and shape, `cols` at most `64 · MR_MAX_CHUNKS`) row
-    /// by row in one block, each output the swiglu kernel's value of
-    /// [`Gpu::mm`]'s two (the same bits), one launch and no `(n, rows)`
-    /// gate/up outputs. For steps below [`Tuning::gemm_min`] tokens.
-    pub fn gate_up_swiglu(
-        &self,
-        x: u64,
-        n: usize,
-        gate: &DevMatrix,
-        up: &DevMatrix,
-        y: u64,
-    ) -> Result<(), GpuError> {
-        if !gate.same_layout(up) {
-            return Err(GpuError::Shape {
-                what: "gate_up_swiglu",
-                detail: format!(
-                    "gate {}×{} (storage {}), up {}×{} (storage {}): one shape and storage wanted",
-                    gate.rows, gate.cols, gate.kind, up.rows, up.cols, up.kind
-                ),
-            });
-        }
-        if n == 0 || gate.rows == 0 {
-            return Ok(());
-        }
-        width_fits("gate_up_swiglu", gate.cols, MR_MAX_CHUNKS)?;
-        let (ni, ri, ki) = mm_dims(n, gate)?;
-        let mut cfg = row_blocks(gate.rows * n.div_ceil(MM_TOKENS))?;
-        cfg.block_dim.0 = 2 * MR_THREADS;
-        let mut b = self.kernel(&self.res.gate_up_swiglu)?;
-        b.arg(&gate.kind)
-            .arg(&x)
-            .arg(&gate.buf.ptr)
-            .arg(&up.buf.ptr)
-            .arg(&y)
-            .arg(&ni)
-            .arg(&ri)
-            .arg(&ki)
-            .arg(&gate.row_bytes);
-        // SAFETY: matches `gate_up_swiglu`; x holds n·cols floats, y
-        // n·rows; gate and up share rows, cols and row bytes (checked
-        // above), cols within the partials the kernel holds.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
-    }
-
-    /// Whether a step of `n` tokens takes [`Gpu::gate_up_swiglu`] for this
-    /// gate and up ([`Tuning::gate_up_swiglu`], below
-    /// [`Tuning::gemm_min`] tokens, one storage and shape, rows the
-    /// kernel's partials hold).
-    pub fn gate_up_swiglu_serves(&self, n: usize, gate: &DevMatrix, up: &DevMatrix) -> bool {
-        let t = self.res.tuning;
-        t.gate_up_swiglu
-            && n > 0
-            && n < t.gemm_min.max(1)
-            && gate.same_layout(up)
-            && gate.cols.div_ceil(64) <= MR_MAX_CHUNKS
-    }
-
-    /// [`Gpu::gate_up_swiglu`] on host operands (for `gpu_check`).
-    pub fn gate_up_swiglu_resident(
-        &self,
-        x: &[f32],
-        n: usize,
-        gate: &Matrix,
-        up: &Matrix,
-    ) -> Result<Vec<f32>, GpuError> {
-        if x.len() != n * gate.cols {
-            return Err(GpuError::Shape {
-                what: "gate_up_swiglu",
-                detail: format!("x {}, n {n} × cols {}", x.len(), gate.cols),
-            });
-        }
-        let dx = self.upload(x, "x")?;
-        let (dg, du) = (
-            self.upload_matrix(gate, "gate")?,
-            self.upload_matrix(up, "up")?,
-        );
-        let dy = self.alloc(n * gate.rows * 4, "y")?;
-        self.gate_up_swiglu(dx.ptr, n, &dg, &du, dy.ptr)?;
-        let mut y = vec![0.0; n * gate.rows];
-        self.dtoh(dy.ptr, &mut y)?;
-        Ok(y)
-    }
-
-    /// [`Gpu::mm_rows_swiglu`] on host operands (for `gpu_check`).
-    pub fn rows_swiglu_resident(
-        &self,
-        g: &[f32],
-        u: &[f32],
-        n: usize,
-        w: &Matrix,
-    ) -> Result<Vec<f32>, GpuError> {
-        if g.len() != n * w.cols || u.len() != g.len() {
-            return Err(GpuError::Shape {
-                what: "matmul_rows_swiglu",
-                detail: format!("g {}, u {}, n {n} × cols {}", g.len(), u.len(), w.cols),
-            });
-        }
-        let (dg, du) = (self.upload(g, "g")?, self.upload(u, "u")?);
-        let dw = self.upload_matrix(w, "w")?;
-        let dy = self.alloc(n * w.rows * 4, "y")?;
-        self.mm_rows_swiglu(dg.ptr, du.ptr, n, &dw, dy.ptr)?;
-        let mut y = vec![0.0; n * w.rows];
-        self.dtoh(dy.ptr, &mut y)?;
-        Ok(y)
-    }
-
-    /// [`Gpu::mm_rows_norm`] on host operands (gpu_check): `x (n, cols)`,
-    /// `w`, the residual `resid (n, rows)` and the norm weight `nw (rows)`;
-    /// returns `(y, resid + y, rms_norm(resid + y) · nw)`. Launched
-    /// `launches` times on the same buffers and counter from the same
-    /// inputs (the residual uploaded again before each), so that a counter
-    /// not back at 0 after a launch shows in the next one's outputs.
-    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
-    pub fn rows_norm_resident(
-        &self,
-        x: &[f32],
-        n: usize,
-        w: &Matrix,
-        resid: &[f32],
-        nw: &[f32],
-        eps: f32,
-        launches: usize,
-    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>), GpuError> {
-        if x.len() != n * w.cols || resid.len() != n * w.rows || nw.len() != w.rows {
-            return Err(GpuError::Shape {
-                what: "matmul_rows_norm",
-                detail: format!(
-                    "x {}, resid {}, nw {} for n {n} × ({} rows, {} cols)",
-                    x.len(),
-                    resid.len(),
-                    nw.len(),
-                    w.rows,
-                    w.cols
-                ),
-            });
-        }
-        let dx = self.upload(x, "x")?;
-        let dw = self.upload_matrix(w, "w")?;
-        let dnw = self.upload(nw, "norm weight")?;
-        let dr = self.alloc(n * w.rows * 4, "residual")?;
-        let dy = self.alloc(n * w.rows * 4, "y")?;
-        let dh = self.alloc(n * w.rows * 4, "norm out")?;
-        for _ in 0..launches.max(1) {
-            self.htod(resid, dr.ptr)?;
-            self.mm_rows_norm(dx.ptr, n, &dw, dy.ptr, dr.ptr, &dnw, eps, dh.ptr)?;
-        }
-        let mut out = (
-            vec![0.0; n * w.rows],
-            vec![0.0; n * w.rows],
-            vec![0.0; n * w.rows],
-        );
-        self.dtoh(dy.ptr, &mut out.0)?;
-        self.dtoh(dr.ptr, &mut out.1)?;
-        self.dtoh(dh.ptr, &mut out.2)?;
-        Ok(out)
     }
 
     /// How this device's resident path chooses its kernels.
     pub fn tuning(&self) -> Tuning {
         self.res.tuning
-    }
-
-    /// `matmul_fused`: up to three matmuls of `x (n, cols)` in one launch,
-    /// the input first normalized in the kernel when `norm` is given, and
-    /// the outputs stored, accumulated into `y` (the residual), or joined by
-    /// SwiGLU ([`Fused`]). Each output is the value the separate kernels
-    /// give; `cols` at most `64 · MR_MAX_CHUNKS`, one storage for all.
-    pub fn mm_fused(
-        &self,
-        x: u64,
-        n: usize,
-        norm: Option<(&DevBuf, f32)>,
-        mode: Fused,
-        mats: &[(&DevMatrix, u64)],
-    ) -> Result<(), GpuError> {
-        if n == 0 || mats.is_empty() {
-            return Ok(());
-        }
-        let cols = mats[0].0.cols;
-        let bad = mats.len() > 3
-            || mats
-                .iter()
-                .any(|(w, _)| w.kind != mats[0].0.kind || w.cols != cols || w.rows == 0)
-            || cols.div_ceil(64) > MR_MAX_CHUNKS
-            || match mode {
-                Fused::Swiglu => mats.len() != 2 || mats[0].0.rows != mats[1].0.rows,
-                Fused::Accumulate => mats.len() != 1,
-                Fused::Store => false,
-            };
-        if bad {
-            return Err(GpuError::Shape {
-                what: "matmul_fused",
-                detail: format!(
-                    "{:?}: {} matrices of {:?} rows × {cols} (one storage, at most 3, at most {} columns)",
-                    mode,
-                    mats.len(),
-                    mats.iter().map(|m| m.0.rows).collect::<Vec<_>>(),
-                    64 * MR_MAX_CHUNKS
-                ),
-            });
-        }
-        let halve = if mode == Fused::Swiglu { 2 } else { 1 };
-        if self.chunk_serves(n, mats) && cols.div_ceil(64) <= MC_MAX_THREADS / halve {
-            return self.chunk_launch(x, n, norm, mode, mats);
-        }
-        let tiles = n.div_ceil(MM_TOKENS);
-        let rows_launched: usize = match mode {
-            Fused::Swiglu => mats[0].0.rows,
-            _ => mats.iter().map(|(w, _)| w.rows).sum(),
-        };
-        let cfg = row_blocks(rows_launched * tiles)?;
-        let (ni, ki) = (as_i32("matmul", n)?, as_i32("matmul", cols)?);
-        as_i32("matmul", n * cols)?;
-        let [m0, m1, m2] = mat_slots(mats)?;
-        let (nw, eps) = norm.map_or((0u64, 0.0f32), |(w, e)| (w.ptr, e));
-        let mode_i: i32 = match mode {
-            Fused::Store => 0,
-            Fused::Accumulate => 1,
-            Fused::Swiglu => 2,
-        };
-        let mut b = self.kernel(&self.res.matmul_fused)?;
-        b.arg(&mats[0].0.kind)
-            .arg(&x)
-            .arg(&ni)
-            .arg(&ki)
-            .arg(&nw)
-            .arg(&eps)
-            .arg(&mode_i);
-        for m in [&m0, &m1, &m2] {
-            b.arg(&m.0).arg(&m.1).arg(&m.2).arg(&m.3);
-        }
-        // SAFETY: matches `matmul_fused`; x holds n·cols floats, each y
-        // n·rows (the norm weight cols); in SwiGLU mode both matrices have
-        // the rows launched; absent matrices have 0 rows and get no block.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
     }
 
     /// `x += y`, then `out = rms_norm(x)·w`, `rows` rows of `d`, one launch
@@ -2424,38 +1281,10 @@ impl Gpu {
             return Ok(());
         }
         let ni = as_i32("swiglu", n)?;
-        if self.res.tuning.swiglu4 && swiglu4_fits(g, u, out, n) {
-            return self.swiglu4_dev(g, u, out, n);
-        }
         let mut b = self.kernel(&self.res.swiglu)?;
         b.arg(&g).arg(&u).arg(&out).arg(&ni);
         // SAFETY: matches `swiglu`; all hold n floats.
         unsafe { b.launch(elems(n, "swiglu")?) }
-            .map(|_| ())
-            .map_err(drv)
-    }
-
-    /// [`Gpu::swiglu_dev`] by `swiglu4`, four elements a thread whatever
-    /// [`Tuning::swiglu4`] says (the same bits); `n` a multiple of 4 and
-    /// every address 16-byte aligned, else an error.
-    pub fn swiglu4_dev(&self, g: u64, u: u64, out: u64, n: usize) -> Result<(), GpuError> {
-        if !swiglu4_fits(g, u, out, n) {
-            return Err(GpuError::Shape {
-                what: "swiglu4",
-                detail: format!(
-                    "{n} floats at {g:#x}, {u:#x}, {out:#x}: a multiple of 4 at 16-byte aligned addresses wanted"
-                ),
-            });
-        }
-        if n == 0 {
-            return Ok(());
-        }
-        let n4 = as_i32("swiglu", n)? / 4;
-        let mut b = self.kernel(&self.res.swiglu4)?;
-        b.arg(&g).arg(&u).arg(&out).arg(&n4);
-        // SAFETY: matches `swiglu4`; all hold n floats, n a multiple of 4,
-        // every address 16-byte aligned (checked above).
-        unsafe { b.launch(elems(n / 4, "swiglu")?) }
             .map(|_| ())
             .map_err(drv)
     }
@@ -2476,8 +1305,8 @@ impl Gpu {
 
     /// Paged causal attention of `n` query rows: token t attends positions
     /// `0..=pos[t]` through page addresses `pages[seq_off[t]..]`; by
-    /// `attention_prefill` where the table lists groups (and
-    /// [`Tuning::attn_prefill`]), `attention_decode` for steps of at most
+    /// `attention_prefill` (`_hd64` where [`hd64_fits`]) where the table
+    /// lists groups, `attention_decode` for steps of at most
     /// [`Tuning::attn_decode_max`] blocks, `attention_paged` otherwise.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_paged(
@@ -2492,18 +1321,14 @@ impl Gpu {
         out: u64,
     ) -> Result<(), GpuError> {
         let tun = self.res.tuning;
-        let kernel = if table.n_groups > 0 && tun.attn_prefill && shape.head_dim <= PF_MAXHD {
-            if tun.attn_prefill_hd64 && hd64_fits(shape, &layout) {
+        let kernel = if table.n_groups > 0 && shape.head_dim <= PF_MAXHD {
+            if hd64_fits(shape, &layout) {
                 AttnKernel::PrefillHd64
             } else {
                 AttnKernel::Prefill
             }
         } else if n * shape.n_heads <= tun.attn_decode_max {
-            if tun.attn_decode_hd64 && hd64_fits(shape, &layout) {
-                AttnKernel::DecodeHd64
-            } else {
-                AttnKernel::Decode
-            }
+            AttnKernel::Decode
         } else {
             AttnKernel::Paged
         };
@@ -2538,7 +1363,7 @@ impl Gpu {
             });
         }
         let prefill = kernel.is_prefill();
-        let hd64 = matches!(kernel, AttnKernel::PrefillHd64 | AttnKernel::DecodeHd64);
+        let hd64 = kernel == AttnKernel::PrefillHd64;
         if hd64 && !hd64_fits(shape, &layout) {
             return Err(GpuError::Shape {
                 what: "attention (_hd64)",
@@ -2572,7 +1397,6 @@ impl Gpu {
             AttnKernel::Decode => &self.res.attention_decode,
             AttnKernel::Prefill => &self.res.attention_prefill,
             AttnKernel::PrefillHd64 => &self.res.attention_prefill_hd64,
-            AttnKernel::DecodeHd64 => &self.res.attention_decode_hd64,
         };
         let mut b = self.kernel(f)?;
         b.arg(&q)
@@ -2599,38 +1423,7 @@ impl Gpu {
     }
 }
 
-/// Which kernel runs [`Gpu::attention_decode_rope`]: every one the same
-/// bits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DecodeRopeKernel {
-    /// `attention_decode_rope`: the prologue rotates q in global memory and
-    /// the attention body loads it back.
-    Rope,
-    /// `attention_decode_rope_qs`: the rotated q head handed to the body in
-    /// shared memory ([`Tuning::rope_qs`]).
-    RopeQs,
-    /// `attention_decode_rope_hd64` (head_dim 64, [`hd64_fits`];
-    /// [`Tuning::attn_decode_hd64`]).
-    Hd64,
-}
-
 impl Gpu {
-    /// The [`DecodeRopeKernel`] the tuning picks for this shape.
-    pub fn decode_rope_kernel(
-        &self,
-        shape: &crate::AttnShape,
-        layout: &PageLayout,
-    ) -> DecodeRopeKernel {
-        let t = &self.res.tuning;
-        if t.attn_decode_hd64 && hd64_fits(shape, layout) {
-            DecodeRopeKernel::Hd64
-        } else if t.rope_qs {
-            DecodeRopeKernel::RopeQs
-        } else {
-            DecodeRopeKernel::Rope
-        }
-    }
-
     /// `rope_kv` then `attention_decode` in one launch
     /// (`attention_decode_rope`, the same bits): RoPE of `q` (n · qd, in
     /// place) and of the unrotated K rows `kraw` (n · kvd) into `kout` and,
@@ -2639,13 +1432,11 @@ impl Gpu {
     /// sequence and whose pages are in no other token's page list (no
     /// block reads a row another block writes), with head_dim even and at
     /// most 256: the caller checks the first two, this the shapes.
-    /// `kernel` is [`Gpu::decode_rope_kernel`]'s choice in the resident
-    /// path (gpu_check runs each); [`DecodeRopeKernel::Hd64`] only where
-    /// [`hd64_fits`].
+    /// The kernel is `attention_decode_rope_qs`, which also hands the
+    /// rotated q head to the attention in shared memory.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_decode_rope(
         &self,
-        kernel: DecodeRopeKernel,
         qkv: (u64, u64, u64),
         kout: u64,
         tables: (&DevBuf, &DevBuf),
@@ -2680,24 +1471,7 @@ impl Gpu {
             aux,
             cfg,
         } = attn_args(shape, &layout, layer, n * shape.n_heads)?;
-        let f = match kernel {
-            DecodeRopeKernel::Hd64 if hd64_fits(shape, &layout) => {
-                &self.res.attention_decode_rope_hd64
-            }
-            DecodeRopeKernel::Hd64 => {
-                return Err(GpuError::Shape {
-                    what: "attention_decode_rope_hd64",
-                    detail: format!(
-                        "head_dim {} (64), kv_dim {} and page_len·aux_dim {} (multiples of 4)",
-                        shape.head_dim,
-                        layout.kv_dim,
-                        layout.page_len * layout.aux_dim
-                    ),
-                })
-            }
-            DecodeRopeKernel::RopeQs => &self.res.attention_decode_rope_qs,
-            DecodeRopeKernel::Rope => &self.res.attention_decode_rope,
-        };
+        let f = &self.res.attention_decode_rope_qs;
         let mut b = self.kernel(f)?;
         b.arg(&qkv.0)
             .arg(&qkv.1)
@@ -2754,9 +1528,9 @@ pub struct DecodeRopeCase<'a> {
 impl DecodeRopeCase<'_> {
     /// Runs the step twice on the device from the same inputs: `rope_kv`
     /// then attention (the kernel [`Gpu::attention_paged`] picks), and
-    /// `kernel`'s form of `attention_decode_rope`; returns each path's
-    /// attention output, rotated q, rotated K rows and pages.
-    pub fn run(&self, gpu: &Gpu, kernel: DecodeRopeKernel) -> Result<[[Vec<f32>; 4]; 2], GpuError> {
+    /// `attention_decode_rope`; returns each path's attention output,
+    /// rotated q, rotated K rows and pages.
+    pub fn run(&self, gpu: &Gpu) -> Result<[[Vec<f32>; 4]; 2], GpuError> {
         let n = self.pos.len();
         let shape = crate::AttnShape {
             n_heads: self.n_heads,
@@ -2802,7 +1576,6 @@ impl DecodeRopeCase<'_> {
             };
             let kb = if fused {
                 gpu.attention_decode_rope(
-                    kernel,
                     (dq.ptr, dk.ptr, dv.ptr),
                     kout.ptr,
                     (&tabs.0, &tabs.1),
@@ -2925,7 +1698,6 @@ impl Gpu {
         use super::MatmulKernel as K;
         let tiles = match kernel {
             K::GemmWide | K::GemmWideSplit(_) => GemmTiles::Wide,
-            K::GemmPipelined | K::GemmPipelinedSplit(_) => GemmTiles::Pipelined,
             _ => GemmTiles::Narrow,
         };
         if kernel == K::Rows4 {
@@ -2939,19 +1711,8 @@ impl Gpu {
             self.dtoh(dy.ptr, y)?;
             return Ok(secs);
         }
-        if kernel == K::Chunk {
-            self.sync()?;
-            let t0 = std::time::Instant::now();
-            for _ in 0..reps.max(1) {
-                self.chunk_launch(dx.ptr, n, None, Fused::Store, &[(&dw, dy.ptr)])?;
-            }
-            self.sync()?;
-            let secs = t0.elapsed().as_secs_f64();
-            self.dtoh(dy.ptr, y)?;
-            return Ok(secs);
-        }
         let split = match kernel {
-            K::GemmSplit(cpb) | K::GemmWideSplit(cpb) | K::GemmPipelinedSplit(cpb) => {
+            K::GemmSplit(cpb) | K::GemmWideSplit(cpb) => {
                 let part = self.alloc(chunks * n * w.rows * 4, "gemm check partials")?;
                 Some((part, cpb))
             }
@@ -3013,67 +1774,6 @@ impl Gpu {
             self.dtoh(dx.ptr, sum)?;
         }
         self.dtoh(dout.ptr, out)
-    }
-
-    /// [`Gpu::mm_fused`] on host operands: `x (n, cols)`, the norm weight
-    /// when given, the matrices, and (for [`Fused::Accumulate`]) the
-    /// starting `y`; returns each matrix's output (SwiGLU: the one result).
-    /// `chunk`: by `matmul_chunk`'s forms rather than `matmul_fused`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn fused_resident(
-        &self,
-        x: &[f32],
-        n: usize,
-        norm: Option<(&[f32], f32)>,
-        mode: Fused,
-        mats: &[&Matrix],
-        y_start: &[f32],
-        chunk: bool,
-    ) -> Result<Vec<Vec<f32>>, GpuError> {
-        let dx = self.upload(x, "x")?;
-        let dn = match norm {
-            Some((w, _)) => Some(self.upload(w, "norm")?),
-            None => None,
-        };
-        let dm: Vec<DevMatrix> = mats
-            .iter()
-            .map(|m| self.upload_matrix(m, "w"))
-            .collect::<Result<_, _>>()?;
-        let outs: Vec<DevBuf> = mats
-            .iter()
-            .map(|m| self.alloc(n * m.rows * 4, "y"))
-            .collect::<Result<_, _>>()?;
-        if mode == Fused::Accumulate {
-            if let Some(o) = outs.first() {
-                if y_start.len() != n * mats[0].rows {
-                    return Err(GpuError::Shape {
-                        what: "matmul_fused",
-                        detail: format!("y {} for {n} × {}", y_start.len(), mats[0].rows),
-                    });
-                }
-                self.htod(y_start, o.ptr)?;
-            }
-        }
-        let pairs: Vec<(&DevMatrix, u64)> = dm.iter().zip(&outs).map(|(m, o)| (m, o.ptr)).collect();
-        let nm = match (&dn, norm) {
-            (Some(b), Some((_, eps))) => Some((b, eps)),
-            _ => None,
-        };
-        if chunk {
-            self.chunk_launch(dx.ptr, n, nm, mode, &pairs)?;
-        } else {
-            self.mm_fused(dx.ptr, n, nm, mode, &pairs)?;
-        }
-        let take = if mode == Fused::Swiglu { 1 } else { outs.len() };
-        outs.iter()
-            .zip(mats)
-            .take(take)
-            .map(|(o, m)| {
-                let mut v = vec![0.0; n * m.rows];
-                self.dtoh(o.ptr, &mut v)?;
-                Ok(v)
-            })
-            .collect()
     }
 
     /// [`crate::attention`] by the kernel named: each sequence's keys and
@@ -3278,50 +1978,4 @@ pub struct PageTable {
     pub pos: u64,
     pub groups: u64,
     pub n_groups: usize,
-}
-
-/// `attention_prefill`'s groups of a step whose spans hold `span_lens`
-/// tokens each, stacked in that order: every span cut into runs of at most
-/// `group` tokens (clamped to 1..=[`PF_TQ`]), each `first token << 32 |
-/// count`. None where the groups would be less than half full on average
-/// (steps of short spans, decode: `attention_paged`'s block per token
-/// serves them better).
-pub fn prefill_groups(
-    span_lens: impl Iterator<Item = usize> + Clone,
-    group: usize,
-) -> Option<Vec<u64>> {
-    let group = group.clamp(1, PF_TQ);
-    let n: usize = span_lens.clone().sum();
-    let count: usize = span_lens.clone().map(|l| l.div_ceil(group)).sum();
-    if n == 0 || count * group > 2 * n || n > u32::MAX as usize {
-        return None;
-    }
-    let mut out = Vec::with_capacity(count);
-    let mut first = 0usize;
-    for len in span_lens {
-        let mut at = 0;
-        while at < len {
-            let c = group.min(len - at);
-            out.push(((first + at) as u64) << 32 | c as u64);
-            at += c;
-        }
-        first += len;
-    }
-    Some(out)
-}
-
-/// Orders `groups` ([`prefill_groups`]' `first << 32 | count`) longest
-/// first: by the position of each group's last token (`pos`, a position per
-/// stacked token), descending, ties in their order ([`Tuning::pf_longest_first`]).
-/// A group whose tokens are past `pos` keeps its place among the shortest.
-pub fn longest_first(groups: &mut [u64], pos: &[u64]) {
-    let last = |g: u64| {
-        let (first, count) = ((g >> 32) as usize, (g & 0xffff_ffff) as usize);
-        (first + count)
-            .checked_sub(1)
-            .and_then(|i| pos.get(i))
-            .copied()
-            .unwrap_or(0)
-    };
-    groups.sort_by_key(|&g| std::cmp::Reverse(last(g)));
 }

@@ -59,11 +59,6 @@ impl MmOut {
 pub enum MultiKernel {
     /// `matmul_multi` (a block per row; fewer tokens than the gemm's).
     Rows,
-    /// `matmul_multi4` (a block per four rows; as `Rows`), whatever the
-    /// tuning.
-    Rows4,
-    /// `matmul_chunk` (a thread per row and chunk).
-    Chunk,
     /// `matmul_gemm_multi`, every matrix whole.
     Gemm,
     /// `matmul_gemm_multi`, each matrix split over its chunks as the
@@ -124,13 +119,12 @@ fn plan(
 impl Gpu {
     /// `y = x (n, cols) · Wᵀ` for each `(W, y)` of `mats` (one input, up to
     /// three matrices), each output the bits [`Gpu::mm_split`] gives.
-    /// Without [`Tuning::gemm_multi`] and `fold` this is
-    /// [`Gpu::mm_multi`]. Otherwise, in steps of gemm tiles, the split
-    /// matmuls' partials go to disjoint regions of `scratch`; with
-    /// `gemm_multi` the matmuls of wide tiles are one launch (a single
-    /// matrix too: `matmul_gemm_multi` does not spill); with `fold`
-    /// split outputs are returned as partials (no `sum_chunks`), to be read
-    /// by one kernel that sums them before the next `mm_outs`.
+    /// Below [`Tuning::gemm_min`] tokens this is [`Gpu::mm_multi`].
+    /// Otherwise the split matmuls' partials go to disjoint regions of
+    /// `scratch`, and the matmuls of wide tiles are one launch (a single
+    /// matrix too: `matmul_gemm_multi` does not spill); with `fold` split
+    /// outputs are returned as partials (no `sum_chunks`), to be read by one
+    /// kernel that sums them before the next `mm_outs`.
     pub fn mm_outs(
         &self,
         x: u64,
@@ -141,19 +135,18 @@ impl Gpu {
     ) -> Result<Vec<MmOut>, GpuError> {
         let tun = self.res.tuning;
         let plain: Vec<MmOut> = mats.iter().map(|(_, y)| MmOut::at(*y)).collect();
-        if n == 0 || n < tun.gemm_min.max(1) || !(tun.gemm_multi || fold) {
+        if n == 0 || n < tun.gemm_min.max(1) {
             self.mm_multi(x, n, mats, scratch)?;
             return Ok(plain);
         }
-        let kind = match (n >= tun.gemm_wide_min.max(1), tun.gemm_pipelined) {
-            (false, _) => GemmTiles::Narrow,
-            (true, false) => GemmTiles::Wide,
-            (true, true) => GemmTiles::Pipelined,
+        let kind = if n >= tun.gemm_wide_min.max(1) {
+            GemmTiles::Wide
+        } else {
+            GemmTiles::Narrow
         };
         let shapes: Vec<(usize, usize)> = mats.iter().map(|(w, _)| (w.rows, w.cols)).collect();
         let plans = plan(&tun, kind, n, &shapes, scratch);
-        let one_launch = tun.gemm_multi
-            && kind == GemmTiles::Wide
+        let one_launch = kind == GemmTiles::Wide
             && (1..=3).contains(&mats.len())
             && mats
                 .iter()
@@ -216,10 +209,6 @@ impl Gpu {
                     });
                 }
                 self.mm_multi(dx.ptr(), n, &pairs, SplitScratch::NONE)?;
-            }
-            MultiKernel::Rows4 => self.multi_rows_launch(dx.ptr(), n, &pairs, true)?,
-            MultiKernel::Chunk => {
-                self.chunk_launch(dx.ptr(), n, None, super::resident::Fused::Store, &pairs)?
             }
             MultiKernel::Gemm | MultiKernel::GemmSplit => {
                 let sp = if kernel == MultiKernel::GemmSplit {

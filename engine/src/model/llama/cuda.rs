@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 
 use lmrr_kernels::cuda::overlap::Overlap;
 use lmrr_kernels::cuda::resident::{
-    DevBuf, DevMatrix, Fused, Graph, MmOut, PageLayout, PageTable, Pinned, SplitScratch,
+    DevBuf, DevMatrix, Graph, MmOut, PageLayout, PageTable, Pinned, SplitScratch,
 };
 use lmrr_kernels::cuda::Gpu;
 use lmrr_kernels::Threads;
@@ -80,9 +80,9 @@ struct Addrs {
     part_floats: usize,
 }
 
-/// A decode shape's captured launches: all of them, or (with
-/// `LMRR_CUDA_KV_EARLY_MIN`) the layers and the head apart, so that the K/V
-/// rows can be copied back between them.
+/// A decode shape's captured launches: all of them, or (where the step
+/// copies its K/V rows back during the head, `Tuning::kv_early_min`) the
+/// layers and the head apart, so that the copy goes between them.
 struct StepGraph {
     layers: Graph,
     head: Option<Graph>,
@@ -258,24 +258,19 @@ impl Resident {
     /// Floats of split-matmul partials a step of `n` tokens holds: every
     /// layer matmul's chunks × rows for up to [`SPLIT_MAX_TOKENS`] tokens
     /// (larger steps split only the matmuls whose partials fit; the head is
-    /// never split: its 49 k rows fill the device alone). `together`
-    /// (`LMRR_CUDA_GEMM_MULTI` or `LMRR_CUDA_FOLD_SUMS`): the matmuls of one
-    /// input (q, k, v; gate, up) hold their partials at once.
-    fn part_floats(m: &Llama, n: usize, together: bool) -> usize {
+    /// never split: its rows fill the device alone). The matmuls of one input
+    /// (q, k, v; gate, up) hold their partials at once.
+    fn part_floats(m: &Llama, n: usize) -> usize {
         let c = &m.cfg;
         let (d, ff) = (c.hidden_size, c.intermediate_size);
         let (qd, kvd) = (m.shape.q_dim(), m.shape.kv_dim());
         let ch = |cols: usize| cols.div_ceil(64);
-        let widest = if together {
-            (qd + 2 * kvd).max(2 * ff)
-        } else {
-            qd.max(kvd).max(ff)
-        };
+        let widest = (qd + 2 * kvd).max(2 * ff);
         let per = (ch(d) * widest).max(ch(qd) * d).max(ch(ff) * d);
         n.min(SPLIT_MAX_TOKENS) * per
     }
 
-    fn floats(m: &Llama, s: StepShape, together: bool) -> [usize; 14] {
+    fn floats(m: &Llama, s: StepShape) -> [usize; 14] {
         let c = &m.cfg;
         let (d, ff, vocab) = (c.hidden_size, c.intermediate_size, c.vocab_size);
         let (qd, kvd, layers) = (m.shape.q_dim(), m.shape.kv_dim(), m.layers.len());
@@ -294,12 +289,12 @@ impl Resident {
             w * d,
             w * d,
             w * vocab,
-            Self::part_floats(m, n, together),
+            Self::part_floats(m, n),
         ]
     }
 
-    fn addrs(m: &Llama, base: u64, s: StepShape, together: bool) -> Addrs {
-        let f = Self::floats(m, s, together);
+    fn addrs(m: &Llama, base: u64, s: StepShape) -> Addrs {
+        let f = Self::floats(m, s);
         let mut at = [0u64; 14];
         let mut off = 0u64;
         for (a, &n) in at.iter_mut().zip(&f) {
@@ -326,8 +321,8 @@ impl Resident {
         }
     }
 
-    fn scratch_bytes(m: &Llama, s: StepShape, together: bool) -> usize {
-        Self::floats(m, s, together)
+    fn scratch_bytes(m: &Llama, s: StepShape) -> usize {
+        Self::floats(m, s)
             .iter()
             .map(|&n| (n * 4).div_ceil(256) * 256)
             .sum()
@@ -438,24 +433,19 @@ impl Resident {
         let groups_at = st.host_in.len();
         let n_groups = match lmrr_kernels::cuda::resident::prefill_groups(
             spans.iter().map(|s| s.tokens.len()),
-            gpu.tuning().attn_prefill_group,
+            lmrr_kernels::cuda::resident::PF_TQ,
         ) {
             Some(mut g) => {
-                if gpu.tuning().pf_longest_first {
-                    // Positions are the inputs' second n (pack_inputs).
-                    let pos = st.host_in.get(n..2 * n).unwrap_or(&[]);
-                    lmrr_kernels::cuda::resident::longest_first(&mut g, pos);
-                }
+                // Longest first, so no long group waits for a second wave.
+                // Positions are the inputs' second n (pack_inputs).
+                let pos = st.host_in.get(n..2 * n).unwrap_or(&[]);
+                lmrr_kernels::cuda::resident::longest_first(&mut g, pos);
                 st.host_in.extend(&g);
                 g.len()
             }
             None => 0,
         };
 
-        let together = {
-            let t = gpu.tuning();
-            t.gemm_multi || t.fold_sums
-        };
         // Buffers: grow (and drop the graphs that name the old ones).
         let grown = std::time::Instant::now();
         let need_in = st.host_in.len();
@@ -479,7 +469,7 @@ impl Resident {
             };
             let b = gpu
                 .alloc(
-                    Self::scratch_bytes(m, cap, together),
+                    Self::scratch_bytes(m, cap),
                     &format!("activations of a {}-token step", cap.n),
                 )
                 .map_err(gpu_err)?;
@@ -501,26 +491,25 @@ impl Resident {
             n_groups,
         };
         let (dstp, slotp, rowp) = (at(3 * n), at(4 * n), at(5 * n));
-        let a = Self::addrs(m, sb, shape, together);
+        let a = Self::addrs(m, sb, shape);
 
         let decode = spans.iter().all(|s| s.tokens.len() == 1);
         // Every token's logits row wanted, in stacked order (every decode
         // step whose spans all want their row; so a decode graph, keyed by
         // (n, m), serves only steps of the same choice: m == n is this).
-        let direct =
-            gpu.tuning().head_direct && w == n && rows.iter().enumerate().all(|(i, &r)| r == i);
+        let direct = w == n && rows.iter().enumerate().all(|(i, &r)| r == i);
         debug_assert!(
-            !decode || !gpu.tuning().head_direct || direct == (w == n),
+            !decode || direct == (w == n),
             "a decode step's wanted rows are its spans' own, in order"
         );
-        // LMRR_CUDA_ROPE_ATTN: a decode step has its attention blocks make
+        // A decode step has its attention blocks make
         // RoPE and the page writes only where no block can read a row that
         // another block writes: every token's page is in no other span's
         // page list (a shared page is a prefix, never written; only
         // cache-corruption patches write one, or send a token to the sink
         // page). A step that fails this is launched without graphs, so that
         // no graph captured from a fused step replays for it.
-        let crossed = gpu.tuning().rope_attn && decode && {
+        let crossed = decode && {
             let dsts = &st.host_in[3 * n..4 * n];
             let mut refs: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
             for p in &pages {
@@ -532,8 +521,7 @@ impl Resident {
         let rope_attn = {
             let t = gpu.tuning();
             let c = &m.cfg;
-            t.rope_attn
-                && decode
+            decode
                 && !crossed
                 && n_groups == 0
                 && n * m.shape.n_heads <= t.attn_decode_max
@@ -542,10 +530,10 @@ impl Resident {
         };
         let graphs =
             self.graphs_on.load(Ordering::Relaxed) && decode && !self.profiling && !crossed;
-        // LMRR_CUDA_KV_OVERLAP_MIN: a long step not replayed from a graph
+        // A long step not replayed from a graph (Tuning::kv_overlap_min)
         // copies its K/V rows back layer by layer, and the host writes layer
-        // l while the device runs the layers after it. Otherwise, with
-        // LMRR_CUDA_KV_EARLY_MIN, a step of that many tokens copies them back
+        // l while the device runs the layers after it. Otherwise
+        // (Tuning::kv_early_min) a step of that many tokens copies them back
         // after its last layer, and the host writes them while the head runs
         // and its logits come back (graphs capture the layers and the head
         // apart for it). The same bytes as one download after the step.
@@ -560,14 +548,13 @@ impl Resident {
             *seen += 1;
             if *seen >= 2 && st.graphs.len() < 64 {
                 gpu.begin_capture().map_err(gpu_err)?;
-                let r = self.launch_layers(
-                    m, &a, ids, table, dstp, slotp, rowp, layout, n, w, rope_attn, None,
-                );
+                let r =
+                    self.launch_layers(m, &a, ids, table, dstp, slotp, layout, n, rope_attn, None);
                 let r = match r {
-                    Ok(Some(mlp)) if !early => self
+                    Ok(mlp) if !early => self
                         .launch_head(m, &a, rowp, n, w, direct, mlp)
                         .map(|_| None),
-                    r => r,
+                    r => r.map(Some),
                 };
                 let g = gpu.end_capture().map_err(gpu_err)?;
                 let head_pending = r?;
@@ -650,17 +637,13 @@ impl Resident {
                     table,
                     dstp,
                     slotp,
-                    rowp,
                     layout,
                     n,
-                    w,
                     rope_attn,
                     per_layer_copy,
                 )?;
-                if let Some(mlp) = mlp {
-                    copy_all(&mut overlap)?;
-                    self.launch_head(m, &a, rowp, n, w, direct, mlp)?;
-                }
+                copy_all(&mut overlap)?;
+                self.launch_head(m, &a, rowp, n, w, direct, mlp)?;
             }
         }
         let end = timing.then(|| gpu.mark()).transpose().map_err(gpu_err)?;
@@ -773,102 +756,15 @@ impl Resident {
         Ok(out)
     }
 
-    /// The layers and the head of a step of at most
-    /// [`Tuning::fused_max`](lmrr_kernels::cuda::resident::Tuning) tokens
-    /// (at most [`MM_TOKENS`](lmrr_kernels::cuda::resident::MM_TOKENS)): six launches per layer (the norms inside
-    /// the matmuls that read them, the residual adds inside the matmuls that
-    /// produce them, SwiGLU inside gate/up), each output the value of the
-    /// default sequence.
+    /// The embedding and every layer of a step, queued on the stream; the
+    /// last layer's MLP output for [`Resident::launch_head`]. `rope_attn`:
+    /// the step qualifies for `attention_decode_rope` (decode, distinct
+    /// slots, no split matmul), whose blocks make RoPE and the page writes:
+    /// the k matmul then writes its unrotated rows to `a.g` (free until
+    /// gate), and the kernel the rotated ones to the step's K rows. With
+    /// `kv_copy`, each layer's K/V rows are queued for the host as soon as
+    /// the layer has made them.
     #[allow(clippy::too_many_arguments)]
-    fn launch_fused(
-        &self,
-        m: &Llama,
-        a: &Addrs,
-        table: PageTable,
-        dst: u64,
-        slot: u64,
-        rows: u64,
-        layout: PageLayout,
-        n: usize,
-        w: usize,
-        rope_attn: bool,
-    ) -> Result<(), EngineError> {
-        let g = &*self.gpu;
-        let c = &m.cfg;
-        let (d, eps) = (c.hidden_size, c.rms_norm_eps);
-        let kvd = m.shape.kv_dim();
-        let t = |part, f: &dyn Fn() -> Result<(), lmrr_kernels::cuda::GpuError>| {
-            self.timed(part, || f().map_err(gpu_err))
-        };
-        for (li, l) in self.layers.iter().enumerate() {
-            let (k, v) = (
-                a.k + 4 * (li * n * kvd) as u64,
-                a.v + 4 * (li * n * kvd) as u64,
-            );
-            // Under rope_attn the k matmul leaves its rows unrotated in a.g
-            // (free: SwiGLU goes to a.a), for attention_decode_rope.
-            let kraw = if rope_attn { a.g } else { k };
-            t("matmul q, k, v (with the norm)", &|| {
-                g.mm_fused(
-                    a.x,
-                    n,
-                    Some((&l.attn_norm, eps)),
-                    Fused::Store,
-                    &[(&l.q, a.q), (&l.k, kraw), (&l.v, v)],
-                )
-            })?;
-            let qkv = [MmOut::at(a.q), MmOut::at(k), MmOut::at(v)];
-            self.attend(
-                m,
-                a,
-                qkv,
-                (kraw, k),
-                (table, dst, slot),
-                n,
-                layout,
-                li,
-                rope_attn,
-            )?;
-            t("matmul o (with the residual add)", &|| {
-                g.mm_fused(a.att, n, None, Fused::Accumulate, &[(&l.o, a.x)])
-            })?;
-            t("matmul gate, up, swiglu (with the norm)", &|| {
-                g.mm_fused(
-                    a.x,
-                    n,
-                    Some((&l.mlp_norm, eps)),
-                    Fused::Swiglu,
-                    &[(&l.gate, a.a), (&l.up, a.u)],
-                )
-            })?;
-            t("matmul down (with the residual add)", &|| {
-                g.mm_fused(a.a, n, None, Fused::Accumulate, &[(&l.down, a.x)])
-            })?;
-        }
-        t("output head", &|| {
-            g.gather(a.x, rows, w, d, a.hx)?;
-            let head = self.head.as_ref().unwrap_or(&self.embed);
-            g.mm_fused(
-                a.hx,
-                w,
-                Some((&self.norm, eps)),
-                Fused::Store,
-                &[(head, a.logits)],
-            )
-        })?;
-        Ok(())
-    }
-
-    /// Every kernel of one step, queued on the stream. `rope_attn`: the
-    /// step qualifies for `attention_decode_rope` (decode, distinct slots,
-    /// no split matmul), whose blocks make RoPE and the page writes: the k
-    /// matmul then writes its unrotated rows to `a.g` (free until gate),
-    /// and the kernel the rotated ones to the step's K rows.
-    #[allow(clippy::too_many_arguments)]
-    /// The embedding and every layer of a step; `None` where the fused form
-    /// ran the head too, else the last layer's MLP output for
-    /// [`Resident::launch_head`]. With `kv_copy`, each layer's K/V rows are
-    /// queued for the host as soon as the layer has made them.
     fn launch_layers(
         &self,
         m: &Llama,
@@ -877,13 +773,11 @@ impl Resident {
         table: PageTable,
         dst: u64,
         slot: u64,
-        rows: u64,
         layout: PageLayout,
         n: usize,
-        w: usize,
         rope_attn: bool,
         mut kv_copy: Option<&mut Overlap<'_>>,
-    ) -> Result<Option<Option<MmOut>>, EngineError> {
+    ) -> Result<Option<MmOut>, EngineError> {
         let g = &*self.gpu;
         let c = &m.cfg;
         let (d, ff, eps) = (c.hidden_size, c.intermediate_size, c.rms_norm_eps);
@@ -893,42 +787,25 @@ impl Resident {
             self.timed(part, || f().map_err(e))
         };
         t("embedding", &|| g.embed(&self.embed, ids, n, a.x))?;
-        let tun = g.tuning();
-        let (fused_max, swiglu_max) = (tun.fused_max, tun.swiglu_max);
-        // Down reads SwiGLU(gate, up) itself where the step takes matmul_rows.
-        let down_swiglu = tun.down_swiglu
-            && n < tun.gemm_min.max(1)
-            && ff.div_ceil(64) <= lmrr_kernels::cuda::resident::MR_MAX_CHUNKS;
-        if n <= fused_max && w <= fused_max {
-            return self
-                .launch_fused(m, a, table, dst, slot, rows, layout, n, w, rope_attn)
-                .map(|_| None);
-        }
         let sp = SplitScratch {
             addr: a.part,
             floats: a.part_floats,
         };
-        // With LMRR_CUDA_FOLD_SUMS a split matmul's output stays partials
-        // (`MmOut`) until the next kernel, which sums them as it reads.
-        let fold = tun.fold_sums;
+        // A split matmul's output stays partials (`MmOut`) until the next
+        // kernel, which sums them as it reads.
+        let fold = true;
         // The MLP output of the layer before, added to the residual by the
         // next norm (or, after the last layer, by the head's add).
         let mut mlp_out: Option<MmOut> = None;
-        // Whether the layer's attention norm was made by the launch before
-        // it (down with the norm after it: matmul_rows_norm).
-        let mut normed = false;
         for (li, l) in self.layers.iter().enumerate() {
             let (k, v) = (
                 a.k + 4 * (li * n * kvd) as u64,
                 a.v + 4 * (li * n * kvd) as u64,
             );
-            if !normed {
-                t("norms (with residual adds)", &|| match mlp_out {
-                    None => g.norm_rows(a.x, &l.attn_norm, n, d, eps, a.h),
-                    Some(o) => g.add_norm(a.x, o, &l.attn_norm, n, d, eps, a.h),
-                })?;
-            }
-            normed = false;
+            t("norms (with residual adds)", &|| match mlp_out {
+                None => g.norm_rows(a.x, &l.attn_norm, n, d, eps, a.h),
+                Some(o) => g.add_norm(a.x, o, &l.attn_norm, n, d, eps, a.h),
+            })?;
             let kraw = if rope_attn { a.g } else { k };
             let qkv = self.timed("matmul q, k, v", || {
                 g.mm_outs(a.h, n, &[(&l.q, a.q), (&l.k, kraw), (&l.v, v)], sp, fold)
@@ -953,66 +830,23 @@ impl Resident {
                 ov.queue(&[(k, li * rows, rows), (v, per + li * rows, rows)])
                     .map_err(e)?;
             }
-            if g.rows_norm_serves(n, &l.o, d) {
-                // o, the residual add and the MLP norm in one launch.
-                t("matmul o (with the norm after it)", &|| {
-                    g.mm_rows_norm(a.att, n, &l.o, a.o, a.x, &l.mlp_norm, eps, a.h)
-                })?;
-            } else {
-                let o = self.timed("matmul o", || {
-                    g.mm_outs(a.att, n, &[(&l.o, a.o)], sp, fold).map_err(e)
-                })?;
-                t("norms (with residual adds)", &|| {
-                    g.add_norm(a.x, o[0], &l.mlp_norm, n, d, eps, a.h)
-                })?;
-            }
-            if n <= swiglu_max {
-                // SwiGLU in gate/up's epilogue: the same values, one launch fewer.
-                t("matmul gate, up, swiglu", &|| {
-                    g.mm_fused(a.h, n, None, Fused::Swiglu, &[(&l.gate, a.a), (&l.up, a.u)])
-                })?;
-            } else if g.gate_up_swiglu_serves(n, &l.gate, &l.up) {
-                // Gate and up row by row in one block, SwiGLU in its
-                // epilogue: the same values, one launch fewer.
-                t("matmul gate, up, swiglu", &|| {
-                    g.gate_up_swiglu(a.h, n, &l.gate, &l.up, a.a)
-                })?;
-            } else if down_swiglu {
-                // SwiGLU made in down's input loads: one launch fewer.
-                t("matmul gate, up", &|| {
-                    g.mm_multi(a.h, n, &[(&l.gate, a.g), (&l.up, a.u)], sp)
-                })?;
-                t("matmul down (SwiGLU in its input)", &|| {
-                    g.mm_rows_swiglu(a.g, a.u, n, &l.down, a.o)
-                })?;
-                mlp_out = Some(MmOut::at(a.o));
-                continue;
-            } else {
-                let gu = self.timed("matmul gate, up", || {
-                    g.mm_outs(a.h, n, &[(&l.gate, a.g), (&l.up, a.u)], sp, fold)
-                        .map_err(e)
-                })?;
-                t("swiglu", &|| g.swiglu_out(gu[0], gu[1], a.a, n * ff))?;
-            }
-            // Down, the residual add and the next layer's attention norm in
-            // one launch where it serves (the last layer's add and norm are
-            // the head's).
-            if let Some(next) = self.layers.get(li + 1) {
-                if g.rows_norm_serves(n, &l.down, d) {
-                    t("matmul down (with the norm after it)", &|| {
-                        g.mm_rows_norm(a.a, n, &l.down, a.o, a.x, &next.attn_norm, eps, a.h)
-                    })?;
-                    mlp_out = None;
-                    normed = true;
-                    continue;
-                }
-            }
+            let o = self.timed("matmul o", || {
+                g.mm_outs(a.att, n, &[(&l.o, a.o)], sp, fold).map_err(e)
+            })?;
+            t("norms (with residual adds)", &|| {
+                g.add_norm(a.x, o[0], &l.mlp_norm, n, d, eps, a.h)
+            })?;
+            let gu = self.timed("matmul gate, up", || {
+                g.mm_outs(a.h, n, &[(&l.gate, a.g), (&l.up, a.u)], sp, fold)
+                    .map_err(e)
+            })?;
+            t("swiglu", &|| g.swiglu_out(gu[0], gu[1], a.a, n * ff))?;
             let down = self.timed("matmul down", || {
                 g.mm_outs(a.a, n, &[(&l.down, a.o)], sp, fold).map_err(e)
             })?;
             mlp_out = Some(down[0]);
         }
-        Ok(Some(mlp_out))
+        Ok(mlp_out)
     }
 
     /// A layer's RoPE, K/V page writes and attention into `a.att`: by
@@ -1052,7 +886,6 @@ impl Resident {
             }
             return t("attention (with rope, KV write)", &|| {
                 g.attention_decode_rope(
-                    g.decode_rope_kernel(&m.shape, &layout),
                     (qkv[0].y, k.0, qkv[2].y),
                     k.1,
                     (&self.rope.0, &self.rope.1),
@@ -1090,8 +923,7 @@ impl Resident {
     /// The head of a step whose layers [`Resident::launch_layers`] queued:
     /// the last MLP output added to the residual, the wanted rows gathered,
     /// normed and multiplied by the output matrix into the logits.
-    /// `direct` ([`Tuning::head_direct`](lmrr_kernels::cuda::resident::Tuning)):
-    /// the wanted rows are every token's, in order (`rows` is `0..n`), so
+    /// `direct`: the wanted rows are every token's, in order (`rows` is `0..n`), so
     /// the head reads the residual rows where they are.
     #[allow(clippy::too_many_arguments)]
     fn launch_head(
