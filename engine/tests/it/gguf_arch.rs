@@ -11,7 +11,7 @@ use std::path::Path;
 
 use lmrr_engine::gguf::{import, vocab::GgufVocab, ImportDtype};
 
-#[path = "fixtures/tiny_gguf.rs"]
+#[path = "../fixtures/tiny_gguf.rs"]
 mod tiny_gguf;
 use tiny_gguf::{gguf, meta_str, meta_strs, meta_u32};
 
