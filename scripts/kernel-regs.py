@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Registers, spills and static shared memory of every kernel in
-kernels/cuda/kernels.cu, as ptxas assigns them for a GPU architecture,
+"""Registers, spills and static shared memory of every kernel of the CUDA
+source (kernels/cuda/, joined as kernels/src/cuda_source.rs joins it), as ptxas assigns them for a GPU architecture,
 without a GPU: NVRTC compiles the source as the resident module is compiled
 (`--fmad=false --prec-div=true --prec-sqrt=true --ftz=false`, `ATTN_EARLY`
 and `PDL_PREFETCH` defined) straight to SASS with `-Xptxas=-v` and the report is read back.
@@ -20,6 +20,8 @@ import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import cuda_src  # noqa: E402
 
 
 def main() -> int:
@@ -40,8 +42,7 @@ def main() -> int:
     for d in a.defines:
         name, _, value = d.partition("=")
         defs.append(f"#define {name} {value or 1}")
-    with open(os.path.join(ROOT, "kernels/cuda/kernels.cu"), "rb") as f:
-        src = ("\n".join(defs) + "\n").encode() + f.read()
+    src = ("\n".join(defs) + "\n" + cuda_src.source()).encode()
     prog = ctypes.c_void_p()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"kernels.cu", 0, None, None) != 0:
         print("kernel-regs: nvrtcCreateProgram failed", file=sys.stderr)

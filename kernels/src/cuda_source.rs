@@ -1,14 +1,29 @@
-//! The CUDA source (`kernels/cuda/kernels.cu`) and its negative controls:
-//! plain text, built with or without the `cuda` feature, so that the
-//! emulated-kernel tests (`tests/cuda_emulated.rs`) and the NVRTC compile
-//! check see exactly what the device compiles.
+//! The CUDA source (`kernels/cuda/*.cuh`, `*.cu`: one file per op family)
+//! and its negative controls: plain text, built with or without the `cuda`
+//! feature, so that the emulated-kernel tests (`tests/cuda_emulated.rs`) and
+//! the NVRTC compile check see exactly what the device compiles.
+//!
+//! Invariant: [`SOURCE`] is the files joined in this fixed order, each
+//! using only what the files before it define; it is the one text NVRTC
+//! compiles, the g++ emulation includes and the negative controls mutate
+//! (`scripts/cuda_src.py` reads this list to join it the same way).
 
 /// The kernels' source, compiled at `cuda::Gpu::open`.
-pub const SOURCE: &str = include_str!("../cuda/kernels.cu");
+pub const SOURCE: &str = concat!(
+    include_str!("../cuda/common.cuh"),
+    include_str!("../cuda/quant.cuh"),
+    include_str!("../cuda/dot.cuh"),
+    include_str!("../cuda/matmul.cu"),
+    include_str!("../cuda/norm.cu"),
+    include_str!("../cuda/elementwise.cu"),
+    include_str!("../cuda/rope.cu"),
+    include_str!("../cuda/attention.cu"),
+    include_str!("../cuda/hyper.cu"),
+);
 
 /// `source` with `PDL_PREFETCH` defined: the resident kernels that load
 /// weights first issue those loads before waiting for the kernel ahead of
-/// them (`Tuning::pdl_prefetch`; kernels.cu's `PDL_ENTRY_LATE`).
+/// them (`Tuning::pdl_prefetch`; common.cuh's `PDL_ENTRY_LATE`).
 pub fn prefetch_source(source: &str) -> String {
     format!("#define PDL_PREFETCH 1\n{source}")
 }
@@ -62,7 +77,7 @@ pub const CONTROL_CASES: [&str; 25] = [
 ];
 
 /// Every negative control, in `gpu_check`'s order; an error names a control
-/// whose target text is no longer in kernels.cu (it would test nothing).
+/// whose target text is no longer in [`SOURCE`] (it would test nothing).
 pub fn negative_controls() -> Result<Vec<Control>, String> {
     const MUTATIONS: &[(&str, &str, &str, &str)] = &[
         (
@@ -249,7 +264,7 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
     for &(label, kernel, from, to) in MUTATIONS {
         if !SOURCE.contains(from) {
             return Err(format!(
-                "control `{label}`: kernels.cu no longer contains its target"
+                "control `{label}`: the CUDA source no longer contains its target"
             ));
         }
         out.push(Control {
@@ -266,9 +281,9 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
 mod tests {
     use super::*;
 
-    /// Every control's target text is still in kernels.cu (else gpu_check
+    /// Every control's target text is still in the source (else gpu_check
     /// would stop at its first control on a device): checked without NVRTC
-    /// or a GPU, so that an edit of kernels.cu that moves a target fails here.
+    /// or a GPU, so that an edit of the CUDA source that moves a target fails here.
     #[test]
     fn every_control_finds_its_target() {
         let controls = negative_controls().unwrap_or_else(|e| panic!("{e}"));

@@ -472,7 +472,7 @@ mod tests {
             2,
             "both blocks were written on the host"
         );
-        // Page layout (kernels.cu kv_row): layer l at l·page_len·(2·kv_dim),
+        // Page layout (kernels/cuda/common.cuh kv_row): layer l at l·page_len·(2·kv_dim),
         // K rows, then V rows; position 70 is block 1, slot 6.
         let (pl, kvd) = (crate::kv::SEQ_BLOCK, KV.kv_dim);
         let k = mem.read(pages[1] + 4 * (pl * 2 * kvd + 6 * kvd) as u64, kvd);

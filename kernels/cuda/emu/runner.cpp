@@ -1,4 +1,4 @@
-// Runs kernels.cu's kernels on the CPU emulation (cuda_emu.h) with the
+// Runs the CUDA kernels (kernels/cuda/) on the CPU emulation (cuda_emu.h) with the
 // launch shapes kernels/src/cuda/ uses, for kernels/tests/cuda_emulated.rs.
 //
 // Protocol: stdin holds one job: a text line `NAME int...` and then its
@@ -6,9 +6,10 @@
 // same way. Exit 2 on a malformed job.
 #include "cuda_emu.h"
 
-// The source under test: kernels.cu, or a negative control's variant of it.
+// The source under test: the joined CUDA source (kernels/src/cuda_source.rs's
+// SOURCE, which the test writes to a file), or a negative control's variant.
 #ifndef KERNELS_CU
-#define KERNELS_CU "../kernels.cu"
+#error "define KERNELS_CU as the path of the joined CUDA source"
 #endif
 #include KERNELS_CU
 

@@ -13,7 +13,7 @@
 //! fixed device addresses, so the same graph serves every later step of that
 //! shape. Graphs change no bit: they replay the very launches captured.
 //!
-//! Invariant: every kernel is the canonical order's (kernels.cu), so the
+//! Invariant: every kernel is the canonical order's (kernels/cuda/), so the
 //! logits and K/V rows are the CPU path's bits whatever the batch, the
 //! chunking, the page size, the prefix cache or graphs on or off.
 
