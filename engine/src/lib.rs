@@ -21,7 +21,7 @@ pub mod runtime;
 pub mod sampling;
 
 pub use model::llama::config;
-pub use model::{chat, gguf, identity, kv, llama, mini_v4, synth, tokenizer, weights};
+pub use model::{chat, gguf, hf_config, identity, kv, llama, mini_v4, synth, tokenizer, weights};
 pub use runtime::{generate, pool, radix, scheduler, session};
 
 pub use config::LlamaConfig;
@@ -155,7 +155,7 @@ impl Model {
 
     /// Size of the weights file.
     pub fn weight_file_bytes(&self) -> usize {
-        self.files.weight_bytes().len()
+        self.files.weight_file_bytes()
     }
 
     /// The model's content identity (see [`identity`]): computed on first use

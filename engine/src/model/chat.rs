@@ -157,8 +157,38 @@ impl ChatTemplate {
             msg,
         };
         let v: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| err(e.to_string()))?;
-        let Some(src) = v.get("chat_template").and_then(|t| t.as_str()) else {
-            return Ok(None);
+        // A string, or (as transformers also writes it) a list of named
+        // templates, of which the one named `default` is the chat template.
+        let src = match v.get("chat_template") {
+            None | Some(serde_json::Value::Null) => return Ok(None),
+            Some(serde_json::Value::String(s)) => s.as_str(),
+            Some(serde_json::Value::Array(list)) => {
+                fn named(t: &serde_json::Value) -> Option<(&str, &str)> {
+                    Some((t.get("name")?.as_str()?, t.get("template")?.as_str()?))
+                }
+                let mut default = None;
+                for t in list {
+                    let (name, template) = named(t).ok_or_else(|| {
+                        err(format!(
+                            "chat_template: list entry {t} is not {{\"name\": .., \"template\": ..}}"
+                        ))
+                    })?;
+                    if name == "default" {
+                        default = Some(template);
+                    }
+                }
+                default.ok_or_else(|| {
+                    err(
+                        "chat_template: a list of named templates without one named `default`"
+                            .into(),
+                    )
+                })?
+            }
+            Some(other) => {
+                return Err(err(format!(
+                    "chat_template must be a string or a list of named templates, not {other}"
+                )))
+            }
         };
         if src.len() > MAX_TEMPLATE {
             return Err(err(format!(

@@ -165,6 +165,12 @@ pub fn config_text(cfg: &LlamaConfig) -> String {
         &cfg.bos_token_id.map_or("none".into(), |b| b.to_string()),
     );
     line("eos_token_ids", &format_args!("{eos:?}"));
+    // Only a scaled RoPE adds a line, so unscaled configs keep their digest;
+    // the object is the resolved one (`LlamaConfig` writes every value out)
+    // as compact JSON with sorted keys.
+    if let Some(s) = cfg.rope_scaling.as_ref().filter(|s| !s.is_null()) {
+        line("rope_scaling", s);
+    }
     t
 }
 

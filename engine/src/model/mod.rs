@@ -17,6 +17,7 @@ pub mod chat;
 pub mod exec;
 pub(crate) mod device_kv;
 pub mod gguf;
+pub mod hf_config;
 pub mod identity;
 pub mod kv;
 pub mod llama;

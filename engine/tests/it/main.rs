@@ -4,6 +4,7 @@
 //! Helpers shared with other crates' tests stay in `tests/common/` and
 //! `tests/fixtures/`; a file added directly under `tests/` is its own binary.
 
+mod conformance;
 mod gguf;
 mod gguf_arch;
 mod invariance;

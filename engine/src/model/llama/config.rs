@@ -1,14 +1,26 @@
 //! `config.json` of the HF llama family: parsing and validation.
 //!
 //! Unknown fields are ignored (real configs carry many); fields that would
-//! change the arithmetic and that this engine does not implement (`rope_scaling`,
-//! attention/MLP biases, an activation other than SiLU) are refused by name.
+//! change the arithmetic and that this engine does not implement (attention/MLP
+//! biases, an activation other than SiLU, logit soft-capping, a partial rotary
+//! factor, sliding-window layers, an unknown RoPE type) are refused by name,
+//! through the checks every HF family shares ([`crate::hf_config`]).
+//!
+//! RoPE is read in either spelling (`rope_theta` + `rope_scaling`, or
+//! `rope_parameters`) and stored resolved: `rope_theta` holds the base and
+//! `rope_scaling` the scaling object with every value written out
+//! ([`RopeParams::scaling_json`]), so the config text and digest see the whole
+//! arithmetic. [`LlamaConfig::load`] also merges `generation_config.json`'s
+//! EOS ids into `eos_token_id`.
 
 use std::path::Path;
 
+use lmrr_kernels::RopeTable;
+
 use serde::{Deserialize, Serialize};
 
-use crate::EngineError;
+use crate::hf_config::{self, RopeParams};
+use crate::{EngineError, ModelFiles};
 
 /// `eos_token_id` is an integer or a list in the wild.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -119,11 +131,81 @@ pub(crate) fn check_dims(path: &Path, dims: &[(&'static str, usize)]) -> Result<
 }
 
 impl LlamaConfig {
-    /// Parses and validates `bytes` read from `path`.
+    /// Parses and validates `bytes` read from `path`. A RoPE scaling other
+    /// than the default is refused here: it is accepted by [`Self::load`],
+    /// whose caller builds the table with [`Self::rope_table`].
     pub fn parse(bytes: &[u8], path: &Path) -> Result<Self, EngineError> {
-        let cfg: Self = parse_json(bytes, path)?;
+        let cfg = Self::parse_any_rope(bytes, path)?;
+        if let Some(s) = &cfg.rope_scaling {
+            return Err(EngineError::ConfigValue {
+                path: path.into(),
+                field: "rope_scaling",
+                value: s.to_string(),
+                why: "this loader builds the unscaled RoPE table only".into(),
+            });
+        }
+        Ok(cfg)
+    }
+
+    /// The config of a model's files: `config.json` parsed and validated
+    /// (every implemented RoPE type accepted), with the EOS ids of
+    /// `generation_config.json` merged in.
+    pub fn load(files: &ModelFiles) -> Result<Self, EngineError> {
+        let mut cfg = Self::parse_any_rope(&files.config, &files.config_path)?;
+        let v: serde_json::Value = parse_json(&files.config, &files.config_path)?;
+        let eos = hf_config::eos_token_ids(
+            &v,
+            &files.config_path,
+            files
+                .generation_config
+                .as_ref()
+                .map(|(b, p)| (&b[..], p.as_path())),
+        )?;
+        if eos != TokenIds::canonical(cfg.eos_token_id.as_ref()) {
+            cfg.eos_token_id = Some(TokenIds::Many(eos));
+        }
+        Ok(cfg)
+    }
+
+    fn parse_any_rope(bytes: &[u8], path: &Path) -> Result<Self, EngineError> {
+        let v: serde_json::Value = parse_json(bytes, path)?;
+        let mut cfg: Self = serde_json::from_value(v.clone()).map_err(|e| EngineError::Config {
+            path: path.into(),
+            msg: e.to_string(),
+        })?;
+        if cfg.model_type == "llama" {
+            hf_config::refuse_unimplemented(&v, path, &[])?;
+        }
+        let rope = RopeParams::from_config(&v, path, default_theta())?;
+        if rope.partial_rotary_factor != 1.0 {
+            return Err(EngineError::ConfigValue {
+                path: path.into(),
+                field: "partial_rotary_factor",
+                value: rope.partial_rotary_factor.to_string(),
+                why: "the llama family rotates whole heads".into(),
+            });
+        }
+        cfg.rope_theta = rope.theta;
+        cfg.rope_scaling = rope.scaling_json();
         cfg.validate(path)?;
         Ok(cfg)
+    }
+
+    /// The RoPE parameters (base and scaling) this config stands for.
+    pub fn rope_params(&self) -> Result<RopeParams, EngineError> {
+        let v = serde_json::json!({
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+        });
+        RopeParams::from_config(&v, Path::new("config.json"), default_theta())
+    }
+
+    /// The RoPE table of this config for every position of its context.
+    pub fn rope_table(&self) -> Result<RopeTable, EngineError> {
+        Ok(self
+            .rope_params()?
+            .table(self.head_dim(), self.max_position_embeddings))
     }
 
     fn validate(&self, path: &Path) -> Result<(), EngineError> {
@@ -195,23 +277,6 @@ impl LlamaConfig {
                 "hidden_act",
                 self.hidden_act.clone(),
                 "only silu is supported",
-            ));
-        }
-        if self.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
-            return Err(bad(
-                "rope_scaling",
-                self.rope_scaling
-                    .as_ref()
-                    .map(|v| v.to_string())
-                    .unwrap_or_default(),
-                "rope scaling is not supported",
-            ));
-        }
-        if self.attention_bias || self.mlp_bias {
-            return Err(bad(
-                "attention_bias",
-                "true".into(),
-                "biases are not supported",
             ));
         }
         Ok(())
