@@ -23,6 +23,11 @@ use crate::matmul::{Matrix, Weights};
 use crate::quant::QuantKind;
 use crate::{AttnShape, AttnTask, RopeTable};
 
+pub mod buf;
+pub mod graph;
+pub mod harness;
+pub(crate) mod launch;
+pub mod ops;
 pub mod overlap;
 pub mod resident;
 pub mod split;
@@ -148,7 +153,7 @@ pub struct Gpu {
     /// The second stream of overlapped copies ([`overlap`]), made on first use.
     pub(crate) copies: std::sync::Mutex<Option<Arc<CudaStream>>>,
     /// The resident path's kernels ([`resident`]).
-    pub(crate) res: resident::Kernels,
+    pub(crate) res: launch::Kernels,
     matmul: CudaFunction,
     matmul_warp: CudaFunction,
     /// `matmul_tile` and `matmul_rows` on operands of this call (the
@@ -289,7 +294,7 @@ impl Gpu {
         } else {
             ptx.clone()
         };
-        let res = resident::Kernels::load(&ctx, &res_ptx, tuning)?;
+        let res = launch::Kernels::load(&ctx, &res_ptx, tuning)?;
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
             .map_err(drv)?;
@@ -402,7 +407,7 @@ impl Gpu {
                 })
             }
             MatmulKernel::Rows => {
-                resident::width_fits("matmul_rows", w.cols, resident::MR_MAX_CHUNKS)?;
+                launch::width_fits("matmul_rows", w.cols, resident::MR_MAX_CHUNKS)?;
                 (
                     &self.matmul_rows,
                     LaunchConfig {

@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaEvent, CudaStream};
 
-use super::resident::Pinned;
+use super::buf::Pinned;
 use super::{drv, Gpu, GpuError};
 
 impl Gpu {

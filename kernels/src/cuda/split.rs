@@ -19,10 +19,11 @@
 
 use cudarc::driver::LaunchConfig;
 
-use super::resident::{
-    elems, gemm_tiles, mm_dims, DevMatrix, GemmTiles, SplitScratch, Tuning, GW_THREADS,
-};
-use super::{as_i32, drv, Gpu, GpuError};
+use super::buf::{DevMatrix, SplitScratch};
+use super::launch::{elems, mm_dims, GW_THREADS};
+use super::ops::matmul::{gemm_tiles, GemmTiles};
+use super::tuning::Tuning;
+use super::{as_i32, Gpu, GpuError};
 
 /// Where a matmul's output values are: in `y` (`part` 0), or as the chunk
 /// partials of a split gemm (`chunks` · n · rows floats at `part`), whose
@@ -189,7 +190,7 @@ impl Gpu {
             .iter()
             .map(|m| self.upload_matrix(m, "w"))
             .collect::<Result<_, _>>()?;
-        let outs: Vec<super::resident::DevBuf> = mats
+        let outs: Vec<super::buf::DevBuf> = mats
             .iter()
             .map(|m| self.alloc(n * m.rows * 4, "y"))
             .collect::<Result<_, _>>()?;
@@ -199,7 +200,7 @@ impl Gpu {
         let mut scratch = None;
         match kernel {
             MultiKernel::Rows => {
-                if n >= self.res.tuning.gemm_min.max(1) || n > super::resident::MM_TOKENS {
+                if n >= self.res.tuning.gemm_min.max(1) || n > super::launch::MM_TOKENS {
                     return Err(GpuError::Shape {
                         what: "matmul_multi",
                         detail: format!(
@@ -300,7 +301,7 @@ impl Gpu {
         // SAFETY: matches `matmul_gemm_multi`; x holds n·cols floats, each y
         // n·rows, each non-null part chunks·n·rows (disjoint regions of the
         // scratch, `plan`); the grid is the matrices' blocks in order.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+        unsafe { b.launch(cfg) }
     }
 
     /// Sums `o`'s partials into `o.y` (`sum_chunks`, `count` = n · rows)
@@ -315,7 +316,7 @@ impl Gpu {
         b.arg(&o.part).arg(&o.y).arg(&ci).arg(&cl);
         // SAFETY: matches `sum_chunks`; part holds chunks·count floats, y
         // count.
-        unsafe { b.launch(elems(count, "sum_chunks")?) }.map_err(drv)?;
+        unsafe { b.launch(elems(count, "sum_chunks")?) }?;
         Ok(o.y)
     }
 
@@ -344,8 +345,6 @@ impl Gpu {
         // SAFETY: matches `swiglu_split`; g, u (or their partials, chunks·n)
         // and out hold n floats.
         unsafe { b.launch(elems(n, "swiglu")?) }
-            .map(|_| ())
-            .map_err(drv)
     }
 
     /// `x[i] += y[i]` for `n` floats, `y` read where it is.
@@ -360,8 +359,6 @@ impl Gpu {
         // SAFETY: matches `add_rows`; x and y (or its partials, chunks·n)
         // hold n floats.
         unsafe { b.launch(elems(n, "add")?) }
-            .map(|_| ())
-            .map_err(drv)
     }
 }
 

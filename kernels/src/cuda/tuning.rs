@@ -13,7 +13,7 @@
 //! in docs/PERFORMANCE.md, not here; variants that lost a measurement are
 //! deleted, not kept as switches.
 
-use super::resident::{MM_TOKENS, PF_TQ};
+use super::launch::{MM_TOKENS, PF_TQ};
 use super::GpuError;
 
 /// Which kernel the resident path takes for a step or a matmul.
