@@ -18,13 +18,13 @@ use super::tuning::Tuning;
 use super::{as_i32, drv, Gpu, GpuError};
 
 /// Tokens per warp of `matmul_tile` and per block of `matmul_rows`
-/// (`MM_TOKENS` in kernels.cu).
+/// (`MM_TOKENS` in matmul.cu).
 pub const MM_TOKENS: usize = 8;
 
 /// Chunks of a row `matmul_rows` holds partials for (`MR_MAX_CHUNKS`).
 pub const MR_MAX_CHUNKS: usize = 256;
 
-/// Rows a block of `matmul_rows4` (kernels.cu's `MR4_ROWS`).
+/// Rows a block of `matmul_rows4` (matmul.cu's `MR4_ROWS`).
 pub const MR4_ROWS: usize = 4;
 
 /// Chunks of a row `matmul_rows4` holds partials for (`MR4_MAX_CHUNKS`).
@@ -50,7 +50,7 @@ pub const GW_TOKS: usize = 32;
 
 pub(crate) const GW_THREADS: u32 = 256;
 
-/// Threads per block of `attention_paged` (`ATTN_THREADS` in kernels.cu).
+/// Threads per block of `attention_paged` (`ATTN_THREADS` in attention.cu).
 pub(crate) const ATTN_THREADS: u32 = 256;
 
 /// Tokens of one sequence per `attention_prefill` block (`PF_TQ`).
@@ -63,7 +63,7 @@ pub const PF_MAXHD: usize = 128;
 mod tests {
     use super::*;
 
-    /// The host's launch shapes are kernels.cu's: a block count or a
+    /// The host's launch shapes are the CUDA source's: a block count or a
     /// shared-memory bound that disagreed would read or write past a row.
     #[test]
     pub(crate) fn the_host_constants_are_the_kernels_defines() {
@@ -77,7 +77,11 @@ mod tests {
             ("NR_MAX_CHUNKS", NR_MAX_CHUNKS),
         ] {
             let line = format!("#define {name} {value}\n");
-            assert!(src.contains(&line), "kernels.cu has no `{}`", line.trim());
+            assert!(
+                src.contains(&line),
+                "the CUDA source has no `{}`",
+                line.trim()
+            );
         }
     }
 
@@ -225,7 +229,7 @@ unsafe impl Sync for Func {}
 /// (`cuLaunchKernelEx`), with programmatic stream serialization allowed
 /// when [`Tuning::pdl`] is on: the kernel may then be launched before the
 /// one ahead of it has finished, and waits for it itself (`PDL_ENTRY` in
-/// kernels.cu). Each argument is borrowed until the launch.
+/// common.cuh). Each argument is borrowed until the launch.
 pub(crate) struct Launch<'a> {
     f: sys::CUfunction,
     stream: sys::CUstream,
