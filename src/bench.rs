@@ -177,13 +177,23 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             .collect();
         for b in q.chunks_exact_mut(bb) {
             b[..2].copy_from_slice(&0x2000u16.to_le_bytes()); // d = 2^-7
-            if kind == QuantKind::Q4_1 {
+            if kind == QuantKind::Q4_1 || kind == QuantKind::Q4K {
                 b[2..4].copy_from_slice(&0xa000u16.to_le_bytes()); // m = -2^-7
+            }
+            if kind == QuantKind::Q6K {
+                b[208..].copy_from_slice(&0x2000u16.to_le_bytes()); // d last
             }
         }
         q
     };
     let (q41, q80) = (blocks(QuantKind::Q4_1), blocks(QuantKind::Q8_0));
+    // K-quant rows are 256-weight super-blocks: measured where cols allow.
+    let kq = cols % lmrr_kernels::QK_K == 0;
+    let (q4k, q6k) = if kq {
+        (blocks(QuantKind::Q4K), blocks(QuantKind::Q6K))
+    } else {
+        (Vec::new(), Vec::new())
+    };
     let mut matvec = Vec::new();
     let mut y1 = vec![0.0; rows];
     let storages = [
@@ -191,8 +201,14 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         ("bf16", Weights::Bf16(&wb)),
         ("Q4_1", Weights::Quant(QuantKind::Q4_1, &q41)),
         ("Q8_0", Weights::Quant(QuantKind::Q8_0, &q80)),
+        ("Q4_K", Weights::Quant(QuantKind::Q4K, &q4k)),
+        ("Q6_K", Weights::Quant(QuantKind::Q6K, &q6k)),
     ];
-    for (label, w) in storages.into_iter().filter(|_| !a.speed_only && !on_gpu) {
+    let measured = |l: &&str| kq || !l.ends_with("_K");
+    for (label, w) in storages
+        .into_iter()
+        .filter(|(l, _)| !a.speed_only && !on_gpu && measured(l))
+    {
         let mm = Matrix::new(w, rows, cols).expect("shape");
         let reps = 20;
         let s = time(r + 4, || {

@@ -66,6 +66,10 @@ enum Cmd {
     Proxy(proxy::ProxyArgs),
     /// Check a server's recorded answers against lmrr's reference engine.
     Audit(proxy::AuditArgs),
+    /// Raw little-endian f32 of one GGUF tensor on stdout (for
+    /// scripts/check_dequant.py).
+    #[command(hide = true)]
+    GgufDequant { file: PathBuf, tensor: String },
 }
 
 #[derive(clap::Args, Debug)]
@@ -115,8 +119,9 @@ struct ImportArgs {
     out: PathBuf,
     /// Weight storage: f32 (exact dequantized values), bf16 (rounded), or keep
     /// (quantized blocks as in the GGUF, dequantized on the fly to the same f32
-    /// values as `f32`, bit for bit).
-    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16", "keep"])]
+    /// values as `f32`, bit for bit; block formats without a kept kernel are
+    /// stored as f32).
+    #[arg(long, default_value = "keep", value_parser = ["f32", "bf16", "keep"])]
     dtype: String,
 }
 
@@ -534,8 +539,8 @@ fn run_import(a: &ImportArgs) -> Result<()> {
     use lmrr_engine::gguf::{import, ImportDtype};
     let dtype = ImportDtype::parse(&a.dtype)
         .with_context(|| format!("unknown --dtype `{}` (f32, bf16, keep)", a.dtype))?;
-    let r = import(&a.file, &a.out, dtype)
-        .with_context(|| format!("importing {}", a.file.display()))?;
+    // Every import error names the file itself.
+    let r = import(&a.file, &a.out, dtype)?;
     println!(
         "wrote {}: {} tensors, {:.1}M parameters ({}), vocabulary {} with {} merges{}",
         a.out.display(),
@@ -550,6 +555,29 @@ fn run_import(a: &ImportArgs) -> Result<()> {
             ""
         }
     );
+    let per_type = |m: &std::collections::BTreeMap<&str, usize>| {
+        let v: Vec<String> = m.iter().map(|(t, n)| format!("{n} {t}")).collect();
+        if v.is_empty() {
+            "none".to_string()
+        } else {
+            v.join(", ")
+        }
+    };
+    if dtype == ImportDtype::Keep && !r.dequantized.is_empty() {
+        println!(
+            "kept as stored: {}; stored as f32 (no kept kernel for the type): {}",
+            per_type(&r.kept),
+            per_type(&r.dequantized)
+        );
+    }
+    Ok(())
+}
+
+fn run_gguf_dequant(file: &std::path::Path, tensor: &str) -> Result<()> {
+    use std::io::Write;
+    let v = lmrr_engine::gguf::dequantize_file_tensor(file, tensor)?;
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    std::io::stdout().lock().write_all(&bytes)?;
     Ok(())
 }
 
@@ -744,6 +772,7 @@ fn main() -> std::process::ExitCode {
         },
         Some(Cmd::Patches) => run_patches(),
         Some(Cmd::ImportGguf(a)) => run_import(a),
+        Some(Cmd::GgufDequant { file, tensor }) => run_gguf_dequant(file, tensor),
         Some(Cmd::Score(a)) => run_score(a),
         Some(Cmd::Tokenize(a)) => run_tokenize(a),
         Some(Cmd::Rerecord(a)) => rerecord::run(a),

@@ -15,6 +15,11 @@ pub enum EngineError {
     },
     #[error("model directory {dir} has no {file}")]
     MissingFile { dir: PathBuf, file: &'static str },
+    #[error(
+        "{} is a GGUF file; lmrr runs HF directories: convert it once with `lmrr import-gguf {} --out DIR`, then pass --model DIR",
+        .path.display(), .path.display()
+    )]
+    GgufAsModel { path: PathBuf },
     #[error("{path}: {msg}")]
     Config { path: PathBuf, msg: String },
     #[error("{path}: field `{field}` = {value}: {why}")]
@@ -97,7 +102,8 @@ pub enum EngineError {
         value: String,
         why: String,
     },
-    #[error("{path}: byte {offset}: {msg}")]
+    /// `offset` 0 is the file as a whole (not named as a byte).
+    #[error("{path}: {}{msg}", if *.offset == 0 { String::new() } else { format!("byte {}: ", .offset) })]
     Gguf {
         path: String,
         offset: u64,

@@ -1,8 +1,11 @@
 //! The GGUF reader on hand-built files: exact dequantization of every block
 //! type against values computed independently, the RoPE row un-permutation,
-//! and clear errors (with byte offsets) for malformed files.
+//! and clear errors (with byte offsets) for malformed files; K-quant and
+//! Q5_0 tensors imported end to end; every refusal of a type, of a GGUF given
+//! as a model, named (type names, not ids; the path once).
 
 use lmrr_engine::gguf::{dequantize, unpermute_rope_rows, GgmlType, Gguf, Value};
+use lmrr_kernels::BlockFormat;
 
 #[path = "../fixtures/tiny_gguf.rs"]
 mod tiny_gguf;
@@ -48,7 +51,7 @@ fn every_block_type_dequantizes_exactly() {
     );
     let g = parse(&b).unwrap();
     let t = |n: &str| g.tensors.iter().find(|t| t.name == n).unwrap();
-    assert_eq!(t("a").ty, GgmlType::Q4_1);
+    assert_eq!(t("a").ty, GgmlType::Block(BlockFormat::Q4_1));
     let want_a: Vec<f32> = (0..16)
         .map(|i| 0.5 * i as f32 - 1.0)
         .chain((0..16).map(|i| 0.5 * (15 - i) as f32 - 1.0))
@@ -107,7 +110,8 @@ fn malformed_files_are_errors_with_offsets() {
     assert!(e.contains("`w`") && e.contains("outside the file"), "{e}");
     // Unknown ggml type.
     let b = gguf(&[], &[("w", vec![32], 99, vec![0; 34])]);
-    assert!(parse(&b).unwrap_err().contains("ggml type 99"));
+    let e = parse(&b).unwrap_err();
+    assert!(e.contains("`w` has type type 99 (unknown)"), "{e}");
     // A block type with a size that is not a whole number of blocks.
     let b = gguf(&[], &[("w", vec![33], 8, vec![0; 68])]);
     assert!(parse(&b).unwrap_err().contains("bad dimensions"));
@@ -296,4 +300,161 @@ fn imports_with_bit_identical_logits_share_one_content_identity() {
     let moved = Model::load_dir(&dir).unwrap().identity();
     assert_ne!(moved.weights_sha256, f32.weights_sha256);
     assert_eq!(moved.config_sha256, f32.config_sha256);
+}
+
+#[test]
+fn unsupported_types_are_refused_by_name_with_the_supported_list() {
+    // IQ2_XS (17) and an id ggml never had: named, counted, the list given.
+    let b = gguf(
+        &[],
+        &[
+            ("output.weight", vec![256], 17, vec![0; 74]),
+            ("blk.0.ffn_up.weight", vec![256], 17, vec![0; 74]),
+            ("blk.0.ffn_down.weight", vec![32], 99, vec![0; 18]),
+            ("token_embd.weight", vec![256], 14, vec![0; 210]),
+        ],
+    );
+    let e = parse(&b).unwrap_err();
+    assert!(e.contains("tensor `output.weight` has type IQ2_XS"), "{e}");
+    assert!(e.contains("2 more tensors of unsupported types"), "{e}");
+    assert!(e.contains("IQ2_XS, type 99 (unknown)"), "{e}");
+    assert!(
+        e.contains(
+            "supported: F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16"
+        ),
+        "{e}"
+    );
+    assert!(
+        !e.contains(" 14") && !e.contains(" 17,"),
+        "ids are not names: {e}"
+    );
+    // The refusal of an import names the file once.
+    let tmp = tempfile::tempdir().unwrap();
+    let mut llama = tiny_quantized_llama();
+    // Retype the first tensor's info entry (token_embd, Q8_0) to IQ2_XS.
+    let name = b"token_embd.weight";
+    let at = llama.windows(name.len()).position(|w| w == name).unwrap() + name.len();
+    let ty_at = at + 4 + 2 * 8;
+    assert_eq!(llama[ty_at], 8);
+    llama[ty_at] = 17;
+    let src = tmp.path().join("requant.gguf");
+    std::fs::write(&src, &llama).unwrap();
+    let e = lmrr_engine::gguf::import(
+        &src,
+        &tmp.path().join("o"),
+        lmrr_engine::gguf::ImportDtype::Keep,
+    )
+    .unwrap_err()
+    .to_string();
+    assert_eq!(e.matches("requant.gguf").count(), 1, "{e}");
+    assert!(e.contains("`token_embd.weight` has type IQ2_XS"), "{e}");
+}
+
+#[test]
+fn a_gguf_given_as_a_model_points_to_import_gguf() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["m.gguf", "no-extension"] {
+        let src = tmp.path().join(name);
+        std::fs::write(&src, tiny_quantized_llama()).unwrap();
+        let e = lmrr_engine::ModelFiles::open_dir(&src)
+            .err()
+            .expect("a GGUF is not a model directory")
+            .to_string();
+        assert!(
+            e.contains("is a GGUF file") && e.contains("lmrr import-gguf"),
+            "{e}"
+        );
+    }
+}
+
+/// A 1-layer llama GGUF with 256-wide rows whose matrices are Q4_K, Q6_K and
+/// Q5_0 (the embedding Q6_K, as Q4_K_M files have it).
+fn tiny_k_quant_llama() -> Vec<u8> {
+    use tiny_gguf::{blocks, meta_str, meta_strs, meta_u32};
+    let (d, ff, vocab) = (256u64, 256u64, 96usize);
+    let kv = d / 2;
+    let mut seed = 11u64;
+    let tokens: Vec<String> = (33u8..=126)
+        .map(|b| (b as char).to_string())
+        .chain(["Ġ".to_string(), "Ċ".to_string()])
+        .collect();
+    let meta = [
+        ("general.architecture", meta_str("llama")),
+        ("llama.embedding_length", meta_u32(d as u32)),
+        ("llama.feed_forward_length", meta_u32(ff as u32)),
+        ("llama.attention.head_count", meta_u32(4)),
+        ("llama.attention.head_count_kv", meta_u32(2)),
+        ("llama.block_count", meta_u32(1)),
+        ("llama.context_length", meta_u32(256)),
+        ("tokenizer.ggml.tokens", meta_strs(&tokens)),
+    ];
+    let meta: Vec<(&str, u32, Vec<u8>)> = meta.into_iter().map(|(k, (t, v))| (k, t, v)).collect();
+    let norm: Vec<u8> = (0..d)
+        .flat_map(|i| (1.0 + i as f32 / 256.0).to_le_bytes())
+        .collect();
+    let mut t: Vec<(String, Vec<u64>, u32, Vec<u8>)> = vec![
+        (
+            "token_embd.weight".into(),
+            vec![d, vocab as u64],
+            14,
+            blocks(&mut seed, 14, d as usize * vocab),
+        ),
+        ("output_norm.weight".into(), vec![d], 0, norm.clone()),
+        ("blk.0.attn_norm.weight".into(), vec![d], 0, norm.clone()),
+        ("blk.0.ffn_norm.weight".into(), vec![d], 0, norm),
+    ];
+    for (n, dims, ty) in [
+        ("attn_q", [d, d], 12),
+        ("attn_k", [d, kv], 14),
+        ("attn_v", [d, kv], 6),
+        ("attn_output", [d, d], 12),
+        ("ffn_gate", [d, ff], 12),
+        ("ffn_up", [d, ff], 14),
+        ("ffn_down", [ff, d], 6),
+    ] {
+        let data = blocks(&mut seed, ty, (dims[0] * dims[1]) as usize);
+        t.push((format!("blk.0.{n}.weight"), dims.to_vec(), ty, data));
+    }
+    let t: Vec<(&str, Vec<u64>, u32, Vec<u8>)> = t
+        .iter()
+        .map(|(n, dims, ty, data)| (n.as_str(), dims.clone(), *ty, data.clone()))
+        .collect();
+    gguf(&meta, &t)
+}
+
+#[test]
+fn k_quant_and_q5_0_tensors_import_end_to_end() {
+    use lmrr_engine::gguf::{import, ImportDtype};
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("kq.gguf");
+    std::fs::write(&src, tiny_k_quant_llama()).unwrap();
+    let (f32_dir, keep_dir) = (tmp.path().join("f32"), tmp.path().join("keep"));
+    import(&src, &f32_dir, ImportDtype::F32).unwrap();
+    let r = import(&src, &keep_dir, ImportDtype::Keep).unwrap();
+    // Q4_K and Q6_K kept as blocks; Q5_0 has no kept kernel: f32.
+    assert_eq!(r.kept.get("Q4_K"), Some(&3));
+    assert_eq!(r.kept.get("Q6_K"), Some(&3));
+    assert_eq!(r.dequantized.get("Q5_0"), Some(&2));
+    assert!(!r.dequantized.contains_key("F32"));
+    let st = std::fs::read(keep_dir.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(st[..8].try_into().unwrap()) as usize;
+    let header = std::str::from_utf8(&st[8..8 + n]).unwrap();
+    assert!(
+        header.contains(r#""lmrr.quant.model.layers.0.self_attn.q_proj.weight":"Q4_K""#),
+        "{header}"
+    );
+    assert!(
+        header.contains(r#""lmrr.quant.model.embed_tokens.weight":"Q6_K""#),
+        "{header}"
+    );
+    // The dequantized copy equals gguf-py's reference definition through the
+    // kernels, so logits over kept blocks equal those over the f32 import.
+    let want = run_logits(&f32_dir, 1);
+    assert!(want.iter().all(|&b| f32::from_bits(b).is_finite()));
+    for threads in [1, 2, 3] {
+        assert!(
+            run_logits(&keep_dir, threads) == want,
+            "keep vs f32, {threads} threads"
+        );
+    }
 }

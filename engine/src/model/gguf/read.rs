@@ -2,16 +2,16 @@
 //!
 //! It treats the file as untrusted: every count, string length, array
 //! length, dimension and offset is checked against a named limit or the file
-//! size before anything is allocated. Dequantization is exact and fixed:
-//! F16/BF16 widen exactly; `Q8_0`: `x = d·q`; `Q4_0`: `x = d·(q − 8)`; `Q4_1`:
-//! `x = d·q + m` (a rounded product, then a rounded sum — no fma), `d` and `m`
-//! f16 scales widened to f32, low nibbles holding elements 0..16 of a block and
-//! high nibbles 16..32 (ggml's layout).
+//! size before anything is allocated. Types are named as ggml names them
+//! (`Q6_K`, never its id 14; an id ggml does not have either is "type 99
+//! (unknown)"). Dequantization is exact and fixed: F16/BF16 widen exactly;
+//! block formats follow the kernels' single definition
+//! ([`lmrr_kernels::kquant`]), bit for bit gguf-py's.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use lmrr_kernels::{QuantKind, QBLOCK};
+use lmrr_kernels::{BlockFormat, QuantKind};
 
 use crate::EngineError;
 
@@ -64,30 +64,109 @@ impl Value {
 pub enum GgmlType {
     F32,
     F16,
-    Q4_0,
-    Q4_1,
-    Q8_0,
     Bf16,
+    /// A block-quantized format.
+    Block(BlockFormat),
+}
+
+/// ggml's names of its tensor type ids (`ggml.h`, `enum ggml_type`); `None`
+/// for ids it has never used or has retired.
+pub fn ggml_type_name(id: u32) -> Option<&'static str> {
+    const NAMES: [&str; 42] = [
+        "F32",
+        "F16",
+        "Q4_0",
+        "Q4_1",
+        "Q4_2",
+        "Q4_3",
+        "Q5_0",
+        "Q5_1",
+        "Q8_0",
+        "Q8_1",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "Q8_K",
+        "IQ2_XXS",
+        "IQ2_XS",
+        "IQ3_XXS",
+        "IQ1_S",
+        "IQ4_NL",
+        "IQ3_S",
+        "IQ2_S",
+        "IQ4_XS",
+        "I8",
+        "I16",
+        "I32",
+        "I64",
+        "F64",
+        "IQ1_M",
+        "BF16",
+        "Q4_0_4_4",
+        "Q4_0_4_8",
+        "Q4_0_8_8",
+        "TQ1_0",
+        "TQ2_0",
+        "IQ4_NL_4_4",
+        "IQ4_NL_4_8",
+        "IQ4_NL_8_8",
+        "MXFP4",
+        "NVFP4",
+        "Q1_0",
+    ];
+    NAMES.get(id as usize).copied()
+}
+
+/// A type id as a message names it: `Q6_K`, or `type 99 (unknown)`.
+pub fn describe_ggml_type(id: u32) -> String {
+    ggml_type_name(id).map_or_else(|| format!("type {id} (unknown)"), str::to_string)
 }
 
 impl GgmlType {
-    fn from_id(id: u32) -> Option<Self> {
-        Some(match id {
-            0 => Self::F32,
-            1 => Self::F16,
-            2 => Self::Q4_0,
-            3 => Self::Q4_1,
-            8 => Self::Q8_0,
-            30 => Self::Bf16,
-            _ => return None,
-        })
+    /// Every type the importer reads, in ggml id order.
+    pub const SUPPORTED: [Self; 13] = [
+        Self::F32,
+        Self::F16,
+        Self::Block(BlockFormat::Q4_0),
+        Self::Block(BlockFormat::Q4_1),
+        Self::Block(BlockFormat::Q5_0),
+        Self::Block(BlockFormat::Q5_1),
+        Self::Block(BlockFormat::Q8_0),
+        Self::Block(BlockFormat::Q2K),
+        Self::Block(BlockFormat::Q3K),
+        Self::Block(BlockFormat::Q4K),
+        Self::Block(BlockFormat::Q5K),
+        Self::Block(BlockFormat::Q6K),
+        Self::Bf16,
+    ];
+
+    /// The type of ggml id `id`, if the importer reads it.
+    pub fn from_id(id: u32) -> Option<Self> {
+        let name = ggml_type_name(id)?;
+        Self::SUPPORTED.into_iter().find(|t| t.name() == name)
     }
+
+    /// The ggml name (`F32`, `BF16`, `Q4_K`, …).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "F32",
+            Self::F16 => "F16",
+            Self::Bf16 => "BF16",
+            Self::Block(f) => f.name(),
+        }
+    }
+
+    /// The supported types' names, comma-separated, for messages.
+    pub fn supported_list() -> String {
+        Self::SUPPORTED.map(Self::name).join(", ")
+    }
+
     /// The block format the kernels can use in place, for quantized types.
     pub fn quant(self) -> Option<QuantKind> {
         match self {
-            Self::Q4_0 => Some(QuantKind::Q4_0),
-            Self::Q4_1 => Some(QuantKind::Q4_1),
-            Self::Q8_0 => Some(QuantKind::Q8_0),
+            Self::Block(f) => f.storage(),
             Self::F32 | Self::F16 | Self::Bf16 => None,
         }
     }
@@ -97,10 +176,14 @@ impl GgmlType {
         match self {
             Self::F32 => (1, 4),
             Self::F16 | Self::Bf16 => (1, 2),
-            Self::Q4_0 => (32, 18),
-            Self::Q4_1 => (32, 20),
-            Self::Q8_0 => (32, 34),
+            Self::Block(f) => (f.block_weights(), f.block_bytes()),
         }
+    }
+}
+
+impl std::fmt::Display for GgmlType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -213,24 +296,13 @@ impl Cursor<'_> {
 }
 
 impl Gguf {
-    /// Parses the header and metadata of `bytes` only, the tensor table
-    /// unread: the importer checks the architecture with it before anything
-    /// in the table (a tensor type it does not know) can stop it first.
-    pub fn parse_metadata(
-        bytes: &[u8],
-        path: &Path,
-    ) -> Result<BTreeMap<String, Value>, EngineError> {
+    /// Parses the header, metadata and tensor table of `bytes`.
+    pub fn parse(bytes: &[u8], path: &Path) -> Result<Self, EngineError> {
         let mut c = Cursor {
             b: bytes,
             off: 0,
             path: path.display().to_string(),
         };
-        Ok(Self::header(&mut c)?.2)
-    }
-
-    /// Reads the magic, version and metadata: (version, tensor count, metadata).
-    fn header(c: &mut Cursor) -> Result<(u32, u64, BTreeMap<String, Value>), EngineError> {
-        let bytes = c.b;
         if bytes.get(..4) != Some(b"GGUF".as_slice()) {
             return Err(EngineError::Gguf {
                 path: c.path.clone(),
@@ -252,18 +324,10 @@ impl Gguf {
             let v = c.value(ty, 0)?;
             meta.insert(k, v);
         }
-        Ok((version, n_tensors, meta))
-    }
-
-    /// Parses the header, metadata and tensor table of `bytes`.
-    pub fn parse(bytes: &[u8], path: &Path) -> Result<Self, EngineError> {
-        let mut c = Cursor {
-            b: bytes,
-            off: 0,
-            path: path.display().to_string(),
-        };
-        let (version, n_tensors, meta) = Self::header(&mut c)?;
         let mut raw = Vec::new();
+        // Tensors of types the importer does not read: (name, type id). The
+        // table is read to its end so that the refusal can count them all.
+        let mut unsupported: Vec<(String, u32)> = Vec::new();
         for _ in 0..n_tensors {
             let name = c.string()?;
             let nd = c.u32()?;
@@ -274,10 +338,32 @@ impl Gguf {
             }
             let dims: Vec<u64> = (0..nd).map(|_| c.u64()).collect::<Result<_, _>>()?;
             let tid = c.u32()?;
-            let ty = GgmlType::from_id(tid)
-                .ok_or_else(|| c.err(format!("tensor `{name}` has ggml type {tid}, supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0")))?;
             let off = c.u64()?;
-            raw.push((name, dims, ty, off));
+            match GgmlType::from_id(tid) {
+                Some(ty) => raw.push((name, dims, ty, off)),
+                None => unsupported.push((name, tid)),
+            }
+        }
+        if let Some((first, tid)) = unsupported.first() {
+            let mut types: Vec<String> = unsupported
+                .iter()
+                .map(|(_, t)| describe_ggml_type(*t))
+                .collect();
+            types.sort();
+            types.dedup();
+            let more = match unsupported.len() - 1 {
+                0 => String::new(),
+                n => format!(
+                    " ({n} more tensor{} of unsupported types; all such types: {})",
+                    if n == 1 { "" } else { "s" },
+                    types.join(", ")
+                ),
+            };
+            return Err(c.err(format!(
+                "tensor `{first}` has type {}{more}, which lmrr does not read; supported: {}",
+                describe_ggml_type(*tid),
+                GgmlType::supported_list()
+            )));
         }
         let align = meta
             .get("general.alignment")
@@ -297,9 +383,7 @@ impl Gguf {
                 .filter(|_| dims[0] % be as u64 == 0)
                 .map(|n| (n / be as u64) as usize * bb)
                 .ok_or_else(|| {
-                    c.err(format!(
-                        "tensor `{name}`: bad dimensions {dims:?} for {ty:?}"
-                    ))
+                    c.err(format!("tensor `{name}`: bad dimensions {dims:?} for {ty}"))
                 })?;
             let start = data_start
                 .checked_add(off as usize)
@@ -325,6 +409,23 @@ impl Gguf {
     }
 }
 
+/// Whether `path` is a GGUF file: a `.gguf` name, or a file starting with
+/// the GGUF magic (a model given where an HF directory is expected).
+pub fn is_gguf_file(path: &Path) -> bool {
+    use std::io::Read;
+    if !path.is_dir()
+        && path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
+        return true;
+    }
+    let mut magic = [0u8; 4];
+    path.is_file()
+        && std::fs::File::open(path).is_ok_and(|mut f| f.read_exact(&mut magic).is_ok())
+        && &magic == b"GGUF"
+}
+
 /// Exact f16 → f32 (shared with the safetensors loader).
 fn f16(h: u16) -> f32 {
     crate::weights::f16_to_f32(h)
@@ -344,12 +445,53 @@ pub fn dequantize(t: &TensorInfo, bytes: &[u8]) -> Vec<f32> {
         GgmlType::Bf16 => {
             out.extend((0..d.len() / 2).map(|i| f32::from_bits((h(2 * i) as u32) << 16)))
         }
-        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 => {
+        GgmlType::Block(fmt) => {
             // One definition of the block formats: the kernels' reference.
-            let kind = t.ty.quant().expect("quantized type");
-            out.resize(d.len() / kind.block_bytes() * QBLOCK, 0.0);
-            lmrr_kernels::dequant_ref(kind, d, &mut out);
+            out.resize(d.len() / fmt.block_bytes() * fmt.block_weights(), 0.0);
+            lmrr_kernels::dequant_format_ref(fmt, d, &mut out);
         }
     }
     out
+}
+
+/// Tensor `name` of the GGUF file at `path` as f32, through the kernels' fast
+/// dequantization where its format is kept as storage, checked against the
+/// reference: what `scripts/check_dequant.py --gguf` compares with gguf-py
+/// (`lmrr gguf-dequant FILE TENSOR`).
+pub fn dequantize_file_tensor(path: &Path, name: &str) -> Result<Vec<f32>, EngineError> {
+    let io = |source| EngineError::Io {
+        path: path.into(),
+        source,
+    };
+    let f = std::fs::File::open(path).map_err(io)?;
+    // SAFETY: read-only map; every offset is validated by `Gguf::parse`.
+    let map = unsafe { memmap2::Mmap::map(&f) }.map_err(io)?;
+    let g = Gguf::parse(&map, path)?;
+    let t = g
+        .tensors
+        .iter()
+        .find(|t| t.name == name)
+        .ok_or_else(|| EngineError::Gguf {
+            path: path.display().to_string(),
+            offset: 0,
+            msg: format!("no tensor `{name}`"),
+        })?;
+    let reference = dequantize(t, &map);
+    if let GgmlType::Block(fmt) = t.ty {
+        let mut fast = vec![0.0f32; reference.len()];
+        lmrr_kernels::dequant_format(fmt, &map[t.start..t.start + t.len], &mut fast);
+        if let Some(i) = (0..fast.len()).find(|&i| fast[i].to_bits() != reference[i].to_bits()) {
+            return Err(EngineError::Gguf {
+                path: path.display().to_string(),
+                offset: t.start as u64,
+                msg: format!(
+                    "tensor `{name}` ({}): fast dequantization differs from the reference at weight {i}: {:#010x} vs {:#010x}",
+                    fmt.name(),
+                    fast[i].to_bits(),
+                    reference[i].to_bits()
+                ),
+            });
+        }
+    }
+    Ok(reference)
 }
