@@ -351,6 +351,30 @@ fn unsupported_types_are_refused_by_name_with_the_supported_list() {
 }
 
 #[test]
+fn the_architecture_is_refused_before_the_tensor_types() {
+    let b = gguf(
+        &[(
+            "general.architecture",
+            8,
+            [6u64.to_le_bytes().to_vec(), b"falcon".to_vec()].concat(),
+        )],
+        &[("w", vec![256], 17, vec![0; 74])],
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("f.gguf");
+    std::fs::write(&src, &b).unwrap();
+    let e = lmrr_engine::gguf::import(
+        &src,
+        &tmp.path().join("o"),
+        lmrr_engine::gguf::ImportDtype::Keep,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("falcon"), "{e}");
+    assert!(!e.contains("IQ2_XS"), "{e}");
+}
+
+#[test]
 fn a_gguf_given_as_a_model_points_to_import_gguf() {
     let tmp = tempfile::tempdir().unwrap();
     for name in ["m.gguf", "no-extension"] {

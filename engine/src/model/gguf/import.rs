@@ -1,15 +1,21 @@
-//! The GGUF importer: a llama GGUF file (read by [`super::read`]) to an HF
-//! directory (`config.json`, `model.safetensors`, `tokenizer.json`,
-//! `tokenizer_config.json`), byte-deterministic.
+//! The GGUF importer: a GGUF file (read by [`super::read`]) of an
+//! architecture [`super::arch`] knows to an HF directory (`config.json`,
+//! `model.safetensors`, `tokenizer.json` from [`super::vocab`],
+//! `tokenizer_config.json`, `generation_config.json`), byte-deterministic.
 //!
-//! llama.cpp's converter permutes the rows of `attn_q`/`attn_k` so that its
-//! interleaved RoPE matches HF's rotate-half; the importer undoes that
-//! permutation, so the written model uses HF conventions like every other.
+//! The architecture is checked first, from the metadata alone, before the
+//! tensor table is read. What llama.cpp's converter changed in the tensors
+//! (llama's permuted q/k rows, Gemma's `+1` on norms) is undone, so the
+//! written model uses HF conventions like every other. A llama import writes
+//! the same files as before the other architectures existed (a tokenizer
+//! config only with a chat template, no generation config).
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use super::arch::{self, Arch, Hparams};
 use super::read::{dequantize, GgmlType, Gguf, TensorInfo, Value};
+use super::vocab::GgufVocab;
 use crate::EngineError;
 
 /// Undoes llama.cpp's row permutation of `attn_q`/`attn_k` (`rows` = heads ·
@@ -69,17 +75,6 @@ pub fn quant_meta_key(tensor: &str) -> String {
     format!("lmrr.quant.{tensor}")
 }
 
-fn meta_u(g: &Gguf, key: &str, path: &Path) -> Result<usize, EngineError> {
-    g.get(key)
-        .and_then(Value::as_u64)
-        .map(|v| v as usize)
-        .ok_or_else(|| EngineError::Gguf {
-            path: path.display().to_string(),
-            offset: 0,
-            msg: format!("metadata `{key}` is missing or not an integer"),
-        })
-}
-
 /// What [`import`] wrote.
 #[derive(Debug, Clone)]
 pub struct ImportReport {
@@ -95,9 +90,10 @@ pub struct ImportReport {
     pub dequantized: BTreeMap<&'static str, usize>,
 }
 
-/// Converts a llama-architecture GGUF file into an HF directory: `config.json`,
-/// `model.safetensors`, `tokenizer.json` and (when the file has one)
-/// `tokenizer_config.json` with the chat template.
+/// Converts a GGUF file of a supported architecture ([`arch::SUPPORTED_ARCHS`])
+/// into an HF directory: `config.json`, `model.safetensors`, `tokenizer.json`,
+/// `tokenizer_config.json` (with the chat template when the file has one;
+/// for llama only then) and, for qwen2 and gemma3, `generation_config.json`.
 pub fn import(path: &Path, out: &Path, dtype: ImportDtype) -> Result<ImportReport, EngineError> {
     let io = |p: &Path, source| EngineError::Io {
         path: p.into(),
@@ -106,28 +102,16 @@ pub fn import(path: &Path, out: &Path, dtype: ImportDtype) -> Result<ImportRepor
     let f = std::fs::File::open(path).map_err(|e| io(path, e))?;
     // SAFETY: read-only map; every offset is validated by `Gguf::parse`.
     let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| io(path, e))?;
-    let g = Gguf::parse(&map, path)?;
     let bad = |msg: String| EngineError::Gguf {
         path: path.display().to_string(),
         offset: 0,
         msg,
     };
-    let arch = g
-        .get("general.architecture")
-        .and_then(Value::as_str)
-        .unwrap_or("");
-    if arch != "llama" {
-        return Err(bad(format!(
-            "architecture `{arch}`, only `llama` is supported"
-        )));
-    }
-    let hidden = meta_u(&g, "llama.embedding_length", path)?;
-    let heads = meta_u(&g, "llama.attention.head_count", path)?;
-    let kv_heads = g
-        .get("llama.attention.head_count_kv")
-        .and_then(Value::as_u64)
-        .map_or(heads, |v| v as usize);
-    let layers = meta_u(&g, "llama.block_count", path)?;
+    // The architecture first, from the metadata alone: a tensor type the
+    // reader refuses must not hide that the model is not supported anyway.
+    let arch = Arch::from_meta(&Gguf::parse_metadata(&map, path)?).map_err(bad)?;
+    let g = Gguf::parse(&map, path)?;
+    let hp = Hparams::read(arch, &g.meta).map_err(bad)?;
     let tokens: Vec<String> = match g.get("tokenizer.ggml.tokens") {
         Some(Value::Array(v)) => v
             .iter()
@@ -136,122 +120,51 @@ pub fn import(path: &Path, out: &Path, dtype: ImportDtype) -> Result<ImportRepor
         _ => return Err(bad("metadata `tokenizer.ggml.tokens` is missing".into())),
     };
     let vocab = g
-        .get("llama.vocab_size")
+        .get(&format!("{}.vocab_size", arch.key()))
         .and_then(Value::as_u64)
         .map_or(tokens.len(), |v| v as usize);
     let by_name: BTreeMap<&str, &TensorInfo> =
         g.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
     let tied = !by_name.contains_key("output.weight");
-    let cfg = crate::LlamaConfig {
-        architectures: vec!["LlamaForCausalLM".into()],
-        model_type: "llama".into(),
-        hidden_size: hidden,
-        intermediate_size: meta_u(&g, "llama.feed_forward_length", path)?,
-        num_hidden_layers: layers,
-        num_attention_heads: heads,
-        num_key_value_heads: Some(kv_heads),
-        head_dim: None,
-        vocab_size: vocab,
-        max_position_embeddings: meta_u(&g, "llama.context_length", path)?,
-        rms_norm_eps: g
-            .get("llama.attention.layer_norm_rms_epsilon")
-            .and_then(Value::as_f64)
-            .unwrap_or(1e-5) as f32,
-        rope_theta: g
-            .get("llama.rope.freq_base")
-            .and_then(Value::as_f64)
-            .unwrap_or(10_000.0),
-        tie_word_embeddings: tied,
-        hidden_act: "silu".into(),
-        bos_token_id: g
-            .get("tokenizer.ggml.bos_token_id")
-            .and_then(Value::as_u64)
-            .map(|v| v as u32),
-        eos_token_id: g
-            .get("tokenizer.ggml.eos_token_id")
-            .and_then(Value::as_u64)
-            .map(|v| crate::config::TokenIds::One(v as u32)),
-        rope_scaling: None,
-        attention_bias: false,
-        mlp_bias: false,
-        torch_dtype: Some(match dtype {
-            ImportDtype::F32 => "float32".into(),
-            ImportDtype::Bf16 => "bfloat16".into(),
-            ImportDtype::Keep => "gguf".into(),
-        }),
+    let torch_dtype = match dtype {
+        ImportDtype::F32 => "float32",
+        ImportDtype::Bf16 => "bfloat16",
+        ImportDtype::Keep => "gguf",
     };
-    // GGUF name → (HF name, rope heads to un-permute).
-    let mut plan: Vec<(String, String, Option<usize>)> = vec![
-        (
-            "token_embd.weight".into(),
-            "model.embed_tokens.weight".into(),
-            None,
-        ),
-        (
-            "output_norm.weight".into(),
-            "model.norm.weight".into(),
-            None,
-        ),
-    ];
-    if !tied {
-        plan.push(("output.weight".into(), "lm_head.weight".into(), None));
+    let config = match arch {
+        Arch::Llama => {
+            let mut cfg = llama_config(&hp, &g, vocab, tied, torch_dtype);
+            cfg.rope_scaling = arch::rope_scaling(arch, &g.meta).map_err(bad)?;
+            serde_json::to_vec_pretty(&cfg).expect("config serialises")
+        }
+        Arch::Qwen2 | Arch::Gemma3 => serde_json::to_vec_pretty(
+            &arch::config_json(&hp, &g.meta, vocab, tied, torch_dtype).map_err(bad)?,
+        )
+        .expect("json serialises"),
+    };
+    let plan = arch::plan(&hp, tied);
+    if let Some(extra) = arch::unplanned(&plan, g.tensors.iter().map(|t| t.name.as_str())) {
+        return Err(bad(format!(
+            "tensor `{extra}` has no place in a {} model: it would be dropped, so the file is refused",
+            arch.key()
+        )));
     }
-    for i in 0..layers {
-        let (b, h) = (format!("blk.{i}"), format!("model.layers.{i}"));
-        plan.extend([
-            (
-                format!("{b}.attn_norm.weight"),
-                format!("{h}.input_layernorm.weight"),
-                None,
-            ),
-            (
-                format!("{b}.attn_q.weight"),
-                format!("{h}.self_attn.q_proj.weight"),
-                Some(heads),
-            ),
-            (
-                format!("{b}.attn_k.weight"),
-                format!("{h}.self_attn.k_proj.weight"),
-                Some(kv_heads),
-            ),
-            (
-                format!("{b}.attn_v.weight"),
-                format!("{h}.self_attn.v_proj.weight"),
-                None,
-            ),
-            (
-                format!("{b}.attn_output.weight"),
-                format!("{h}.self_attn.o_proj.weight"),
-                None,
-            ),
-            (
-                format!("{b}.ffn_norm.weight"),
-                format!("{h}.post_attention_layernorm.weight"),
-                None,
-            ),
-            (
-                format!("{b}.ffn_gate.weight"),
-                format!("{h}.mlp.gate_proj.weight"),
-                None,
-            ),
-            (
-                format!("{b}.ffn_up.weight"),
-                format!("{h}.mlp.up_proj.weight"),
-                None,
-            ),
-            (
-                format!("{b}.ffn_down.weight"),
-                format!("{h}.mlp.down_proj.weight"),
-                None,
-            ),
-        ]);
-    }
+    // The tokenizer before the tensors: a vocabulary it cannot convert stops
+    // the import before the long part.
+    let voc = gguf_vocab(&g, &tokens);
+    let tok_json = voc.tokenizer_json().map_err(bad)?;
     let mut data: Vec<crate::weights::TensorBytes> = Vec::with_capacity(plan.len());
     // Sorted: the file's bytes depend only on the GGUF (see `write_safetensors`).
     let mut quant_meta = BTreeMap::new();
     let mut params = 0;
     let (mut kept, mut dequantized) = (BTreeMap::new(), BTreeMap::new());
-    for (src, dst, rope) in plan {
+    for arch::TensorPlan {
+        src,
+        dst,
+        rope_heads: rope,
+        shift,
+    } in plan
+    {
         let t = by_name
             .get(src.as_str())
             .ok_or_else(|| bad(format!("tensor `{src}` is missing")))?;
@@ -260,7 +173,9 @@ pub fn import(path: &Path, out: &Path, dtype: ImportDtype) -> Result<ImportRepor
             shape.remove(0);
         }
         params += t.elements();
-        if let (ImportDtype::Keep, Some(kind), [rows, cols]) = (dtype, t.ty.quant(), &shape[..]) {
+        if let (ImportDtype::Keep, Some(kind), [rows, cols], 0.0) =
+            (dtype, t.ty.quant(), &shape[..], shift)
+        {
             let (rows, rb) = (*rows, kind.row_bytes(*cols));
             let mut b = map[t.start..t.start + t.len].to_vec();
             if let Some(h) = rope {
@@ -278,6 +193,9 @@ pub fn import(path: &Path, out: &Path, dtype: ImportDtype) -> Result<ImportRepor
         if let (Some(h), [rows, cols]) = (rope, shape.as_slice()) {
             v = unpermute_rope_rows(&v, h, *rows, *cols);
         }
+        if shift != 0.0 {
+            v.iter_mut().for_each(|x| *x += shift);
+        }
         let (st_dtype, bytes): (_, Vec<u8>) = match dtype {
             ImportDtype::F32 | ImportDtype::Keep => (
                 safetensors::Dtype::F32,
@@ -293,101 +211,121 @@ pub fn import(path: &Path, out: &Path, dtype: ImportDtype) -> Result<ImportRepor
         data.push((dst, st_dtype, shape, bytes));
     }
     let st = crate::weights::write_safetensors(&data, &quant_meta).map_err(bad)?;
-    // Tokenizer.
-    let merges: Vec<String> = match g.get("tokenizer.ggml.merges") {
-        Some(Value::Array(v)) => v
-            .iter()
-            .map(|x| x.as_str().unwrap_or("").to_string())
-            .collect(),
-        _ => Vec::new(),
-    };
-    let types: Vec<u64> = match g.get("tokenizer.ggml.token_type") {
-        Some(Value::Array(v)) => v.iter().map(|x| x.as_u64().unwrap_or(1)).collect(),
-        _ => vec![1; tokens.len()],
-    };
-    let pre = g
-        .get("tokenizer.ggml.pre")
-        .and_then(Value::as_str)
-        .unwrap_or("default");
-    let tok_json = tokenizer_json(&tokens, &types, &merges, pre);
     let template = g.get("tokenizer.chat_template").and_then(Value::as_str);
     std::fs::create_dir_all(out).map_err(|e| io(out, e))?;
     let write = |name: &str, bytes: &[u8]| {
         let p = out.join(name);
         std::fs::write(&p, bytes).map_err(|e| io(&p, e))
     };
-    write(
-        "config.json",
-        &serde_json::to_vec_pretty(&cfg).expect("config serialises"),
-    )?;
+    write("config.json", &config)?;
     write("model.safetensors", &st)?;
     write("tokenizer.json", tok_json.as_bytes())?;
-    if let Some(t) = template {
+    // llama: only with a template, as before (its files' bytes are pinned).
+    if template.is_some() || arch != Arch::Llama {
         let name = |k: &str| {
             g.get(k)
                 .and_then(Value::as_u64)
                 .and_then(|i| tokens.get(i as usize))
                 .cloned()
         };
-        let tc = serde_json::json!({
-            "chat_template": t,
+        let mut tc = serde_json::json!({
             "bos_token": name("tokenizer.ggml.bos_token_id"),
             "eos_token": name("tokenizer.ggml.eos_token_id"),
-            "add_bos_token": g.get("tokenizer.ggml.add_bos_token").is_some_and(|v| *v == Value::Bool(true)),
+            "add_bos_token": voc.add_bos,
         });
+        if let Some(t) = template {
+            tc["chat_template"] = t.into();
+        }
         write(
             "tokenizer_config.json",
             &serde_json::to_vec_pretty(&tc).expect("json"),
+        )?;
+    }
+    if arch != Arch::Llama {
+        let gc = arch::generation_config(arch, &g.meta, &tokens);
+        write(
+            "generation_config.json",
+            &serde_json::to_vec_pretty(&gc).expect("json"),
         )?;
     }
     Ok(ImportReport {
         tensors: data.len(),
         params,
         vocab: tokens.len(),
-        merges: merges.len(),
+        merges: voc.merges.len(),
         chat_template: template.is_some(),
         kept,
         dequantized,
     })
 }
 
-/// A `tokenizer.json` for a GGUF `gpt2`-model (byte-level BPE) vocabulary.
-/// Control (type 3) and user-defined (type 4) tokens become added tokens,
-/// control ones special. The `smollm` pre-tokenizer (llama.cpp's name) splits
-/// digits individually before the GPT-2 byte-level regex, as HF's does.
-fn tokenizer_json(tokens: &[String], types: &[u64], merges: &[String], pre: &str) -> String {
-    use serde_json::json;
-    let vocab: serde_json::Map<String, serde_json::Value> = tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.clone(), json!(i)))
-        .collect();
-    let added: Vec<_> = tokens
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| matches!(types.get(*i), Some(3) | Some(4)))
-        .map(|(i, t)| {
-            json!({"id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
-                   "normalized": false, "special": types.get(i) == Some(&3)})
-        })
-        .collect();
-    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
-    let pre_tokenizer = match pre {
-        "smollm" | "starcoder" | "refact" => {
-            json!({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level]})
-        }
-        _ => byte_level,
+/// The `tokenizer.ggml.*` metadata [`super::vocab`] converts. A `llama`
+/// (SentencePiece) vocabulary adds BOS unless the file says otherwise, as
+/// llama.cpp and transformers read it.
+fn gguf_vocab(g: &Gguf, tokens: &[String]) -> GgufVocab {
+    let s = |k: &str| g.get(k).and_then(Value::as_str).map(str::to_string);
+    let b = |k: &str| match g.get(k) {
+        Some(Value::Bool(v)) => Some(*v),
+        _ => None,
     };
-    let v = json!({
-        "version": "1.0", "truncation": null, "padding": null,
-        "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": pre_tokenizer,
-        "post_processor": null,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-                  "vocab": vocab, "merges": merges}
-    });
-    serde_json::to_string(&v).expect("json of strings and numbers serialises")
+    let id = |k: &str| g.get(k).and_then(Value::as_u64).map(|v| v as u32);
+    let model = s("tokenizer.ggml.model").unwrap_or_else(|| "gpt2".into());
+    GgufVocab {
+        add_bos: b("tokenizer.ggml.add_bos_token").unwrap_or(model == "llama"),
+        add_space_prefix: b("tokenizer.ggml.add_space_prefix").unwrap_or(false),
+        model,
+        pre: s("tokenizer.ggml.pre").unwrap_or_else(|| "default".into()),
+        tokens: tokens.to_vec(),
+        types: match g.get("tokenizer.ggml.token_type") {
+            Some(Value::Array(v)) => v.iter().map(|x| x.as_u64().unwrap_or(1)).collect(),
+            _ => vec![1; tokens.len()],
+        },
+        merges: match g.get("tokenizer.ggml.merges") {
+            Some(Value::Array(v)) => v
+                .iter()
+                .map(|x| x.as_str().unwrap_or("").to_string())
+                .collect(),
+            _ => Vec::new(),
+        },
+        bos: id("tokenizer.ggml.bos_token_id"),
+        unk: id("tokenizer.ggml.unknown_token_id"),
+    }
+}
+
+/// A llama file's `config.json`, as `LlamaConfig` writes it.
+fn llama_config(
+    hp: &Hparams,
+    g: &Gguf,
+    vocab: usize,
+    tied: bool,
+    torch_dtype: &str,
+) -> crate::LlamaConfig {
+    crate::LlamaConfig {
+        architectures: vec!["LlamaForCausalLM".into()],
+        model_type: "llama".into(),
+        hidden_size: hp.hidden,
+        intermediate_size: hp.ff,
+        num_hidden_layers: hp.layers,
+        num_attention_heads: hp.heads,
+        num_key_value_heads: Some(hp.kv_heads),
+        head_dim: None,
+        vocab_size: vocab,
+        max_position_embeddings: hp.context,
+        rms_norm_eps: hp.eps,
+        rope_theta: hp.theta,
+        tie_word_embeddings: tied,
+        hidden_act: "silu".into(),
+        bos_token_id: g
+            .get("tokenizer.ggml.bos_token_id")
+            .and_then(Value::as_u64)
+            .map(|v| v as u32),
+        eos_token_id: g
+            .get("tokenizer.ggml.eos_token_id")
+            .and_then(Value::as_u64)
+            .map(|v| crate::config::TokenIds::One(v as u32)),
+        rope_scaling: None,
+        attention_bias: false,
+        mlp_bias: false,
+        torch_dtype: Some(torch_dtype.into()),
+    }
 }

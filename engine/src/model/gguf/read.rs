@@ -296,13 +296,24 @@ impl Cursor<'_> {
 }
 
 impl Gguf {
-    /// Parses the header, metadata and tensor table of `bytes`.
-    pub fn parse(bytes: &[u8], path: &Path) -> Result<Self, EngineError> {
+    /// Parses the header and metadata of `bytes` only, the tensor table
+    /// unread: the importer checks the architecture with it before anything
+    /// in the table (a tensor type it does not know) can stop it first.
+    pub fn parse_metadata(
+        bytes: &[u8],
+        path: &Path,
+    ) -> Result<BTreeMap<String, Value>, EngineError> {
         let mut c = Cursor {
             b: bytes,
             off: 0,
             path: path.display().to_string(),
         };
+        Ok(Self::header(&mut c)?.2)
+    }
+
+    /// Reads the magic, version and metadata: (version, tensor count, metadata).
+    fn header(c: &mut Cursor) -> Result<(u32, u64, BTreeMap<String, Value>), EngineError> {
+        let bytes = c.b;
         if bytes.get(..4) != Some(b"GGUF".as_slice()) {
             return Err(EngineError::Gguf {
                 path: c.path.clone(),
@@ -324,6 +335,17 @@ impl Gguf {
             let v = c.value(ty, 0)?;
             meta.insert(k, v);
         }
+        Ok((version, n_tensors, meta))
+    }
+
+    /// Parses the header, metadata and tensor table of `bytes`.
+    pub fn parse(bytes: &[u8], path: &Path) -> Result<Self, EngineError> {
+        let mut c = Cursor {
+            b: bytes,
+            off: 0,
+            path: path.display().to_string(),
+        };
+        let (version, n_tensors, meta) = Self::header(&mut c)?;
         let mut raw = Vec::new();
         // Tensors of types the importer does not read: (name, type id). The
         // table is read to its end so that the refusal can count them all.
