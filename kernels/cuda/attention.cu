@@ -88,7 +88,7 @@ extern "C" __global__ void attention(const float* q, const float* k, const float
 // body to load again.
 __shared__ float attn_qs[MAX_HEAD_DIM];
 
-// The step's inputs of one decode-rope block (ATTN_EARLY, LMRR_CUDA_ATTN_EARLY):
+// The step's inputs of one decode-rope block (ATTN_EARLY):
 // its position, page slot and page, its sequence's page-list offset, the
 // cos/sin pair of its thread's rotation index (thread i < half rotates q's
 // element pair i, thread 128 + i k's), and the pages of the first batch of
@@ -331,7 +331,7 @@ extern "C" __global__ void attention_decode(const float* q, const unsigned long 
 }
 
 // attention_decode with rope_kv's work for its own token done first, so a
-// decode step needs no rope_kv launch (LMRR_CUDA_ROPE_ATTN). Only for steps
+// decode step needs no rope_kv launch. Only for steps
 // whose spans are one token each and whose tokens' pages are in no other
 // span's page list (no block reads a row another block writes; the host
 // checks). Block (t, h): RoPE of
@@ -392,10 +392,9 @@ __device__ __forceinline__ void decode_rope_prologue(float* q, const float* kraw
             kout[at + half] = hi;
         }
     }
-    // dst[t] read where it is used (not once at the top): the form before
-    // ATTN_EARLY compiles to the SASS it had (measured 1.028 ms a batch-1
-    // step on an H100 on 2026-12-06; a build that read it once at the top
-    // measured 1.224, not explained).
+    // dst[t] read where it is used (not once at the top), so that the form
+    // without ATTN_EARLY keeps the SASS it had; reading it once at the top
+    // was measured slower (docs/PERFORMANCE.md).
     if (tid < hd)
         kv_row(EARLY ? ein->dst : dst[t], layer, page_len, kvd, aux, s, 1)[kvh * hd + tid] =
             v[(long long)t * kvd + kvh * hd + tid];
@@ -428,7 +427,7 @@ __device__ __forceinline__ DecodeIn decode_inputs(const float* cos_t, const floa
 }
 
 // attention_decode_rope with the rotated q head handed from the prologue to
-// the body in shared memory (LMRR_CUDA_ROPE_QS): one barrier and one load
+// the body in shared memory: one barrier and one load
 // of q from global memory fewer; the same values in the same operations
 // (q is still rotated in place in global memory, as attention_decode_rope
 // leaves it).
@@ -441,7 +440,7 @@ extern "C" __global__ void attention_decode_rope_qs(float* q, const float* kraw,
                                                     int n_kv_heads, int head_dim, int layer, int page_len, int aux,
                                                     float scale) {
 #if defined(ATTN_EARLY)
-    // The step's inputs before the wait (LMRR_CUDA_ATTN_EARLY): DecodeIn.
+    // The step's inputs before the wait (ATTN_EARLY): DecodeIn.
     DecodeIn in = decode_inputs(cos_t, sin_t, pages, seq_off, pos, dst, slot, n_heads, head_dim, page_len);
     PDL_ENTRY();
     decode_rope_prologue<true, true>(q, kraw, kout, v, cos_t, sin_t, pos, dst, slot, n_heads, n_kv_heads, head_dim,
@@ -768,7 +767,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_prefill(
                               aux, scale);
 }
 
-// attention_prefill for head_dim 64 (LMRR_CUDA_ATTN_PREFILL_HD64).
+// attention_prefill for head_dim 64 (AttnKernel::PrefillHd64).
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_prefill_hd64(
     const float* q, const unsigned long long* pages, const unsigned long long* seq_off,
     const unsigned long long* pos, const unsigned long long* groups, float* out, int n_heads, int n_kv_heads,

@@ -43,9 +43,9 @@
     } while (0)
 #endif
 
-// Prologue before the wait (LMRR_CUDA_PDL_PREFETCH: the resident module
+// Prologue before the wait (the resident module
 // compiled with PDL_PREFETCH defined): a kernel whose first loads are of
-// weights (matmul_rows and its forms, matmul_fused; norm_reg's norm weight)
+// weights (matmul_rows and its forms; norm_reg's norm weight)
 // issues them before griddepcontrol.wait, so their DRAM latency overlaps the
 // kernel ahead of it. Weights are never written while steps run, so what they load
 // is the same whenever they load it; everything else still waits

@@ -215,7 +215,7 @@ extern "C" __global__ void matmul_rows(int kind, const float* x, const unsigned 
     mm_rows_block(kind, x, w, y, n, rows, k, row_bytes, blockIdx.x % rows, (blockIdx.x / rows) * MM_TOKENS);
 }
 
-// matmul_rows with MR4_ROWS rows a block (LMRR_CUDA_ROWS4_MIN: wide
+// matmul_rows with MR4_ROWS rows a block (Tuning::rows4_min: wide
 // matrices, the lm head): the same 16 groups of 8 threads, group g taking
 // chunks g, g + MR_GROUPS, ... of all MR4_ROWS rows, each chunk's weights of
 // the rows loaded at once (4 × 8 loads in flight a thread, not 8); then, per

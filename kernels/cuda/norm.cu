@@ -83,8 +83,7 @@ extern "C" __global__ void norm_block(float* x, const float* y, const float* ypa
 // sum is stored. x and y are plain pointers, so the compiler must take them
 // to alias and cannot move a load of y above a store to x: the default form
 // makes each of a thread's elements a round trip (the same values either
-// way). Faster alone (ncu on an H100: 3.24 against 4.64 µs a batch-1 norm)
-// and in prefill, slower in a batch-1 decode chain under programmatic
+// way). Faster alone and in prefill, slower in a batch-1 decode chain under programmatic
 // dependent launch, so the host picks by row count (Tuning::loads_first_min).
 #define NR_MAX_CHUNKS 128
 // Row r of norm_reg's work (its body, and the last block of
