@@ -8,7 +8,7 @@
       (all ones, all zeros), dequantized by gguf-py; writes blocks and the
       expected f32 bits to PATH (default
       kernels/tests/fixtures/dequant_gguf_py.bin), which the Rust test
-      `dequant_matches_gguf_py_fixture` (kernels/tests/quant.rs) reads.
+      `dequant_matches_gguf_py_fixture` (kernels/tests/it/quant.rs) reads.
   check_dequant.py --gguf FILE [--lmrr BIN]
       Dequantizes every tensor of FILE with gguf-py and with
       `lmrr gguf-dequant FILE TENSOR` and compares all bits (NaN payloads

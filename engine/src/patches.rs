@@ -5,7 +5,7 @@
 //!
 //! Each patch documents what it changes, the real-world code it is modelled on,
 //! and when it fires (a patch that never fires in its own scenario is a bug;
-//! `replays/tests/replay.rs`'s `every_catalog_patch_fires_in_its_scenario_and_the_others_are_inert`
+//! `replays/tests/it/replay.rs`'s `every_catalog_patch_fires_in_its_scenario_and_the_others_are_inert`
 //! holds one scenario per patch).
 
 use std::collections::BTreeSet;

@@ -13,7 +13,7 @@
 //! `pow`, `cos` and `sin` come from the pure-Rust `libm` crate (version pinned
 //! in the workspace), never from the platform's C library, whose results
 //! differ between glibc, musl and macOS: the table has the same bits on every
-//! platform. `kernels/tests/rope_table.rs` pins them against an independent,
+//! platform. `kernels/tests/it/rope_table.rs` pins them against an independent,
 //! correctly rounded computation (`rope_table_reference.py`).
 
 /// Host-computed cos/sin table, `(max_pos, head_dim / 2)` each.
