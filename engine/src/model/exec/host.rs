@@ -191,6 +191,31 @@ fn exec(
                 out[j * d..(j + 1) * d].copy_from_slice(&x[i * d..(i + 1) * d]);
             }
         }
+        Op::Moe {
+            x,
+            out,
+            router,
+            experts,
+            shared,
+            routing,
+        } => {
+            let rows = match prog.decl(*x).rows {
+                Rows::Tokens => step.tok.len(),
+                Rows::Wanted => step.rows.len(),
+            };
+            let (x, out) = pair(bufs, *x, *out);
+            super::moe::run(
+                ops,
+                tables,
+                x,
+                rows,
+                *router,
+                experts,
+                shared.as_ref(),
+                routing,
+                out,
+            )?;
+        }
     }
     Ok(())
 }

@@ -6,10 +6,12 @@
 //! every executor gives the same bits (contract invariant I6).
 
 pub mod host;
+pub mod moe;
 pub mod program;
 
 pub use program::{
-    Act, AttnSpec, Buf, BufDecl, Builder, Mat, MatJob, Op, Program, Rows, Tables, Vector,
+    Act, AttnSpec, Buf, BufDecl, Builder, ExpertMats, Mat, MatJob, Op, Program, RoutingSpec, Rows,
+    Tables, Vector,
 };
 
 use crate::model::{stacked_tokens, wanted_rows, SeqSpan};

@@ -65,6 +65,34 @@ pub struct MatJob {
     pub bias: Option<Vector>,
 }
 
+/// One gated expert of an [`Op::Moe`]: `down · (silu(gate · x) ⊙ up · x)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ExpertMats {
+    pub gate: Mat,
+    pub up: Mat,
+    pub down: Mat,
+}
+
+/// How an [`Op::Moe`] routes a token (`lmrr_kernels::moe`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RoutingSpec {
+    /// Softmax over the router logits, the top `k`, renormalised when
+    /// `norm_topk_prob` (mixtral always, qwen3_moe by its flag).
+    SoftmaxTopK { k: usize, norm_topk_prob: bool },
+    /// Sigmoid scores, selection by score + `bias` among the best
+    /// `topk_group` of `n_group` groups, gates from the unbiased scores
+    /// (renormalised when `norm_topk_prob`) times the factor (deepseek_v3).
+    SigmoidGroupTopK {
+        k: usize,
+        n_group: usize,
+        topk_group: usize,
+        bias: Vector,
+        norm_topk_prob: bool,
+        /// `routed_scaling_factor`, bits of an f32.
+        scale_bits: u32,
+    },
+}
+
 /// How attention runs. The variants are engine patches (CPU only).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct AttnSpec {
@@ -136,6 +164,19 @@ pub enum Op {
     /// The wanted rows of `x` (a [`Rows::Tokens`] buffer) into `out` (a
     /// [`Rows::Wanted`] one).
     GatherWanted { x: Buf, out: Buf },
+    /// A mixture of experts over each row of `x` into `out`: router logits
+    /// `router · x`, the row's route ([`RoutingSpec`]), each chosen expert
+    /// on the row, and `out = shared(x) (or +0.0) + Σ gate_e · expert_e(x)`,
+    /// an fma chain over the chosen experts ascending
+    /// (`lmrr_kernels::moe_combine`). Per row, so batch-invariant.
+    Moe {
+        x: Buf,
+        out: Buf,
+        router: Mat,
+        experts: Vec<ExpertMats>,
+        shared: Option<ExpertMats>,
+        routing: RoutingSpec,
+    },
 }
 
 /// A step: its buffers, its ops in order, and which buffer holds the logits
@@ -289,6 +330,46 @@ impl Program {
                     }
                     same("gather", width(*x)?, width(*out)?)
                 }
+                Op::Moe {
+                    x,
+                    out,
+                    router,
+                    experts,
+                    shared,
+                    routing,
+                } => {
+                    let d = width(*x)?;
+                    same("moe input/output", d, width(*out)?)?;
+                    let (ne, rc) = mat(*router)?;
+                    same("router input", rc, d)?;
+                    same("router experts", ne, experts.len())?;
+                    for e in experts.iter().chain(shared) {
+                        let (f, gc) = mat(e.gate)?;
+                        same("expert gate input", gc, d)?;
+                        same("expert up", mat(e.up)?.0, f)?;
+                        same("expert up input", mat(e.up)?.1, d)?;
+                        same("expert down", mat(e.down)?.0, d)?;
+                        same("expert down input", mat(e.down)?.1, f)?;
+                    }
+                    match routing {
+                        RoutingSpec::SoftmaxTopK { k, .. } => {
+                            if *k == 0 || *k > ne {
+                                return Err(format!("top-k {k} of {ne} experts"));
+                            }
+                            Ok(())
+                        }
+                        RoutingSpec::SigmoidGroupTopK {
+                            k,
+                            n_group,
+                            topk_group,
+                            bias,
+                            ..
+                        } => {
+                            same("routing bias", vec_len(*bias)?, ne)?;
+                            routing_shape(*k, *n_group, *topk_group).check(ne)
+                        }
+                    }
+                }
             })();
             r.map_err(|e| format!("op {i} ({}): {e}", op.name()))?;
         }
@@ -307,6 +388,19 @@ impl Op {
             Op::AddInto { .. } => "add",
             Op::Glu { .. } => "glu",
             Op::GatherWanted { .. } => "gather",
+            Op::Moe { .. } => "moe",
         }
+    }
+}
+
+/// The routing shape of a [`RoutingSpec::SigmoidGroupTopK`] (its flags aside),
+/// for its checks.
+fn routing_shape(k: usize, n_group: usize, topk_group: usize) -> lmrr_kernels::GroupTopK {
+    lmrr_kernels::GroupTopK {
+        k,
+        n_group,
+        topk_group,
+        norm_topk_prob: false,
+        routed_scaling_factor: 1.0,
     }
 }
