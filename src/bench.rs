@@ -187,13 +187,10 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         q
     };
     let (q41, q80) = (blocks(QuantKind::Q4_1), blocks(QuantKind::Q8_0));
-    // K-quant rows are 256-weight super-blocks: measured where cols allow.
-    let kq = cols % lmrr_kernels::QK_K == 0;
-    let (q4k, q6k) = if kq {
-        (blocks(QuantKind::Q4K), blocks(QuantKind::Q6K))
-    } else {
-        (Vec::new(), Vec::new())
-    };
+    // K-quant rows are 256-weight super-blocks: the first `kcols` columns.
+    let kcols = cols - cols % lmrr_kernels::QK_K;
+    let kblocks = |kind: QuantKind| blocks(kind)[..rows * kind.row_bytes(kcols)].to_vec();
+    let (q4k, q6k) = (kblocks(QuantKind::Q4K), kblocks(QuantKind::Q6K));
     let mut matvec = Vec::new();
     let mut y1 = vec![0.0; rows];
     let storages = [
@@ -204,21 +201,21 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         ("Q4_K", Weights::Quant(QuantKind::Q4K, &q4k)),
         ("Q6_K", Weights::Quant(QuantKind::Q6K, &q6k)),
     ];
-    let measured = |l: &&str| kq || !l.ends_with("_K");
     for (label, w) in storages
         .into_iter()
-        .filter(|(l, _)| !a.speed_only && !on_gpu && measured(l))
+        .filter(|(l, _)| !a.speed_only && !on_gpu && (kcols > 0 || !l.ends_with("_K")))
     {
-        let mm = Matrix::new(w, rows, cols).expect("shape");
+        let c = if label.ends_with("_K") { kcols } else { cols };
+        let mm = Matrix::new(w, rows, c).expect("shape");
         let reps = 20;
         let s = time(r + 4, || {
             for _ in 0..reps {
-                matmul(&th, &x[..cols], 1, &mm, &mut y1)
+                matmul(&th, &x[..c], 1, &mm, &mut y1)
             }
         }) / reps as f64;
         matvec.push((
             label,
-            (rows * cols) as f64 / s / 1e9,
+            (rows * c) as f64 / s / 1e9,
             mm.storage_bytes() as f64 / s / 1e9,
         ));
     }
