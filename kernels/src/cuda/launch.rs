@@ -14,6 +14,7 @@ use std::sync::Arc;
 use cudarc::driver::{result, sys, CudaContext, LaunchConfig};
 
 use super::buf::DevMatrix;
+use super::cache::Format;
 use super::tuning::Tuning;
 use super::{as_i32, drv, Gpu, GpuError};
 
@@ -135,23 +136,16 @@ pub(crate) struct Kernels {
 }
 
 impl Kernels {
-    /// Loads the resident kernels from `ptx` (compiled for sm_90 when
-    /// `tuning.pdl`, whose launches then allow programmatic dependence).
+    /// Loads the resident kernels from `image` (a CUBIN, or PTX text that
+    /// the driver compiles; compiled for sm_90 or later when `tuning.pdl`,
+    /// whose launches then allow programmatic dependence).
     pub(crate) fn load(
         ctx: &Arc<CudaContext>,
-        ptx: &str,
+        format: Format,
+        image: &[u8],
         tuning: Tuning,
     ) -> Result<Self, GpuError> {
-        let image = std::ffi::CString::new(ptx)
-            .map_err(|_| GpuError::Compile("the PTX holds a NUL byte".into()))?;
-        ctx.bind_to_thread().map_err(drv)?;
-        // SAFETY: `image` is a NUL-terminated PTX text; the context is
-        // current on this thread.
-        let m = unsafe { result::module::load_data(image.as_ptr().cast()) }.map_err(drv)?;
-        let module = RawModule {
-            ctx: ctx.clone(),
-            m,
-        };
+        let module = RawModule::load(ctx, format, image)?;
         let f = |name: &str| -> Result<Func, GpuError> {
             let c = std::ffi::CString::new(name)
                 .map_err(|_| GpuError::Compile(format!("kernel name {name:?}")))?;
@@ -206,10 +200,35 @@ unsafe impl Send for RawModule {}
 // SAFETY: as for Send; the handle is never mutated after loading.
 unsafe impl Sync for RawModule {}
 
+impl RawModule {
+    /// `image` loaded into `ctx` (`cuModuleLoadData`): a CUBIN as is, PTX
+    /// with the closing NUL the driver reads it up to.
+    pub(crate) fn load(
+        ctx: &Arc<CudaContext>,
+        format: Format,
+        image: &[u8],
+    ) -> Result<Self, GpuError> {
+        let owned = match format {
+            Format::Cubin => image.to_vec(),
+            Format::Ptx => std::ffi::CString::new(image)
+                .map_err(|_| GpuError::Compile("the PTX holds a NUL byte".into()))?
+                .into_bytes_with_nul(),
+        };
+        ctx.bind_to_thread().map_err(drv)?;
+        // SAFETY: `owned` is a whole CUBIN or a NUL-terminated PTX text that
+        // outlives the call (the driver copies it); the context is current.
+        let m = unsafe { result::module::load_data(owned.as_ptr().cast()) }.map_err(drv)?;
+        Ok(Self {
+            ctx: ctx.clone(),
+            m,
+        })
+    }
+}
+
 impl Drop for RawModule {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: loaded by `Kernels::load` and unloaded only here.
+            // SAFETY: loaded by `RawModule::load` and unloaded only here.
             let _ = unsafe { result::module::unload(self.m) };
         }
     }

@@ -9,8 +9,9 @@
 //! [`Gpu::open`] returns an error (never panics) where no driver or device is
 //! present. This module owns [`Gpu`] (the device, its stream and both
 //! modules), its opening, and [`GpuError`]; the rest lives by
-//! responsibility: `compile` (NVRTC), `portable` (per-call ops that copy
-//! their operands: the portable mode's proof of arithmetic), `resident`
+//! responsibility: `compile` (NVRTC), `cache` (compiled modules on disk),
+//! `portable` (per-call ops that copy their operands: the portable mode's
+//! proof of arithmetic), `resident`
 //! (the paths the engine uses) over `buf`, `graph`, `launch`, `ops::*`,
 //! `split`, `overlap` and `tuning`, and `harness` (gpu_check's and
 //! `lmrr bench`'s helpers).
@@ -22,6 +23,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig};
 use crate::quant::QuantKind;
 
 pub mod buf;
+pub mod cache;
 pub mod compile;
 pub mod graph;
 pub mod harness;
@@ -143,13 +145,39 @@ impl Gpu {
 
     /// [`Gpu::open_with`] under `tuning` rather than the environment's (a
     /// negative control opened with plain launches compiles one module, not
-    /// two).
+    /// two). Each module is the device's CUBIN from the on-disk cache
+    /// ([`cache`]), compiled by NVRTC and stored on a miss.
     pub fn open_tuned(
         ordinal: usize,
         source: &str,
         fmad: bool,
         tuning: resident::Tuning,
     ) -> Result<Self, GpuError> {
+        Self::open_from(ordinal, source, fmad, None, tuning)
+    }
+
+    /// [`Gpu::open_tuned`] with `source` already compiled by [`compile`]
+    /// into `ptx` (the module of the reference kernels, and of the resident
+    /// ones too unless `tuning.pdl` on a device that has it, which builds
+    /// them again, through the cache, for the device's architecture).
+    pub fn open_compiled(
+        ordinal: usize,
+        source: &str,
+        fmad: bool,
+        ptx: String,
+        tuning: resident::Tuning,
+    ) -> Result<Self, GpuError> {
+        Self::open_from(ordinal, source, fmad, Some(ptx), tuning)
+    }
+
+    fn open_from(
+        ordinal: usize,
+        source: &str,
+        fmad: bool,
+        ptx: Option<String>,
+        mut tuning: resident::Tuning,
+    ) -> Result<Self, GpuError> {
+        use cache::Format;
         // SAFETY: these only try to open the shared libraries by name.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err(GpuError::NoDriver);
@@ -157,45 +185,53 @@ impl Gpu {
         if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
             return Err(GpuError::NoNvrtc);
         }
-        let ptx = compile(source, fmad)?;
-        Self::open_compiled(ordinal, source, fmad, ptx, tuning)
-    }
-
-    /// [`Gpu::open_tuned`] with `source` already compiled by [`compile`]
-    /// into `ptx` (the module of the reference kernels, and of the resident
-    /// ones too unless `tuning.pdl` on a device that has it, which compiles
-    /// them again for sm_90).
-    pub fn open_compiled(
-        ordinal: usize,
-        source: &str,
-        fmad: bool,
-        ptx: String,
-        mut tuning: resident::Tuning,
-    ) -> Result<Self, GpuError> {
-        // SAFETY: this only tries to open the shared library by name.
-        if !unsafe { cudarc::driver::sys::is_culib_present() } {
-            return Err(GpuError::NoDriver);
-        }
+        let store = cache::ModuleCache::from_env()?;
         let ctx = CudaContext::new(ordinal).map_err(drv)?;
         // One stream does everything, so cudarc's cross-stream event tracking
         // only costs time (and events cannot be recorded in a graph capture).
         // SAFETY: no slice is ever used on another stream.
         unsafe { ctx.disable_event_tracking() };
-        // The resident kernels: the same PTX, or with programmatic dependent
-        // launch (Tuning::pdl) compiled for sm_90, where the device has it.
-        let major = ctx
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
-            .map_err(drv)?;
-        tuning.pdl &= major >= 9;
-        let res_ptx = if tuning.pdl {
-            compile_for(&resident_source(source), fmad, Some("compute_90"))?
-        } else {
-            ptx.clone()
+        let tc = compile::Toolchain::of(&ctx)?;
+        // The resident kernels: the reference module's image, or with
+        // programmatic dependent launch (Tuning::pdl) their own build for
+        // sm_90 or later, where the device has it.
+        tuning.pdl &= tc.capability.0 >= 9;
+        let load_ref = |format: Format, image: &[u8]| {
+            let module = match format {
+                Format::Cubin => cudarc::nvrtc::Ptx::from_binary(image.to_vec()),
+                Format::Ptx => cudarc::nvrtc::Ptx::from_src(String::from_utf8_lossy(image)),
+            };
+            let res = match tuning.pdl {
+                true => None,
+                false => Some(launch::Kernels::load(&ctx, format, image, tuning)?),
+            };
+            Ok::<_, GpuError>((ctx.load_module(module).map_err(drv)?, res))
         };
-        let res = launch::Kernels::load(&ctx, &res_ptx, tuning)?;
-        let module = ctx
-            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
-            .map_err(drv)?;
+        let reference = compile::ModuleSpec {
+            what: "reference kernels",
+            text: source,
+            fmad,
+            ptx_arch: None,
+        };
+        let (module, res) = match ptx {
+            Some(ptx) => load_ref(Format::Ptx, ptx.as_bytes())?,
+            None => compile::device_module(&reference, &tc, &store, load_ref)?,
+        };
+        let res = match res {
+            Some(res) => res,
+            None => {
+                let text = resident_source(source);
+                let spec = compile::ModuleSpec {
+                    what: "resident kernels",
+                    text: &text,
+                    fmad,
+                    ptx_arch: Some("compute_90"),
+                };
+                compile::device_module(&spec, &tc, &store, |format, image| {
+                    launch::Kernels::load(&ctx, format, image, tuning)
+                })?
+            }
+        };
         let f = |name: &str| module.load_function(name).map_err(drv);
         // A created stream, not the legacy default one: decode steps are
         // captured as CUDA graphs, which the default stream cannot do.
