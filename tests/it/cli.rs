@@ -476,6 +476,7 @@ fn replay_exit_codes_reports_bisect_and_oracle(p: Preset) {
             let n: usize = re.captures(&out).expect("a culprit")[1].parse().unwrap();
             assert!(n <= 6, "{out}");
         }
+        other => panic!("no test preset of {other}"),
     }
     let o = lmrr(
         &[

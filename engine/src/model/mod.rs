@@ -22,6 +22,7 @@ pub mod identity;
 pub mod kv;
 pub mod llama;
 pub mod mini_v4;
+pub mod moe;
 pub mod ops;
 pub mod synth;
 pub mod tokenizer;
@@ -39,6 +40,8 @@ use crate::{EngineError, ModelFiles};
 pub enum Family {
     Llama,
     MiniV4,
+    Mixtral,
+    Qwen3Moe,
 }
 
 impl Family {
@@ -47,11 +50,18 @@ impl Family {
         match self {
             Self::Llama => "llama",
             Self::MiniV4 => "mini-v4",
+            Self::Mixtral => "mixtral",
+            Self::Qwen3Moe => "qwen3_moe",
         }
     }
 
     /// Every family, in listing order.
-    pub const ALL: [Family; 2] = [Family::Llama, Family::MiniV4];
+    pub const ALL: [Family; 4] = [
+        Family::Llama,
+        Family::MiniV4,
+        Family::Mixtral,
+        Family::Qwen3Moe,
+    ];
 }
 
 impl std::fmt::Display for Family {
@@ -244,6 +254,7 @@ pub fn load_family(files: &ModelFiles) -> Result<Box<dyn ModelFamily>, EngineErr
     match probe.model_type.as_deref() {
         None | Some("llama") => Ok(Box::new(llama::Llama::load(files)?)),
         Some("mini-v4") => Ok(Box::new(mini_v4::MiniV4::load(files)?)),
+        Some("mixtral" | "qwen3_moe") => Ok(Box::new(moe::MoeModel::load(files)?)),
         Some(other) => Err(EngineError::ConfigValue {
             path: files.config_path.clone(),
             field: "model_type",

@@ -103,6 +103,7 @@ fn bisect_names_the_one_patch_that_changes_behaviour_within_the_probe_bound(p: P
     let (size, culprit) = match family {
         Family::Llama => (4, Patch::AbortInsertsPartial),
         Family::MiniV4 => (7, Patch::IndexerEarlyExit),
+        other => panic!("no test preset of {other}"),
     };
     assert_eq!(catalog.len(), size);
     let res = bisect(&PatchSet::none(), &catalog, &mut probe).unwrap();
@@ -119,6 +120,7 @@ fn bisect_names_the_one_patch_that_changes_behaviour_within_the_probe_bound(p: P
                 "{res}"
             );
         }
+        other => panic!("no test preset of {other}"),
     }
     let candidates = [
         Patch::SplitkDecode,

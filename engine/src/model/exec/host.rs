@@ -86,6 +86,16 @@ fn exec(
             let (x, out) = pair(bufs, *x, *out);
             ops.norm(x, tables.vecs[w.0 as usize], f32::from_bits(*eps_bits), out)?;
         }
+        Op::HeadRmsNorm {
+            x,
+            w,
+            eps_bits,
+            out,
+        } => {
+            // Rows of the head's width: the weight's length sets them.
+            let (x, out) = pair(bufs, *x, *out);
+            ops.norm(x, tables.vecs[w.0 as usize], f32::from_bits(*eps_bits), out)?;
+        }
         Op::Matmul { x, jobs } => {
             let rows = match prog.decl(*x).rows {
                 Rows::Tokens => step.tok.len(),

@@ -152,6 +152,15 @@ pub enum Op {
         out: Buf,
         spec: AttnSpec,
     },
+    /// RMSNorm of each `w.len()`-wide piece of every row of `x` (each
+    /// attention head of a q or k row) with weight `w` into `out`: the
+    /// canonical row norm over rows of the head's width.
+    HeadRmsNorm {
+        x: Buf,
+        w: Vector,
+        eps_bits: u32,
+        out: Buf,
+    },
     /// `x += y`, elementwise (a residual add).
     AddInto { x: Buf, y: Buf },
     /// `out = act(gate) · up`, elementwise.
@@ -319,6 +328,14 @@ impl Program {
                     same("v", width(*v)?, spec.shape.kv_dim())?;
                     same("attention output", width(*out)?, spec.shape.q_dim())
                 }
+                Op::HeadRmsNorm { x, w, out, .. } => {
+                    let (d, hd) = (width(*x)?, vec_len(*w)?);
+                    same("head norm input/output", d, width(*out)?)?;
+                    if hd == 0 || d % hd != 0 {
+                        return Err(format!("head norm weight {hd} does not divide width {d}"));
+                    }
+                    Ok(())
+                }
                 Op::AddInto { x, y } => same("residual add", width(*x)?, width(*y)?),
                 Op::Glu { gate, up, out, .. } => {
                     same("gate/up", width(*gate)?, width(*up)?)?;
@@ -385,6 +402,7 @@ impl Op {
             Op::RmsNorm { .. } => "rms_norm",
             Op::Matmul { .. } => "matmul",
             Op::RopeKvAttend { .. } => "rope_kv_attend",
+            Op::HeadRmsNorm { .. } => "head_rms_norm",
             Op::AddInto { .. } => "add",
             Op::Glu { .. } => "glu",
             Op::GatherWanted { .. } => "gather",
