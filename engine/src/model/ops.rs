@@ -11,6 +11,14 @@ use crate::patches::{Patch, PatchSet};
 use crate::EngineError;
 use lmrr_kernels::attention_variants::{attention_variant, ExpKind};
 
+/// The error of a kernel that has no device form.
+#[cfg(feature = "cuda")]
+fn no_device_kernel(what: &str) -> EngineError {
+    EngineError::Device(format!(
+        "{what} has no CUDA kernel; run this model on the CPU"
+    ))
+}
+
 /// Kernels on one device.
 #[derive(Clone, Copy)]
 pub struct Ops<'a> {
@@ -69,6 +77,36 @@ impl Ops<'_> {
             Device::Cpu => k::swiglu(g_, u, out),
             #[cfg(feature = "cuda")]
             Device::Cuda(g) => g.swiglu(g_, u, out).map_err(gpu_err)?,
+        }
+        Ok(())
+    }
+
+    /// `out = gelu_tanh(g) · u` (GeGLU); the CPU only (no device kernel).
+    pub fn geglu(&self, g: &[f32], u: &[f32], out: &mut [f32]) -> Result<(), EngineError> {
+        match self.device {
+            Device::Cpu => k::geglu(g, u, out),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => return Err(no_device_kernel("geglu")),
+        }
+        Ok(())
+    }
+
+    /// Canonical causal attention of each task over its last `window`
+    /// positions; the CUDA mirror has no windowed kernel.
+    pub fn attend_window(
+        &self,
+        tasks: &[AttnTask],
+        shape: &AttnShape,
+        scale: f32,
+        window: usize,
+        out: &mut [f32],
+    ) -> Result<(), EngineError> {
+        match self.device {
+            Device::Cpu => {
+                k::attention_window(self.threads, tasks, shape, scale, Some(window), out)
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => return Err(no_device_kernel("sliding-window attention")),
         }
         Ok(())
     }

@@ -418,6 +418,18 @@ impl Tensor {
         }
     }
 
+    /// An in-memory bf16 tensor: a derived copy (e.g. a patch's weights
+    /// rounded to bf16). `data` holds `shape`'s element count.
+    pub fn from_bf16(name: String, shape: Vec<usize>, data: Vec<u16>) -> Self {
+        debug_assert_eq!(shape.iter().product::<usize>(), data.len());
+        Self {
+            name,
+            shape,
+            dtype: DType::Bf16,
+            data: Data::U16(data),
+        }
+    }
+
     /// Bytes the kernels stream to read this tensor once.
     pub fn nbytes(&self) -> usize {
         let n: usize = self.shape.iter().product();

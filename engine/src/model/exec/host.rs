@@ -10,6 +10,7 @@
 
 use lmrr_kernels::{self as k, AttnTask};
 
+use super::hyper::{self, Trace};
 use super::program::{Act, Buf, Op, Program, Rows, Tables};
 use super::Step;
 use crate::kv::KvCache;
@@ -27,6 +28,51 @@ pub fn run(
     kv: &mut dyn KvCache,
     ops: &Ops,
 ) -> Result<Vec<f32>, EngineError> {
+    run_with(prog, tables, step, kv, ops, Extras::default())
+}
+
+/// What a run may also do besides computing: keep the indexer's choices of
+/// one token ([`Trace`], for `explain`), and time each op by name
+/// ([`Profile`], for `lmrr bench`). Neither changes a bit.
+#[derive(Default)]
+pub struct Extras<'e> {
+    pub trace: Option<&'e mut Trace>,
+    pub profile: Option<&'e Profile>,
+}
+
+/// Seconds spent per op name since the last [`Profile::take`].
+#[derive(Default)]
+pub struct Profile(std::sync::Mutex<Vec<(&'static str, f64)>>);
+
+impl Profile {
+    fn add(&self, name: &'static str, secs: f64) {
+        let mut parts = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        match parts.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, s)) => *s += secs,
+            None => parts.push((name, secs)),
+        }
+    }
+
+    /// The parts in first-seen order, and zeroes them.
+    pub fn take(&self) -> Vec<(&'static str, f64)> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// The parts in first-seen order.
+    pub fn parts(&self) -> Vec<(&'static str, f64)> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+/// [`run`] with [`Extras`].
+pub fn run_with(
+    prog: &Program,
+    tables: &Tables,
+    step: &Step,
+    kv: &mut dyn KvCache,
+    ops: &Ops,
+    mut extras: Extras,
+) -> Result<Vec<f32>, EngineError> {
     let n = step.tok.len();
     let m = step.rows.len();
     let mut bufs: Vec<Vec<f32>> = prog
@@ -40,14 +86,34 @@ pub fn run(
             vec![0.0; rows * d.width]
         })
         .collect();
+    let t_step = std::time::Instant::now();
     for op in &prog.ops {
-        exec(op, prog, tables, step, kv, ops, &mut bufs)?;
+        let t0 = std::time::Instant::now();
+        if let Op::SparseAttend { .. } = op {
+            super::hyper::exec(
+                op,
+                tables,
+                step,
+                kv,
+                ops,
+                &mut bufs,
+                extras.trace.as_deref_mut(),
+            )?;
+        } else {
+            exec(op, prog, tables, step, kv, ops, &mut bufs)?;
+        }
+        if let Some(p) = extras.profile {
+            p.add(op.name(), t0.elapsed().as_secs_f64());
+        }
+    }
+    if let Some(p) = extras.profile {
+        p.add("step", t_step.elapsed().as_secs_f64());
     }
     Ok(std::mem::take(&mut bufs[prog.logits.0 as usize]))
 }
 
 /// `bufs[a]` for reading and `bufs[b]` for writing, `a != b`.
-fn pair(bufs: &mut [Vec<f32>], a: Buf, b: Buf) -> (&[f32], &mut [f32]) {
+pub(super) fn pair(bufs: &mut [Vec<f32>], a: Buf, b: Buf) -> (&[f32], &mut [f32]) {
     let (a, b) = (a.0 as usize, b.0 as usize);
     assert_ne!(a, b, "an op reads and writes one buffer");
     if a < b {
@@ -95,6 +161,10 @@ fn exec(
             // Rows of the head's width: the weight's length sets them.
             let (x, out) = pair(bufs, *x, *out);
             ops.norm(x, tables.vecs[w.0 as usize], f32::from_bits(*eps_bits), out)?;
+        }
+        Op::Scale { x, by_bits } => {
+            let by = f32::from_bits(*by_bits);
+            bufs[x.0 as usize].iter_mut().for_each(|v| *v *= by);
         }
         Op::Matmul { x, jobs } => {
             let rows = match prog.decl(*x).rows {
@@ -168,15 +238,25 @@ fn exec(
                 .into_iter()
                 .flatten()
                 .collect();
-                ops.attend_patched(
-                    &tasks,
-                    step.spans,
-                    &step.tok,
-                    &patches,
-                    &spec.shape,
-                    spec.scale(),
-                    &mut bufs[out.0 as usize],
-                )?;
+                let out = &mut bufs[out.0 as usize];
+                if let Some(w) = spec.window {
+                    if spec.patched() {
+                        return Err(EngineError::Device(
+                            "the attention patches fast-exp and splitk-decode have no sliding-window form".into(),
+                        ));
+                    }
+                    ops.attend_window(&tasks, &spec.shape, spec.scale(), w as usize, out)?;
+                } else {
+                    ops.attend_patched(
+                        &tasks,
+                        step.spans,
+                        &step.tok,
+                        &patches,
+                        &spec.shape,
+                        spec.scale(),
+                        out,
+                    )?;
+                }
             }
             bufs[q.0 as usize] = qs;
             bufs[kb.0 as usize] = ks;
@@ -191,6 +271,7 @@ fn exec(
             let (u, o) = pair(bufs, *up, *out);
             match act {
                 Act::Silu => ops.swiglu(&g, u, o)?,
+                Act::GeluTanh => ops.geglu(&g, u, o)?,
             }
             bufs[gate.0 as usize] = g;
         }
@@ -200,6 +281,68 @@ fn exec(
             for (j, &i) in step.rows.iter().enumerate() {
                 out[j * d..(j + 1) * d].copy_from_slice(&x[i * d..(i + 1) * d]);
             }
+        }
+        Op::Repeat { x, out } => {
+            let d = prog.decl(*x).width;
+            let (x, out) = pair(bufs, *x, *out);
+            hyper::repeat(x, d, out);
+        }
+        Op::RoundBf16 { x } => {
+            for v in bufs[x.0 as usize].iter_mut() {
+                *v = hyper::bf16_round(*v);
+            }
+        }
+        Op::HcSinkhorn {
+            raw,
+            iters,
+            pre,
+            post,
+            res,
+        } => {
+            let s = prog.decl(*pre).width;
+            let r = std::mem::take(&mut bufs[raw.0 as usize]);
+            let mut pr = std::mem::take(&mut bufs[pre.0 as usize]);
+            let mut po = std::mem::take(&mut bufs[post.0 as usize]);
+            let mut rs = std::mem::take(&mut bufs[res.0 as usize]);
+            ops.hc_coeffs(&r, s, *iters, &mut pr, &mut po, &mut rs)?;
+            bufs[raw.0 as usize] = r;
+            bufs[pre.0 as usize] = pr;
+            bufs[post.0 as usize] = po;
+            bufs[res.0 as usize] = rs;
+        }
+        Op::HcPre { x, pre, out } => {
+            let (s, d) = (prog.decl(*pre).width, prog.decl(*out).width);
+            let xs = std::mem::take(&mut bufs[x.0 as usize]);
+            let (p, o) = pair(bufs, *pre, *out);
+            ops.hc_pre(&xs, p, s, d, o)?;
+            bufs[x.0 as usize] = xs;
+        }
+        Op::HcPost {
+            x,
+            res,
+            post,
+            y,
+            out,
+        } => {
+            let (s, d) = (prog.decl(*post).width, prog.decl(*y).width);
+            let xs = std::mem::take(&mut bufs[x.0 as usize]);
+            let rs = std::mem::take(&mut bufs[res.0 as usize]);
+            let ps = std::mem::take(&mut bufs[post.0 as usize]);
+            let (ys, o) = pair(bufs, *y, *out);
+            ops.hc_post(&xs, &rs, &ps, ys, s, d, o)?;
+            bufs[x.0 as usize] = xs;
+            bufs[res.0 as usize] = rs;
+            bufs[post.0 as usize] = ps;
+        }
+        Op::StreamMean { x, out } => {
+            let (w, d) = (prog.decl(*x).width, prog.decl(*out).width);
+            let (x, out) = pair(bufs, *x, *out);
+            hyper::stream_mean(x, w / d, d, out);
+        }
+        Op::SparseAttend { .. } => {
+            return Err(EngineError::Device(
+                "sparse_attend runs through the host executor's traced path".into(),
+            ))
         }
         Op::Moe {
             x,
@@ -213,11 +356,16 @@ fn exec(
                 Rows::Tokens => step.tok.len(),
                 Rows::Wanted => step.rows.len(),
             };
+            let ids: Vec<u32> = match prog.decl(*x).rows {
+                Rows::Tokens => step.ids.clone(),
+                Rows::Wanted => step.rows.iter().map(|&i| step.ids[i]).collect(),
+            };
             let (x, out) = pair(bufs, *x, *out);
             super::moe::run(
                 ops,
                 tables,
                 x,
+                &ids,
                 rows,
                 *router,
                 experts,

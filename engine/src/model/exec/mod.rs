@@ -6,8 +6,11 @@
 //! every executor gives the same bits (contract invariant I6).
 
 pub mod host;
+pub mod hyper;
+pub mod indexer;
 pub mod moe;
 pub mod program;
+pub mod routing_v4;
 
 pub use program::{
     Act, AttnSpec, Buf, BufDecl, Builder, ExpertMats, Mat, MatJob, Op, Program, RoutingSpec, Rows,

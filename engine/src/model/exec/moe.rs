@@ -36,9 +36,28 @@ fn expert(
     Ok(y)
 }
 
-/// The route of one row from its router logits.
-pub fn route(routing: &RoutingSpec, tables: &Tables, logits: &[f32]) -> Route {
+/// The route of one row (of token id `token`) from its router logits.
+pub fn route(routing: &RoutingSpec, tables: &Tables, token: u32, logits: &[f32]) -> Route {
     match *routing {
+        RoutingSpec::V4 {
+            k,
+            scale_bits,
+            hash_layer,
+            scale_before_norm,
+        } => {
+            let r = super::routing_v4::Routing {
+                n_experts: logits.len(),
+                top_k: k,
+                scale: f32::from_bits(scale_bits),
+                hash_layer,
+                scale_before_norm,
+            }
+            .route(token, logits);
+            Route {
+                experts: r.experts,
+                gates: r.gates,
+            }
+        }
         RoutingSpec::SoftmaxTopK { k, norm_topk_prob } => {
             k::softmax_topk(logits, k, norm_topk_prob)
         }
@@ -63,12 +82,14 @@ pub fn route(routing: &RoutingSpec, tables: &Tables, logits: &[f32]) -> Route {
     }
 }
 
-/// The mixture of experts of `rows` rows of `x` (`rows × d`) into `out`.
+/// The mixture of experts of `rows` rows of `x` (`rows × d`, row `t` of
+/// token id `ids[t]`) into `out`.
 #[allow(clippy::too_many_arguments)]
 pub fn run(
     ops: &Ops,
     tables: &Tables,
     x: &[f32],
+    ids: &[u32],
     rows: usize,
     router: Mat,
     experts: &[ExpertMats],
@@ -89,7 +110,8 @@ pub fn run(
     )?;
     let routes: Vec<Route> = logits
         .chunks(ne)
-        .map(|l| route(routing, tables, l))
+        .zip(ids)
+        .map(|(l, &t)| route(routing, tables, t, l))
         .collect();
     let base = match shared {
         Some(e) => expert(ops, tables, e, x, rows)?,

@@ -17,6 +17,8 @@
 
 use lmrr_kernels::{AttnShape, RopeTable};
 
+use super::indexer::IndexerShape;
+
 use crate::weights::Tensor;
 
 /// A buffer of the step, by its index in [`Program::bufs`].
@@ -54,6 +56,8 @@ pub struct BufDecl {
 pub enum Act {
     /// SiLU (SwiGLU), from `lmrr_kernels::act`.
     Silu,
+    /// GeLU, tanh approximation (GeGLU), from `lmrr_kernels::act`.
+    GeluTanh,
 }
 
 /// One matrix product of a [`Op::Matmul`]: `out = x · Wᵀ (+ bias)`.
@@ -76,6 +80,16 @@ pub struct ExpertMats {
 /// How an [`Op::Moe`] routes a token (`lmrr_kernels::moe`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RoutingSpec {
+    /// DeepSeek-V4 class ([`super::routing_v4`]): sigmoid scores, the top
+    /// `k` (or, on a hash layer, the experts a hash of the token id gives),
+    /// gates normalised then times the factor (`scale_bits`, an f32's bits);
+    /// `scale_before_norm` is the `moe-routed-scaling` patch.
+    V4 {
+        k: usize,
+        scale_bits: u32,
+        hash_layer: Option<usize>,
+        scale_before_norm: bool,
+    },
     /// Softmax over the router logits, the top `k`, renormalised when
     /// `norm_topk_prob` (mixtral always, qwen3_moe by its flag).
     SoftmaxTopK { k: usize, norm_topk_prob: bool },
@@ -103,6 +117,9 @@ pub struct AttnSpec {
     pub fast_exp: bool,
     /// `splitk-decode`: a decode query's keys split by the decoding batch.
     pub splitk_decode: bool,
+    /// A sliding window: a query at `pos` attends to `[pos − W + 1, pos]`
+    /// only (`lmrr_kernels::attention_window`); `None` is full causal.
+    pub window: Option<u32>,
 }
 
 impl AttnSpec {
@@ -113,6 +130,7 @@ impl AttnSpec {
             scale_bits: (1.0 / (shape.head_dim as f32).sqrt()).to_bits(),
             fast_exp: false,
             splitk_decode: false,
+            window: None,
         }
     }
 
@@ -161,6 +179,8 @@ pub enum Op {
         eps_bits: u32,
         out: Buf,
     },
+    /// `x *= by`, elementwise, one IEEE multiply (bits of an f32).
+    Scale { x: Buf, by_bits: u32 },
     /// `x += y`, elementwise (a residual add).
     AddInto { x: Buf, y: Buf },
     /// `out = act(gate) · up`, elementwise.
@@ -173,7 +193,59 @@ pub enum Op {
     /// The wanted rows of `x` (a [`Rows::Tokens`] buffer) into `out` (a
     /// [`Rows::Wanted`] one).
     GatherWanted { x: Buf, out: Buf },
-    /// A mixture of experts over each row of `x` into `out`: router logits
+    /// Each row of `x` repeated across the row of `out` (a multiple of its
+    /// width): hyper-connection streams start as copies of the embedding.
+    Repeat { x: Buf, out: Buf },
+    /// Every element of `x` rounded to bf16 (nearest, ties to even) and
+    /// widened back, exactly (the `mhc-bf16` patch's inputs).
+    RoundBf16 { x: Buf },
+    /// Hyper-connection coefficients of `s` streams from the raw mixing
+    /// values (`2s + s²` a row): `pre` (s), `post` (s) and the residual mix
+    /// `res` (s × s) made doubly stochastic by `iters` Sinkhorn rounds
+    /// (`lmrr_kernels::hc_coeffs`).
+    HcSinkhorn {
+        raw: Buf,
+        iters: usize,
+        pre: Buf,
+        post: Buf,
+        res: Buf,
+    },
+    /// A block's input from the streams `x` (s × d), weighted by `pre`
+    /// (`lmrr_kernels::hc_pre`).
+    HcPre { x: Buf, pre: Buf, out: Buf },
+    /// New streams into `out` from the streams `x` mixed by `res` plus the
+    /// block output `y` placed by `post` (`lmrr_kernels::hc_post`).
+    HcPost {
+        x: Buf,
+        res: Buf,
+        post: Buf,
+        y: Buf,
+        out: Buf,
+    },
+    /// The mean of each row's streams into `out`: a sequential sum in stream
+    /// order from `+0.0`, then one multiply by `1/s`.
+    StreamMean { x: Buf, out: Buf },
+    /// Sparse attention of the DeepSeek-V4 class: RoPE on `q`, `k`; K, V and
+    /// the indexer key `ik` into the KV store at `layer`; per token the
+    /// indexer's blocks from its query `iq` and head weights `iw` (through a
+    /// sigmoid), then attention over the selected positions, or the whole
+    /// sequence while it has no more than `index.topk` blocks
+    /// ([`super::indexer`]). `early_exit` is the `indexer-early-exit` patch.
+    SparseAttend {
+        layer: usize,
+        rope: usize,
+        q: Buf,
+        k: Buf,
+        v: Buf,
+        iq: Buf,
+        ik: Buf,
+        iw: Buf,
+        out: Buf,
+        spec: AttnSpec,
+        index: IndexerShape,
+        early_exit: bool,
+    },
+
     /// `router · x`, the row's route ([`RoutingSpec`]), each chosen expert
     /// on the row, and `out = shared(x) (or +0.0) + Σ gate_e · expert_e(x)`,
     /// an fma chain over the chosen experts ascending
@@ -197,7 +269,9 @@ pub struct Program {
     pub logits: Buf,
 }
 
-/// What a family's programs name by index, the same for every step.
+/// What a family's programs name by index: the same tables, in the same
+/// order, for every step whatever its shape or patches (an executor may keep
+/// them resident and key what it caches by index).
 pub struct Tables<'a> {
     pub mats: Vec<&'a Tensor>,
     pub vecs: Vec<&'a [f32]>,
@@ -336,6 +410,7 @@ impl Program {
                     }
                     Ok(())
                 }
+                Op::Scale { x, .. } => width(*x).map(|_| ()),
                 Op::AddInto { x, y } => same("residual add", width(*x)?, width(*y)?),
                 Op::Glu { gate, up, out, .. } => {
                     same("gate/up", width(*gate)?, width(*up)?)?;
@@ -385,12 +460,103 @@ impl Program {
                             same("routing bias", vec_len(*bias)?, ne)?;
                             routing_shape(*k, *n_group, *topk_group).check(ne)
                         }
+                        RoutingSpec::V4 { k, .. } => {
+                            if *k == 0 || *k > ne {
+                                return Err(format!("top-k {k} of {ne} experts"));
+                            }
+                            Ok(())
+                        }
                     }
+                }
+                Op::Repeat { x, out } => {
+                    let (d, w) = (width(*x)?, width(*out)?);
+                    if d == 0 || w % d != 0 {
+                        return Err(format!("repeat of width {d} into {w}"));
+                    }
+                    Ok(())
+                }
+                Op::RoundBf16 { x } => width(*x).map(|_| ()),
+                Op::HcSinkhorn {
+                    raw,
+                    pre,
+                    post,
+                    res,
+                    ..
+                } => {
+                    let s = width(*pre)?;
+                    same("hc post", width(*post)?, s)?;
+                    same("hc residual mix", width(*res)?, s * s)?;
+                    same("hc raw", width(*raw)?, lmrr_kernels::hyper::hc_raw_width(s))
+                }
+                Op::HcPre { x, pre, out } => {
+                    same("hc streams", width(*x)?, width(*pre)? * width(*out)?)
+                }
+                Op::HcPost {
+                    x,
+                    res,
+                    post,
+                    y,
+                    out,
+                } => {
+                    let (s, d) = (width(*post)?, width(*y)?);
+                    same("hc residual mix", width(*res)?, s * s)?;
+                    same("hc streams", width(*x)?, s * d)?;
+                    same("hc output", width(*out)?, s * d)
+                }
+                Op::StreamMean { x, out } => {
+                    let (w, d) = (width(*x)?, width(*out)?);
+                    if d == 0 || w % d != 0 {
+                        return Err(format!("stream mean of width {w} into {d}"));
+                    }
+                    Ok(())
+                }
+                Op::SparseAttend {
+                    rope,
+                    q,
+                    k,
+                    v,
+                    iq,
+                    ik,
+                    iw,
+                    out,
+                    spec,
+                    index,
+                    ..
+                } => {
+                    let t = tables
+                        .ropes
+                        .get(*rope)
+                        .ok_or_else(|| format!("rope table {rope} unknown"))?;
+                    same("rope head_dim", t.head_dim(), spec.shape.head_dim)?;
+                    same("q", width(*q)?, spec.shape.q_dim())?;
+                    same("k", width(*k)?, spec.shape.kv_dim())?;
+                    same("v", width(*v)?, spec.shape.kv_dim())?;
+                    same("indexer query", width(*iq)?, index.heads * index.dim)?;
+                    same("indexer key", width(*ik)?, index.dim)?;
+                    same("indexer head weights", width(*iw)?, index.heads)?;
+                    same("attention output", width(*out)?, spec.shape.q_dim())
                 }
             })();
             r.map_err(|e| format!("op {i} ({}): {e}", op.name()))?;
         }
         width(self.logits).map(|_| ())
+    }
+}
+
+impl Program {
+    /// The first op (by name and variant) that has no kernel on a device
+    /// other than the CPU, `None` when every op of the program has one: a
+    /// family refuses such a device naming it.
+    pub fn first_cpu_only_op(&self) -> Option<String> {
+        self.ops.iter().find_map(|op| match op {
+            Op::RopeKvAttend { spec, .. } if spec.window.is_some() => {
+                Some("rope_kv_attend with a sliding window".into())
+            }
+            Op::Glu {
+                act: Act::GeluTanh, ..
+            } => Some("glu with gelu_tanh (GeGLU)".into()),
+            _ => None,
+        })
     }
 }
 
@@ -403,9 +569,17 @@ impl Op {
             Op::Matmul { .. } => "matmul",
             Op::RopeKvAttend { .. } => "rope_kv_attend",
             Op::HeadRmsNorm { .. } => "head_rms_norm",
+            Op::Scale { .. } => "scale",
             Op::AddInto { .. } => "add",
             Op::Glu { .. } => "glu",
             Op::GatherWanted { .. } => "gather",
+            Op::Repeat { .. } => "repeat",
+            Op::RoundBf16 { .. } => "round_bf16",
+            Op::HcSinkhorn { .. } => "hc_sinkhorn",
+            Op::HcPre { .. } => "hc_pre",
+            Op::HcPost { .. } => "hc_post",
+            Op::StreamMean { .. } => "stream_mean",
+            Op::SparseAttend { .. } => "sparse_attend",
             Op::Moe { .. } => "moe",
         }
     }

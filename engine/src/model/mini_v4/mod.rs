@@ -21,20 +21,23 @@
 //! `moe-routed-scaling` ([`routing`]), `indexer-early-exit` ([`indexer`]).
 
 pub mod config;
-pub mod indexer;
-pub mod routing;
+
+pub use crate::model::exec::{indexer, routing_v4 as routing};
 
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
 
-use lmrr_kernels::{self as k, AttnShape, AttnTask, KvView, Matrix, RopeTable, Threads, Weights};
+use lmrr_kernels::{self as k, AttnShape, RopeTable, Threads};
 
 use crate::kv::{KvCache, SeqKvStore};
+use crate::model::exec::hyper::Trace;
+use crate::model::exec::{
+    self, AttnSpec, Buf, Builder, ExpertMats, Mat, MatJob, Op, Program, RoutingSpec, Rows, Step,
+    Tables, Vector,
+};
 use crate::model::ops::Ops;
 use crate::model::{
-    check_spans, split_rows, stacked_tokens, stored, vector, wanted_rows, Device, Family, KvLayout,
-    LogitsWanted, ModelFamily, NamedTensor, SeqSpan,
+    check_spans, split_rows, stored, vector, Device, Family, KvLayout, LogitsWanted, ModelFamily,
+    NamedTensor, SeqSpan,
 };
 use crate::patches::{Patch, PatchSet};
 use crate::synth::f32_to_bf16;
@@ -43,14 +46,13 @@ use crate::{EngineError, ModelFiles};
 
 pub use config::MiniV4Config;
 use indexer::{IndexerShape, Selection};
-use routing::Routing;
 
 /// The mixing projection of one sub-block.
 struct Hc {
     norm: Vec<f32>,
     proj: Tensor,
     /// `proj` rounded to bf16, for `mhc-bf16`.
-    proj_bf16: Vec<u16>,
+    proj_bf16: Tensor,
     bias: Vec<f32>,
 }
 
@@ -88,23 +90,8 @@ pub struct MiniV4 {
     shape: AttnShape,
     indexer: IndexerShape,
     device: Device,
-    profile: Profile,
-}
-
-/// Nanoseconds spent per part of the forward pass (for `lmrr bench`).
-#[derive(Default)]
-struct Profile {
-    mixing: AtomicU64,
-    indexer: AtomicU64,
-    attention: AtomicU64,
-    moe: AtomicU64,
-    total: AtomicU64,
-}
-
-impl Profile {
-    fn add(part: &AtomicU64, since: Instant) {
-        part.fetch_add(since.elapsed().as_nanos() as u64, Ordering::Relaxed);
-    }
+    /// Time per op, for `lmrr bench` (measurement only).
+    profile: exec::host::Profile,
 }
 
 /// The patch points of one step.
@@ -132,32 +119,14 @@ pub struct Chosen {
     pub selection: Selection,
 }
 
-/// Per-step scratch `(n, width)`.
-struct Scratch {
-    /// Residual streams `(n, h, d)`.
-    x: Vec<f32>,
-    x2: Vec<f32>,
-    xn: Vec<f32>,
-    raw: Vec<f32>,
-    pre: Vec<f32>,
-    post: Vec<f32>,
-    res: Vec<f32>,
-    b_in: Vec<f32>,
-    hn: Vec<f32>,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    iq: Vec<f32>,
-    ik: Vec<f32>,
-    iw: Vec<f32>,
-    att: Vec<f32>,
-    o: Vec<f32>,
-}
-
 fn hc_of(tf: &TensorFile, p: &str, h: usize, d: usize) -> Result<Hc, EngineError> {
     let w = k::hyper::hc_raw_width(h);
     let proj = tf.get(&format!("{p}.proj.weight"), &[w, h * d])?;
-    let proj_bf16 = proj.to_f32_vec().into_iter().map(f32_to_bf16).collect();
+    let proj_bf16 = Tensor::from_bf16(
+        format!("{p}.proj.weight (bf16)"),
+        vec![w, h * d],
+        proj.to_f32_vec().into_iter().map(f32_to_bf16).collect(),
+    );
     Ok(Hc {
         norm: tf.get(&format!("{p}.norm.weight"), &[h * d])?.to_f32_vec(),
         proj,
@@ -174,9 +143,16 @@ fn expert_of(tf: &TensorFile, p: &str, d: usize, f: usize) -> Result<Expert, Eng
     })
 }
 
-/// Rounds to bf16 and widens back (exact).
-fn bf16_round(x: f32) -> f32 {
-    f32::from_bits(u32::from(f32_to_bf16(x)) << 16)
+/// Appends `w` to the tables' matrices; its index.
+fn push_mat<'a>(t: &mut Tables<'a>, w: &'a Tensor) -> Mat {
+    t.mats.push(w);
+    Mat(t.mats.len() as u32 - 1)
+}
+
+/// Appends `v` to the tables' vectors; its index.
+fn push_vec<'a>(t: &mut Tables<'a>, v: &'a [f32]) -> Vector {
+    t.vecs.push(v);
+    Vector(t.vecs.len() as u32 - 1)
 }
 
 impl MiniV4 {
@@ -245,7 +221,7 @@ impl MiniV4 {
             shape,
             indexer,
             device: Device::Cpu,
-            profile: Profile::default(),
+            profile: exec::host::Profile::default(),
         })
     }
 
@@ -253,45 +229,183 @@ impl MiniV4 {
         &self.cfg
     }
 
-    /// The mixing coefficients of the `n` tokens of `sc.x` into `sc.pre`,
-    /// `sc.post`, `sc.res`.
-    fn coefficients(
-        &self,
-        ops: &Ops,
-        hc: &Hc,
-        sc: &mut Scratch,
-        n: usize,
+    /// The step as a program, with the tables it names: per layer the
+    /// attention sub-block (mixing coefficients → streams to block input →
+    /// norm → q, k, v and the indexer's q, k, head weights → sparse attention
+    /// → o → block output back into the streams), then the MoE sub-block the
+    /// same way around the router, shared expert and routed experts; then the
+    /// wanted rows' stream mean, final norm and head. Patch points pick op
+    /// variants here, once: `mhc-bf16` (bf16 mixing inputs and weights),
+    /// `moe-routed-scaling`, `indexer-early-exit`, the attention patches.
+    fn plan<'a>(&'a self, patches: &PatchSet) -> (Tables<'a>, Program) {
+        let cfg = &self.cfg;
+        let (d, vocab, h) = (cfg.hidden_size, cfg.vocab_size, cfg.hc_mult);
+        let (qd, kvd) = (self.shape.q_dim(), self.shape.kv_dim());
+        let (ih, idim) = (cfg.index_n_heads, cfg.index_head_dim);
+        let eps = cfg.rms_norm_eps;
+        let pts = Points::of(patches);
+        let mut spec = AttnSpec::canonical(self.shape);
+        spec.fast_exp = patches.contains(Patch::FastExp);
+        spec.splitk_decode = patches.contains(Patch::SplitkDecode);
+        let mut t = Tables {
+            mats: Vec::new(),
+            vecs: Vec::new(),
+            ropes: vec![&self.rope],
+        };
+        let mut b = Builder::default();
+        let tok = |b: &mut Builder, name, w| b.buf(name, Rows::Tokens, w);
+        let e0 = tok(&mut b, "embedding", d);
+        let mut x = tok(&mut b, "streams", h * d);
+        let mut x2 = tok(&mut b, "streams_next", h * d);
+        let xn = tok(&mut b, "streams_norm", h * d);
+        let raw = tok(&mut b, "mix_raw", k::hyper::hc_raw_width(h));
+        let pre = tok(&mut b, "mix_pre", h);
+        let post = tok(&mut b, "mix_post", h);
+        let res = tok(&mut b, "mix_res", h * h);
+        let b_in = tok(&mut b, "block_in", d);
+        let hn = tok(&mut b, "block_norm", d);
+        let (q, kb, v) = (
+            tok(&mut b, "q", qd),
+            tok(&mut b, "k", kvd),
+            tok(&mut b, "v", kvd),
+        );
+        let iq = tok(&mut b, "index_q", ih * idim);
+        let ik = tok(&mut b, "index_k", idim);
+        let iw = tok(&mut b, "index_w", ih);
+        let att = tok(&mut b, "att", qd);
+        let o = tok(&mut b, "block_out", d);
+        let hx = b.buf("last_streams", Rows::Wanted, h * d);
+        let hm = b.buf("last", Rows::Wanted, d);
+        let hnf = b.buf("last_norm", Rows::Wanted, d);
+        let logits = b.buf("logits", Rows::Wanted, vocab);
+        t.mats.push(&self.embed);
+        b.op(Op::Embed {
+            table: Mat(0),
+            out: e0,
+        });
+        b.op(Op::Repeat { x: e0, out: x });
+        let job = |w: Mat, out: Buf| MatJob { w, out, bias: None };
+        for (li, l) in self.layers.iter().enumerate() {
+            // Attention sub-block.
+            self.mix(
+                &mut t,
+                &mut b,
+                &l.hc_attn,
+                pts,
+                [x, xn, raw, pre, post, res],
+            );
+            b.op(Op::HcPre { x, pre, out: b_in });
+            b.rms_norm(b_in, push_vec(&mut t, &l.attn_norm), eps, hn);
+            let ws = [&l.q, &l.k, &l.v, &l.idx_q, &l.idx_k, &l.idx_w].map(|w| push_mat(&mut t, w));
+            b.op(Op::Matmul {
+                x: hn,
+                jobs: vec![
+                    job(ws[0], q),
+                    job(ws[1], kb),
+                    job(ws[2], v),
+                    job(ws[3], iq),
+                    job(ws[4], ik),
+                    job(ws[5], iw),
+                ],
+            });
+            b.op(Op::SparseAttend {
+                layer: li,
+                rope: 0,
+                q,
+                k: kb,
+                v,
+                iq,
+                ik,
+                iw,
+                out: att,
+                spec,
+                index: self.indexer,
+                early_exit: pts.early_exit,
+            });
+            b.matmul(att, push_mat(&mut t, &l.o), o);
+            b.op(Op::HcPost {
+                x,
+                res,
+                post,
+                y: o,
+                out: x2,
+            });
+            std::mem::swap(&mut x, &mut x2);
+            // MoE sub-block.
+            self.mix(&mut t, &mut b, &l.hc_ffn, pts, [x, xn, raw, pre, post, res]);
+            b.op(Op::HcPre { x, pre, out: b_in });
+            b.rms_norm(b_in, push_vec(&mut t, &l.mlp_norm), eps, hn);
+            let mut expert = |e: &'a Expert| ExpertMats {
+                gate: push_mat(&mut t, &e.gate),
+                up: push_mat(&mut t, &e.up),
+                down: push_mat(&mut t, &e.down),
+            };
+            let shared = expert(&l.shared);
+            let experts: Vec<ExpertMats> = l.experts.iter().map(&mut expert).collect();
+            let router = push_mat(&mut t, &l.router);
+            b.op(Op::Moe {
+                x: hn,
+                out: o,
+                router,
+                experts,
+                shared: Some(shared),
+                routing: RoutingSpec::V4 {
+                    k: cfg.num_experts_per_tok,
+                    scale_bits: cfg.routed_scaling_factor.to_bits(),
+                    hash_layer: (li < cfg.n_hash_layers).then_some(li),
+                    scale_before_norm: pts.routed_scaling,
+                },
+            });
+            b.op(Op::HcPost {
+                x,
+                res,
+                post,
+                y: o,
+                out: x2,
+            });
+            std::mem::swap(&mut x, &mut x2);
+        }
+        // Streams merged (sequential sum, then the mean), then the head.
+        b.op(Op::GatherWanted { x, out: hx });
+        b.op(Op::StreamMean { x: hx, out: hm });
+        b.rms_norm(hm, push_vec(&mut t, &self.norm), eps, hnf);
+        let head = push_mat(&mut t, self.lm_head.as_ref().unwrap_or(&self.embed));
+        b.matmul(hnf, head, logits);
+        (t, b.finish(logits))
+    }
+
+    /// The mixing coefficients of one sub-block: the streams' RMSNorm, the
+    /// mixing projection (+ bias; in bf16 under `mhc-bf16`), Sinkhorn.
+    fn mix<'a>(
+        &'a self,
+        t: &mut Tables<'a>,
+        b: &mut Builder,
+        hc: &'a Hc,
         pts: Points,
-    ) -> Result<(), EngineError> {
-        let t0 = Instant::now();
-        let (h, w) = (self.cfg.hc_mult, k::hyper::hc_raw_width(self.cfg.hc_mult));
-        let hd = h * self.cfg.hidden_size;
-        ops.norm(&sc.x, &hc.norm, self.cfg.rms_norm_eps, &mut sc.xn)?;
+        [x, xn, raw, pre, post, res]: [Buf; 6],
+    ) {
+        b.rms_norm(x, push_vec(t, &hc.norm), self.cfg.rms_norm_eps, xn);
         if pts.mhc_bf16 {
-            for v in sc.xn.iter_mut() {
-                *v = bf16_round(*v);
-            }
-            let m = Matrix::new(Weights::Bf16(&hc.proj_bf16), w, hd)
-                .expect("bf16 copy has the projection's shape");
-            ops.matmuls(&sc.xn, n, &mut [(&m, &mut sc.raw)])?;
-        } else {
-            ops.matmuls(&sc.xn, n, &mut [(&hc.proj.matrix(), &mut sc.raw)])?;
+            b.op(Op::RoundBf16 { x: xn });
         }
-        for t in 0..n {
-            for (r, &b) in sc.raw[t * w..(t + 1) * w].iter_mut().zip(&hc.bias) {
-                *r += b;
-            }
-        }
-        ops.hc_coeffs(
-            &sc.raw,
-            h,
-            self.cfg.hc_sinkhorn_iters,
-            &mut sc.pre,
-            &mut sc.post,
-            &mut sc.res,
-        )?;
-        Profile::add(&self.profile.mixing, t0);
-        Ok(())
+        // Both copies are in the tables whatever the patches, so the tables
+        // are the same for every step.
+        let (proj, proj_bf16) = (push_mat(t, &hc.proj), push_mat(t, &hc.proj_bf16));
+        b.op(Op::Matmul {
+            x: xn,
+            jobs: vec![MatJob {
+                w: if pts.mhc_bf16 { proj_bf16 } else { proj },
+                out: raw,
+                bias: Some(push_vec(t, &hc.bias)),
+            }],
+        });
+        b.op(Op::HcSinkhorn {
+            raw,
+            iters: self.cfg.hc_sinkhorn_iters,
+            pre,
+            post,
+            res,
+        });
     }
 
     fn forward_in_pool(
@@ -300,288 +414,26 @@ impl MiniV4 {
         spans: &[SeqSpan],
         threads: &Threads,
         patches: &PatchSet,
-        mut explain: Option<(usize, &mut Vec<Chosen>)>,
+        trace: Option<&mut Trace>,
     ) -> Result<Vec<Vec<f32>>, EngineError> {
         let cfg = &self.cfg;
-        let (d, vocab, h) = (cfg.hidden_size, cfg.vocab_size, cfg.hc_mult);
-        let (qd, kvd) = (self.shape.q_dim(), self.shape.kv_dim());
-        let (ih, idim) = (cfg.index_n_heads, cfg.index_head_dim);
-        let eps = cfg.rms_norm_eps;
         let ops = Ops {
             device: &self.device,
             threads,
         };
-        let pts = Points::of(patches);
-        let t_step = Instant::now();
         ops.check_patches(patches)?;
-        check_spans(kv, spans, cfg.max_position_embeddings, vocab)?;
+        check_spans(kv, spans, cfg.max_position_embeddings, cfg.vocab_size)?;
         for s in spans {
             kv.prepare(s.seq, s.start, s.tokens.len())?;
         }
-        let tok = stacked_tokens(spans);
-        let ids: Vec<u32> = spans
-            .iter()
-            .flat_map(|s| s.tokens.iter().copied())
-            .collect();
-        let n = tok.len();
-        let w = k::hyper::hc_raw_width(h);
-        let mut sc = Scratch {
-            x: vec![0.0; n * h * d],
-            x2: vec![0.0; n * h * d],
-            xn: vec![0.0; n * h * d],
-            raw: vec![0.0; n * w],
-            pre: vec![0.0; n * h],
-            post: vec![0.0; n * h],
-            res: vec![0.0; n * h * h],
-            b_in: vec![0.0; n * d],
-            hn: vec![0.0; n * d],
-            q: vec![0.0; n * qd],
-            k: vec![0.0; n * kvd],
-            v: vec![0.0; n * kvd],
-            iq: vec![0.0; n * ih * idim],
-            ik: vec![0.0; n * idim],
-            iw: vec![0.0; n * ih],
-            att: vec![0.0; n * qd],
-            o: vec![0.0; n * d],
+        let step = Step::new(spans);
+        let (tables, prog) = self.plan(patches);
+        let extras = exec::host::Extras {
+            trace,
+            profile: Some(&self.profile),
         };
-        for (i, &t) in ids.iter().enumerate() {
-            let row = &mut sc.x[i * h * d..(i + 1) * h * d];
-            self.embed.row_into(t as usize, &mut row[..d]);
-            for s in 1..h {
-                row.copy_within(..d, s * d);
-            }
-        }
-        let scale = 1.0 / (self.shape.head_dim as f32).sqrt();
-
-        for (li, l) in self.layers.iter().enumerate() {
-            // Attention sub-block.
-            self.coefficients(&ops, &l.hc_attn, &mut sc, n, pts)?;
-            let t0 = Instant::now();
-            ops.hc_pre(&sc.x, &sc.pre, h, d, &mut sc.b_in)?;
-            Profile::add(&self.profile.mixing, t0);
-            let t_attn = Instant::now();
-            ops.norm(&sc.b_in, &l.attn_norm, eps, &mut sc.hn)?;
-            let (wq, wk, wv) = (l.q.matrix(), l.k.matrix(), l.v.matrix());
-            let (iq, ik, iw) = (l.idx_q.matrix(), l.idx_k.matrix(), l.idx_w.matrix());
-            ops.matmuls(
-                &sc.hn,
-                n,
-                &mut [
-                    (&wq, &mut sc.q),
-                    (&wk, &mut sc.k),
-                    (&wv, &mut sc.v),
-                    (&iq, &mut sc.iq),
-                    (&ik, &mut sc.ik),
-                    (&iw, &mut sc.iw),
-                ],
-            )?;
-            // Indexer head weights through a sigmoid: positive, so a block's
-            // score is never below zero and "above the threshold" means some
-            // head found a positive match in it.
-            for w in sc.iw.iter_mut() {
-                *w = k::sigmoid(*w);
-            }
-            for (i, &(si, pos)) in tok.iter().enumerate() {
-                ops.rope_row(&self.rope, &mut sc.q[i * qd..(i + 1) * qd], pos)?;
-                ops.rope_row(&self.rope, &mut sc.k[i * kvd..(i + 1) * kvd], pos)?;
-                let r = i * kvd..(i + 1) * kvd;
-                kv.write(spans[si].seq, li, pos, &sc.k[r.clone()], &sc.v[r]);
-                kv.write_aux(spans[si].seq, li, pos, &sc.ik[i * idim..(i + 1) * idim]);
-            }
-            {
-                let views: Vec<_> = spans.iter().map(|s| kv.view(s.seq, li)).collect();
-                let keys: Vec<_> = spans.iter().map(|s| kv.aux_view(s.seq, li)).collect();
-                // Per token: the selection, and for a sparse one its gathered K/V.
-                let t_idx = Instant::now();
-                let mut gathered: Vec<Option<(Vec<f32>, Vec<f32>)>> = Vec::with_capacity(n);
-                for (i, &(si, pos)) in tok.iter().enumerate() {
-                    let sel = self.indexer.select(
-                        &ops,
-                        &sc.iq[i * ih * idim..(i + 1) * ih * idim],
-                        &sc.iw[i * ih..(i + 1) * ih],
-                        &keys[si],
-                        pos,
-                        pts.early_exit,
-                    )?;
-                    if let Some((want, out)) = explain.as_mut() {
-                        if *want == i {
-                            out.push(Chosen {
-                                layer: li,
-                                selection: sel.clone(),
-                            });
-                        }
-                    }
-                    gathered.push(match sel {
-                        Selection::Dense => None,
-                        Selection::Sparse { .. } => {
-                            let at = self.indexer.positions(&sel, pos);
-                            let mut gk = Vec::with_capacity(at.len() * kvd);
-                            let mut gv = Vec::with_capacity(at.len() * kvd);
-                            for &p in &at {
-                                gk.extend_from_slice(views[si].key(p, kvd));
-                                gv.extend_from_slice(views[si].value(p, kvd));
-                            }
-                            Some((gk, gv))
-                        }
-                    });
-                }
-                Profile::add(&self.profile.indexer, t_idx);
-                let sparse_views: Vec<Option<KvView>> = gathered
-                    .iter()
-                    .map(|g| {
-                        g.as_ref().map(|(gk, gv)| KvView {
-                            block_len: gk.len() / kvd,
-                            k: vec![&gk[..]],
-                            v: vec![&gv[..]],
-                        })
-                    })
-                    .collect();
-                let tasks: Vec<AttnTask> = tok
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &(si, pos))| match &sparse_views[i] {
-                        Some(view) => AttnTask {
-                            q: &sc.q[i * qd..(i + 1) * qd],
-                            kv: view,
-                            pos: view.block_len - 1,
-                        },
-                        None => AttnTask {
-                            q: &sc.q[i * qd..(i + 1) * qd],
-                            kv: &views[si],
-                            pos,
-                        },
-                    })
-                    .collect();
-                ops.attend_patched(
-                    &tasks,
-                    spans,
-                    &tok,
-                    patches,
-                    &self.shape,
-                    scale,
-                    &mut sc.att,
-                )?;
-            }
-            ops.matmuls(&sc.att, n, &mut [(&l.o.matrix(), &mut sc.o)])?;
-            Profile::add(&self.profile.attention, t_attn);
-            let t0 = Instant::now();
-            ops.hc_post(&sc.x, &sc.res, &sc.post, &sc.o, h, d, &mut sc.x2)?;
-            std::mem::swap(&mut sc.x, &mut sc.x2);
-            Profile::add(&self.profile.mixing, t0);
-
-            // MoE sub-block.
-            self.coefficients(&ops, &l.hc_ffn, &mut sc, n, pts)?;
-            let t0 = Instant::now();
-            ops.hc_pre(&sc.x, &sc.pre, h, d, &mut sc.b_in)?;
-            Profile::add(&self.profile.mixing, t0);
-            let t_moe = Instant::now();
-            ops.norm(&sc.b_in, &l.mlp_norm, eps, &mut sc.hn)?;
-            self.moe(&ops, l, li, &ids, &sc.hn, n, pts, &mut sc.o)?;
-            Profile::add(&self.profile.moe, t_moe);
-            let t0 = Instant::now();
-            ops.hc_post(&sc.x, &sc.res, &sc.post, &sc.o, h, d, &mut sc.x2)?;
-            std::mem::swap(&mut sc.x, &mut sc.x2);
-            Profile::add(&self.profile.mixing, t0);
-        }
-        // Streams merged (sequential sum, then the mean), then the head.
-        let rows = wanted_rows(spans);
-        let m = rows.len();
-        let inv = 1.0 / h as f32;
-        let mut hx = vec![0.0; m * d];
-        for (j, &i) in rows.iter().enumerate() {
-            for c in 0..d {
-                let mut acc = 0.0f32;
-                for s in 0..h {
-                    acc += sc.x[(i * h + s) * d + c];
-                }
-                hx[j * d + c] = acc * inv;
-            }
-        }
-        let mut hn = vec![0.0; m * d];
-        ops.norm(&hx, &self.norm, eps, &mut hn)?;
-        let mut logits = vec![0.0; m * vocab];
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        ops.matmuls(&hn, m, &mut [(&head.matrix(), &mut logits)])?;
-        Profile::add(&self.profile.total, t_step);
-        Ok(split_rows(spans, &logits, vocab, threads))
-    }
-
-    /// The MoE of `n` tokens of normalised input `hn` into `out` `(n, d)`.
-    #[allow(clippy::too_many_arguments)]
-    fn moe(
-        &self,
-        ops: &Ops,
-        l: &Layer,
-        li: usize,
-        ids: &[u32],
-        hn: &[f32],
-        n: usize,
-        pts: Points,
-        out: &mut [f32],
-    ) -> Result<(), EngineError> {
-        let cfg = &self.cfg;
-        let (d, f, ne) = (
-            cfg.hidden_size,
-            cfg.moe_intermediate_size,
-            cfg.n_routed_experts,
-        );
-        let mut logits = vec![0.0f32; n * ne];
-        ops.matmuls(hn, n, &mut [(&l.router.matrix(), &mut logits)])?;
-        let routing = Routing {
-            n_experts: ne,
-            top_k: cfg.num_experts_per_tok,
-            scale: cfg.routed_scaling_factor,
-            hash_layer: (li < cfg.n_hash_layers).then_some(li),
-            scale_before_norm: pts.routed_scaling,
-        };
-        let routes: Vec<_> = (0..n)
-            .map(|t| routing.route(ids[t], &logits[t * ne..(t + 1) * ne]))
-            .collect();
-        let ffn = |e: &Expert, x: &[f32], rows: usize| -> Result<Vec<f32>, EngineError> {
-            let (mut g, mut u) = (vec![0.0; rows * f], vec![0.0; rows * f]);
-            ops.matmuls(
-                x,
-                rows,
-                &mut [(&e.gate.matrix(), &mut g), (&e.up.matrix(), &mut u)],
-            )?;
-            let mut a = vec![0.0; rows * f];
-            ops.swiglu(&g, &u, &mut a)?;
-            let mut y = vec![0.0; rows * d];
-            ops.matmuls(&a, rows, &mut [(&e.down.matrix(), &mut y)])?;
-            Ok(y)
-        };
-        let shared = ffn(&l.shared, hn, n)?;
-        // Per expert, the tokens routed to it (stacked order) and their outputs.
-        let mut outs: Vec<Vec<f32>> = vec![Vec::new(); ne];
-        let mut slot: Vec<Vec<usize>> = vec![Vec::new(); n];
-        for (e, expert) in l.experts.iter().enumerate() {
-            let toks: Vec<usize> = (0..n).filter(|&t| routes[t].experts.contains(&e)).collect();
-            if toks.is_empty() {
-                continue;
-            }
-            let mut x = Vec::with_capacity(toks.len() * d);
-            for (j, &t) in toks.iter().enumerate() {
-                x.extend_from_slice(&hn[t * d..(t + 1) * d]);
-                slot[t].push(j);
-            }
-            outs[e] = ffn(expert, &x, toks.len())?;
-        }
-        for t in 0..n {
-            let r = &routes[t];
-            let ys: Vec<&[f32]> = r
-                .experts
-                .iter()
-                .zip(&slot[t])
-                .map(|(&e, &j)| &outs[e][j * d..(j + 1) * d])
-                .collect();
-            ops.moe_combine(
-                &shared[t * d..(t + 1) * d],
-                &r.gates,
-                &ys,
-                &mut out[t * d..(t + 1) * d],
-            )?;
-        }
-        Ok(())
+        let logits = exec::host::run_with(&prog, &tables, &step, kv, &ops, extras)?;
+        Ok(split_rows(spans, &logits, cfg.vocab_size, threads))
     }
 
     fn tensors(&self) -> Vec<NamedTensor<'_>> {
@@ -638,11 +490,18 @@ impl MiniV4 {
             tokens: prefix,
             logits: LogitsWanted::None,
         };
-        let mut chosen = Vec::new();
+        let mut trace = Trace {
+            token: pos,
+            chosen: Vec::new(),
+        };
         threads.install(|| {
-            self.forward_in_pool(&mut kv, &[span], threads, patches, Some((pos, &mut chosen)))
+            self.forward_in_pool(&mut kv, &[span], threads, patches, Some(&mut trace))
         })?;
-        Ok(chosen)
+        Ok(trace
+            .chosen
+            .into_iter()
+            .map(|(layer, selection)| Chosen { layer, selection })
+            .collect())
     }
 }
 
@@ -748,28 +607,13 @@ impl ModelFamily for MiniV4 {
         ]
     }
 
-    /// Mixing (projection, Sinkhorn, stream mixes), indexer (scoring,
-    /// selection, gather), attention (norm, projections, RoPE, KV writes,
-    /// attention, output projection, indexer excluded), MoE (router,
-    /// experts, combine), and the step in all.
+    /// Seconds per op of the program (by op name) and the step in all.
     fn profile(&self) -> Vec<(&'static str, f64)> {
-        let p = &self.profile;
-        let s = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64 / 1e9;
-        let indexer = s(&p.indexer);
-        vec![
-            ("mixing", s(&p.mixing)),
-            ("indexer", indexer),
-            ("attention", s(&p.attention) - indexer),
-            ("moe", s(&p.moe)),
-            ("step", s(&p.total)),
-        ]
+        self.profile.parts()
     }
 
     fn reset_profile(&self) {
-        let p = &self.profile;
-        for a in [&p.mixing, &p.indexer, &p.attention, &p.moe, &p.total] {
-            a.store(0, Ordering::Relaxed);
-        }
+        self.profile.take();
     }
 
     fn explain(

@@ -1,5 +1,5 @@
-//! The sparse-attention indexer of the mini-v4 family: which positions a
-//! query attends to.
+//! The sparse-attention indexer of the DeepSeek-V4 class (the mini-v4 family
+//! uses it): which positions a query attends to.
 //!
 //! Each position keeps an indexer key (`index_head_dim` floats, the KV store's
 //! auxiliary row). A query scores every earlier position with
@@ -26,7 +26,7 @@ use crate::EngineError;
 pub const EARLY_EXIT_THRESHOLD: f32 = 0.0;
 
 /// Indexer geometry.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct IndexerShape {
     pub heads: usize,
     pub dim: usize,

@@ -1,5 +1,5 @@
-//! MoE routing of the mini-v4 family: which routed experts a token uses and
-//! with what gates.
+//! MoE routing of the DeepSeek-V4 class (the mini-v4 family uses it): which
+//! routed experts a token uses and with what gates.
 //!
 //! Score layers: `s_e = sigmoid(logit_e)` over the router's logits, the top-k
 //! by score with ties to the lowest expert index. Hash layers (the first
