@@ -1,0 +1,171 @@
+//! Kernel timings on resident operands: figures, not checks (the device is
+//! shared), except that the kernels timed on one operand set must give one
+//! set of bits, which is reported as a case.
+
+use lmrr_kernels::cuda::resident::AttnKernel;
+use lmrr_kernels::cuda::{Gpu, MatmulKernel};
+use lmrr_kernels::*;
+
+use crate::report::Report;
+use crate::util::*;
+
+/// Kernel timings on resident operands: the reference kernel (one
+/// thread per output) against the warp kernel, same bits. Figures, not
+/// checks: the device is shared.
+pub fn matmuls(gpu: &Gpu, r: &mut Rng) {
+    println!("matmul kernel time per launch (operands resident, 50 launches, f32 and Q4_1):");
+    for &(rows, cols, n, what) in &[
+        (1536usize, 576usize, 1usize, "b1 gate/up (small)"),
+        (576, 1536, 1, "b1 down (small)"),
+        (49152, 576, 1, "b1 lm head (small)"),
+        (1536, 576, 64, "b64 gate/up (small)"),
+        (576, 1536, 64, "b64 down (small)"),
+        (49152, 576, 64, "b64 lm head (small)"),
+        (1536, 576, 512, "prefill 512 gate/up"),
+        (1536, 576, 4096, "prefill 64×64 gate/up"),
+    ] {
+        let x = r.uniform_vec(n * cols, 2.0);
+        let wf = r.uniform_vec(rows * cols, 0.5);
+        let q41 = blocks(r, QuantKind::Q4_1, rows * cols / 32);
+        for (label, w, bytes) in [
+            ("f32", Weights::F32(&wf), rows * cols * 4),
+            ("Q4_1", Weights::Quant(QuantKind::Q4_1, &q41), q41.len()),
+        ] {
+            let m = Matrix::new(w, rows, cols).expect("shape");
+            let mut y = vec![0.0; n * rows];
+            let reps = 50;
+            let mut per_launch = |k: MatmulKernel| {
+                gpu.matmul_with(k, &x, n, &m, &mut y, reps)
+                    .unwrap_or_else(|e| panic!("timing {k:?}: {e}"))
+                    / reps as f64
+            };
+            let t = per_launch(MatmulKernel::Thread);
+            let tw = per_launch(MatmulKernel::Warp);
+            let tt = per_launch(MatmulKernel::Tile);
+            let tr = per_launch(MatmulKernel::Rows);
+            let tr4 = per_launch(MatmulKernel::Rows4);
+            let tg = per_launch(MatmulKernel::Gemm);
+            let ts = per_launch(MatmulKernel::GemmSplit(1));
+            let tw2 = per_launch(MatmulKernel::GemmWide);
+            let tws = per_launch(MatmulKernel::GemmWideSplit(1));
+            println!(
+                "  {what:<22} {label:<5} {n:>3}×{cols}·{cols}×{rows}: thread {:>8.1} µs, warp {:>7.1} µs ({:>5.1}×), tile {:>7.1} µs ({:>5.1}×), rows {:>7.1} µs ({:>5.1}×), gemm {:>7.1} µs ({:>5.1}×, {:>5.2} TFLOP/s), gemm split {:>7.1} µs ({:>5.2} TFLOP/s), wide {:>7.1} µs ({:>5.2} TFLOP/s), wide split {:>7.1} µs ({:>5.2} TFLOP/s); rows reads weights at {:>6.0} GB/s, rows4 {:>7.1} µs ({:>6.0} GB/s)",
+                t * 1e6,
+                tw * 1e6,
+                t / tw,
+                tt * 1e6,
+                t / tt,
+                tr * 1e6,
+                t / tr,
+                tg * 1e6,
+                t / tg,
+                2.0 * (n * rows * cols) as f64 / tg / 1e12,
+                ts * 1e6,
+                2.0 * (n * rows * cols) as f64 / ts / 1e12,
+                tw2 * 1e6,
+                2.0 * (n * rows * cols) as f64 / tw2 / 1e12,
+                tws * 1e6,
+                2.0 * (n * rows * cols) as f64 / tws / 1e12,
+                bytes as f64 / tr / 1e9,
+                tr4 * 1e6,
+                bytes as f64 / tr4 / 1e9
+            );
+        }
+    }
+}
+
+/// Attention kernel time for a prefill of one sequence (the `small`
+/// preset's 9/3 heads × 64, pages of 16): each kernel that serves it,
+/// per launch (one layer) and over the preset's 30 layers.
+pub fn attention_prefill(gpu: &Gpu, r: &mut Rng, rep: &mut Report) {
+    let shape = smollm2_attn();
+    println!("attention kernel time per launch (one layer of a prefill, 9/3 heads × 64, pages of 16, 20 launches):");
+    for &len in &[512usize, 2048] {
+        let (kb, vb) = kv_blocks(r, len, shape.kv_dim());
+        let view = block_view(&kb, &vb);
+        let qs: Vec<Vec<f32>> = (0..len)
+            .map(|_| r.uniform_vec(shape.q_dim(), 2.0))
+            .collect();
+        let tasks: Vec<AttnTask> = qs
+            .iter()
+            .enumerate()
+            .map(|(pos, q)| AttnTask { q, kv: &view, pos })
+            .collect();
+        let mut first: Option<Vec<f32>> = None;
+        let mut line = format!("  prefill {len:>4} tokens:");
+        for (label, kernel) in ATTN_KERNELS {
+            if kernel == AttnKernel::Decode {
+                continue;
+            }
+            let mut out = vec![f32::NAN; len * shape.q_dim()];
+            let t = gpu
+                .attention_resident_timed(&tasks, &shape, 0.125, 16, kernel, &mut out, 20)
+                .unwrap_or_else(|e| panic!("timing {label}: {e}"));
+            // The kernels give one set of bits; a timing of wrong output
+            // would be no figure at all.
+            match &first {
+                None => first = Some(out),
+                Some(f) => rep.case(
+                    format!("{label} prefill {len} tokens (timed) against attention_paged"),
+                    diff(f, &out),
+                    f.len(),
+                ),
+            }
+            line += &format!(
+                " {label} {:>8.1} µs ({:>6.2} ms for 30 layers);",
+                t * 1e6,
+                30.0 * t * 1e3
+            );
+        }
+        println!("{line}");
+    }
+}
+
+/// Decode attention per launch: one token (9 blocks, batch 1) and 8
+/// tokens of 8 sequences (72 blocks) at 64 and 512 positions, each
+/// kernel that serves decode; the outputs held to attention_paged's.
+pub fn attention_decode(gpu: &Gpu, r: &mut Rng, rep: &mut Report) {
+    let shape = smollm2_attn();
+    println!(
+        "attention kernel time per launch (decode, 9/3 heads × 64, pages of 16, 50 launches):"
+    );
+    for &(tokens, len) in &[(1usize, 64usize), (8, 64), (1, 512), (8, 512)] {
+        let blocks: Vec<_> = (0..tokens)
+            .map(|_| kv_blocks(r, len, shape.kv_dim()))
+            .collect();
+        let views: Vec<KvView> = blocks.iter().map(|(k, v)| block_view(k, v)).collect();
+        let qs: Vec<Vec<f32>> = (0..tokens)
+            .map(|_| r.uniform_vec(shape.q_dim(), 2.0))
+            .collect();
+        let tasks: Vec<AttnTask> = qs
+            .iter()
+            .zip(&views)
+            .map(|(q, kv)| AttnTask {
+                q,
+                kv,
+                pos: len - 1,
+            })
+            .collect();
+        let mut first: Option<Vec<f32>> = None;
+        let mut line = format!("  batch {tokens}, {len:>3} positions:");
+        for (label, kernel) in ATTN_KERNELS {
+            if kernel.is_prefill() {
+                continue;
+            }
+            let mut out = vec![f32::NAN; tokens * shape.q_dim()];
+            let t = gpu
+                .attention_resident_timed(&tasks, &shape, 0.125, 16, kernel, &mut out, 50)
+                .unwrap_or_else(|e| panic!("timing {label}: {e}"));
+            match &first {
+                None => first = Some(out),
+                Some(f) => rep.case(
+                    format!("{label} decode, batch {tokens}, {len} positions (timed) against attention_paged"),
+                    diff(f, &out),
+                    f.len(),
+                ),
+            }
+            line += &format!(" {label} {:>6.1} µs;", t * 1e6);
+        }
+        println!("{line}");
+    }
+}
