@@ -1,6 +1,6 @@
 //! The check and measurement harness (not the engine's path): per-call
 //! forms of the resident kernels on uploaded operands, which
-//! `kernels/examples/gpu_check.rs` holds to the one-thread references
+//! `kernels/examples/gpu_check/` holds to the one-thread references
 //! (`gemm_check`, `rms_norm_resident`, `attention_resident`,
 //! [`DecodeRopeCase`]), and the device's physical limits for `lmrr bench`
 //! (`copy_bandwidth`, `fma_peak`).

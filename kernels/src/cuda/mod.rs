@@ -3,7 +3,7 @@
 //! by NVRTC through cudarc, with `--fmad=false` so that no multiply-add is
 //! contracted and every FMA is an explicit `fmaf` where the CPU code has
 //! one. Each op returns the CPU fast path's bits exactly (contract invariant
-//! I6, checked by `kernels/examples/gpu_check.rs` on a device).
+//! I6, checked by `kernels/examples/gpu_check/` on a device).
 //!
 //! The CUDA libraries are loaded at run time: a build needs no CUDA, and
 //! [`Gpu::open`] returns an error (never panics) where no driver or device is
