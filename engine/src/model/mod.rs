@@ -14,8 +14,9 @@
 //! page hashes cover it.
 
 pub mod chat;
-pub mod exec;
 pub(crate) mod device_kv;
+pub mod exec;
+pub mod gemma3;
 pub mod gguf;
 pub mod hf_config;
 pub mod identity;
@@ -42,6 +43,10 @@ pub enum Family {
     MiniV4,
     Mixtral,
     Qwen3Moe,
+    Qwen2,
+    Qwen3,
+    Mistral,
+    Gemma3Text,
 }
 
 impl Family {
@@ -52,15 +57,23 @@ impl Family {
             Self::MiniV4 => "mini-v4",
             Self::Mixtral => "mixtral",
             Self::Qwen3Moe => "qwen3_moe",
+            Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
+            Self::Mistral => "mistral",
+            Self::Gemma3Text => "gemma3_text",
         }
     }
 
     /// Every family, in listing order.
-    pub const ALL: [Family; 4] = [
+    pub const ALL: [Family; 8] = [
         Family::Llama,
         Family::MiniV4,
         Family::Mixtral,
         Family::Qwen3Moe,
+        Family::Qwen2,
+        Family::Qwen3,
+        Family::Mistral,
+        Family::Gemma3Text,
     ];
 }
 
@@ -252,7 +265,10 @@ pub fn load_family(files: &ModelFiles) -> Result<Box<dyn ModelFamily>, EngineErr
         msg: e.to_string(),
     })?;
     match probe.model_type.as_deref() {
-        None | Some("llama") => Ok(Box::new(llama::Llama::load(files)?)),
+        None | Some("llama" | "qwen2" | "qwen3" | "mistral") => {
+            Ok(Box::new(llama::Llama::load(files)?))
+        }
+        Some("gemma3_text") => Ok(Box::new(gemma3::Gemma3::load(files)?)),
         Some("mini-v4") => Ok(Box::new(mini_v4::MiniV4::load(files)?)),
         Some("mixtral" | "qwen3_moe") => Ok(Box::new(moe::MoeModel::load(files)?)),
         Some(other) => Err(EngineError::ConfigValue {

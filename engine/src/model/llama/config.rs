@@ -215,11 +215,14 @@ impl LlamaConfig {
             value,
             why: why.into(),
         };
-        if self.model_type != "llama" {
+        if !super::variant::MODEL_TYPES.contains(&self.model_type.as_str()) {
             return Err(bad(
                 "model_type",
                 self.model_type.clone(),
-                "only the llama family is supported",
+                &format!(
+                    "not a model type of the llama folder ({})",
+                    super::variant::MODEL_TYPES.join(", ")
+                ),
             ));
         }
         check_dims(

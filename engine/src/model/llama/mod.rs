@@ -1,5 +1,8 @@
 //! The llama family forward pass (GQA, RoPE, SwiGLU, RMSNorm, tied or untied
-//! embeddings) over a batch of (sequence, token span) entries.
+//! embeddings) over a batch of (sequence, token span) entries, and its
+//! variants `qwen2` (q/k/v biases), `qwen3` (per-head q/k norms) and
+//! `mistral` (sliding-window attention): one step program, the variant's ops
+//! added where its config asks ([`variant`]).
 //!
 //! All tokens of all spans are stacked into one activation matrix `(n, hidden)`
 //! so every matmul reads each weight row once per step. Per-token work (RoPE,
@@ -11,6 +14,9 @@
 pub mod config;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod variant;
+
+pub use variant::Variant;
 
 /// Where one timed resident step's wall time went (measurement:
 /// [`Llama::set_cuda_step_timing`]), seconds. The host parts are the
@@ -59,11 +65,48 @@ struct Layer {
     gate: Tensor,
     up: Tensor,
     down: Tensor,
+    /// The variant's vectors (`None` where it has none): projection biases,
+    /// per-head q/k norm weights.
+    q_bias: Option<Vec<f32>>,
+    k_bias: Option<Vec<f32>>,
+    v_bias: Option<Vec<f32>>,
+    o_bias: Option<Vec<f32>>,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+}
+
+impl Layer {
+    /// The variant's vectors with their HF names (after the layer prefix).
+    fn extras(&self) -> [(&'static str, Option<&Vec<f32>>); 6] {
+        [
+            ("self_attn.q_proj.bias", self.q_bias.as_ref()),
+            ("self_attn.k_proj.bias", self.k_bias.as_ref()),
+            ("self_attn.v_proj.bias", self.v_bias.as_ref()),
+            ("self_attn.o_proj.bias", self.o_bias.as_ref()),
+            ("self_attn.q_norm.weight", self.q_norm.as_ref()),
+            ("self_attn.k_norm.weight", self.k_norm.as_ref()),
+        ]
+    }
+}
+
+/// Where one layer's operands sit in [`Tables`]: its first matrix (q, then
+/// k, v, o, gate, up, down), its two norms, and the variant's vectors.
+struct Slots {
+    m0: u32,
+    attn_norm: Vector,
+    mlp_norm: Vector,
+    q_bias: Option<Vector>,
+    k_bias: Option<Vector>,
+    v_bias: Option<Vector>,
+    o_bias: Option<Vector>,
+    q_norm: Option<Vector>,
+    k_norm: Option<Vector>,
 }
 
 /// A loaded llama-family model.
 pub struct Llama {
     cfg: LlamaConfig,
+    variant: Variant,
     embed: Tensor,
     /// `None` when tied to `embed`.
     lm_head: Option<Tensor>,
@@ -80,7 +123,9 @@ pub struct Llama {
 impl Llama {
     /// Loads and checks every tensor against the config.
     pub fn load(files: &ModelFiles) -> Result<Self, EngineError> {
-        let cfg = LlamaConfig::parse(&files.config, &files.config_path)?;
+        let mut cfg = LlamaConfig::load(files)?;
+        let json: serde_json::Value = config::parse_json(&files.config, &files.config_path)?;
+        let variant = Variant::from_config(&json, &files.config_path, &mut cfg)?;
         let tf = TensorFile::parse(files)?;
         let (d, f, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let shape = AttnShape {
@@ -90,6 +135,7 @@ impl Llama {
         };
         let (qd, kvd) = (shape.q_dim(), shape.kv_dim());
         let vecf = |name: &str, n: usize| tf.get(name, &[n]).map(|t| t.to_f32_vec());
+        let opt = |on: bool, name: String, n: usize| on.then(|| vecf(&name, n)).transpose();
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
@@ -103,6 +149,20 @@ impl Llama {
                 gate: tf.get(&format!("{p}.mlp.gate_proj.weight"), &[f, d])?,
                 up: tf.get(&format!("{p}.mlp.up_proj.weight"), &[f, d])?,
                 down: tf.get(&format!("{p}.mlp.down_proj.weight"), &[d, f])?,
+                q_bias: opt(variant.qkv_bias, format!("{p}.self_attn.q_proj.bias"), qd)?,
+                k_bias: opt(variant.qkv_bias, format!("{p}.self_attn.k_proj.bias"), kvd)?,
+                v_bias: opt(variant.qkv_bias, format!("{p}.self_attn.v_proj.bias"), kvd)?,
+                o_bias: opt(variant.o_bias, format!("{p}.self_attn.o_proj.bias"), d)?,
+                q_norm: opt(
+                    variant.qk_norm,
+                    format!("{p}.self_attn.q_norm.weight"),
+                    shape.head_dim,
+                )?,
+                k_norm: opt(
+                    variant.qk_norm,
+                    format!("{p}.self_attn.k_norm.weight"),
+                    shape.head_dim,
+                )?,
             });
         }
         let embed = tf.get("model.embed_tokens.weight", &[v, d])?;
@@ -112,9 +172,10 @@ impl Llama {
             Some(tf.get("lm_head.weight", &[v, d])?)
         };
         let norm = vecf("model.norm.weight", d)?;
-        let rope = RopeTable::new(shape.head_dim, cfg.rope_theta, cfg.max_position_embeddings);
+        let rope = cfg.rope_table()?;
         Ok(Self {
             cfg,
+            variant,
             embed,
             lm_head,
             norm,
@@ -129,33 +190,69 @@ impl Llama {
 
     /// What the step programs name by index: matrices (embedding, head, then
     /// per layer q, k, v, o, gate, up, down), vectors (final norm, then per
-    /// layer the two norms) and the one RoPE table.
-    fn tables(&self) -> Tables<'_> {
+    /// layer the two norms, then the variant's vectors of every layer) and
+    /// the one RoPE table; and where each layer's operands sit.
+    fn tables(&self) -> (Tables<'_>, Vec<Slots>) {
         let mut mats = vec![&self.embed, self.lm_head.as_ref().unwrap_or(&self.embed)];
         let mut vecs = vec![&self.norm[..]];
-        for l in &self.layers {
+        let mut slots = Vec::with_capacity(self.layers.len());
+        for (li, l) in self.layers.iter().enumerate() {
             mats.extend([&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]);
             vecs.extend([&l.attn_norm[..], &l.mlp_norm[..]]);
+            let v0 = 1 + 2 * li as u32;
+            slots.push(Slots {
+                m0: 2 + 7 * li as u32,
+                attn_norm: Vector(v0),
+                mlp_norm: Vector(v0 + 1),
+                q_bias: None,
+                k_bias: None,
+                v_bias: None,
+                o_bias: None,
+                q_norm: None,
+                k_norm: None,
+            });
         }
-        Tables {
+        for (l, s) in self.layers.iter().zip(&mut slots) {
+            let places = [
+                &mut s.q_bias,
+                &mut s.k_bias,
+                &mut s.v_bias,
+                &mut s.o_bias,
+                &mut s.q_norm,
+                &mut s.k_norm,
+            ];
+            for (place, (_, v)) in places.into_iter().zip(l.extras()) {
+                if let Some(v) = v {
+                    vecs.push(&v[..]);
+                    *place = Some(Vector(vecs.len() as u32 - 1));
+                }
+            }
+        }
+        let tables = Tables {
             mats,
             vecs,
             ropes: vec![&self.rope],
-        }
+        };
+        (tables, slots)
     }
 
     /// The step as a program over [`Self::tables`]: per layer, norm → q/k/v →
     /// RoPE + KV write + attention → o + residual → norm → gate/up → SwiGLU →
     /// down + residual; then the wanted rows' final norm and head. Patch
-    /// points (`splitk-decode`, `fast-exp`) pick the attention variant.
-    fn program(&self, patches: &PatchSet) -> Program {
+    /// points (`splitk-decode`, `fast-exp`) pick the attention variant. The
+    /// model's variant adds its biases to the projections, its per-head q/k
+    /// norms before RoPE, and its window to the attention.
+    fn program(&self, slots: &[Slots], patches: &PatchSet) -> Program {
         let cfg = &self.cfg;
         let (d, ff, vocab) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
         let (qd, kvd) = (self.shape.q_dim(), self.shape.kv_dim());
         let eps = cfg.rms_norm_eps;
         let mut spec = AttnSpec::canonical(self.shape);
-        spec.fast_exp = patches.contains(Patch::FastExp);
-        spec.splitk_decode = patches.contains(Patch::SplitkDecode);
+        // A windowed model has no patch points: the patches are inert there.
+        let full = self.variant.window.is_none();
+        spec.fast_exp = full && patches.contains(Patch::FastExp);
+        spec.splitk_decode = full && patches.contains(Patch::SplitkDecode);
+        spec.window = self.variant.window.map(|w| w as u32);
         let mut b = Builder::default();
         let x = b.buf("x", Rows::Tokens, d);
         let h = b.buf("h", Rows::Tokens, d);
@@ -170,22 +267,45 @@ impl Llama {
         let hx = b.buf("last", Rows::Wanted, d);
         let hn = b.buf("last_norm", Rows::Wanted, d);
         let logits = b.buf("logits", Rows::Wanted, vocab);
-        let job = |w: u32, out: Buf| MatJob {
+        // The projections' outputs before the per-head norms, when there are.
+        let (q_raw, k_raw) = if self.variant.qk_norm {
+            (
+                b.buf("q_raw", Rows::Tokens, qd),
+                b.buf("k_raw", Rows::Tokens, kvd),
+            )
+        } else {
+            (q, k)
+        };
+        let job = |w: u32, out: Buf, bias: Option<Vector>| MatJob {
             w: Mat(w),
             out,
-            bias: None,
+            bias,
         };
         b.op(Op::Embed {
             table: Mat(0),
             out: x,
         });
-        for li in 0..self.layers.len() {
-            let (m0, v0) = (2 + 7 * li as u32, 1 + 2 * li as u32);
-            b.rms_norm(x, Vector(v0), eps, h);
+        for (li, sl) in slots.iter().enumerate() {
+            let m0 = sl.m0;
+            b.rms_norm(x, sl.attn_norm, eps, h);
             b.op(Op::Matmul {
                 x: h,
-                jobs: vec![job(m0, q), job(m0 + 1, k), job(m0 + 2, v)],
+                jobs: vec![
+                    job(m0, q_raw, sl.q_bias),
+                    job(m0 + 1, k_raw, sl.k_bias),
+                    job(m0 + 2, v, sl.v_bias),
+                ],
             });
+            if let (Some(qn), Some(kn)) = (sl.q_norm, sl.k_norm) {
+                for (raw, w, out) in [(q_raw, qn, q), (k_raw, kn, k)] {
+                    b.op(Op::HeadRmsNorm {
+                        x: raw,
+                        w,
+                        eps_bits: eps.to_bits(),
+                        out,
+                    });
+                }
+            }
             b.op(Op::RopeKvAttend {
                 layer: li,
                 rope: 0,
@@ -195,12 +315,15 @@ impl Llama {
                 out: att,
                 spec,
             });
-            b.matmul(att, Mat(m0 + 3), o);
+            b.op(Op::Matmul {
+                x: att,
+                jobs: vec![job(m0 + 3, o, sl.o_bias)],
+            });
             b.op(Op::AddInto { x, y: o });
-            b.rms_norm(x, Vector(v0 + 1), eps, h);
+            b.rms_norm(x, sl.mlp_norm, eps, h);
             b.op(Op::Matmul {
                 x: h,
-                jobs: vec![job(m0 + 4, g), job(m0 + 5, u)],
+                jobs: vec![job(m0 + 4, g, None), job(m0 + 5, u, None)],
             });
             b.op(Op::Glu {
                 gate: g,
@@ -234,8 +357,16 @@ impl Llama {
                 &l.mlp_norm,
             ));
             out.extend([&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down].map(stored));
+            for (name, v) in l.extras() {
+                out.extend(v.map(|v| vector(format!("{p}.{name}"), v)));
+            }
         }
         out
+    }
+
+    /// The variant this model is (plain llama, qwen2, qwen3, mistral).
+    pub fn variant(&self) -> &Variant {
+        &self.variant
     }
 
     pub fn config(&self) -> &LlamaConfig {
@@ -315,6 +446,10 @@ impl Llama {
                     .map(|t| t.shape.iter().product::<usize>())
                     .sum::<usize>()
                     + 2 * d
+                    + l.extras()
+                        .iter()
+                        .map(|(_, v)| v.map_or(0, |v| v.len()))
+                        .sum::<usize>()
             })
             .sum();
         mats + self.embed.shape.iter().product::<usize>()
@@ -353,15 +488,16 @@ impl Llama {
             return r.forward(self, kv, spans, &tok, &rows, threads);
         }
         let step = Step::new(spans);
-        let prog = self.program(patches);
-        let logits = exec::host::run(&prog, &self.tables(), &step, kv, &ops)?;
+        let (tables, slots) = self.tables();
+        let prog = self.program(&slots, patches);
+        let logits = exec::host::run(&prog, &tables, &step, kv, &ops)?;
         Ok(split_rows(spans, &logits, vocab, threads))
     }
 }
 
 impl ModelFamily for Llama {
     fn family(&self) -> Family {
-        Family::Llama
+        self.variant.family
     }
 
     fn as_any(&self) -> &dyn std::any::Any {
@@ -405,19 +541,33 @@ impl ModelFamily for Llama {
     }
 
     fn config_text(&self) -> String {
-        crate::identity::config_text(&self.cfg)
+        crate::identity::config_text(&self.cfg) + &self.variant.config_text()
     }
 
     fn named_tensors(&self) -> Vec<NamedTensor<'_>> {
         self.tensors()
     }
 
+    /// Plain llama runs resident on CUDA; a variant runs through the host
+    /// executor with the device's per-call kernels, and is refused, naming
+    /// the op, where one of its ops has none.
     fn set_device(&mut self, device: Device) -> Result<(), EngineError> {
         #[cfg(feature = "cuda")]
         {
             self.resident = None;
             if let Device::Cuda(g) = &device {
-                self.resident = Some(cuda::Resident::new(g.clone(), self)?);
+                if self.variant == Variant::LLAMA {
+                    self.resident = Some(cuda::Resident::new(g.clone(), self)?);
+                } else {
+                    let (_, slots) = self.tables();
+                    let prog = self.program(&slots, &PatchSet::none());
+                    if let Some(op) = prog.first_cpu_only_op() {
+                        return Err(EngineError::Device(format!(
+                            "{} on CUDA: the op {op} has no device kernel; run it on the CPU",
+                            self.variant.family
+                        )));
+                    }
+                }
             }
         }
         self.device = device;
@@ -436,8 +586,14 @@ impl ModelFamily for Llama {
         self.params()
     }
 
+    /// The attention patches have no sliding-window form: a windowed model
+    /// has none.
     fn patch_points(&self) -> &'static [Patch] {
-        &[Patch::SplitkDecode, Patch::FastExp]
+        if self.variant.window.is_some() {
+            &[]
+        } else {
+            &[Patch::SplitkDecode, Patch::FastExp]
+        }
     }
 
     /// On the CUDA resident path with `LMRR_CUDA_PROFILE=1`: the step's
