@@ -304,3 +304,117 @@ fn out_of_vocabulary_tokens_and_bad_options_are_errors() {
         Err(EngineError::EmptyPrompt)
     ));
 }
+
+/// A copy of the sharded conformance checkpoint (six shards and an index)
+/// that a test may break.
+fn sharded_copy() -> tempfile::TempDir {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/conformance/llama");
+    let d = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), d.path().join(e.file_name())).unwrap();
+    }
+    d
+}
+
+/// Rewrites the index's `weight_map` entry of `tensor` to `shard`.
+fn move_in_index(dir: &Path, tensor: &str, shard: &str) {
+    let p = dir.join("model.safetensors.index.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    v["weight_map"][tensor] = serde_json::Value::String(shard.into());
+    std::fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
+}
+
+/// The sharded checkpoint's tensors written again as one `model.safetensors`
+/// (no index), beside copies of its other files.
+fn unsharded_copy(sharded: &Path) -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for e in std::fs::read_dir(sharded).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        if name.ends_with(".safetensors") {
+            let bytes = std::fs::read(&p).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            for (n, v) in st.tensors() {
+                tensors.push((n, v.dtype(), v.shape().to_vec(), v.data().to_vec()));
+            }
+        } else if name != "model.safetensors.index.json" {
+            std::fs::copy(&p, d.path().join(&name)).unwrap();
+        }
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, dt, sh, data)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*dt, sh.clone(), data).unwrap(),
+            )
+        })
+        .collect();
+    let out = safetensors::serialize(views, None).unwrap();
+    std::fs::write(d.path().join("model.safetensors"), out).unwrap();
+    d
+}
+
+#[test]
+fn a_sharded_checkpoint_has_the_identity_and_logits_of_its_tensors_in_one_file() {
+    let sharded = sharded_copy();
+    let one = unsharded_copy(sharded.path());
+    let (a, b) = (
+        Model::load_dir(sharded.path()).unwrap(),
+        Model::load_dir(one.path()).unwrap(),
+    );
+    assert!(a.weight_file_bytes() > 0);
+    assert_eq!(a.identity(), b.identity());
+    let th = Threads::single();
+    let opts = GenerateOptions {
+        max_tokens: 4,
+        ..GenerateOptions::default()
+    };
+    let ids: Vec<u32> = vec![1, 7, 42, 99, 5];
+    let ga = generate(a.net(), &ids, &opts, &th).unwrap();
+    let gb = generate(b.net(), &ids, &opts, &th).unwrap();
+    assert_eq!(ga.tokens, gb.tokens);
+    assert_eq!(ga.digest, gb.digest);
+}
+
+#[test]
+fn a_missing_shard_is_named() {
+    let d = sharded_copy();
+    std::fs::remove_file(d.path().join("model-00003-of-00006.safetensors")).unwrap();
+    let e = load_err(d.path());
+    assert!(e.contains("model-00003-of-00006.safetensors"), "{e}");
+}
+
+#[test]
+fn a_truncated_shard_is_an_error_naming_it() {
+    let d = sharded_copy();
+    let p = d.path().join("model-00002-of-00006.safetensors");
+    let bytes = std::fs::read(&p).unwrap();
+    std::fs::write(&p, &bytes[..bytes.len() / 2]).unwrap();
+    let e = load_err(d.path());
+    assert!(e.contains("model-00002-of-00006.safetensors"), "{e}");
+}
+
+#[test]
+fn a_tensor_the_index_places_in_the_wrong_shard_is_named() {
+    let d = sharded_copy();
+    // The embedding lives in shard 1; the index now says shard 6.
+    move_in_index(
+        d.path(),
+        "model.embed_tokens.weight",
+        "model-00006-of-00006.safetensors",
+    );
+    let e = load_err(d.path());
+    assert!(e.contains("model.embed_tokens.weight"), "{e}");
+}
+
+#[test]
+fn a_shard_outside_the_directory_is_refused() {
+    let d = sharded_copy();
+    move_in_index(d.path(), "lm_head.weight", "../elsewhere.safetensors");
+    let e = load_err(d.path());
+    assert!(e.contains("lm_head.weight"), "{e}");
+    assert!(e.contains("elsewhere"), "{e}");
+}
