@@ -109,7 +109,9 @@ pub(crate) fn quant_code(q: QuantKind) -> Result<i32, GpuError> {
         QuantKind::Q4_1 => Ok(3),
         QuantKind::Q8_0 => Ok(4),
         other => Err(GpuError::Config(format!(
-            "{other:?} weights have no CUDA kernel yet (the device reads f32, bf16, Q4_0, Q4_1, Q8_0)"
+            "{} weights have no CUDA kernel yet (the device reads f32, bf16, Q4_0, Q4_1, Q8_0; \
+             import with `--dtype f32` or `--dtype bf16` to run this model on CUDA)",
+            other.name()
         ))),
     }
 }
@@ -263,5 +265,22 @@ impl Gpu {
         self.ctx
             .name()
             .unwrap_or_else(|e| format!("unknown ({e:?})"))
+    }
+}
+
+#[cfg(test)]
+mod quant_code_tests {
+    use super::*;
+
+    /// A block format the device does not read is named as users know it
+    /// (Q4_K, not the enum's spelling), with what to do instead.
+    #[test]
+    fn a_format_without_a_device_kernel_is_named_by_its_ggml_name() {
+        for q in [QuantKind::Q4K, QuantKind::Q6K] {
+            let e = quant_code(q).unwrap_err().to_string();
+            assert!(e.contains(q.name()), "{e}");
+            assert!(e.contains("--dtype f32"), "{e}");
+        }
+        assert_eq!(quant_code(QuantKind::Q8_0).unwrap(), 4);
     }
 }
