@@ -42,3 +42,39 @@ impl<'a> Step<'a> {
         }
     }
 }
+
+/// What every family does before its step touches the KV store: the patches
+/// checked against the device, every span checked (each sequence once,
+/// starting where its KV ends, inside `context` and the vocabulary), then
+/// each span's positions prepared in the store.
+pub fn begin_step(
+    ops: &crate::model::ops::Ops,
+    kv: &mut dyn crate::kv::KvCache,
+    spans: &[SeqSpan],
+    context: usize,
+    vocab: usize,
+    patches: &crate::patches::PatchSet,
+) -> Result<(), crate::EngineError> {
+    ops.check_patches(patches)?;
+    crate::model::check_spans(kv, spans, context, vocab)?;
+    for s in spans {
+        kv.prepare(s.seq, s.start, s.tokens.len())?;
+    }
+    Ok(())
+}
+
+/// A step on the host executor after [`begin_step`]: `prog` over `tables`,
+/// the logits split per span (`vocab` wide).
+pub fn run_host(
+    ops: &crate::model::ops::Ops,
+    kv: &mut dyn crate::kv::KvCache,
+    spans: &[SeqSpan],
+    vocab: usize,
+    prog: &Program,
+    tables: &Tables,
+    extras: host::Extras,
+) -> Result<Vec<Vec<f32>>, crate::EngineError> {
+    let step = Step::new(spans);
+    let logits = host::run_with(prog, tables, &step, kv, ops, extras)?;
+    Ok(crate::model::split_rows(spans, &logits, vocab, ops.threads))
+}

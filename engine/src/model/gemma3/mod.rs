@@ -29,13 +29,10 @@ use lmrr_kernels::{AttnShape, RopeTable, Threads};
 
 use crate::kv::KvCache;
 use crate::model::exec::{
-    self, Act, AttnSpec, Buf, Builder, Mat, MatJob, Op, Program, Rows, Step, Tables, Vector,
+    self, Act, AttnSpec, Buf, Builder, Mat, MatJob, Op, Program, Rows, Tables, Vector,
 };
 use crate::model::ops::Ops;
-use crate::model::{
-    check_spans, split_rows, stored, vector, Device, Family, KvLayout, ModelFamily, NamedTensor,
-    SeqSpan,
-};
+use crate::model::{stored, vector, Device, Family, KvLayout, ModelFamily, NamedTensor, SeqSpan};
 use crate::patches::{Patch, PatchSet};
 use crate::weights::{DType, Tensor, TensorFile};
 use crate::{EngineError, ModelFiles};
@@ -335,13 +332,10 @@ impl Gemma3 {
             device: &self.device,
             threads,
         };
-        check_spans(kv, spans, self.cfg.max_position_embeddings, vocab)?;
-        for s in spans {
-            kv.prepare(s.seq, s.start, s.tokens.len())?;
-        }
-        let step = Step::new(spans);
-        let logits = exec::host::run(&self.program(), &self.tables(), &step, kv, &ops)?;
-        Ok(split_rows(spans, &logits, vocab, threads))
+        let context = self.cfg.max_position_embeddings;
+        exec::begin_step(&ops, kv, spans, context, vocab, &PatchSet::none())?;
+        let (prog, tables) = (self.program(), self.tables());
+        exec::run_host(&ops, kv, spans, vocab, &prog, &tables, Default::default())
     }
 }
 

@@ -44,13 +44,10 @@ use lmrr_kernels::{AttnShape, RopeTable, Threads};
 
 use crate::kv::KvCache;
 use crate::model::exec::{
-    self, Act, AttnSpec, Buf, Builder, Mat, MatJob, Op, Program, Rows, Step, Tables, Vector,
+    self, Act, AttnSpec, Buf, Builder, Mat, MatJob, Op, Program, Rows, Tables, Vector,
 };
 use crate::model::ops::Ops;
-use crate::model::{
-    check_spans, split_rows, stored, vector, Device, Family, KvLayout, ModelFamily, NamedTensor,
-    SeqSpan,
-};
+use crate::model::{stored, vector, Device, Family, KvLayout, ModelFamily, NamedTensor, SeqSpan};
 use crate::patches::{Patch, PatchSet};
 use crate::weights::{Tensor, TensorFile};
 use crate::{EngineError, LlamaConfig, ModelFiles};
@@ -472,26 +469,26 @@ impl Llama {
             device: &self.device,
             threads,
         };
-        // Validate everything before touching the KV store.
-        ops.check_patches(patches)?;
-        check_spans(kv, spans, self.cfg.max_position_embeddings, vocab)?;
-        for s in spans {
-            kv.prepare(s.seq, s.start, s.tokens.len())?;
-        }
+        exec::begin_step(
+            &ops,
+            kv,
+            spans,
+            self.cfg.max_position_embeddings,
+            vocab,
+            patches,
+        )?;
         #[cfg(feature = "cuda")]
         if let Some(r) = &self.resident {
             let tok = crate::model::stacked_tokens(spans);
             if tok.is_empty() {
-                return Ok(split_rows(spans, &[], vocab, threads));
+                return Ok(crate::model::split_rows(spans, &[], vocab, threads));
             }
             let rows = crate::model::wanted_rows(spans);
             return r.forward(self, kv, spans, &tok, &rows, threads);
         }
-        let step = Step::new(spans);
         let (tables, slots) = self.tables();
         let prog = self.program(&slots, patches);
-        let logits = exec::host::run(&prog, &tables, &step, kv, &ops)?;
-        Ok(split_rows(spans, &logits, vocab, threads))
+        exec::run_host(&ops, kv, spans, vocab, &prog, &tables, Default::default())
     }
 }
 

@@ -31,13 +31,12 @@ use lmrr_kernels::{self as k, AttnShape, RopeTable, Threads};
 use crate::kv::{KvCache, SeqKvStore};
 use crate::model::exec::hyper::Trace;
 use crate::model::exec::{
-    self, AttnSpec, Buf, Builder, ExpertMats, Mat, MatJob, Op, Program, RoutingSpec, Rows, Step,
-    Tables, Vector,
+    self, AttnSpec, Buf, Builder, ExpertMats, Mat, MatJob, Op, Program, RoutingSpec, Rows, Tables,
+    Vector,
 };
 use crate::model::ops::Ops;
 use crate::model::{
-    check_spans, split_rows, stored, vector, Device, Family, KvLayout, LogitsWanted, ModelFamily,
-    NamedTensor, SeqSpan,
+    stored, vector, Device, Family, KvLayout, LogitsWanted, ModelFamily, NamedTensor, SeqSpan,
 };
 use crate::patches::{Patch, PatchSet};
 use crate::synth::f32_to_bf16;
@@ -421,19 +420,14 @@ impl MiniV4 {
             device: &self.device,
             threads,
         };
-        ops.check_patches(patches)?;
-        check_spans(kv, spans, cfg.max_position_embeddings, cfg.vocab_size)?;
-        for s in spans {
-            kv.prepare(s.seq, s.start, s.tokens.len())?;
-        }
-        let step = Step::new(spans);
+        let (context, vocab) = (cfg.max_position_embeddings, cfg.vocab_size);
+        exec::begin_step(&ops, kv, spans, context, vocab, patches)?;
         let (tables, prog) = self.plan(patches);
         let extras = exec::host::Extras {
             trace,
             profile: Some(&self.profile),
         };
-        let logits = exec::host::run_with(&prog, &tables, &step, kv, &ops, extras)?;
-        Ok(split_rows(spans, &logits, cfg.vocab_size, threads))
+        exec::run_host(&ops, kv, spans, vocab, &prog, &tables, extras)
     }
 
     fn tensors(&self) -> Vec<NamedTensor<'_>> {

@@ -22,13 +22,10 @@ use lmrr_kernels::{AttnShape, RopeTable, Threads};
 use crate::kv::KvCache;
 use crate::model::exec::{
     self, Act, AttnSpec, Buf, Builder, ExpertMats, Mat, MatJob, Op, Program, RoutingSpec, Rows,
-    Step, Tables, Vector,
+    Tables, Vector,
 };
 use crate::model::ops::Ops;
-use crate::model::{
-    check_spans, split_rows, stored, vector, Device, Family, KvLayout, ModelFamily, NamedTensor,
-    SeqSpan,
-};
+use crate::model::{stored, vector, Device, Family, KvLayout, ModelFamily, NamedTensor, SeqSpan};
 use crate::patches::{Patch, PatchSet};
 use crate::weights::{Tensor, TensorFile};
 use crate::{EngineError, ModelFiles};
@@ -400,16 +397,11 @@ impl MoeModel {
             device: &self.device,
             threads,
         };
-        ops.check_patches(patches)?;
-        check_spans(kv, spans, self.cfg.max_position_embeddings, vocab)?;
-        for s in spans {
-            kv.prepare(s.seq, s.start, s.tokens.len())?;
-        }
-        let step = Step::new(spans);
+        let context = self.cfg.max_position_embeddings;
+        exec::begin_step(&ops, kv, spans, context, vocab, patches)?;
         let (tables, slots) = self.tables();
         let prog = self.program(&slots, patches);
-        let logits = exec::host::run(&prog, &tables, &step, kv, &ops)?;
-        Ok(split_rows(spans, &logits, vocab, threads))
+        exec::run_host(&ops, kv, spans, vocab, &prog, &tables, Default::default())
     }
 }
 
