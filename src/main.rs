@@ -350,7 +350,11 @@ fn run_generate(a: &GenerateArgs) -> Result<()> {
     } else {
         a.prompt.clone()
     };
-    let prompt = model.tokenizer.encode(&shown)?;
+    let prompt = if a.chat {
+        model.tokenizer.encode(&shown)?
+    } else {
+        model.tokenizer.encode_prompt(&shown)?
+    };
     let opts = GenerateOptions {
         max_tokens: a.max_tokens,
         sampling: SamplingParams {
@@ -511,7 +515,7 @@ fn run_score(a: &ScoreArgs) -> Result<()> {
     set_device(&mut model, &a.device)?;
     let text = std::fs::read_to_string(&a.text_file)
         .with_context(|| format!("reading {}", a.text_file.display()))?;
-    let ids = model.tokenizer.encode(&text)?;
+    let ids = model.tokenizer.encode_prompt(&text)?;
     let th = threads(a.threads)?;
     let mut kv = SeqKvStore::new(model.net.kv_layout());
     let span = SeqSpan {

@@ -66,7 +66,10 @@ impl Model {
     /// Loads from files already opened or generated in memory.
     pub fn from_files(files: ModelFiles) -> Result<Self, EngineError> {
         let net = model::load_family(&files)?;
-        let tokenizer = Tokenizer::from_bytes(&files.tokenizer, &files.tokenizer_path)?;
+        let mut tokenizer = Tokenizer::from_bytes(&files.tokenizer, &files.tokenizer_path)?;
+        if let Some((bytes, path)) = &files.tokenizer_config {
+            tokenizer = tokenizer.with_bos_from_config(bytes, path)?;
+        }
         if tokenizer.vocab_size() > net.vocab_size() {
             return Err(EngineError::ConfigValue {
                 path: files.config_path.clone(),

@@ -328,7 +328,7 @@ async fn completions_inner(
             Prompt::Text(t) => a
                 .model
                 .tokenizer
-                .encode(t)
+                .encode_prompt(t)
                 .map_err(|e| ApiError::server(e.to_string()))?,
             Prompt::Tokens(t) => {
                 let vocab = net(&a.model).vocab_size();

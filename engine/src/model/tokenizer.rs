@@ -9,6 +9,9 @@ use crate::EngineError;
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     path: PathBuf,
+    /// The token a plain-text prompt starts with, when the model's
+    /// `tokenizer_config.json` says `add_bos_token` (Gemma's do).
+    bos: Option<u32>,
 }
 
 impl Tokenizer {
@@ -21,7 +24,50 @@ impl Tokenizer {
         Ok(Self {
             inner,
             path: path.into(),
+            bos: None,
         })
+    }
+
+    /// Reads `add_bos_token` and `bos_token` (a string, or an object with
+    /// `content`) from a `tokenizer_config.json`: when the flag is true, the
+    /// BOS token must be in the vocabulary, and [`Self::encode_prompt`]
+    /// starts with it. A config without the flag changes nothing.
+    pub fn with_bos_from_config(mut self, bytes: &[u8], path: &Path) -> Result<Self, EngineError> {
+        let err = |msg: String| EngineError::Config {
+            path: path.into(),
+            msg,
+        };
+        let v: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| err(e.to_string()))?;
+        if v.get("add_bos_token").and_then(|b| b.as_bool()) != Some(true) {
+            return Ok(self);
+        }
+        let tok = match v.get("bos_token") {
+            Some(serde_json::Value::String(s)) => Some(s.as_str()),
+            Some(o) => o.get("content").and_then(|c| c.as_str()),
+            None => None,
+        }
+        .ok_or_else(|| err("`add_bos_token` is true but `bos_token` is missing".into()))?;
+        let id = self.token_id(tok).ok_or_else(|| {
+            err(format!(
+                "`add_bos_token` is true but `bos_token` `{tok}` is not in the vocabulary"
+            ))
+        })?;
+        self.bos = Some(id);
+        Ok(self)
+    }
+
+    /// The token a plain-text prompt starts with, if the model has one.
+    pub fn bos(&self) -> Option<u32> {
+        self.bos
+    }
+
+    /// Token ids of a plain-text prompt: [`Self::encode`] after the BOS
+    /// token when the model's tokenizer config asks for one (a chat
+    /// template's output is encoded without it: the template writes its own).
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, EngineError> {
+        let mut ids: Vec<u32> = self.bos.into_iter().collect();
+        ids.extend(self.encode(text)?);
+        Ok(ids)
     }
 
     /// Token ids of `text`, special tokens written in the text recognised, no
@@ -206,5 +252,48 @@ mod byte_table_tests {
             .iter()
             .any(|&i| std::str::from_utf8(&table[i as usize]).is_err()));
         assert_eq!(table[2], b"<|im_end|>".to_vec());
+    }
+}
+
+#[cfg(test)]
+mod bos_tests {
+    use super::*;
+
+    fn tok() -> Tokenizer {
+        let json = byte_level_json(1024);
+        Tokenizer::from_bytes(json.as_bytes(), Path::new("synthetic")).unwrap()
+    }
+
+    #[test]
+    fn add_bos_token_starts_plain_text_prompts_with_the_bos_id() {
+        let t = tok();
+        let bos = t.token_id("<|im_end|>").unwrap();
+        let cfg = br#"{"add_bos_token": true, "bos_token": {"content": "<|im_end|>"}}"#;
+        let t = t.with_bos_from_config(cfg, Path::new("c.json")).unwrap();
+        assert_eq!(t.bos(), Some(bos));
+        let plain = t.encode("hello").unwrap();
+        let prompt = t.encode_prompt("hello").unwrap();
+        assert_eq!(prompt[0], bos);
+        assert_eq!(&prompt[1..], &plain[..]);
+    }
+
+    #[test]
+    fn without_the_flag_a_prompt_is_its_text() {
+        let cfg = br#"{"add_bos_token": false, "bos_token": "<|im_end|>"}"#;
+        let t = tok()
+            .with_bos_from_config(cfg, Path::new("c.json"))
+            .unwrap();
+        assert_eq!(t.bos(), None);
+        assert_eq!(t.encode_prompt("hi").unwrap(), t.encode("hi").unwrap());
+    }
+
+    #[test]
+    fn a_bos_token_outside_the_vocabulary_is_named() {
+        let cfg = br#"{"add_bos_token": true, "bos_token": "<no such token>"}"#;
+        let e = match tok().with_bos_from_config(cfg, Path::new("c.json")) {
+            Ok(_) => panic!("a missing BOS token must be refused"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains("<no such token>"), "{e}");
     }
 }

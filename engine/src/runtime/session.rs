@@ -417,10 +417,11 @@ impl Script {
         let by_name: HashMap<&str, &ScriptRequest> =
             self.requests.iter().map(|r| (r.name.as_str(), r)).collect();
         for r in &self.requests {
-            let mut len = 0;
-            if let PromptSpec::Tokens(t) = &r.prompt {
-                len = t.len();
-            }
+            let mut len = match &r.prompt {
+                PromptSpec::Tokens(t) => t.len(),
+                PromptSpec::Raw(_) => usize::from(model.tokenizer.bos().is_some()),
+                PromptSpec::Chat(_) => 0,
+            };
             for part in parts(model, &r.prompt)? {
                 len += match part {
                     Part::Text(t) => model.tokenizer.encode(&t)?.len(),
@@ -642,7 +643,11 @@ pub fn run_session(
                 let id = i as RequestId;
                 let mut prompt = match &r.prompt {
                     PromptSpec::Tokens(t) => t.clone(),
-                    _ => Vec::new(),
+                    // A plain-text prompt starts with the model's BOS when its
+                    // tokenizer config asks for one; a chat's template
+                    // writes its own.
+                    PromptSpec::Raw(_) => model.tokenizer.bos().into_iter().collect(),
+                    PromptSpec::Chat(_) => Vec::new(),
                 };
                 for part in parts(model, &r.prompt)? {
                     match part {

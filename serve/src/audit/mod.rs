@@ -524,7 +524,7 @@ pub fn audit(
                     let p = match &req.prompt {
                         Prompt::Text(s) => {
                             t.asks = s.clone();
-                            model.tokenizer.encode(s)?
+                            model.tokenizer.encode_prompt(s)?
                         }
                         Prompt::Tokens(ids) => {
                             if let Some(bad) = ids.iter().find(|&&x| x as usize >= vsize) {
