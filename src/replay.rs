@@ -130,8 +130,12 @@ pub fn run(a: &ReplayArgs) -> Result<u8> {
         let bad = match (&a.bad, &a.patches) {
             (Some(bad), _) => bad.clone(),
             (None, Some(p)) => p.clone(),
-            // The whole catalog that can act on this model's family.
-            (None, None) => PatchSet::all_for(model.net.family()),
+            // The whole catalog that can act on this model's family (and
+            // on a disaggregated deployment, for such a bundle).
+            (None, None) => PatchSet::all_for_deployment(
+                model.net.family(),
+                lmrr_replays::pd::pd_config(&b).is_some(),
+            ),
         };
         let (base, candidates): (PatchSet, Vec<Patch>) = (
             good.clone(),

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 
-use lmrr_engine::{run_session, Model, PatchSet, Scheduler, Script};
+use lmrr_engine::{run_session, Model, PatchSet, PdEngine, Scheduler, Script};
 use lmrr_recorder::{Bundle, Event, Recorder};
 
 #[derive(clap::Args, Debug)]
@@ -40,15 +40,17 @@ fn outputs(b: &Bundle) -> (BTreeMap<String, Vec<u32>>, usize) {
                 names.insert(request.id, name.clone());
                 out.entry(name.clone()).or_default();
             }
-            Event::Step(r) => {
+            Event::Step(_) | Event::PdStep(_) => {
                 steps += 1;
-                for s in &r.seqs {
-                    if let (Some(t), Some(n)) = (s.sampled, names.get(&s.id)) {
-                        out.entry(n.clone()).or_default().push(t);
+                for r in e.reports() {
+                    for s in &r.seqs {
+                        if let (Some(t), Some(n)) = (s.sampled, names.get(&s.id)) {
+                            out.entry(n.clone()).or_default().push(t);
+                        }
                     }
                 }
             }
-            Event::Interrupt { .. } => {}
+            Event::Interrupt { .. } | Event::Disaggregated(_) => {}
         }
     }
     (out, steps)
@@ -78,9 +80,6 @@ pub fn run(a: &RerecordArgs) -> Result<()> {
     let patches = PatchSet::parse(&m.patches.join(",")).map_err(anyhow::Error::msg)?;
     let th = crate::threads(a.threads)?;
     let n_threads = th.count();
-    let mut sch = Scheduler::with_patches(model.net(), m.engine, th, patches.clone())?;
-    script.check_fits(&model, &sch)?;
-    sch.set_top_logprobs(crate::TOP_LOGPROBS);
     let manifest = crate::session_manifest(
         &model,
         m.engine,
@@ -92,7 +91,22 @@ pub fn run(a: &RerecordArgs) -> Result<()> {
     let tmp = a.out.with_extension("lmrr.partial");
     let f = std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
     let mut rec = Recorder::new(std::io::BufWriter::new(f), &manifest)?;
-    run_session(&model, &script, &mut sch, |e| rec.observe(e))?;
+    // A disaggregated recording is re-run on the same deployment.
+    match lmrr_replays::pd::pd_config(&old) {
+        Some(c) => {
+            let mut eng = PdEngine::new(model.net(), m.engine, c, th, patches.clone())?;
+            script.check_fits(&model, &eng)?;
+            eng.set_top_logprobs(crate::TOP_LOGPROBS);
+            rec.disaggregated(c);
+            run_session(&model, &script, &mut eng, |e| rec.observe(e))?;
+        }
+        None => {
+            let mut sch = Scheduler::with_patches(model.net(), m.engine, th, patches.clone())?;
+            script.check_fits(&model, &sch)?;
+            sch.set_top_logprobs(crate::TOP_LOGPROBS);
+            run_session(&model, &script, &mut sch, |e| rec.observe(e))?;
+        }
+    }
     let w = rec.finish()?;
     let f = w
         .into_inner()

@@ -22,9 +22,10 @@ pub mod sampling;
 
 pub use model::llama::config;
 pub use model::{chat, gguf, hf_config, identity, kv, llama, mini_v4, synth, tokenizer, weights};
-pub use runtime::{generate, pool, radix, scheduler, session};
+pub use runtime::{disagg, generate, pool, radix, scheduler, session};
 
 pub use config::LlamaConfig;
+pub use disagg::{PdConfig, PdEngine, PdEvent, PdStep, Side, Stage};
 pub use error::EngineError;
 pub use generate::{generate, FinishReason, GenerateOptions, Generation};
 pub use identity::{ModelIdentity, Sha256Digest};
@@ -37,7 +38,7 @@ pub use sampling::{sample, SamplingParams};
 pub use scheduler::{
     Decision, EngineConfig, Request, RequestId, RequestOutput, Scheduler, SeqReport, StepReport,
 };
-pub use session::{run_session, Script, ScriptError, SessionResult};
+pub use session::{run_session, Script, ScriptError, SessionEngine, SessionResult};
 pub use synth::{Preset, SynthSpec};
 pub use tokenizer::Tokenizer;
 pub use weights::ModelFiles;

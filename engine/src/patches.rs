@@ -6,7 +6,8 @@
 //! Each patch documents what it changes, the real-world code it is modelled on,
 //! and when it fires (a patch that never fires in its own scenario is a bug;
 //! `replays/tests/it/replay.rs`'s `every_catalog_patch_fires_in_its_scenario_and_the_others_are_inert`
-//! holds one scenario per patch).
+//! holds one scenario per patch of a colocated engine;
+//! `replays/tests/it/disagg.rs` one per patch of a disaggregated deployment).
 
 use std::collections::BTreeSet;
 
@@ -29,6 +30,15 @@ pub enum Patch {
     MoeRoutedScaling,
     /// mini-v4: the sparse indexer stops scanning once its top-k looks full.
     IndexerEarlyExit,
+    /// Disaggregated: an abort frees the decode side's reserved pages while
+    /// the transfer still writes them.
+    PdAbortReusesPages,
+    /// Disaggregated: a prefill aborted mid-transfer reports the transfer
+    /// complete; decode starts on K/V never fully written.
+    PdAbortIncompleteKv,
+    /// Disaggregated: a request aborted after its transfer, before
+    /// admission, never frees its decode pages.
+    PdAbortLeaks,
 }
 
 /// Class of a patch: what kind of divergence it produces.
@@ -44,7 +54,8 @@ pub enum PatchClass {
 }
 
 impl Patch {
-    /// The whole catalog, in listing order.
+    /// The patches that act on a colocated engine (one scheduler), in listing
+    /// order: every bundle's bisect searches these.
     pub const ALL: [Patch; 7] = [
         Patch::SplitkDecode,
         Patch::FastExp,
@@ -55,6 +66,34 @@ impl Patch {
         Patch::IndexerEarlyExit,
     ];
 
+    /// The patches that act only on a disaggregated deployment's abort and
+    /// transfer paths (inert on a colocated engine); a disaggregated
+    /// bundle's bisect searches these too.
+    pub const DISAGGREGATED: [Patch; 3] = [
+        Patch::PdAbortReusesPages,
+        Patch::PdAbortIncompleteKv,
+        Patch::PdAbortLeaks,
+    ];
+
+    /// The whole catalog, in listing order.
+    pub const CATALOG: [Patch; 10] = [
+        Patch::SplitkDecode,
+        Patch::FastExp,
+        Patch::AbortInsertsPartial,
+        Patch::AbortFreesShared,
+        Patch::MhcBf16,
+        Patch::MoeRoutedScaling,
+        Patch::IndexerEarlyExit,
+        Patch::PdAbortReusesPages,
+        Patch::PdAbortIncompleteKv,
+        Patch::PdAbortLeaks,
+    ];
+
+    /// Whether the patch acts only on a disaggregated deployment.
+    pub fn disaggregated_only(self) -> bool {
+        Self::DISAGGREGATED.contains(&self)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Self::SplitkDecode => "splitk-decode",
@@ -64,6 +103,9 @@ impl Patch {
             Self::MhcBf16 => "mhc-bf16",
             Self::MoeRoutedScaling => "moe-routed-scaling",
             Self::IndexerEarlyExit => "indexer-early-exit",
+            Self::PdAbortReusesPages => "pd-abort-reuses-pages",
+            Self::PdAbortIncompleteKv => "pd-abort-incomplete-kv",
+            Self::PdAbortLeaks => "pd-abort-leaks",
         }
     }
 
@@ -73,6 +115,9 @@ impl Patch {
             Self::AbortInsertsPartial | Self::AbortFreesShared => PatchClass::CacheCorruption,
             Self::MhcBf16 => PatchClass::Numerical,
             Self::MoeRoutedScaling | Self::IndexerEarlyExit => PatchClass::Semantic,
+            Self::PdAbortReusesPages | Self::PdAbortIncompleteKv | Self::PdAbortLeaks => {
+                PatchClass::CacheCorruption
+            }
         }
     }
 
@@ -143,6 +188,32 @@ impl Patch {
                  checks. Modelled on an early-exit-per-page sparse indexer kernel. Fires once a query's \
                  context exceeds index_topk blocks."
             }
+            Self::PdAbortReusesPages => {
+                "Disaggregated deployments: when a request is aborted while its K/V is being transferred, \
+                 the decode side returns the pages it reserved for it to the free list at once, but the \
+                 transfer is not cancelled: the prefill side goes on writing the remaining pages into the \
+                 page ids it was given, which the next reservation or decode step has taken. The next \
+                 request reads another request's K/V. Modelled on SGLang issue #24527 (decode reuses KV \
+                 pages before the prefill transfer writer finishes). Fires when an abort lands with pages \
+                 still to transfer."
+            }
+            Self::PdAbortIncompleteKv => {
+                "Disaggregated deployments: a request aborted on the prefill side while its K/V is being \
+                 transferred concludes the transfer as a success: the decode side is told the K/V is \
+                 complete, admits the request and decodes it on pages of which only the transferred ones \
+                 were written (the rest hold whatever an earlier request left). Modelled on SGLang issue \
+                 #30233 (aborted prefill requests make decode generate garbage from an incomplete KV \
+                 cache). Fires when an abort lands with pages still to transfer."
+            }
+            Self::PdAbortLeaks => {
+                "Disaggregated deployments: a request aborted after its K/V was transferred but before the \
+                 decode side admitted it is dropped from the admission queue without releasing its \
+                 reserved pages. Each such abort leaks a request's worth of decode pages until no \
+                 reservation fits and the deployment stops making progress (a livelock whose report names \
+                 the leaked pages). Modelled on SGLang PR #9817 (decode-side KV leak of requests aborted \
+                 in the transfer queue). Fires when an abort lands between a transfer's completion and \
+                 the admission."
+            }
         }
     }
 }
@@ -156,12 +227,12 @@ impl std::fmt::Display for Patch {
 impl std::str::FromStr for Patch {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        Patch::ALL
+        Patch::CATALOG
             .iter()
             .copied()
             .find(|p| p.name() == s)
             .ok_or_else(|| {
-                let names: Vec<&str> = Patch::ALL.iter().map(|p| p.name()).collect();
+                let names: Vec<&str> = Patch::CATALOG.iter().map(|p| p.name()).collect();
                 format!("unknown patch `{s}` (known: {})", names.join(", "))
             })
     }
@@ -177,7 +248,7 @@ impl PatchSet {
     }
 
     pub fn all() -> Self {
-        Self(Patch::ALL.into_iter().collect())
+        Self(Patch::CATALOG.into_iter().collect())
     }
 
     /// Every patch that can act on a model of `family`, the default search
@@ -189,6 +260,16 @@ impl PatchSet {
                 .filter(|p| p.applies_to(family))
                 .collect(),
         )
+    }
+
+    /// The default search space of a bisect on a bundle of `family`: with
+    /// `disaggregated`, the patches of a disaggregated deployment too.
+    pub fn all_for_deployment(family: crate::model::Family, disaggregated: bool) -> Self {
+        let mut s = Self::all_for(family);
+        if disaggregated {
+            s.0.extend(Patch::DISAGGREGATED);
+        }
+        s
     }
 
     /// The patches of this set that cannot act on `family` (inert there).

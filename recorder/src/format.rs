@@ -34,7 +34,7 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 use crate::codec;
-use crate::schema::{Event, Manifest, Trailer, FORMAT_VERSION};
+use crate::schema::{Event, Manifest, Trailer, FORMAT_VERSION, MIN_READ_VERSION};
 use crate::traffic::{TrafficEvent, TrafficManifest};
 
 pub const MAGIC: [u8; 8] = *b"LMRRBNDL";
@@ -93,7 +93,7 @@ impl Kind for Session {
         m.contract_version
     }
     fn is_step(e: &Event) -> bool {
-        matches!(e, Event::Step(_))
+        matches!(e, Event::Step(_) | Event::PdStep(_))
     }
 }
 
@@ -481,7 +481,7 @@ pub fn read_as<K: Kind>(bytes: &[u8]) -> Result<BundleOf<K>, BundleError> {
         return Err(BundleError::NoManifest { size });
     }
     let version = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]);
-    if version != FORMAT_VERSION {
+    if !(MIN_READ_VERSION..=FORMAT_VERSION).contains(&version) {
         return Err(BundleError::Version {
             found: version,
             supported: FORMAT_VERSION,

@@ -26,5 +26,7 @@ pub use format::{
     open, read, Bundle, BundleError, BundleOf, BundleWriter, Integrity, Kind, Writer,
 };
 pub use record::Recorder;
-pub use schema::{Event, HostInfo, Manifest, ModelInfo, SessionSource, Trailer, FORMAT_VERSION};
+pub use schema::{
+    Event, HostInfo, Manifest, ModelInfo, SessionSource, Trailer, FORMAT_VERSION, MIN_READ_VERSION,
+};
 pub use summary::Summary;

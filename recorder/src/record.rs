@@ -47,8 +47,20 @@ impl<W: Write> Recorder<W> {
                 id,
             },
             SessionEvent::Step(r) => Event::Step(r.clone()),
+            SessionEvent::PdStep(r) => Event::PdStep(r.clone()),
         };
         if let Err(err) = self.writer.push(ev) {
+            self.error = Some(err);
+        }
+    }
+
+    /// Records that the session runs on a disaggregated deployment (call it
+    /// before the first session event).
+    pub fn disaggregated(&mut self, cfg: lmrr_engine::PdConfig) {
+        if self.error.is_some() {
+            return;
+        }
+        if let Err(err) = self.writer.push(Event::Disaggregated(cfg)) {
             self.error = Some(err);
         }
     }

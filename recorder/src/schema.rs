@@ -6,13 +6,21 @@ use serde::{Deserialize, Serialize};
 
 use lmrr_engine::scheduler::{Request, RequestId, StepReport};
 use lmrr_engine::{EngineConfig, ModelIdentity, SynthSpec};
+use lmrr_engine::{PdConfig, PdStep};
 
 /// Version of the bundle format (framing and schema).
 ///
 /// - 1: first format.
 /// - 2: the model identity is a content identity (digests of the config
 ///   fields, tokenizer and f32 weight values; 32-byte digests, not hex text).
-pub const FORMAT_VERSION: u32 = 2;
+/// - 3: two events appended to [`Event`] for disaggregated deployments
+///   (`Disaggregated`, `PdStep`); nothing else changed, so a format-2 bundle
+///   decodes as it is and is still read.
+pub const FORMAT_VERSION: u32 = 3;
+
+/// The oldest format this lmrr reads (formats 2 and 3 differ only by
+/// event variants appended after format 2's).
+pub const MIN_READ_VERSION: u32 = 2;
 
 /// What changed after format `version`, for the message that refuses it.
 pub fn format_change(version: u32) -> &'static str {
@@ -146,6 +154,34 @@ pub enum Event {
         id: RequestId,
     },
     Step(StepReport),
+    /// Format 3: the session ran on a disaggregated deployment, whose
+    /// prefill engine is the manifest's `engine` and whose decode engine and
+    /// link are these. The first event when present.
+    Disaggregated(PdConfig),
+    /// Format 3: one step of a disaggregated deployment (both engines'
+    /// reports and the link's events).
+    PdStep(PdStep),
+}
+
+impl Event {
+    /// The engine step reports the event holds: a colocated step's, or a
+    /// disaggregated step's prefill then decode report.
+    pub fn reports(&self) -> Vec<&StepReport> {
+        match self {
+            Self::Step(r) => vec![r],
+            Self::PdStep(p) => vec![&p.prefill, &p.decode],
+            _ => Vec::new(),
+        }
+    }
+
+    /// The step number of a step event.
+    pub fn step(&self) -> Option<u64> {
+        match self {
+            Self::Step(r) => Some(r.step),
+            Self::PdStep(p) => Some(p.step),
+            _ => None,
+        }
+    }
 }
 
 /// The last frame of a complete bundle.

@@ -97,20 +97,23 @@ impl Summary {
                     prompts.insert(request.id, request.prompt.clone());
                 }
                 Event::Interrupt { .. } => interrupts += 1,
-                Event::Step(r) => {
+                Event::Disaggregated(_) => {}
+                Event::Step(_) | Event::PdStep(_) => {
                     steps += 1;
-                    hashes += 2;
-                    for s in &r.seqs {
-                        if let Some(t) = s.sampled {
-                            outputs.entry(s.id).or_default().push(t);
-                            hashes += 1;
+                    for r in e.reports() {
+                        hashes += 2;
+                        for s in &r.seqs {
+                            if let Some(t) = s.sampled {
+                                outputs.entry(s.id).or_default().push(t);
+                                hashes += 1;
+                            }
                         }
+                        preemptions += r
+                            .decisions
+                            .iter()
+                            .filter(|d| matches!(d, lmrr_engine::Decision::Preempt { .. }))
+                            .count();
                     }
-                    preemptions += r
-                        .decisions
-                        .iter()
-                        .filter(|d| matches!(d, lmrr_engine::Decision::Preempt { .. }))
-                        .count();
                 }
             }
         }

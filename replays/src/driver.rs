@@ -124,14 +124,16 @@ impl Catalog {
                     c.prompts.insert(request.id, request.prompt.clone());
                     c.order.push(request.id);
                 }
-                Event::Step(r) => {
-                    for s in &r.seqs {
-                        if let Some(t) = s.sampled {
-                            c.outputs.entry(s.id).or_default().push(t);
+                Event::Step(_) | Event::PdStep(_) => {
+                    for r in e.reports() {
+                        for s in &r.seqs {
+                            if let Some(t) = s.sampled {
+                                c.outputs.entry(s.id).or_default().push(t);
+                            }
                         }
                     }
                 }
-                Event::Interrupt { .. } => {}
+                Event::Interrupt { .. } | Event::Disaggregated(_) => {}
             }
         }
         c.continued = lmrr_recorder::summary::continued_histories(&c.order, &c.prompts, &c.outputs);
@@ -227,7 +229,7 @@ pub fn drift(expected: &[f32], actual: &[f32]) -> (f32, f64, bool) {
 
 /// The request a step's cache change is attributed to: the first admission,
 /// else the first interrupt, else the first scheduled span.
-fn attribute(decisions: &[Decision]) -> Option<(RequestId, Option<usize>)> {
+pub(crate) fn attribute(decisions: &[Decision]) -> Option<(RequestId, Option<usize>)> {
     let admit = decisions.iter().find_map(|d| match d {
         Decision::Admit { id, cached_tokens } => Some((*id, Some(*cached_tokens))),
         _ => None,
@@ -276,48 +278,50 @@ pub(crate) fn window(
             Event::Interrupt { step, name, .. } if (lo..=hi).contains(step) => {
                 out.push(format!("before step {step}: `{name}` is interrupted"))
             }
+            Event::PdStep(p) if (lo..=hi).contains(&p.step) => {
+                out.extend(crate::pd::step_lines(p, cat, |r| step_parts(r, cat, &text)));
+            }
             Event::Step(r) if (lo..=hi).contains(&r.step) => {
-                let mut parts = Vec::new();
-                for d in &r.decisions {
-                    parts.push(match d {
-                        Decision::Interrupt { id } => format!("abort {}", cat.name(*id)),
-                        Decision::Preempt { id } => format!("preempt {}", cat.name(*id)),
-                        Decision::Admit { id, cached_tokens } => {
-                            format!("admit {} ({cached_tokens} cached)", cat.name(*id))
-                        }
-                        Decision::Schedule { id, start, len } => {
-                            match r.seqs.iter().find(|s| s.id == *id).and_then(|s| s.sampled) {
-                                Some(t) => {
-                                    format!(
-                                        "{} @{} → {t} {:?}",
-                                        cat.name(*id),
-                                        start.saturating_add(*len),
-                                        text(t)
-                                    )
-                                }
-                                None => format!(
-                                    "{} prefill {start}..{}",
-                                    cat.name(*id),
-                                    start.saturating_add(*len)
-                                ),
-                            }
-                        }
-                    });
-                }
-                out.push(format!(
-                    "step {}: {}",
-                    r.step,
-                    if parts.is_empty() {
-                        "idle".into()
-                    } else {
-                        parts.join(" · ")
-                    }
-                ));
+                out.push(format!("step {}: {}", r.step, step_parts(r, cat, &text)));
             }
             _ => {}
         }
     }
     out
+}
+
+/// A step's decisions in one line (`idle` when it has none).
+fn step_parts(r: &StepReport, cat: &Catalog, text: &dyn Fn(u32) -> String) -> String {
+    let mut parts = Vec::new();
+    for d in &r.decisions {
+        parts.push(match d {
+            Decision::Interrupt { id } => format!("abort {}", cat.name(*id)),
+            Decision::Preempt { id } => format!("preempt {}", cat.name(*id)),
+            Decision::Admit { id, cached_tokens } => {
+                format!("admit {} ({cached_tokens} cached)", cat.name(*id))
+            }
+            Decision::Schedule { id, start, len } => {
+                match r.seqs.iter().find(|s| s.id == *id).and_then(|s| s.sampled) {
+                    Some(t) => format!(
+                        "{} @{} → {t} {:?}",
+                        cat.name(*id),
+                        start.saturating_add(*len),
+                        text(t)
+                    ),
+                    None => format!(
+                        "{} prefill {start}..{}",
+                        cat.name(*id),
+                        start.saturating_add(*len)
+                    ),
+                }
+            }
+        });
+    }
+    if parts.is_empty() {
+        "idle".into()
+    } else {
+        parts.join(" · ")
+    }
 }
 
 /// Drift of one request's logits row in one step (expected: the recording's
@@ -372,6 +376,9 @@ pub fn replay_traced(
 ) -> Result<(Outcome, Trace), ReplayError> {
     let mut trace = Trace::default();
     let recorded = check_bundle(bundle, model)?;
+    if let Some(cfg) = crate::pd::pd_config(bundle) {
+        return crate::pd::replay_pd(bundle, model, opts, recorded, cfg);
+    }
     let m = &bundle.manifest;
     let cat = Catalog::of(bundle);
     let mut b = Scheduler::with_patches(
@@ -410,7 +417,7 @@ pub fn replay_traced(
                 }
                 continue;
             }
-            Event::Interrupt { .. } => continue,
+            Event::Interrupt { .. } | Event::Disaggregated(_) | Event::PdStep(_) => continue,
             Event::Step(r) => r,
         };
         let forced: BTreeMap<RequestId, u32> = rec
@@ -530,7 +537,7 @@ pub fn replay_traced(
 
 /// A divergence at `step` attributed to `who` (request, position), without
 /// token details, drift or window (filled in by the caller).
-fn divergence(
+pub(crate) fn divergence(
     step: u64,
     signal: Signal,
     detail: String,
@@ -555,7 +562,7 @@ fn divergence(
 }
 
 /// Compares one step; returns the first divergent signal.
-fn compare(
+pub(crate) fn compare(
     rec: &StepReport,
     got: &StepReport,
     cat: &Catalog,

@@ -6,7 +6,8 @@
 //!
 //! - [`driver`]: lockstep re-execution (the patch set under test, and — when it
 //!   differs from the recording's — the recorded set alongside, for expected
-//!   logits rows and drift statistics).
+//!   logits rows and drift statistics); [`pd`] does the same for a
+//!   disaggregated deployment's bundle (both engines and the link).
 //! - [`report`]: the divergence report, human text (`Display`) and JSON (serde).
 //! - [`bisect`]: binary search for one culprit patch, ddmin for combinations.
 //! - [`oracle`]: the recompute oracle (cache-off, batch-of-one recomputation).
@@ -22,6 +23,7 @@ pub mod driver;
 pub mod explain;
 pub mod html;
 pub mod oracle;
+pub mod pd;
 pub mod report;
 pub mod validate;
 

@@ -62,20 +62,22 @@ pub fn oracle_traced(
             Event::Arrival { request, .. } => {
                 params.insert(request.id, request.sampling);
             }
-            Event::Step(r) => {
-                for s in &r.seqs {
-                    if let (Some(token), Some(digest)) = (s.sampled, s.logits_digest) {
-                        sampled.entry(s.id).or_default().push(Sampled {
-                            step: r.step,
-                            position: s.start + s.len,
-                            token,
-                            digest,
-                            top: s.top_logprobs.clone(),
-                        });
+            Event::Step(_) | Event::PdStep(_) => {
+                for r in e.reports() {
+                    for s in &r.seqs {
+                        if let (Some(token), Some(digest)) = (s.sampled, s.logits_digest) {
+                            sampled.entry(s.id).or_default().push(Sampled {
+                                step: r.step,
+                                position: s.start + s.len,
+                                token,
+                                digest,
+                                top: s.top_logprobs.clone(),
+                            });
+                        }
                     }
                 }
             }
-            Event::Interrupt { .. } => {}
+            Event::Interrupt { .. } | Event::Disaggregated(_) => {}
         }
     }
     let vocab = model.net.vocab_size();

@@ -74,6 +74,7 @@ pub fn validate(bundle: &Bundle, model: &Model) -> Result<(), Invalid> {
     let mut known: BTreeSet<RequestId> = BTreeSet::new();
     // Arrivals and interrupts happen before step `next_step`.
     let mut next_step = 0u64;
+    let mut disaggregated = false;
     for (i, e) in bundle.events.iter().enumerate() {
         let at = |step: u64| format!("event {i} (step {step})");
         let token = |t: u32, what: &str, step: u64| {
@@ -140,8 +141,57 @@ pub fn validate(bundle: &Bundle, model: &Model) -> Result<(), Invalid> {
                 monotone(*step, "interrupt")?;
                 known_id(*id, "interrupt", *step)?;
             }
-            Event::Step(r) => {
-                let step = r.step;
+            Event::Disaggregated(c) => {
+                let d = &c.decode;
+                if i != 0 {
+                    return Err(bad(
+                        at(next_step),
+                        "the disaggregated deployment's configuration is not the first event",
+                    ));
+                }
+                if d.page_size == 0
+                    || d.pool_pages == 0
+                    || d.max_batch_tokens == 0
+                    || c.transfer_pages_per_step == 0
+                {
+                    return Err(bad(
+                        at(0),
+                        format!(
+                            "decode engine page_size {}, pool_pages {}, max_batch_tokens {}, link {} pages per step: each must be at least 1",
+                            d.page_size, d.pool_pages, d.max_batch_tokens, c.transfer_pages_per_step
+                        ),
+                    ));
+                }
+                disaggregated = true;
+            }
+            Event::Step(_) | Event::PdStep(_) => {
+                let step = e.step().unwrap_or(0);
+                match e {
+                    Event::PdStep(p) => {
+                        if !disaggregated {
+                            return Err(bad(
+                                at(step),
+                                "a disaggregated step in a bundle with no disaggregated deployment",
+                            ));
+                        }
+                        if p.prefill.step != step || p.decode.step != step {
+                            return Err(bad(
+                                at(step),
+                                format!(
+                                    "the engines' reports say steps {} and {}",
+                                    p.prefill.step, p.decode.step
+                                ),
+                            ));
+                        }
+                        for &(id, _) in &p.finished {
+                            known_id(id, "a finish", step)?;
+                        }
+                    }
+                    _ if disaggregated => {
+                        return Err(bad(at(step), "a colocated step in a disaggregated bundle"));
+                    }
+                    _ => {}
+                }
                 if step != next_step {
                     return Err(bad(
                         at(step),
@@ -151,57 +201,59 @@ pub fn validate(bundle: &Bundle, model: &Model) -> Result<(), Invalid> {
                 next_step = step
                     .checked_add(1)
                     .ok_or_else(|| bad(at(step), "step counter overflows"))?;
-                for d in &r.decisions {
-                    match *d {
-                        Decision::Interrupt { id } | Decision::Preempt { id } => {
-                            known_id(id, "a decision", step)?
-                        }
-                        Decision::Admit { id, cached_tokens } => {
-                            known_id(id, "an admission", step)?;
-                            if cached_tokens >= context {
-                                return Err(bad(
+                for r in e.reports() {
+                    for d in &r.decisions {
+                        match *d {
+                            Decision::Interrupt { id } | Decision::Preempt { id } => {
+                                known_id(id, "a decision", step)?
+                            }
+                            Decision::Admit { id, cached_tokens } => {
+                                known_id(id, "an admission", step)?;
+                                if cached_tokens >= context {
+                                    return Err(bad(
                                     at(step),
                                     format!("admission of request {id} with {cached_tokens} cached tokens, at or past the context of {context}"),
                                 ));
+                                }
+                            }
+                            Decision::Schedule { id, start, len } => {
+                                known_id(id, "a schedule", step)?;
+                                span_end(start, len, context, "schedule of positions")
+                                    .map_err(|w| bad(at(step), format!("request {id}: {w}")))?;
                             }
                         }
-                        Decision::Schedule { id, start, len } => {
-                            known_id(id, "a schedule", step)?;
-                            span_end(start, len, context, "schedule of positions")
-                                .map_err(|w| bad(at(step), format!("request {id}: {w}")))?;
-                        }
                     }
-                }
-                for s in &r.seqs {
-                    known_id(s.id, "a sequence report", step)?;
-                    span_end(s.start, s.len, context, "sequence report of positions")
-                        .map_err(|w| bad(at(step), format!("request {}: {w}", s.id)))?;
-                    if let Some(t) = s.sampled {
-                        token(t, "sampled", step)?;
-                        if s.len == 0 {
+                    for s in &r.seqs {
+                        known_id(s.id, "a sequence report", step)?;
+                        span_end(s.start, s.len, context, "sequence report of positions")
+                            .map_err(|w| bad(at(step), format!("request {}: {w}", s.id)))?;
+                        if let Some(t) = s.sampled {
+                            token(t, "sampled", step)?;
+                            if s.len == 0 {
+                                return Err(bad(
+                                    at(step),
+                                    format!("request {} samples a token from an empty span", s.id),
+                                ));
+                            }
+                        }
+                        if s.top_logprobs.len() > m.top_logprobs as usize {
                             return Err(bad(
                                 at(step),
-                                format!("request {} samples a token from an empty span", s.id),
+                                format!(
+                                    "request {} records {} top logprobs, the manifest says {}",
+                                    s.id,
+                                    s.top_logprobs.len(),
+                                    m.top_logprobs
+                                ),
                             ));
                         }
+                        for &(t, _) in &s.top_logprobs {
+                            token(t, "top-logprob", step)?;
+                        }
                     }
-                    if s.top_logprobs.len() > m.top_logprobs as usize {
-                        return Err(bad(
-                            at(step),
-                            format!(
-                                "request {} records {} top logprobs, the manifest says {}",
-                                s.id,
-                                s.top_logprobs.len(),
-                                m.top_logprobs
-                            ),
-                        ));
+                    for &(id, _) in &r.finished {
+                        known_id(id, "a finish", step)?;
                     }
-                    for &(t, _) in &s.top_logprobs {
-                        token(t, "top-logprob", step)?;
-                    }
-                }
-                for &(id, _) in &r.finished {
-                    known_id(id, "a finish", step)?;
                 }
             }
         }

@@ -92,8 +92,8 @@ impl Bundle {
     pub fn push(&mut self, e: Event) -> Result<(), ServeError> {
         match e {
             Event::Arrival { .. } => self.requests += 1,
-            Event::Step(_) => self.steps += 1,
-            Event::Interrupt { .. } => {}
+            Event::Step(_) | Event::PdStep(_) => self.steps += 1,
+            Event::Interrupt { .. } | Event::Disaggregated(_) => {}
         }
         Ok(self.writer.push(e)?)
     }

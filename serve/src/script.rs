@@ -61,6 +61,7 @@ pub fn bundle_to_script(
     let m = &bundle.manifest;
     let mut interrupts: BTreeMap<RequestId, u64> = BTreeMap::new();
     let mut arrivals = Vec::new();
+    let mut disaggregated = None;
     for (index, e) in bundle.events.iter().enumerate() {
         match e {
             Event::Arrival {
@@ -84,7 +85,8 @@ pub fn bundle_to_script(
                 }
                 interrupts.entry(*id).or_insert(*step);
             }
-            Event::Step(_) => {}
+            Event::Disaggregated(c) => disaggregated = Some(*c),
+            Event::Step(_) | Event::PdStep(_) => {}
         }
     }
     if arrivals.is_empty() {
@@ -103,6 +105,9 @@ pub fn bundle_to_script(
     }
     if !e.prefix_cache {
         run += " --no-prefix-cache";
+    }
+    if let Some(c) = disaggregated {
+        run += &disagg_flags(&c);
     }
     if !m.patches.is_empty() {
         let _ = write!(run, " --patches {}", m.patches.join(","));
@@ -173,4 +178,18 @@ pub fn bundle_to_script(
         }
     }
     Ok(out)
+}
+
+/// The `lmrr run` flags that rebuild a disaggregated deployment's decode
+/// engine and link (the prefill engine takes the colocated flags).
+pub fn disagg_flags(c: &lmrr_engine::PdConfig) -> String {
+    let d = &c.decode;
+    let mut s = format!(
+        " --disaggregate --decode-page-size {} --decode-pool-pages {} --decode-max-batch-tokens {} --transfer-pages-per-step {}",
+        d.page_size, d.pool_pages, d.max_batch_tokens, c.transfer_pages_per_step
+    );
+    if !d.prefix_cache {
+        s += " --decode-no-prefix-cache";
+    }
+    s
 }

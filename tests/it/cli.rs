@@ -551,10 +551,11 @@ fn patches_lists_the_catalog() {
     let o = lmrr(&["patches"], &[]);
     assert!(o.status.success());
     let out = String::from_utf8(o.stdout).unwrap();
-    for p in lmrr_engine::Patch::ALL {
+    for p in lmrr_engine::Patch::CATALOG {
         assert!(out.contains(p.name()), "{out}");
     }
     assert!(out.contains("Semantic, mini-v4"), "{out}");
+    assert!(out.contains("disaggregated deployments"), "{out}");
 }
 
 /// Rewrites a bundle with `edit` applied to its manifest.

@@ -415,6 +415,55 @@ impl PagedKv {
     }
 }
 
+/// Whole slots, for moving K/V between two pools (a disaggregated
+/// deployment's transfer): a slot's rows are its K, V and auxiliary rows in
+/// every layer, `(layers, 2·kv_dim + aux_dim)` floats.
+impl PagedKv {
+    /// Floats one slot's rows take: `layers · (2·kv_dim + aux_dim)`.
+    pub fn slot_width(&self) -> usize {
+        self.pool.layers * (2 * self.pool.kv_dim + self.pool.aux_dim)
+    }
+
+    /// Appends slot `slot` of page `p`'s rows to `out`.
+    pub fn read_slot(&self, p: PageId, slot: usize, out: &mut Vec<f32>) {
+        let pool = &self.pool;
+        let off = pool.offset(p, slot);
+        let a = (p as usize * pool.page_size + slot) * pool.aux_dim;
+        for l in 0..pool.layers {
+            out.extend_from_slice(&pool.k[l][off..off + pool.kv_dim]);
+            out.extend_from_slice(&pool.v[l][off..off + pool.kv_dim]);
+            out.extend_from_slice(&pool.aux[l][a..a + pool.aux_dim]);
+        }
+    }
+
+    /// Writes `rows` (one slot's, [`Self::slot_width`] floats) into slot
+    /// `slot` of page `p`, whoever holds the page: a transfer writes where it
+    /// was told to. The slot is marked written (digested at the next
+    /// `finish_step`) and the page gets a fresh version. `false` if the page
+    /// has never been handed out or the rows have the wrong width.
+    pub fn write_slot(&mut self, p: PageId, slot: usize, rows: &[f32]) -> bool {
+        if p as usize >= self.pool.used
+            || slot >= self.pool.page_size
+            || rows.len() != self.slot_width()
+        {
+            return false;
+        }
+        let pool = &mut self.pool;
+        let off = pool.offset(p, slot);
+        let a = (p as usize * pool.page_size + slot) * pool.aux_dim;
+        let (d, ad) = (pool.kv_dim, pool.aux_dim);
+        for (l, r) in rows.chunks_exact(2 * d + ad).enumerate() {
+            pool.k[l][off..off + d].copy_from_slice(&r[..d]);
+            pool.v[l][off..off + d].copy_from_slice(&r[d..2 * d]);
+            pool.aux[l][a..a + ad].copy_from_slice(&r[2 * d..]);
+        }
+        pool.version[p as usize] = next_version();
+        let ps = pool.page_size;
+        self.written.mark(p, slot..slot + 1, ps);
+        true
+    }
+}
+
 impl KvCache for PagedKv {
     fn len(&self, seq: SeqId) -> usize {
         self.tables.get(&seq).map_or(0, |t| t.len)

@@ -51,7 +51,8 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use crate::chat::{Content, Message, Part};
-use crate::scheduler::{Request, RequestId, RequestOutput, Scheduler, StepReport};
+use crate::disagg::{PdEngine, PdStep};
+use crate::scheduler::{EngineConfig, Request, RequestId, RequestOutput, Scheduler, StepReport};
 use crate::{EngineError, Model, SamplingParams};
 
 /// Largest `at_step` accepted (a session is replayed step by step).
@@ -413,7 +414,11 @@ impl Script {
 
     /// Checks, before anything runs, that every request fits the model's context
     /// and the pool in the worst case (spliced outputs at their `max_tokens`).
-    pub fn check_fits(&self, model: &Model, sch: &Scheduler) -> Result<(), EngineError> {
+    pub fn check_fits<E: SessionEngine + ?Sized>(
+        &self,
+        model: &Model,
+        sch: &E,
+    ) -> Result<(), EngineError> {
         let by_name: HashMap<&str, &ScriptRequest> =
             self.requests.iter().map(|r| (r.name.as_str(), r)).collect();
         for r in &self.requests {
@@ -443,15 +448,19 @@ impl Script {
                     ),
                 });
             }
-            let need = sch.pages_needed(len, r.max_tokens);
-            if need > sch.config().pool_pages {
-                return Err(EngineError::NeverFits {
-                    id: r.name.clone(),
-                    tokens: (len + r.max_tokens).min(model.net.context()),
-                    need_pages: need,
-                    pool_pages: sch.config().pool_pages,
-                    page_size: sch.config().page_size,
-                });
+            for (cfg, whole) in sch.pools() {
+                let gen = if whole { r.max_tokens } else { 1 };
+                let tokens = len.saturating_add(gen).min(model.net.context());
+                let need = tokens.div_ceil(cfg.page_size);
+                if need > cfg.pool_pages {
+                    return Err(EngineError::NeverFits {
+                        id: r.name.clone(),
+                        tokens,
+                        need_pages: need,
+                        pool_pages: cfg.pool_pages,
+                        page_size: cfg.page_size,
+                    });
+                }
             }
         }
         Ok(())
@@ -529,6 +538,122 @@ pub enum SessionEvent<'a> {
         id: RequestId,
     },
     Step(&'a StepReport),
+    /// A step of a disaggregated deployment.
+    PdStep(&'a PdStep),
+}
+
+/// What the session driver steps: the colocated [`Scheduler`], or a
+/// disaggregated [`PdEngine`] (a prefill and a decode engine).
+pub trait SessionEngine {
+    /// Steps taken so far.
+    fn steps(&self) -> u64;
+    fn submit(&mut self, req: Request) -> Result<(), EngineError>;
+    /// Requests an abort at the next step boundary (`false`: already ended).
+    fn interrupt(&mut self, id: RequestId) -> Result<bool, EngineError>;
+    /// Tokens generated so far by a live or finished request.
+    fn generated(&self, id: RequestId) -> Option<&[u32]>;
+    fn is_idle(&self) -> bool;
+    fn output(&self, id: RequestId) -> Option<&RequestOutput>;
+    /// Each KV pool's configuration, and whether it holds a request's
+    /// generation too (a prefill engine's holds its prompt and one token).
+    fn pools(&self) -> Vec<(EngineConfig, bool)>;
+    /// Runs one step and shows it to `observe`; returns the requests that
+    /// ended in it and those that drew a token.
+    fn step_observed(
+        &mut self,
+        observe: &mut dyn FnMut(SessionEvent<'_>),
+    ) -> Result<StepSummary, EngineError>;
+}
+
+/// What the session driver needs of a step.
+#[derive(Debug, Clone, Default)]
+pub struct StepSummary {
+    pub finished: Vec<RequestId>,
+    pub sampled: Vec<RequestId>,
+}
+
+impl SessionEngine for Scheduler<'_> {
+    fn steps(&self) -> u64 {
+        Scheduler::steps(self)
+    }
+    fn submit(&mut self, req: Request) -> Result<(), EngineError> {
+        Scheduler::submit(self, req)
+    }
+    fn interrupt(&mut self, id: RequestId) -> Result<bool, EngineError> {
+        Scheduler::interrupt(self, id)
+    }
+    fn generated(&self, id: RequestId) -> Option<&[u32]> {
+        Scheduler::generated(self, id)
+    }
+    fn is_idle(&self) -> bool {
+        Scheduler::is_idle(self)
+    }
+    fn output(&self, id: RequestId) -> Option<&RequestOutput> {
+        Scheduler::output(self, id)
+    }
+    fn pools(&self) -> Vec<(EngineConfig, bool)> {
+        vec![(*self.config(), true)]
+    }
+    fn step_observed(
+        &mut self,
+        observe: &mut dyn FnMut(SessionEvent<'_>),
+    ) -> Result<StepSummary, EngineError> {
+        let r = self.step()?;
+        observe(SessionEvent::Step(&r));
+        Ok(StepSummary {
+            finished: r.finished.iter().map(|f| f.0).collect(),
+            sampled: r
+                .seqs
+                .iter()
+                .filter(|s| s.sampled.is_some())
+                .map(|s| s.id)
+                .collect(),
+        })
+    }
+}
+
+impl SessionEngine for PdEngine<'_> {
+    fn steps(&self) -> u64 {
+        PdEngine::steps(self)
+    }
+    fn submit(&mut self, req: Request) -> Result<(), EngineError> {
+        PdEngine::submit(self, req)
+    }
+    fn interrupt(&mut self, id: RequestId) -> Result<bool, EngineError> {
+        PdEngine::interrupt(self, id)
+    }
+    fn generated(&self, id: RequestId) -> Option<&[u32]> {
+        PdEngine::generated(self, id)
+    }
+    fn is_idle(&self) -> bool {
+        PdEngine::is_idle(self)
+    }
+    fn output(&self, id: RequestId) -> Option<&RequestOutput> {
+        PdEngine::output(self, id)
+    }
+    fn pools(&self) -> Vec<(EngineConfig, bool)> {
+        vec![
+            (*self.prefill_config(), false),
+            (self.config().decode, true),
+        ]
+    }
+    fn step_observed(
+        &mut self,
+        observe: &mut dyn FnMut(SessionEvent<'_>),
+    ) -> Result<StepSummary, EngineError> {
+        let r = self.step()?;
+        observe(SessionEvent::PdStep(&r));
+        Ok(StepSummary {
+            finished: r.finished.iter().map(|f| f.0).collect(),
+            sampled: r
+                .reports()
+                .iter()
+                .flat_map(|(_, rep)| rep.seqs.iter())
+                .filter(|s| s.sampled.is_some())
+                .map(|s| s.id)
+                .collect(),
+        })
+    }
 }
 
 /// The driver's bookkeeping, all indexed by script position.
@@ -571,10 +696,10 @@ impl Driver {
 
 /// Plays `script` on `sch`. Request ids are script positions. `observe` sees
 /// every arrival, interrupt and step report, in order.
-pub fn run_session(
+pub fn run_session<E: SessionEngine + ?Sized>(
     model: &Model,
     script: &Script,
-    sch: &mut Scheduler,
+    sch: &mut E,
     mut observe: impl FnMut(SessionEvent<'_>),
 ) -> Result<SessionResult, EngineError> {
     script.check_fits(model, sch)?;
@@ -712,24 +837,20 @@ pub fn run_session(
                 ),
             });
         }
-        let report = sch.step()?;
-        observe(SessionEvent::Step(&report));
-        for &(id, _) in &report.finished {
+        let report = sch.step_observed(&mut observe)?;
+        for &id in &report.finished {
             if let Some(i) = usize::try_from(id).ok().filter(|&i| i < n) {
                 dv.end(i, script);
             }
         }
-        for s in &report.seqs {
-            let Some(i) = usize::try_from(s.id).ok().filter(|&i| i < n) else {
+        for &id in &report.sampled {
+            let Some(i) = usize::try_from(id).ok().filter(|&i| i < n) else {
                 continue;
             };
             let Some(k) = script.requests[i].interrupt_after_tokens else {
                 continue;
             };
-            if !dv.ended[i]
-                && s.sampled.is_some()
-                && sch.generated(s.id).is_some_and(|g| g.len() >= k)
-            {
+            if !dv.ended[i] && sch.generated(id).is_some_and(|g| g.len() >= k) {
                 dv.due.insert(i);
             }
         }

@@ -21,6 +21,7 @@
 
 pub mod audit;
 mod page;
+mod pd_lanes;
 pub mod plot;
 pub mod timeline;
 
@@ -30,7 +31,7 @@ use serde::Serialize;
 
 use lmrr_engine::scheduler::RequestId;
 use lmrr_engine::Model;
-use lmrr_recorder::{Bundle, Event, Integrity};
+use lmrr_recorder::{Bundle, Integrity};
 
 use crate::bisect::BisectOutcome;
 use crate::driver::{Catalog, Trace};
@@ -188,15 +189,8 @@ impl ReportData {
     /// The bundle alone: timeline and facts (`lmrr inspect --html`).
     pub fn inspect(bundle: &Bundle, path: &str, command: &str) -> Self {
         let cat = Catalog::of(bundle);
-        let steps = bundle
-            .events
-            .iter()
-            .filter(|e| matches!(e, Event::Step(_)))
-            .count() as u64;
-        let last_step = bundle.events.iter().rev().find_map(|e| match e {
-            Event::Step(r) => Some(r.step),
-            _ => None,
-        });
+        let steps = bundle.events.iter().filter(|e| e.step().is_some()).count() as u64;
+        let last_step = bundle.events.iter().rev().find_map(|e| e.step());
         let m = &bundle.manifest;
         ReportData {
             kind: Kind::Inspect,
@@ -370,7 +364,7 @@ impl ReportData {
 fn recorded_tokens(bundle: &Bundle, id: RequestId) -> Vec<(usize, u32)> {
     let mut out = Vec::new();
     for e in &bundle.events {
-        if let Event::Step(r) = e {
+        for r in e.reports() {
             for s in r.seqs.iter().filter(|s| s.id == id) {
                 if let Some(t) = s.sampled {
                     out.push((s.start.saturating_add(s.len), t));

@@ -112,12 +112,19 @@ pub(super) fn render(r: &ReportData) -> Result<String, HtmlError> {
          <p class=\"legend\"><span class=\"k arrival\"></span>arrival \
          <span class=\"k prefill\"></span>prefill chunks \
          <span class=\"k decode\"></span>decode steps \
-         <span class=\"k cached\"></span>served from the prefix cache \
+         {}<span class=\"k cached\"></span>served from the prefix cache \
          <span class=\"k interrupt\">✕</span>interrupt \
          <span class=\"k preempt\">▼</span>preemption \
          <span class=\"k finish\"></span>finish \
          <span class=\"k divergence\"></span>first divergence · hover for details</p>\
          <div class=\"scroll\">{}</div>{}</section>",
+        if tl.lanes.iter().any(|l| l.engine.is_some()) {
+            "<span class=\"k transfer\"></span>K/V transfer into decode pages \
+             <span class=\"k orphan-transfer\"></span>transfer after its request's abort \
+             (one lane per engine: prefill, decode) "
+        } else {
+            ""
+        },
         timeline::svg(tl, truncated_at),
         if tl.lanes.len() > super::MAX_LANES {
             format!(

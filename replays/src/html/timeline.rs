@@ -24,6 +24,12 @@ pub enum RunKind {
     Prefill,
     /// One sampled token per step.
     Decode,
+    /// K/V carried from the prefill engine into the decode engine's pages
+    /// (a disaggregated deployment's decode lane).
+    Transfer,
+    /// K/V written into decode pages after its request was aborted and the
+    /// pages freed (`pd-abort-reuses-pages`).
+    OrphanTransfer,
 }
 
 /// Consecutive steps of one kind.
@@ -82,6 +88,10 @@ pub struct Lane {
     pub request: String,
     pub request_id: RequestId,
     pub turn: usize,
+    /// The engine of a disaggregated deployment the lane shows (`prefill`,
+    /// `decode`); absent for a colocated engine's single lane.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine: Option<String>,
     pub runs: Vec<Run>,
     pub marks: Vec<Mark>,
 }
@@ -106,6 +116,9 @@ pub struct Timeline {
 impl Timeline {
     /// Lanes in arrival order.
     pub(crate) fn of(bundle: &Bundle, cat: &Catalog) -> Self {
+        if crate::pd::pd_config(bundle).is_some() {
+            return super::pd_lanes::of(bundle, cat);
+        }
         let mut lanes: Vec<Lane> = cat
             .order
             .iter()
@@ -113,6 +126,7 @@ impl Timeline {
                 request: cat.name(id),
                 request_id: id,
                 turn: cat.turn(id),
+                engine: None,
                 runs: Vec::new(),
                 marks: Vec::new(),
             })
@@ -139,51 +153,10 @@ impl Timeline {
                         lanes[i].marks.push(Mark::Interrupt { step: *step });
                     }
                 }
+                Event::Disaggregated(_) | Event::PdStep(_) => {}
                 Event::Step(r) => {
                     last_step = last_step.max(r.step);
-                    for d in &r.decisions {
-                        match d {
-                            Decision::Admit { id, cached_tokens } => {
-                                if let Some(&i) = index.get(id) {
-                                    lanes[i].marks.push(Mark::Admit {
-                                        step: r.step,
-                                        cached: *cached_tokens,
-                                    });
-                                }
-                            }
-                            Decision::Preempt { id } => {
-                                if let Some(&i) = index.get(id) {
-                                    lanes[i].marks.push(Mark::Preempt { step: r.step });
-                                }
-                            }
-                            Decision::Schedule { id, len, .. } => {
-                                let Some(&i) = index.get(id) else { continue };
-                                let sampled =
-                                    r.seqs.iter().any(|s| s.id == *id && s.sampled.is_some());
-                                let kind = if *len == 1 && sampled {
-                                    RunKind::Decode
-                                } else {
-                                    RunKind::Prefill
-                                };
-                                let runs = &mut lanes[i].runs;
-                                match runs.last_mut() {
-                                    Some(run) if run.kind == kind && run.to + 1 == r.step => {
-                                        run.to = r.step;
-                                        run.steps += 1;
-                                        run.positions += len;
-                                    }
-                                    _ => runs.push(Run {
-                                        kind,
-                                        from: r.step,
-                                        to: r.step,
-                                        steps: 1,
-                                        positions: *len,
-                                    }),
-                                }
-                            }
-                            Decision::Interrupt { .. } => {}
-                        }
-                    }
+                    add_decisions(&mut lanes, &index, r);
                     for (id, reason) in &r.finished {
                         if let Some(&i) = index.get(id) {
                             lanes[i].marks.push(Mark::Finish {
@@ -209,6 +182,78 @@ impl Timeline {
             request_id: d.request_id,
             position: d.position,
         });
+    }
+}
+
+/// A step's admissions, preemptions and scheduled spans on the lanes `index`
+/// maps its requests to (consecutive spans of one kind merge into a run).
+pub(super) fn add_decisions(
+    lanes: &mut [Lane],
+    index: &std::collections::BTreeMap<RequestId, usize>,
+    r: &lmrr_engine::StepReport,
+) {
+    for d in &r.decisions {
+        match d {
+            Decision::Admit { id, cached_tokens } => {
+                if let Some(&i) = index.get(id) {
+                    lanes[i].marks.push(Mark::Admit {
+                        step: r.step,
+                        cached: *cached_tokens,
+                    });
+                }
+            }
+            Decision::Preempt { id } => {
+                if let Some(&i) = index.get(id) {
+                    lanes[i].marks.push(Mark::Preempt { step: r.step });
+                }
+            }
+            Decision::Schedule { id, len, .. } => {
+                let Some(&i) = index.get(id) else { continue };
+                let sampled = r.seqs.iter().any(|s| s.id == *id && s.sampled.is_some());
+                let kind = if *len == 1 && sampled {
+                    RunKind::Decode
+                } else {
+                    RunKind::Prefill
+                };
+                let runs = &mut lanes[i].runs;
+                match runs.last_mut() {
+                    Some(run) if run.kind == kind && run.to + 1 == r.step => {
+                        run.to = r.step;
+                        run.steps += 1;
+                        run.positions += len;
+                    }
+                    _ => runs.push(Run {
+                        kind,
+                        from: r.step,
+                        to: r.step,
+                        steps: 1,
+                        positions: *len,
+                    }),
+                }
+            }
+            Decision::Interrupt { .. } => {}
+        }
+    }
+}
+
+/// Extends the lane's last run of `kind` if it ended the step before, or
+/// starts one.
+pub(super) fn add_run(lane: &mut Lane, kind: RunKind, step: u64, positions: usize) {
+    match lane.runs.last_mut() {
+        Some(run) if run.kind == kind && run.to + 1 >= step => {
+            if run.to != step {
+                run.steps += 1;
+            }
+            run.to = step;
+            run.positions += positions;
+        }
+        _ => lane.runs.push(Run {
+            kind,
+            from: step,
+            to: step,
+            steps: 1,
+            positions,
+        }),
     }
 }
 
@@ -260,13 +305,17 @@ pub fn svg(t: &Timeline, truncated_at: Option<u64>) -> String {
             .as_ref()
             .is_some_and(|d| d.request_id == Some(lane.request_id));
         s += &format!(
-            r#"<g class="lane{}" data-request="{}"><text class="lane-label" x="{}" y="{:.1}" text-anchor="end">{} · turn {}</text>"#,
+            r#"<g class="lane{}" data-request="{}"><text class="lane-label" x="{}" y="{:.1}" text-anchor="end">{} · turn {}{}</text>"#,
             if divergent { " divergent" } else { "" },
             lane.request_id,
             LABEL_W - 8.0,
             mid + 4.0,
             esc(&lane.request),
-            lane.turn
+            lane.turn,
+            lane.engine
+                .as_deref()
+                .map(|e| format!(" · {e}"))
+                .unwrap_or_default()
         );
         // The life line, arrival to finish.
         let arrival = lane.marks.iter().map(Mark::step).min().unwrap_or(0);
@@ -286,6 +335,8 @@ pub fn svg(t: &Timeline, truncated_at: Option<u64>) -> String {
             let kind = match r.kind {
                 RunKind::Prefill => "prefill",
                 RunKind::Decode => "decode",
+                RunKind::Transfer => "transfer",
+                RunKind::OrphanTransfer => "orphan-transfer",
             };
             s += &format!(
                 r#"<rect class="{kind}" x="{:.1}" y="{:.1}" width="{:.1}" height="{:.1}"><title>{}: {kind} steps {}..={} ({} steps, {} positions)</title></rect>"#,

@@ -39,3 +39,23 @@ pub fn record_then(
 pub fn record(m: &Model, src: &str, cfg: EngineConfig, patches: PatchSet) -> Bundle {
     record_then(m, src, cfg, patches, |_| {})
 }
+
+/// Records `src` on `m` on a disaggregated deployment (prefill engine `cfg`,
+/// decode engine and link `pd`), 2 threads, top-5 logprobs.
+pub fn record_pd(
+    m: &Model,
+    src: &str,
+    cfg: EngineConfig,
+    pd: lmrr_engine::PdConfig,
+    patches: PatchSet,
+) -> Bundle {
+    let script = Script::parse(src, "s.toml").unwrap();
+    let manifest = Manifest::for_session(m, cfg, &patches, "s.toml", src, 5, 2, "test", "test");
+    let mut eng =
+        lmrr_engine::PdEngine::new(m.net(), cfg, pd, Threads::new(2).unwrap(), patches).unwrap();
+    eng.set_top_logprobs(5);
+    let mut rec = Recorder::new(Vec::new(), &manifest).unwrap();
+    rec.disaggregated(pd);
+    run_session(m, &script, &mut eng, |e| rec.observe(e)).unwrap();
+    read(&rec.finish().unwrap()).unwrap()
+}

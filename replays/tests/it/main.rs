@@ -4,6 +4,7 @@
 //! shared helpers (`common/`, the fuzz target's `mutator/`) stay beside
 //! this folder; insta snapshots stay in the repository's `snapshots/`.
 
+mod disagg;
 mod hostile;
 mod html;
 mod imports;

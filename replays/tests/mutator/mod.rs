@@ -229,81 +229,99 @@ fn edit_event(e: &mut Event, op: u8, o: &mut Ops<'_>) {
             0 => *step = o.value(*step),
             _ => *id = o.value(*id),
         },
-        Event::Step(r) => match op % 4 {
-            0 => r.step = o.value(r.step),
-            1 => {
-                let Some(k) = o.index(r.decisions.len()) else {
-                    r.decisions.push(Decision::Preempt { id: o.value(0) });
-                    return;
-                };
-                let d = &mut r.decisions[k];
-                match (o.u8() % 6, d) {
-                    (0, d) => {
-                        *d = match o.u8() % 4 {
-                            0 => Decision::Interrupt { id: o.value(0) },
-                            1 => Decision::Preempt { id: o.value(0) },
-                            2 => Decision::Admit {
-                                id: o.value(0),
-                                cached_tokens: o.usize(0),
-                            },
-                            _ => Decision::Schedule {
-                                id: o.value(0),
-                                start: o.usize(0),
-                                len: o.usize(1),
-                            },
-                        }
+        Event::Step(r) => edit_report(r, op, o),
+        Event::PdStep(p) => {
+            if op & 4 == 0 {
+                edit_report(&mut p.prefill, op, o)
+            } else {
+                edit_report(&mut p.decode, op, o)
+            }
+        }
+        Event::Disaggregated(c) => match o.u8() % 4 {
+            0 => c.decode.page_size = o.usize(c.decode.page_size),
+            1 => c.decode.pool_pages = o.usize(c.decode.pool_pages),
+            2 => c.decode.max_batch_tokens = o.usize(c.decode.max_batch_tokens),
+            _ => c.transfer_pages_per_step = o.usize(c.transfer_pages_per_step),
+        },
+    }
+}
+
+/// One engine step report, edited.
+fn edit_report(r: &mut lmrr_engine::StepReport, op: u8, o: &mut Ops<'_>) {
+    match op % 4 {
+        0 => r.step = o.value(r.step),
+        1 => {
+            let Some(k) = o.index(r.decisions.len()) else {
+                r.decisions.push(Decision::Preempt { id: o.value(0) });
+                return;
+            };
+            let d = &mut r.decisions[k];
+            match (o.u8() % 6, d) {
+                (0, d) => {
+                    *d = match o.u8() % 4 {
+                        0 => Decision::Interrupt { id: o.value(0) },
+                        1 => Decision::Preempt { id: o.value(0) },
+                        2 => Decision::Admit {
+                            id: o.value(0),
+                            cached_tokens: o.usize(0),
+                        },
+                        _ => Decision::Schedule {
+                            id: o.value(0),
+                            start: o.usize(0),
+                            len: o.usize(1),
+                        },
                     }
-                    (
-                        1,
-                        Decision::Interrupt { id }
-                        | Decision::Preempt { id }
-                        | Decision::Admit { id, .. }
-                        | Decision::Schedule { id, .. },
-                    ) => *id = o.value(*id),
-                    (2, Decision::Admit { cached_tokens, .. }) => {
-                        *cached_tokens = o.usize(*cached_tokens)
-                    }
-                    (3, Decision::Schedule { start, .. }) => *start = o.usize(*start),
-                    (4, Decision::Schedule { len, .. }) => *len = o.usize(*len),
-                    (_, _) => {
-                        let d = r.decisions.remove(k);
-                        let j = o.u8() as usize % (r.decisions.len() + 1);
-                        r.decisions.insert(j, d);
-                    }
+                }
+                (
+                    1,
+                    Decision::Interrupt { id }
+                    | Decision::Preempt { id }
+                    | Decision::Admit { id, .. }
+                    | Decision::Schedule { id, .. },
+                ) => *id = o.value(*id),
+                (2, Decision::Admit { cached_tokens, .. }) => {
+                    *cached_tokens = o.usize(*cached_tokens)
+                }
+                (3, Decision::Schedule { start, .. }) => *start = o.usize(*start),
+                (4, Decision::Schedule { len, .. }) => *len = o.usize(*len),
+                (_, _) => {
+                    let d = r.decisions.remove(k);
+                    let j = o.u8() as usize % (r.decisions.len() + 1);
+                    r.decisions.insert(j, d);
                 }
             }
-            2 => {
-                let Some(k) = o.index(r.seqs.len()) else {
-                    return;
-                };
-                let s = &mut r.seqs[k];
-                match o.u8() % 7 {
-                    0 => s.id = o.value(s.id),
-                    1 => s.start = o.usize(s.start),
-                    2 => s.len = o.usize(s.len),
-                    3 => s.sampled = Some(o.value(s.sampled.unwrap_or(0) as u64) as u32),
-                    4 => s.sampled = None,
-                    5 => {
-                        if let Some(t) = s.top_logprobs.first_mut() {
-                            t.0 = o.value(t.0 as u64) as u32;
-                            t.1 = o.f32(t.1);
-                        } else {
-                            s.top_logprobs.push((o.u32(), o.f32(0.0)));
-                        }
+        }
+        2 => {
+            let Some(k) = o.index(r.seqs.len()) else {
+                return;
+            };
+            let s = &mut r.seqs[k];
+            match o.u8() % 7 {
+                0 => s.id = o.value(s.id),
+                1 => s.start = o.usize(s.start),
+                2 => s.len = o.usize(s.len),
+                3 => s.sampled = Some(o.value(s.sampled.unwrap_or(0) as u64) as u32),
+                4 => s.sampled = None,
+                5 => {
+                    if let Some(t) = s.top_logprobs.first_mut() {
+                        t.0 = o.value(t.0 as u64) as u32;
+                        t.1 = o.f32(t.1);
+                    } else {
+                        s.top_logprobs.push((o.u32(), o.f32(0.0)));
                     }
-                    _ => s.finish = Some(finish_reason(o.u8())),
+                }
+                _ => s.finish = Some(finish_reason(o.u8())),
+            }
+        }
+        _ => match o.u8() % 3 {
+            0 => r.finished.push((o.value(0), finish_reason(o.u8()))),
+            1 => r.cache_state[o.u8() as usize % 32] ^= 1,
+            _ => {
+                if let Some(k) = o.index(r.seqs.len()) {
+                    let s = r.seqs[k].clone();
+                    r.seqs.push(s);
                 }
             }
-            _ => match o.u8() % 3 {
-                0 => r.finished.push((o.value(0), finish_reason(o.u8()))),
-                1 => r.cache_state[o.u8() as usize % 32] ^= 1,
-                _ => {
-                    if let Some(k) = o.index(r.seqs.len()) {
-                        let s = r.seqs[k].clone();
-                        r.seqs.push(s);
-                    }
-                }
-            },
         },
     }
 }

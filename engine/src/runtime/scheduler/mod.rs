@@ -23,8 +23,12 @@
 //! Layout: [`types`] (what bundles record), `policy` (deciding a step),
 //! `state` (applying decisions: admission, preemption, interrupts, release
 //! into the radix cache), `step` (executing a step: the forward pass,
-//! sampling and the hashes).
+//! sampling and the hashes), `handoff` (what a disaggregated deployment
+//! asks of each side: the prefill side holding finished requests' pages
+//! until their K/V has been sent, the decode side reserving pages, taking
+//! K/V rows and admitting a request that was prefilled elsewhere).
 
+mod handoff;
 mod policy;
 mod state;
 mod step;
@@ -87,6 +91,10 @@ pub struct Scheduler<'m> {
     stalled: u64,
     /// `stalled` at which [`Scheduler::step`] refuses to go on.
     stall_limit: u64,
+    /// Prefill side of a disaggregated deployment: finished requests keep
+    /// their pages (and their tokens here) until [`Scheduler::release_held`].
+    hold_finished: bool,
+    held: BTreeMap<RequestId, Vec<u32>>,
 }
 
 /// Steps without progress before a run is declared livelocked, at least.
@@ -153,6 +161,8 @@ impl<'m> Scheduler<'m> {
             last_rows: Vec::new(),
             force_tokens: BTreeMap::new(),
             stalled: 0,
+            hold_finished: false,
+            held: BTreeMap::new(),
             stall_limit: MIN_STALL_LIMIT
                 .max(4 * model.context().div_ceil(cfg.max_batch_tokens) as u64),
         })

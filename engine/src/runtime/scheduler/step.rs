@@ -84,7 +84,11 @@ impl Scheduler<'_> {
                 };
             }
             if let Some(r) = rep.finish {
-                self.release(id, true);
+                if self.hold_finished {
+                    self.hold(id);
+                } else {
+                    self.release(id, true);
+                }
                 self.finish(id, r);
                 finished.push((id, r));
             }
