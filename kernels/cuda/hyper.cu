@@ -11,6 +11,7 @@ __device__ __forceinline__ float sigmoid(float x) {
 // (rows then columns; sums sequential from +0.0 in index order; IEEE division).
 extern "C" __global__ void hc_coeffs(const float* raw, float* pre, float* post, float* res,
                                      int n, int h, int iters, float eps) {
+    PDL_ENTRY();
     int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= n) return;
     int w = 2 * h + h * h;
@@ -43,6 +44,7 @@ extern "C" __global__ void hc_coeffs(const float* raw, float* pre, float* post, 
 // out[t][c] = sum_i pre[t][i] * x[t][i][c], an fmaf chain from +0.0 over
 // streams; one thread per (t, c).
 extern "C" __global__ void hc_pre(const float* x, const float* pre, float* out, int n, int h, int d) {
+    PDL_ENTRY();
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n * d) return;
     long long t = idx / d;
@@ -56,6 +58,7 @@ extern "C" __global__ void hc_pre(const float* x, const float* pre, float* out, 
 // one fmaf chain; one thread per (t, i, c).
 extern "C" __global__ void hc_post(const float* x, const float* res, const float* post,
                                    const float* y, float* out, int n, int h, int d) {
+    PDL_ENTRY();
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n * h * d) return;
     int c = (int)(idx % d);
@@ -71,6 +74,7 @@ extern "C" __global__ void hc_post(const float* x, const float* res, const float
 // out[t][c] = base[t][c] + sum_e gate[e] * ys[e][c], an fmaf chain from base.
 extern "C" __global__ void moe_combine(const float* base, const float* gates, const float* ys,
                                        const int* off, float* out, int n, int d) {
+    PDL_ENTRY();
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n * d) return;
     long long t = idx / d;
@@ -85,6 +89,7 @@ extern "C" __global__ void moe_combine(const float* base, const float* gates, co
 // the head sum an fmaf chain from +0.0 in head order; one thread per key.
 extern "C" __global__ void index_scores(const float* q, const float* w, const float* keys,
                                         float* out, int m, int heads, int dim) {
+    PDL_ENTRY();
     int s = blockIdx.x * blockDim.x + threadIdx.x;
     if (s >= m) return;
     const float* key = keys + (long long)s * dim;
@@ -95,4 +100,35 @@ extern "C" __global__ void index_scores(const float* q, const float* w, const fl
         acc = fmaf(w[hh], r, acc);
     }
     out[s] = acc;
+}
+
+// moe_combine over expert outputs laid out by expert: entry e of token t
+// reads row idx[e] of ys; base null: the chain starts from +0.0 (no shared
+// expert). The same fmaf chain as moe_combine.
+extern "C" __global__ void moe_combine_idx(const float* base, const float* gates, const float* ys,
+                                           const int* idx, const int* off, float* out, int n, int d) {
+    PDL_ENTRY();
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n * d) return;
+    long long t = i / d;
+    int c = (int)(i % d);
+    float acc = base ? base[i] : 0.0f;
+    for (int e = off[t]; e < off[t + 1]; ++e) acc = fmaf(gates[e], ys[(long long)idx[e] * d + c], acc);
+    out[i] = acc;
+}
+
+// Indexer keys of n tokens into their pages: row t of ik (aux floats) to the
+// auxiliary row of slot[t] in page dst[t] at `layer` (after the page's K and
+// V rows; the layout of kv_row).
+extern "C" __global__ void kv_write_aux(const float* ik, const unsigned long long* dst,
+                                        const unsigned long long* slot, int n, int layer, int page_len,
+                                        int kvd, int aux) {
+    PDL_ENTRY();
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n * aux) return;
+    long long t = i / aux;
+    int c = (int)(i % aux);
+    long long stride = (long long)page_len * (2 * kvd + aux);
+    float* row = (float*)dst[t] + layer * stride + 2LL * page_len * kvd + (long long)slot[t] * aux;
+    row[c] = ik[i];
 }

@@ -133,6 +133,17 @@ pub(crate) struct Kernels {
     pub(crate) swiglu: Func,
     pub(crate) swiglu_split: Func,
     pub(crate) fma_peak: Func,
+    pub(crate) add_bias: Func,
+    pub(crate) scale_elems: Func,
+    pub(crate) geglu: Func,
+    pub(crate) repeat_rows: Func,
+    pub(crate) round_bf16: Func,
+    pub(crate) stream_mean: Func,
+    pub(crate) hc_coeffs: Func,
+    pub(crate) hc_pre: Func,
+    pub(crate) hc_post: Func,
+    pub(crate) moe_combine_idx: Func,
+    pub(crate) kv_write_aux: Func,
 }
 
 impl Kernels {
@@ -181,6 +192,17 @@ impl Kernels {
             swiglu: f("swiglu")?,
             swiglu_split: f("swiglu_split")?,
             fma_peak: f("fma_peak")?,
+            add_bias: f("add_bias")?,
+            scale_elems: f("scale_elems")?,
+            geglu: f("geglu")?,
+            repeat_rows: f("repeat_rows")?,
+            round_bf16: f("round_bf16")?,
+            stream_mean: f("stream_mean")?,
+            hc_coeffs: f("hc_coeffs")?,
+            hc_pre: f("hc_pre")?,
+            hc_post: f("hc_post")?,
+            moe_combine_idx: f("moe_combine_idx")?,
+            kv_write_aux: f("kv_write_aux")?,
             _module: module,
         })
     }

@@ -306,7 +306,7 @@ impl Gpu {
 
     /// Sums `o`'s partials into `o.y` (`sum_chunks`, `count` = n · rows)
     /// where it has them; returns the address of its values.
-    pub(crate) fn sum_split(&self, o: MmOut, count: usize) -> Result<u64, GpuError> {
+    pub fn sum_split(&self, o: MmOut, count: usize) -> Result<u64, GpuError> {
         if !o.is_split() || count == 0 {
             return Ok(o.y);
         }

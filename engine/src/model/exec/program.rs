@@ -286,6 +286,16 @@ pub struct Builder {
 }
 
 impl Builder {
+    /// Ops appended so far (the next op's index).
+    pub fn len(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// No op appended yet.
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+
     /// Declares a buffer.
     pub fn buf(&mut self, name: &'static str, rows: Rows, width: usize) -> Buf {
         self.bufs.push(BufDecl { name, rows, width });
@@ -552,11 +562,65 @@ impl Program {
             Op::RopeKvAttend { spec, .. } if spec.window.is_some() => {
                 Some("rope_kv_attend with a sliding window".into())
             }
-            Op::Glu {
-                act: Act::GeluTanh, ..
-            } => Some("glu with gelu_tanh (GeGLU)".into()),
             _ => None,
         })
+    }
+}
+
+impl Op {
+    /// The buffers the op reads, in operand order.
+    pub fn reads(&self) -> Vec<Buf> {
+        match self {
+            Op::Embed { .. } => vec![],
+            Op::RmsNorm { x, .. }
+            | Op::HeadRmsNorm { x, .. }
+            | Op::Matmul { x, .. }
+            | Op::Scale { x, .. }
+            | Op::GatherWanted { x, .. }
+            | Op::Repeat { x, .. }
+            | Op::RoundBf16 { x }
+            | Op::StreamMean { x, .. }
+            | Op::Moe { x, .. } => vec![*x],
+            Op::RopeKvAttend { q, k, v, .. } => vec![*q, *k, *v],
+            Op::AddInto { x, y } => vec![*x, *y],
+            Op::Glu { gate, up, .. } => vec![*gate, *up],
+            Op::HcSinkhorn { raw, .. } => vec![*raw],
+            Op::HcPre { x, pre, .. } => vec![*x, *pre],
+            Op::HcPost {
+                x, res, post, y, ..
+            } => vec![*x, *res, *post, *y],
+            Op::SparseAttend {
+                q,
+                k,
+                v,
+                iq,
+                ik,
+                iw,
+                ..
+            } => vec![*q, *k, *v, *iq, *ik, *iw],
+        }
+    }
+
+    /// The buffers the op writes (in place ones included: RoPE rotates q
+    /// and k where they are).
+    pub fn writes(&self) -> Vec<Buf> {
+        match self {
+            Op::Embed { out, .. }
+            | Op::RmsNorm { out, .. }
+            | Op::HeadRmsNorm { out, .. }
+            | Op::Glu { out, .. }
+            | Op::GatherWanted { out, .. }
+            | Op::Repeat { out, .. }
+            | Op::HcPre { out, .. }
+            | Op::HcPost { out, .. }
+            | Op::StreamMean { out, .. }
+            | Op::Moe { out, .. } => vec![*out],
+            Op::Matmul { jobs, .. } => jobs.iter().map(|j| j.out).collect(),
+            Op::RopeKvAttend { q, k, out, .. } => vec![*q, *k, *out],
+            Op::Scale { x, .. } | Op::RoundBf16 { x } | Op::AddInto { x, .. } => vec![*x],
+            Op::HcSinkhorn { pre, post, res, .. } => vec![*pre, *post, *res],
+            Op::SparseAttend { q, k, iw, out, .. } => vec![*q, *k, *iw, *out],
+        }
     }
 }
 

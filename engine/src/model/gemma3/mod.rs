@@ -76,6 +76,8 @@ pub struct Gemma3 {
     shape: AttnShape,
     embed_scale: f32,
     device: Device,
+    /// Its programs, and on CUDA the resident executor.
+    exec: exec::Executors,
 }
 
 /// `x` rounded to bf16 (nearest, ties to even), as an f32.
@@ -159,6 +161,7 @@ impl Gemma3 {
             shape,
             embed_scale,
             device: Device::Cpu,
+            exec: exec::Executors::default(),
         })
     }
 
@@ -334,8 +337,10 @@ impl Gemma3 {
         };
         let context = self.cfg.max_position_embeddings;
         exec::begin_step(&ops, kv, spans, context, vocab, &PatchSet::none())?;
-        let (prog, tables) = (self.program(), self.tables());
-        exec::run_host(&ops, kv, spans, vocab, &prog, &tables, Default::default())
+        let tables = self.tables();
+        let prog = self.exec.program(&PatchSet::none(), || self.program());
+        self.exec
+            .run(&ops, kv, spans, vocab, &prog, &tables, Default::default())
     }
 }
 
@@ -397,13 +402,10 @@ impl ModelFamily for Gemma3 {
     /// The host executor runs on any device whose kernels cover every op of
     /// the program; the first op without a device kernel is named otherwise.
     fn set_device(&mut self, device: Device) -> Result<(), EngineError> {
-        if !matches!(device, Device::Cpu) {
-            if let Some(op) = self.program().first_cpu_only_op() {
-                return Err(EngineError::Device(format!(
-                    "gemma3_text on {device:?}: the op {op} has no device kernel; run it on the CPU"
-                )));
-            }
-        }
+        let mut exec = std::mem::take(&mut self.exec);
+        let r = exec.set_device(&device, "gemma3_text", &self.tables(), &self.program());
+        self.exec = exec;
+        r?;
         self.device = device;
         Ok(())
     }

@@ -12,33 +12,11 @@
 //! (contract invariant I2) or on how its prompt was chunked (I3).
 
 pub mod config;
-#[cfg(feature = "cuda")]
-mod cuda;
 pub mod variant;
 
 pub use variant::Variant;
 
-/// Where one timed resident step's wall time went (measurement:
-/// [`Llama::set_cuda_step_timing`]), seconds. The host parts are the
-/// calling thread's clock; `kernels` and `copies` are the device's, by
-/// events recorded before the step's first launch, after its last, and
-/// after the downloads.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct StepSplit {
-    /// The step's kernels on the device, first launch to last.
-    pub kernels: f64,
-    /// The downloads (logits and K/V rows) on the device after them.
-    pub copies: f64,
-    /// Host work before the first launch (page checks, the inputs' upload).
-    pub before: f64,
-    /// The launch calls themselves (a graph, or every kernel).
-    pub launch: f64,
-    /// From the last launch call's return until the downloads are done.
-    pub wait: f64,
-    /// Host work after the downloads (the K/V rows into the host store, the
-    /// logits rows handed out).
-    pub after: f64,
-}
+pub use crate::model::exec::StepSplit;
 
 use lmrr_kernels::{AttnShape, RopeTable, Threads};
 
@@ -112,9 +90,8 @@ pub struct Llama {
     rope: RopeTable,
     shape: AttnShape,
     device: Device,
-    /// Weights and KV pages on the device, when `device` is CUDA.
-    #[cfg(feature = "cuda")]
-    resident: Option<cuda::Resident>,
+    /// Its programs, and on CUDA the resident executor.
+    exec: exec::Executors,
 }
 
 impl Llama {
@@ -180,8 +157,7 @@ impl Llama {
             rope,
             shape,
             device: Device::Cpu,
-            #[cfg(feature = "cuda")]
-            resident: None,
+            exec: exec::Executors::default(),
         })
     }
 
@@ -374,42 +350,26 @@ impl Llama {
     /// measurement switch: the bits are the same either way); nothing off
     /// the device.
     pub fn set_cuda_graphs(&self, on: bool) {
-        #[cfg(feature = "cuda")]
-        if let Some(r) = &self.resident {
-            r.set_graphs(on);
-        }
-        let _ = on;
+        self.exec.set_graphs(on);
     }
 
     /// Measurement switch of the resident path: while on, each step's
     /// kernels are timed on the device by events around them
     /// ([`Llama::take_cuda_step_device`]); nothing off the device.
     pub fn set_cuda_step_timing(&self, on: bool) {
-        #[cfg(feature = "cuda")]
-        if let Some(r) = &self.resident {
-            r.set_step_timing(on);
-        }
-        let _ = on;
+        self.exec.set_step_timing(on);
     }
 
     /// Each step timed since the last call (empty off the device or while
     /// timing is off).
     pub fn take_cuda_step_device(&self) -> Vec<StepSplit> {
-        #[cfg(feature = "cuda")]
-        if let Some(r) = &self.resident {
-            return r.take_step_device();
-        }
-        Vec::new()
+        self.exec.take_step_device()
     }
 
     /// On the resident path: KV pages held on the device, and pages
     /// uploaded to it so far.
     pub fn device_stats(&self) -> Option<(usize, u64)> {
-        #[cfg(feature = "cuda")]
-        if let Some(r) = &self.resident {
-            return Some(r.kv_stats());
-        }
-        None
+        self.exec.device_stats()
     }
 
     pub fn attn_shape(&self) -> AttnShape {
@@ -477,18 +437,10 @@ impl Llama {
             vocab,
             patches,
         )?;
-        #[cfg(feature = "cuda")]
-        if let Some(r) = &self.resident {
-            let tok = crate::model::stacked_tokens(spans);
-            if tok.is_empty() {
-                return Ok(crate::model::split_rows(spans, &[], vocab, threads));
-            }
-            let rows = crate::model::wanted_rows(spans);
-            return r.forward(self, kv, spans, &tok, &rows, threads);
-        }
         let (tables, slots) = self.tables();
-        let prog = self.program(&slots, patches);
-        exec::run_host(&ops, kv, spans, vocab, &prog, &tables, Default::default())
+        let prog = self.exec.program(patches, || self.program(&slots, patches));
+        self.exec
+            .run(&ops, kv, spans, vocab, &prog, &tables, Default::default())
     }
 }
 
@@ -545,28 +497,18 @@ impl ModelFamily for Llama {
         self.tensors()
     }
 
-    /// Plain llama runs resident on CUDA; a variant runs through the host
-    /// executor with the device's per-call kernels, and is refused, naming
-    /// the op, where one of its ops has none.
+    /// On CUDA every variant runs on the resident executor, and is refused,
+    /// naming the op, where one of its ops has no device kernel.
     fn set_device(&mut self, device: Device) -> Result<(), EngineError> {
-        #[cfg(feature = "cuda")]
-        {
-            self.resident = None;
-            if let Device::Cuda(g) = &device {
-                if self.variant == Variant::LLAMA {
-                    self.resident = Some(cuda::Resident::new(g.clone(), self)?);
-                } else {
-                    let (_, slots) = self.tables();
-                    let prog = self.program(&slots, &PatchSet::none());
-                    if let Some(op) = prog.first_cpu_only_op() {
-                        return Err(EngineError::Device(format!(
-                            "{} on CUDA: the op {op} has no device kernel; run it on the CPU",
-                            self.variant.family
-                        )));
-                    }
-                }
-            }
-        }
+        let family = self.variant.family.to_string();
+        let mut exec = std::mem::take(&mut self.exec);
+        let r = {
+            let (tables, slots) = self.tables();
+            let prog = self.program(&slots, &PatchSet::none());
+            exec.set_device(&device, &family, &tables, &prog)
+        };
+        self.exec = exec;
+        r?;
         self.device = device;
         Ok(())
     }
@@ -596,17 +538,10 @@ impl ModelFamily for Llama {
     /// On the CUDA resident path with `LMRR_CUDA_PROFILE=1`: the step's
     /// parts, each synchronized and timed.
     fn profile(&self) -> Vec<(&'static str, f64)> {
-        #[cfg(feature = "cuda")]
-        if let Some(r) = &self.resident {
-            return r.profile();
-        }
-        Vec::new()
+        self.exec.profile(&Default::default())
     }
 
     fn reset_profile(&self) {
-        #[cfg(feature = "cuda")]
-        if let Some(r) = &self.resident {
-            r.reset_profile();
-        }
+        self.exec.reset_profile(&Default::default());
     }
 }

@@ -91,6 +91,8 @@ pub struct MiniV4 {
     device: Device,
     /// Time per op, for `lmrr bench` (measurement only).
     profile: exec::host::Profile,
+    /// Its programs, and on CUDA the resident executor.
+    exec: exec::Executors,
 }
 
 /// The patch points of one step.
@@ -221,6 +223,7 @@ impl MiniV4 {
             indexer,
             device: Device::Cpu,
             profile: exec::host::Profile::default(),
+            exec: exec::Executors::default(),
         })
     }
 
@@ -422,12 +425,14 @@ impl MiniV4 {
         };
         let (context, vocab) = (cfg.max_position_embeddings, cfg.vocab_size);
         exec::begin_step(&ops, kv, spans, context, vocab, patches)?;
-        let (tables, prog) = self.plan(patches);
+        let (tables, fresh) = self.plan(patches);
+        let prog = self.exec.program(patches, || fresh);
         let extras = exec::host::Extras {
             trace,
             profile: Some(&self.profile),
         };
-        exec::run_host(&ops, kv, spans, vocab, &prog, &tables, extras)
+        self.exec
+            .run(&ops, kv, spans, vocab, &prog, &tables, extras)
     }
 
     fn tensors(&self) -> Vec<NamedTensor<'_>> {
@@ -551,6 +556,13 @@ impl ModelFamily for MiniV4 {
     }
 
     fn set_device(&mut self, device: Device) -> Result<(), EngineError> {
+        let mut exec = std::mem::take(&mut self.exec);
+        let r = {
+            let (tables, prog) = self.plan(&PatchSet::none());
+            exec.set_device(&device, "mini-v4", &tables, &prog)
+        };
+        self.exec = exec;
+        r?;
         self.device = device;
         Ok(())
     }
@@ -603,11 +615,11 @@ impl ModelFamily for MiniV4 {
 
     /// Seconds per op of the program (by op name) and the step in all.
     fn profile(&self) -> Vec<(&'static str, f64)> {
-        self.profile.parts()
+        self.exec.profile(&self.profile)
     }
 
     fn reset_profile(&self) {
-        self.profile.take();
+        self.exec.reset_profile(&self.profile);
     }
 
     fn explain(

@@ -67,6 +67,8 @@ pub struct MoeModel {
     rope: RopeTable,
     shape: AttnShape,
     device: Device,
+    /// Its programs, and on CUDA the resident executor.
+    exec: exec::Executors,
 }
 
 /// Where a layer's weights sit in [`MoeModel::tables`].
@@ -192,6 +194,7 @@ impl MoeModel {
             rope,
             shape,
             device: Device::Cpu,
+            exec: exec::Executors::default(),
         })
     }
 
@@ -400,8 +403,9 @@ impl MoeModel {
         let context = self.cfg.max_position_embeddings;
         exec::begin_step(&ops, kv, spans, context, vocab, patches)?;
         let (tables, slots) = self.tables();
-        let prog = self.program(&slots, patches);
-        exec::run_host(&ops, kv, spans, vocab, &prog, &tables, Default::default())
+        let prog = self.exec.program(patches, || self.program(&slots, patches));
+        self.exec
+            .run(&ops, kv, spans, vocab, &prog, &tables, Default::default())
     }
 }
 
@@ -461,9 +465,18 @@ impl ModelFamily for MoeModel {
         self.tensors()
     }
 
-    /// The host executor runs every op of these programs through the
-    /// device's kernels, the routing on the host; no resident path.
+    /// On CUDA the resident executor runs these programs (the routing on
+    /// the host, from the router logits it brings back).
     fn set_device(&mut self, device: Device) -> Result<(), EngineError> {
+        let family = self.family().model_type();
+        let mut exec = std::mem::take(&mut self.exec);
+        let r = {
+            let (tables, slots) = self.tables();
+            let prog = self.program(&slots, &PatchSet::none());
+            exec.set_device(&device, family, &tables, &prog)
+        };
+        self.exec = exec;
+        r?;
         self.device = device;
         Ok(())
     }

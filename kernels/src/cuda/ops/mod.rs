@@ -9,3 +9,4 @@ pub mod attention;
 pub mod elementwise;
 pub mod matmul;
 pub mod norm;
+pub mod program;

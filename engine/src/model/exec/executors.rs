@@ -1,0 +1,146 @@
+//! A family's executors in one place: its programs (one per patch set,
+//! built once) and, on CUDA, the resident executor with its tables on the
+//! device. A step runs on the resident executor where there is one and it
+//! takes the step, else on the host executor; the measurement switches of
+//! the device path are reached through here, so that no family holds device
+//! code.
+
+use std::sync::Arc;
+
+use super::host::{self, Extras};
+use super::{run_host, Programs, StepSplit};
+use super::{Program, Tables};
+use crate::kv::KvCache;
+use crate::model::ops::Ops;
+use crate::model::{Device, SeqSpan};
+use crate::patches::PatchSet;
+use crate::EngineError;
+
+/// A family's programs and, on CUDA, its resident executor.
+#[derive(Default)]
+pub struct Executors {
+    programs: Programs,
+    #[cfg(feature = "cuda")]
+    resident: Option<super::resident::Resident>,
+}
+
+impl Executors {
+    /// Moves to `device`: off the CPU a program with an op that has no
+    /// device kernel is refused, naming the op and `family`; on CUDA the
+    /// tables are uploaded for the resident executor.
+    pub fn set_device(
+        &mut self,
+        device: &Device,
+        family: &str,
+        tables: &Tables,
+        prog: &Program,
+    ) -> Result<(), EngineError> {
+        #[cfg(feature = "cuda")]
+        {
+            self.resident = None;
+        }
+        if matches!(device, Device::Cpu) {
+            return Ok(());
+        }
+        if let Some(op) = prog.first_cpu_only_op() {
+            return Err(EngineError::Device(format!(
+                "{family} on {device:?}: the op {op} has no device kernel; run it on the CPU"
+            )));
+        }
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(g) = device {
+            self.resident = Some(super::resident::Resident::new(g.clone(), tables)?);
+        }
+        let _ = tables;
+        Ok(())
+    }
+
+    /// The program of `patches` (built by `build` the first time).
+    pub fn program(&self, patches: &PatchSet, build: impl FnOnce() -> Program) -> Arc<Program> {
+        self.programs.get(patches, build)
+    }
+
+    /// One step after [`super::begin_step`]: on the resident executor where
+    /// there is one and the step needs nothing only the host executor does
+    /// (the indexer's trace, a sparse selection), else on the host executor.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        &self,
+        ops: &Ops,
+        kv: &mut dyn KvCache,
+        spans: &[SeqSpan],
+        vocab: usize,
+        prog: &Arc<Program>,
+        tables: &Tables,
+        extras: Extras,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        #[cfg(feature = "cuda")]
+        if let (Some(r), None) = (&self.resident, &extras.trace) {
+            if let Some(out) = r.forward(prog, tables, kv, spans, ops.threads)? {
+                return Ok(out);
+            }
+        }
+        run_host(ops, kv, spans, vocab, prog, tables, extras)
+    }
+
+    /// Turns the resident path's decode-step CUDA graphs on or off (a
+    /// measurement switch: the bits are the same either way).
+    pub fn set_graphs(&self, on: bool) {
+        #[cfg(feature = "cuda")]
+        if let Some(r) = &self.resident {
+            r.set_graphs(on);
+        }
+        let _ = on;
+    }
+
+    /// While on, each resident step's kernels are timed on the device by
+    /// events around them ([`Executors::take_step_device`]).
+    pub fn set_step_timing(&self, on: bool) {
+        #[cfg(feature = "cuda")]
+        if let Some(r) = &self.resident {
+            r.set_step_timing(on);
+        }
+        let _ = on;
+    }
+
+    /// Each resident step timed since the last call.
+    pub fn take_step_device(&self) -> Vec<StepSplit> {
+        #[cfg(feature = "cuda")]
+        if let Some(r) = &self.resident {
+            return r.take_step_device();
+        }
+        Vec::new()
+    }
+
+    /// On the resident path: KV pages held on the device, and pages
+    /// uploaded to it so far.
+    pub fn device_stats(&self) -> Option<(usize, u64)> {
+        #[cfg(feature = "cuda")]
+        if let Some(r) = &self.resident {
+            return Some(r.kv_stats());
+        }
+        None
+    }
+
+    /// The resident path's time per op (with `LMRR_CUDA_PROFILE=1`), else
+    /// `host`'s.
+    pub fn profile(&self, host: &host::Profile) -> Vec<(&'static str, f64)> {
+        #[cfg(feature = "cuda")]
+        if let Some(r) = &self.resident {
+            let p = r.profile();
+            if !p.is_empty() {
+                return p;
+            }
+        }
+        host.parts()
+    }
+
+    /// Zeroes both profiles.
+    pub fn reset_profile(&self, host: &host::Profile) {
+        #[cfg(feature = "cuda")]
+        if let Some(r) = &self.resident {
+            r.reset_profile();
+        }
+        host.take();
+    }
+}

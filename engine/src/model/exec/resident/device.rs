@@ -1,0 +1,745 @@
+//! The resident executor's device state and its step: the tables on the
+//! device, the KV mirror, the step's inputs and arena, graphs, and the
+//! copies back to the host store.
+//!
+//! Invariant: a step either completes (its K/V rows in the host store, the
+//! mirror's versions moved with them) or fails with the mirror cleared, so
+//! that no device page is trusted that the host does not hold.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use lmrr_kernels::cuda::overlap::Overlap;
+use lmrr_kernels::cuda::resident::{DevBuf, DevMatrix, Graph, PageLayout, PageTable, Pinned};
+use lmrr_kernels::cuda::Gpu;
+use lmrr_kernels::Threads;
+
+use super::launch::{Addrs, Runner};
+use super::plan::{arena, Plan};
+use crate::kv::{KvCache, KvRun};
+use crate::model::device_kv::{pack_inputs, KvMirror};
+use crate::model::exec::{Op, Program, StepSplit, Tables};
+use crate::model::{gpu_err, stacked_tokens, wanted_rows, SeqSpan};
+use crate::EngineError;
+
+/// Steps of more tokens than this never split a matmul over its chunks
+/// (their tiles fill the device), so the partials' scratch stays small.
+const SPLIT_MAX_TOKENS: usize = 256;
+
+/// Graphs kept at most (one per program and decode shape).
+const MAX_GRAPHS: usize = 64;
+
+/// A graph's key: the program (by its address; [`State::plans`] keeps it
+/// alive) and the step's token and wanted-row counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Shape {
+    prog: usize,
+    n: usize,
+    m: usize,
+}
+
+struct StepGraph {
+    layers: Graph,
+    head: Option<Graph>,
+}
+
+#[derive(Default)]
+struct State {
+    mirror: Option<KvMirror<Gpu>>,
+    /// The arena, and its bytes.
+    scratch: Option<(DevBuf, usize)>,
+    /// The step's inputs (u64), and how many it holds.
+    inputs: Option<(DevBuf, usize)>,
+    graphs: HashMap<Shape, StepGraph>,
+    /// Decode shapes seen once (captured on the second sight).
+    seen: HashMap<Shape, u32>,
+    host_in: Vec<u64>,
+    /// Page-locked: what comes back each step.
+    host_logits: Option<Pinned>,
+    host_kv: Option<Pinned>,
+    /// Every program run so far with its plan (kept, so that a program's
+    /// address stays its own).
+    plans: Vec<(Arc<Program>, Arc<Plan>)>,
+    /// The MoE op's device scratch (router logits, expert rows), and bytes.
+    moe: Option<(DevBuf, usize)>,
+}
+
+/// The tables of a family on the device, by their index in [`Tables`].
+pub(super) struct DevTables {
+    pub mats: Vec<DevMatrix>,
+    pub vecs: Vec<DevBuf>,
+    pub ropes: Vec<(DevBuf, DevBuf)>,
+}
+
+/// The resident device state of a model: its tables, uploaded once, and
+/// the state steps keep.
+pub struct Resident {
+    gpu: Arc<Gpu>,
+    pub(super) dev: DevTables,
+    graphs_on: AtomicBool,
+    /// `LMRR_CUDA_PROFILE=1`: every op synchronized and timed (graphs off),
+    /// for `lmrr bench`'s breakdown; measurement only.
+    pub(super) profiling: bool,
+    prof: Mutex<Vec<(&'static str, f64)>>,
+    /// Measurement (`lmrr bench`): each step's kernels timed by events
+    /// around them and the host's parts by its clock (no sync added inside
+    /// the step), kept in `step_device`.
+    step_timing: AtomicBool,
+    step_device: Mutex<Vec<StepSplit>>,
+    state: Mutex<State>,
+}
+
+fn graphs_default() -> bool {
+    std::env::var("LMRR_CUDA_GRAPHS").map_or(true, |v| v != "0")
+}
+
+impl Resident {
+    /// Uploads every table of `tables`.
+    pub fn new(gpu: Arc<Gpu>, tables: &Tables) -> Result<Self, EngineError> {
+        let g = &*gpu;
+        let mats = tables
+            .mats
+            .iter()
+            .map(|t| g.upload_matrix(&t.matrix(), &t.name).map_err(gpu_err))
+            .collect::<Result<Vec<_>, _>>()?;
+        let vecs = tables
+            .vecs
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                // A zero-byte allocation is an error: an empty vector is
+                // never read, one float stands in.
+                let v: &[f32] = if v.is_empty() { &[0.0] } else { v };
+                g.upload(v, &format!("vector {i}")).map_err(gpu_err)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let ropes = tables
+            .ropes
+            .iter()
+            .map(|r| {
+                let (cos, sin) = r.tables();
+                Ok((
+                    g.upload(cos, "RoPE cos").map_err(gpu_err)?,
+                    g.upload(sin, "RoPE sin").map_err(gpu_err)?,
+                ))
+            })
+            .collect::<Result<Vec<_>, EngineError>>()?;
+        Ok(Self {
+            dev: DevTables { mats, vecs, ropes },
+            graphs_on: AtomicBool::new(graphs_default()),
+            profiling: std::env::var("LMRR_CUDA_PROFILE").is_ok_and(|v| v == "1"),
+            prof: Mutex::new(Vec::new()),
+            step_timing: AtomicBool::new(false),
+            step_device: Mutex::new(Vec::new()),
+            state: Mutex::new(State::default()),
+            gpu,
+        })
+    }
+
+    pub(super) fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// Turns decode-step graphs on or off (for measurement; bits are equal).
+    pub fn set_graphs(&self, on: bool) {
+        self.graphs_on.store(on, Ordering::Relaxed);
+        if let Ok(mut st) = self.state.lock() {
+            st.graphs.clear();
+            st.seen.clear();
+        }
+    }
+
+    /// Turns step timing on or off (measurement): while on, each step's
+    /// kernels are timed on the device by events recorded before its first
+    /// launch and after its last.
+    pub fn set_step_timing(&self, on: bool) {
+        self.step_timing.store(on, Ordering::Relaxed);
+    }
+
+    /// Each step timed since the last call.
+    pub fn take_step_device(&self) -> Vec<StepSplit> {
+        self.step_device
+            .lock()
+            .map(|mut v| std::mem::take(&mut *v))
+            .unwrap_or_default()
+    }
+
+    /// Seconds per op since the last reset (empty unless profiling).
+    pub fn profile(&self) -> Vec<(&'static str, f64)> {
+        self.prof.lock().map(|p| p.clone()).unwrap_or_default()
+    }
+
+    pub fn reset_profile(&self) {
+        if let Ok(mut p) = self.prof.lock() {
+            p.clear();
+        }
+    }
+
+    pub(super) fn add_time(&self, part: &'static str, secs: f64) {
+        if let Ok(mut p) = self.prof.lock() {
+            match p.iter_mut().find(|e| e.0 == part) {
+                Some(e) => e.1 += secs,
+                None => p.push((part, secs)),
+            }
+        }
+    }
+
+    /// Runs `f`; when profiling, synchronized and timed as `part`.
+    pub(super) fn timed<T>(
+        &self,
+        part: &'static str,
+        f: impl FnOnce() -> Result<T, EngineError>,
+    ) -> Result<T, EngineError> {
+        if !self.profiling {
+            return f();
+        }
+        self.gpu.sync().map_err(gpu_err)?;
+        let t0 = std::time::Instant::now();
+        let r = f()?;
+        self.gpu.sync().map_err(gpu_err)?;
+        self.add_time(part, t0.elapsed().as_secs_f64());
+        Ok(r)
+    }
+
+    /// KV pages the device mirror holds, and pages uploaded so far.
+    pub fn kv_stats(&self) -> (usize, u64) {
+        self.state
+            .lock()
+            .ok()
+            .and_then(|st| st.mirror.as_ref().map(|m| (m.pages(), m.uploads)))
+            .unwrap_or((0, 0))
+    }
+
+    /// One step of `prog` over `spans` (already checked and prepared in
+    /// `kv`; `tables` the host tables the device ones were made from).
+    /// Returns each span's logits rows, or `None` when the step needs what
+    /// only the host executor does (a sparse-attention selection), before
+    /// anything of it ran.
+    pub fn forward(
+        &self,
+        prog: &Arc<Program>,
+        tables: &Tables,
+        kv: &mut dyn KvCache,
+        spans: &[SeqSpan],
+        threads: &Threads,
+    ) -> Result<Option<Vec<Vec<f32>>>, EngineError> {
+        let mut guard = self
+            .state
+            .lock()
+            .map_err(|_| EngineError::Device("the device state lock was poisoned".into()))?;
+        let st = &mut *guard;
+        self.gpu.bind().map_err(gpu_err)?;
+        let plan = plan_of(st, prog, tables)?;
+        let tok = stacked_tokens(spans);
+        if plan
+            .dense_below
+            .is_some_and(|lim| tok.iter().any(|&(_, p)| p >= lim))
+        {
+            return Ok(None);
+        }
+        let vocab = prog.decl(prog.logits).width;
+        if tok.is_empty() {
+            return Ok(Some(crate::model::split_rows(spans, &[], vocab, threads)));
+        }
+        let rows = wanted_rows(spans);
+        let t0 = std::time::Instant::now();
+        let out = self.step(prog, &plan, tables, st, kv, spans, &tok, &rows, threads);
+        if self.profiling {
+            self.add_time("step", t0.elapsed().as_secs_f64());
+        }
+        if out.is_err() {
+            // The device pages may hold rows the host never got.
+            if let Some(mi) = st.mirror.as_mut() {
+                mi.clear();
+            }
+            st.graphs.clear();
+            let _ = self.gpu.sync();
+        }
+        out.map(Some)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn step(
+        &self,
+        prog: &Arc<Program>,
+        plan: &Plan,
+        tables: &Tables,
+        st: &mut State,
+        kv: &mut dyn KvCache,
+        spans: &[SeqSpan],
+        tok: &[(usize, usize)],
+        rows: &[usize],
+        threads: &Threads,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        let gpu = &*self.gpu;
+        let entered = std::time::Instant::now();
+        let (n, w) = (tok.len(), rows.len());
+        let shape = Shape {
+            prog: Arc::as_ptr(prog) as usize,
+            n,
+            m: w,
+        };
+        let vocab = prog.decl(prog.logits).width;
+        let geom = plan.kv;
+        let (kvd, adim, layers) = (geom.kv_dim, geom.aux_dim, geom.layers);
+        let block_len = spans
+            .first()
+            .map_or(1, |s| kv.blocks(s.seq).block_len.max(1));
+        let layout = PageLayout {
+            page_len: block_len,
+            layers: layers.max(1),
+            kv_dim: kvd,
+            aux_dim: adim,
+        };
+        if st.mirror.as_ref().map(|mi| mi.layout()) != Some(layout) {
+            st.mirror = None;
+            st.graphs.clear();
+            st.mirror = Some(KvMirror::new(gpu, layout)?);
+        }
+        let mirror = st
+            .mirror
+            .as_mut()
+            .ok_or(EngineError::Device("no mirror".into()))?;
+        mirror.begin_step();
+
+        // Inputs: ids, pos, seq_off, dst, slot (n each), rows (m), pages.
+        let mut pages: Vec<u64> = Vec::new();
+        let mut span_off = Vec::with_capacity(spans.len());
+        self.timed("KV page check and upload", || {
+            for s in spans {
+                span_off.push(pages.len());
+                let held = mirror.sync_seq(gpu, kv, s.seq)?;
+                let need = (s.start + s.tokens.len()).div_ceil(block_len);
+                if held.len() < need {
+                    return Err(EngineError::Device(format!(
+                        "sequence {}: the KV store lists {} blocks of {block_len} positions, the step needs {need}",
+                        s.seq,
+                        held.len()
+                    )));
+                }
+                pages.extend(held);
+            }
+            Ok(())
+        })?;
+        let sink = mirror.sink();
+        let fixed = pack_inputs(
+            &mut st.host_in,
+            spans,
+            tok,
+            rows,
+            &span_off,
+            &pages,
+            block_len,
+            sink,
+        );
+        // attention_prefill's groups (steps of long spans), after the pages.
+        let groups_at = st.host_in.len();
+        let n_groups = match lmrr_kernels::cuda::resident::prefill_groups(
+            spans.iter().map(|s| s.tokens.len()),
+            lmrr_kernels::cuda::resident::PF_TQ,
+        ) {
+            Some(mut g) => {
+                // Longest first, so no long group waits for a second wave.
+                // Positions are the inputs' second n (pack_inputs).
+                let pos = st.host_in.get(n..2 * n).unwrap_or(&[]);
+                lmrr_kernels::cuda::resident::longest_first(&mut g, pos);
+                st.host_in.extend(&g);
+                g.len()
+            }
+            None => 0,
+        };
+
+        // Buffers: grow (and drop the graphs that name the old ones).
+        let grown = std::time::Instant::now();
+        let need_in = st.host_in.len();
+        if st.inputs.as_ref().is_none_or(|(_, cap)| *cap < need_in) {
+            st.graphs.clear();
+            st.inputs = None;
+            let cap = need_in.next_power_of_two().max(1024);
+            let b = gpu.alloc(cap * 8, "the step's inputs").map_err(gpu_err)?;
+            st.inputs = Some((b, cap));
+        }
+        let (own, arena_floats) = arena(prog, n, w);
+        let part_floats = n.min(SPLIT_MAX_TOKENS) * plan.part_per_token;
+        let stage = layers * n * kvd;
+        let regions = [
+            arena_floats,
+            part_floats,
+            n * kvd,
+            stage,
+            stage,
+            layers * n * adim,
+        ];
+        let bytes: usize = regions.iter().map(|&f| (f * 4).div_ceil(256) * 256).sum();
+        if st.scratch.as_ref().is_none_or(|(_, b)| *b < bytes) {
+            st.graphs.clear();
+            st.scratch = None;
+            let cap = bytes.next_power_of_two().max(1 << 20);
+            let b = gpu
+                .alloc(cap, &format!("activations of a {n}-token step"))
+                .map_err(gpu_err)?;
+            st.scratch = Some((b, cap));
+        }
+        let mut growth = grown.elapsed().as_secs_f64();
+        let inb = st.inputs.as_ref().map(|(b, _)| b.ptr()).unwrap_or(0);
+        let sb = st.scratch.as_ref().map(|(b, _)| b.ptr()).unwrap_or(0);
+        self.timed("step inputs upload", || {
+            gpu.htod(&st.host_in, inb).map_err(gpu_err)
+        })?;
+        let at = |i: usize| inb + 8 * (i as u64);
+        let mut region = [0u64; 6];
+        let mut off = sb;
+        for (r, &f) in region.iter_mut().zip(&regions) {
+            *r = off;
+            off += ((f * 4) as u64).div_ceil(256) * 256;
+        }
+        let a = Addrs {
+            own: own.iter().map(|&o| region[0] + 4 * o as u64).collect(),
+            part: region[1],
+            part_floats,
+            kraw: region[2],
+            k: region[3],
+            v: region[4],
+            aux: region[5],
+            ids: at(0),
+            table: PageTable {
+                pages: at(fixed),
+                seq_off: at(2 * n),
+                pos: at(n),
+                groups: at(groups_at),
+                n_groups,
+            },
+            dst: at(3 * n),
+            slot: at(4 * n),
+            rows: at(5 * n),
+        };
+
+        let decode = spans.iter().all(|s| s.tokens.len() == 1);
+        // Every token's logits row wanted, in stacked order: the head reads
+        // the residual rows where they are.
+        let direct = w == n && rows.iter().enumerate().all(|(i, &r)| r == i);
+        // A decode step has its attention blocks make RoPE and the page
+        // writes only where no block can read a row that another block
+        // writes: every token's page is in no other span's page list (a
+        // shared page is a prefix, never written; only cache-corruption
+        // patches write one, or send a token to the sink page). A step that
+        // fails this is launched without graphs, so that no graph captured
+        // from a fused step replays for it.
+        let crossed = decode && {
+            let dsts = &st.host_in[3 * n..4 * n];
+            let mut refs: HashMap<u64, usize> = HashMap::new();
+            for p in &pages {
+                *refs.entry(*p).or_insert(0) += 1;
+            }
+            dsts.iter()
+                .any(|d| *d == sink || refs.get(d).copied().unwrap_or(0) != 1)
+        };
+        let rope_attn = {
+            let t = gpu.tuning();
+            decode
+                && !crossed
+                && n_groups == 0
+                && plan.fusable_attention
+                && n * plan.heads <= t.attn_decode_max
+                && n < t.gemm_min.max(1)
+        };
+        let graphs = self.graphs_on.load(Ordering::Relaxed)
+            && decode
+            && !self.profiling
+            && !crossed
+            && !plan.has_moe;
+        // A long step not replayed from a graph (Tuning::kv_overlap_min)
+        // copies its K/V rows back layer by layer, and the host writes layer
+        // l while the device runs the layers after it. Otherwise
+        // (Tuning::kv_early_min) a step of that many tokens copies them back
+        // after its last attention, and the host writes them while the rest
+        // runs and its logits come back (graphs capture the two parts
+        // apart for it). The same bytes as one download after the step.
+        let (per_layer, early) = {
+            let t = gpu.tuning();
+            let on = |min: usize| min > 0 && n >= min && !self.profiling && adim == 0;
+            let per_layer = on(t.kv_overlap_min) && !graphs;
+            (per_layer, on(t.kv_early_min) && !per_layer)
+        };
+        // The ops up to the last attention, then the rest.
+        let cut = plan.attends.last().map_or(0, |&(j, _)| j + 1);
+        let mut runner = Runner::new(
+            self, prog, plan, tables, &a, layout, n, w, rope_attn, direct, spans,
+        );
+        if graphs && !st.graphs.contains_key(&shape) {
+            let seen = st.seen.entry(shape).or_insert(0);
+            *seen += 1;
+            if *seen >= 2 && st.graphs.len() < MAX_GRAPHS {
+                let mut moe = st.moe.take();
+                gpu.begin_capture().map_err(gpu_err)?;
+                let r = if early {
+                    runner.run(0..cut, None, &mut moe)
+                } else {
+                    runner.run(0..prog.ops.len(), None, &mut moe)
+                };
+                let g = gpu.end_capture().map_err(gpu_err)?;
+                r?;
+                let head = if early {
+                    gpu.begin_capture().map_err(gpu_err)?;
+                    let r = runner.run(cut..prog.ops.len(), None, &mut moe);
+                    let h = gpu.end_capture().map_err(gpu_err)?;
+                    r?;
+                    h
+                } else {
+                    None
+                };
+                st.moe = moe;
+                if let Some(layers) = g {
+                    if !early || head.is_some() {
+                        st.graphs.insert(shape, StepGraph { layers, head });
+                    }
+                }
+                runner = Runner::new(
+                    self, prog, plan, tables, &a, layout, n, w, rope_attn, direct, spans,
+                );
+            }
+        }
+        // Back: logits rows and the step's K/V rows, `(layers, n, kvd)` each,
+        // then the indexer keys `(layers, n, adim)`.
+        let per = layers * n * kvd;
+        let per_aux = layers * n * adim;
+        let grow = |buf: &mut Option<Pinned>, len: usize| -> Result<(), EngineError> {
+            if buf.as_ref().is_none_or(|b| b.len() < len) {
+                *buf = None;
+                *buf = Some(
+                    gpu.alloc_pinned(len.next_power_of_two().max(1))
+                        .map_err(gpu_err)?,
+                );
+            }
+            Ok(())
+        };
+        let grown = std::time::Instant::now();
+        grow(&mut st.host_logits, w * vocab)?;
+        grow(&mut st.host_kv, 2 * per + per_aux)?;
+        growth += grown.elapsed().as_secs_f64();
+        if self.profiling {
+            // Device and pinned host buffers grown for this step's shape
+            // (once per larger shape; the rest of "other" is host work).
+            self.add_time("buffer growth", growth);
+        }
+        let runs = step_runs(spans);
+        let mut overlap = if per_layer || early {
+            let hkv = st
+                .host_kv
+                .as_mut()
+                .ok_or(EngineError::Device("no host buffers".into()))?;
+            Some(gpu.overlap(hkv).map_err(gpu_err)?)
+        } else {
+            None
+        };
+        // Queues the copy of every layer's K/V rows (one slot), after the
+        // last attention and before the rest.
+        let copy_all = |ov: &mut Option<Overlap<'_>>| -> Result<(), EngineError> {
+            if let Some(ov) = ov.as_mut().filter(|_| early) {
+                ov.queue(&[(a.k, 0, per), (a.v, per, per)])
+                    .map_err(gpu_err)?;
+            }
+            Ok(())
+        };
+        let timing = self.step_timing.load(Ordering::Relaxed);
+        let launching = std::time::Instant::now();
+        let start = timing.then(|| gpu.mark()).transpose().map_err(gpu_err)?;
+        match st.graphs.get(&shape).filter(|_| graphs) {
+            Some(g) => {
+                g.layers.launch().map_err(gpu_err)?;
+                if let Some(h) = &g.head {
+                    copy_all(&mut overlap)?;
+                    h.launch().map_err(gpu_err)?;
+                }
+            }
+            None => {
+                let mut moe = st.moe.take();
+                let per_layer_copy = overlap.as_mut().filter(|_| per_layer);
+                let r = runner.run(0..cut, per_layer_copy, &mut moe);
+                let r = r.and_then(|_| copy_all(&mut overlap));
+                let r = r.and_then(|_| runner.run(cut..prog.ops.len(), None, &mut moe));
+                st.moe = moe;
+                r?;
+            }
+        }
+        let end = timing.then(|| gpu.mark()).transpose().map_err(gpu_err)?;
+        let launched = std::time::Instant::now();
+        let logits_at = runner.logits_addr();
+        let mut waited = launched;
+        let mut copied = None;
+        let rows_per = n * kvd;
+        // Layer by layer (a slot a layer), or all at once (one slot); a step
+        // whose launch queued neither (the fused form) downloads after it
+        // (an Overlap waits for any copies it queued when dropped). The
+        // logits rows follow the K/V rows on the copy stream, queued after
+        // the rest, so they come back while the host writes the K/V rows.
+        let host_logits = &mut st.host_logits;
+        let overlapped = overlap
+            .filter(|o| o.queued() == if per_layer { layers } else { 1 })
+            .map(|mut ov| -> Result<Vec<Vec<f32>>, EngineError> {
+                let hl = host_logits
+                    .as_mut()
+                    .ok_or(EngineError::Device("no host buffers".into()))?;
+                let mut lo = gpu.overlap(hl).map_err(gpu_err)?;
+                lo.queue(&[(logits_at, 0, w * vocab)]).map_err(gpu_err)?;
+                if per_layer {
+                    for li in 0..layers {
+                        ov.wait(li).map_err(gpu_err)?;
+                        let hk = ov.region(li * rows_per, rows_per).map_err(gpu_err)?;
+                        let hv = ov.region(per + li * rows_per, rows_per).map_err(gpu_err)?;
+                        kv.write_layers(&runs, li..li + 1, hk, hv, threads);
+                    }
+                } else {
+                    ov.wait(0).map_err(gpu_err)?;
+                    let hk = ov.region(0, per).map_err(gpu_err)?;
+                    let hv = ov.region(per, per).map_err(gpu_err)?;
+                    kv.write_step(&runs, layers, hk, hv, threads);
+                }
+                drop(ov);
+                lo.wait(0).map_err(gpu_err)?;
+                waited = std::time::Instant::now();
+                let logits = lo.region(0, w * vocab).map_err(gpu_err)?;
+                Ok(crate::model::split_rows(spans, logits, vocab, threads))
+            })
+            .transpose()?;
+        let out = match overlapped {
+            Some(out) => out,
+            None => {
+                let (Some(hl), Some(hkv)) = (st.host_logits.as_mut(), st.host_kv.as_mut()) else {
+                    return Err(EngineError::Device("no host buffers".into()));
+                };
+                self.timed("download (logits, K/V rows)", || {
+                    // One copy each, one wait.
+                    let l = hl.as_mut_slice().map_err(gpu_err)?;
+                    let s = hkv.as_mut_slice().map_err(gpu_err)?;
+                    let (hk, rest) = s.split_at_mut(per);
+                    let (hv, hx) = rest.split_at_mut(per);
+                    let mut copies: Vec<(u64, &mut [f32])> = vec![
+                        (logits_at, &mut l[..w * vocab]),
+                        (a.k, &mut hk[..]),
+                        (a.v, &mut hv[..]),
+                    ];
+                    if per_aux > 0 {
+                        copies.push((a.aux, &mut hx[..per_aux]));
+                    }
+                    copied = gpu.dtoh_many(&mut copies, timing).map_err(gpu_err)?;
+                    Ok(())
+                })?;
+                waited = std::time::Instant::now();
+                let s = hkv.as_slice().map_err(gpu_err)?;
+                let (hk, rest) = s.split_at(per);
+                let (hv, hx) = rest.split_at(per);
+                self.timed("host K/V writes", || {
+                    // `write_step` copies the layers across `threads`.
+                    kv.write_step(&runs, layers, hk, hv, threads);
+                    if per_aux > 0 {
+                        for li in 0..layers {
+                            for (i, &(si, pos)) in tok.iter().enumerate() {
+                                let r = (li * n + i) * adim;
+                                kv.write_aux(spans[si].seq, li, pos, &hx[r..r + adim]);
+                            }
+                        }
+                    }
+                    Ok(())
+                })?;
+                let logits = hl.as_slice().map_err(gpu_err)?;
+                self.timed("logits rows into per-span vectors", || {
+                    Ok(crate::model::split_rows(
+                        spans,
+                        &logits[..w * vocab],
+                        vocab,
+                        threads,
+                    ))
+                })?
+            }
+        };
+        let mirror = st
+            .mirror
+            .as_mut()
+            .ok_or(EngineError::Device("no mirror".into()))?;
+        for s in spans {
+            mirror.mark_written(kv, s.seq);
+        }
+        if let (Some(s0), Some(s1)) = (start, end) {
+            let secs = |a: std::time::Instant, b: std::time::Instant| (b - a).as_secs_f64();
+            let split = StepSplit {
+                kernels: s0.secs_to(&s1).map_err(gpu_err)?,
+                copies: copied
+                    .map(|c| s1.secs_to(&c))
+                    .transpose()
+                    .map_err(gpu_err)?
+                    .unwrap_or(0.0),
+                before: secs(entered, launching),
+                launch: secs(launching, launched),
+                wait: secs(launched, waited),
+                after: secs(waited, std::time::Instant::now()),
+            };
+            if let Ok(mut v) = self.step_device.lock() {
+                v.push(split);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The device scratch of a MoE op, at least `floats` (kept across steps).
+    pub(super) fn moe_scratch(
+        &self,
+        slot: &mut Option<(DevBuf, usize)>,
+        floats: usize,
+    ) -> Result<u64, EngineError> {
+        let bytes = floats * 4;
+        if slot.as_ref().is_none_or(|(_, b)| *b < bytes) {
+            *slot = None;
+            let cap = bytes.next_power_of_two().max(1 << 16);
+            let b = self
+                .gpu
+                .alloc(cap, "the experts' rows of a step")
+                .map_err(gpu_err)?;
+            *slot = Some((b, cap));
+        }
+        Ok(slot.as_ref().map_or(0, |(b, _)| b.ptr()))
+    }
+}
+
+/// The plan of `prog` (made once per program, kept with it).
+fn plan_of(st: &mut State, prog: &Arc<Program>, tables: &Tables) -> Result<Arc<Plan>, EngineError> {
+    if let Some((_, p)) = st.plans.iter().find(|(q, _)| Arc::ptr_eq(q, prog)) {
+        return Ok(p.clone());
+    }
+    let plan = Plan::new(prog, tables).map_err(|e| {
+        EngineError::Device(format!("the step's program cannot run on the device: {e}"))
+    })?;
+    if let Some(op) = prog.ops.iter().find(
+        |o| matches!(o, Op::RopeKvAttend { spec, .. } if spec.window.is_some() || spec.patched()),
+    ) {
+        return Err(EngineError::Device(format!(
+            "the op {} with a sliding window or an attention patch has no device kernel",
+            op.name()
+        )));
+    }
+    let plan = Arc::new(plan);
+    st.plans.push((prog.clone(), plan.clone()));
+    Ok(plan)
+}
+
+/// The step's K/V writes: each span is one run of consecutive stacked rows
+/// at consecutive positions (`stacked_tokens`), in stacked order, so that a
+/// slot two tokens write (a cache-corruption patch) keeps the last one's
+/// rows, as on the device (`pack_inputs`).
+fn step_runs(spans: &[SeqSpan]) -> Vec<KvRun> {
+    let mut row0 = 0;
+    spans
+        .iter()
+        .map(|s| {
+            let r = KvRun {
+                seq: s.seq,
+                pos0: s.start,
+                row0,
+                n: s.tokens.len(),
+            };
+            row0 += r.n;
+            r
+        })
+        .collect()
+}
