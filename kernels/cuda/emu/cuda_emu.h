@@ -342,6 +342,11 @@ inline float __uint_as_float(unsigned i) {
     std::memcpy(&f, &i, 4);
     return f;
 }
+inline unsigned __float_as_uint(float f) {
+    unsigned i;
+    std::memcpy(&i, &f, 4);
+    return i;
+}
 inline int __clz(unsigned x) { return x == 0 ? 32 : __builtin_clz(x); }
 // Blocks run one after another, so a fence orders nothing the emulation
 // could reorder; it is a real one all the same. atomicInc as CUDA defines
