@@ -172,3 +172,112 @@ proptest! {
         }
     }
 }
+
+/// A turn of `tokens` tokens, `identical` of whose returned logprobs have
+/// the reference's bits, at `verdict` with `mean_kl`.
+fn turn(
+    n: usize,
+    tokens: usize,
+    identical: usize,
+    verdict: Verdict,
+    mean_kl: Option<f64>,
+) -> lmrr_serve::audit::Turn {
+    lmrr_serve::audit::Turn {
+        turn: n,
+        request: n as u64,
+        endpoint: "/v1/chat/completions".into(),
+        asks: String::new(),
+        temperature: 0.0,
+        interrupted_after_chunks: None,
+        after_interrupt: false,
+        cached_tokens: None,
+        prompt_tokens: 10,
+        upstream_prompt_tokens: None,
+        ids_from: "logprob bytes".into(),
+        answer: String::new(),
+        finish_reason: None,
+        stats: lmrr_serve::audit::TurnStats {
+            tokens,
+            rank1: tokens,
+            identical_logprobs: identical,
+            returned_logprobs: tokens,
+            mean_kl,
+            ..Default::default()
+        },
+        verdict,
+        why: String::new(),
+        fidelity: None,
+        notes: Vec::new(),
+        tokens: Vec::new(),
+    }
+}
+
+#[test]
+fn a_bit_faithful_upstream_that_stops_matching_after_an_interrupt_is_broken_after_interrupt() {
+    use lmrr_serve::audit::change::{judge, Event, UpstreamVerdict};
+    let th = Thresholds::default();
+    // Turn 1 is cut by its client; turn 2 follows it and, though still
+    // "faithful" by level (a small KL), no longer has the reference's bits.
+    let mut t = vec![
+        turn(0, 4, 4, Verdict::Faithful, Some(0.0)),
+        turn(1, 30, 30, Verdict::Faithful, Some(0.0)),
+        turn(2, 40, 0, Verdict::Faithful, Some(0.01)),
+        turn(3, 30, 0, Verdict::Drifted, Some(0.25)),
+    ];
+    t[1].interrupted_after_chunks = Some(30);
+    t[1].cached_tokens = Some(16);
+    t[2].after_interrupt = true;
+    let (cal, change, v) = judge(&t, &th);
+    assert_eq!(v, UpstreamVerdict::BrokenAfterInterrupt);
+    let cal = cal.expect("turn 0 calibrates");
+    assert_eq!(cal.turns, [0], "turn 1's cache hit ends the calibration");
+    assert!(cal.bit_faithful);
+    let c = change.expect("a change point");
+    assert_eq!(c.turn, 2);
+    assert!(c.right_after);
+    assert_eq!(
+        c.event,
+        Some(Event::Interrupt {
+            turn: 1,
+            request: 1,
+            after_chunks: 30
+        })
+    );
+    // The same traffic with the interrupt's turn matching: no change point,
+    // the level verdict stands.
+    t[2].stats.identical_logprobs = 40;
+    t[3].stats.identical_logprobs = 30;
+    t[3].verdict = Verdict::Faithful;
+    let (_, change, v) = judge(&t, &th);
+    assert!(change.is_none(), "{change:?}");
+    assert_eq!(v, UpstreamVerdict::Faithful);
+}
+
+#[test]
+fn a_steady_upstream_with_its_own_arithmetic_has_no_change_point() {
+    use lmrr_serve::audit::change::{judge, UpstreamVerdict, CHANGE_FACTOR};
+    let th = Thresholds::default();
+    // llama.cpp-like: never the reference's bits, a small steady KL.
+    let mut t = vec![
+        turn(0, 4, 0, Verdict::Faithful, Some(0.0015)),
+        turn(1, 30, 0, Verdict::Faithful, Some(0.0013)),
+        turn(2, 40, 0, Verdict::Faithful, Some(0.0017)),
+    ];
+    t[1].interrupted_after_chunks = Some(30);
+    t[2].after_interrupt = true;
+    let (cal, change, v) = judge(&t, &th);
+    assert!(!cal.expect("calibrated").bit_faithful);
+    assert!(change.is_none(), "{change:?}");
+    assert_eq!(v, UpstreamVerdict::Faithful);
+    // A turn worse than the calibration by level and by KL is a change.
+    t[2].verdict = Verdict::Drifted;
+    t[2].stats.mean_kl = Some(th.kl_drift.max(CHANGE_FACTOR * 0.0015) * 2.0);
+    let (_, change, v) = judge(&t, &th);
+    assert_eq!(change.map(|c| c.turn), Some(2));
+    assert_eq!(v, UpstreamVerdict::BrokenAfterInterrupt);
+    // Worse by level but within the calibrated KL: noise, not a change.
+    t[2].stats.mean_kl = Some(0.0016);
+    let (_, change, v) = judge(&t, &th);
+    assert!(change.is_none(), "{change:?}");
+    assert_eq!(v, UpstreamVerdict::Drifted);
+}

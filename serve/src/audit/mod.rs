@@ -48,8 +48,11 @@ use lmrr_recorder::traffic::{Outcome, TrafficBundle, TrafficEvent};
 use crate::api::{self, ChatMessage, Prompt};
 use crate::template::Renderer;
 
+pub mod change;
 mod recover;
+mod text;
 
+pub use change::{Calibration, ChangePoint, Event, UpstreamVerdict, CHANGE_FACTOR};
 use recover::answer;
 pub use recover::Vocab;
 
@@ -195,6 +198,8 @@ pub struct Turn {
     pub interrupted_after_chunks: Option<u32>,
     /// The turn before this one was interrupted.
     pub after_interrupt: bool,
+    /// Prompt tokens the upstream says it served from its cache.
+    pub cached_tokens: Option<u64>,
     pub prompt_tokens: usize,
     pub upstream_prompt_tokens: Option<u64>,
     /// Where the token ids came from.
@@ -218,14 +223,22 @@ pub struct AuditReport {
     pub integrity: String,
     pub model: String,
     pub thresholds: Thresholds,
+    /// The upstream over the whole traffic ([`change`]).
+    pub verdict: UpstreamVerdict,
+    /// The turns before the first interrupt or cache hit.
+    pub calibration: Option<Calibration>,
+    /// The first turn that departs from the calibration.
+    pub change: Option<ChangePoint>,
     pub turns: Vec<Turn>,
 }
 
 impl AuditReport {
     /// Whether at least one turn was audited, every audited turn is
-    /// faithful, and none forgot its history.
+    /// faithful, none forgot its history, and nothing changed after an
+    /// interrupt or a cache hit.
     pub fn all_faithful(&self) -> bool {
-        self.turns.iter().any(|t| t.verdict != Verdict::Skipped)
+        self.change.is_none()
+            && self.turns.iter().any(|t| t.verdict != Verdict::Skipped)
             && self.turns.iter().all(|t| {
                 matches!(t.verdict, Verdict::Faithful | Verdict::Skipped)
                     && !t.fidelity.as_ref().is_some_and(|f| f.amnesia)
@@ -409,6 +422,16 @@ fn collect(traffic: &TrafficBundle) -> Vec<Recorded<'_>> {
     by_id.into_values().collect()
 }
 
+/// `usage.prompt_tokens_details.cached_tokens` of the last chunk that has it.
+fn cached_tokens(chunks: &[&[u8]]) -> Option<u64> {
+    chunks.iter().rev().find_map(|c| {
+        serde_json::from_slice::<Value>(c)
+            .ok()?
+            .pointer("/usage/prompt_tokens_details/cached_tokens")?
+            .as_u64()
+    })
+}
+
 /// Audits `traffic` (read from `name`) on `model`.
 pub fn audit(
     model: &Model,
@@ -433,6 +456,7 @@ pub fn audit(
             temperature: 1.0,
             interrupted_after_chunks: None,
             after_interrupt: prev_interrupted,
+            cached_tokens: cached_tokens(&rec.chunks),
             prompt_tokens: 0,
             upstream_prompt_tokens: None,
             ids_from: String::new(),
@@ -832,8 +856,12 @@ pub fn audit(
         }
         turns.push(t);
     }
+    let (calibration, change, verdict) = change::judge(&turns, &thresholds);
     Ok(AuditReport {
         traffic: name.to_string(),
+        verdict,
+        calibration,
+        change,
         upstream: traffic.manifest.upstream.clone(),
         origin: traffic.manifest.origin.clone(),
         integrity: traffic.integrity.to_string(),
@@ -841,134 +869,4 @@ pub fn audit(
         thresholds,
         turns,
     })
-}
-
-impl std::fmt::Display for AuditReport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        writeln!(
-            f,
-            "audit of {} ({}) · upstream {} · reference {}",
-            self.traffic, self.origin, self.upstream, self.model
-        )?;
-        if !self.integrity.starts_with("complete") {
-            writeln!(f, "traffic: {}", self.integrity)?;
-        }
-        writeln!(f)?;
-        writeln!(
-            f,
-            "{:<4} {:<44} {:>6} {:>7} {:>4} {:>4} {:>5} {:>8} {:>9}  verdict",
-            "turn", "request", "tokens", "rank 1", "tie", "off", "impr", "mean KL", "<top-5 at"
-        )?;
-        for t in &self.turns {
-            let mut label = format!(
-                "{} \"{}\"",
-                if t.endpoint.contains("chat") {
-                    "chat"
-                } else {
-                    "cmpl"
-                },
-                shorten(&t.asks, 30)
-            );
-            if let Some(n) = t.interrupted_after_chunks {
-                label = format!("{} [cut@{n}]", shorten(&label, 33));
-            }
-            if t.verdict == Verdict::Skipped {
-                writeln!(f, "{:<4} {:<44} skipped: {}", t.turn, label, t.why)?;
-                continue;
-            }
-            let s = &t.stats;
-            writeln!(
-                f,
-                "{:<4} {:<44} {:>6} {:>7} {:>4} {:>4} {:>5} {:>8} {:>9}  {}{}",
-                t.turn,
-                label,
-                s.tokens,
-                s.rank1,
-                s.near_ties,
-                s.off,
-                s.improbable,
-                s.mean_kl.map_or("-".into(), |k| format!("{k:.4}")),
-                s.first_below_top_k.map_or("-".into(), |i| i.to_string()),
-                t.verdict.as_str(),
-                if t.after_interrupt {
-                    " (after an interrupt)"
-                } else {
-                    ""
-                }
-            )?;
-        }
-        writeln!(f)?;
-        for t in &self.turns {
-            if t.verdict == Verdict::Skipped {
-                continue;
-            }
-            writeln!(f, "turn {}: {} — {}", t.turn, t.verdict.as_str(), t.why)?;
-            if t.stats.returned_logprobs > 0 {
-                writeln!(
-                    f,
-                    "  logprobs: {} of {} returned have the reference's bits; ids from {}",
-                    t.stats.identical_logprobs, t.stats.returned_logprobs, t.ids_from
-                )?;
-            }
-            if let Some(i) = t.stats.first_below_top_k {
-                let x = &t.tokens[i];
-                writeln!(
-                    f,
-                    "  first choice below the reference's top-{}: token {i} {:?} (rank {}, logprob {:.2}; reference: {:?})",
-                    self.thresholds.top_k, x.text, x.rank, x.ref_logprob, x.ref_top_text
-                )?;
-            }
-            writeln!(f, "  answer: {:?}", shorten(&t.answer, 70))?;
-            for n in &t.notes {
-                writeln!(f, "  note: {n}")?;
-            }
-        }
-        let fid: Vec<&Turn> = self.turns.iter().filter(|t| t.fidelity.is_some()).collect();
-        if !fid.is_empty() {
-            writeln!(f)?;
-            writeln!(
-                f,
-                "context fidelity (reference logprob of the upstream's answer, nats):"
-            )?;
-            writeln!(
-                f,
-                "{:<4} {:>7} {:>13} {:>13} {:>9}  ",
-                "turn", "history", "with", "without", "per token"
-            )?;
-            for t in fid {
-                let Some(x) = &t.fidelity else { continue };
-                writeln!(
-                    f,
-                    "{:<4} {:>7} {:>13.2} {:>13.2} {:>+9.3}  {}",
-                    t.turn,
-                    format!("{} msgs", x.history_messages),
-                    x.with_history,
-                    x.without_history,
-                    (x.with_history - x.without_history) / t.stats.tokens.max(1) as f64,
-                    if x.amnesia {
-                        "AMNESIA: the answer fits no history better"
-                    } else {
-                        "uses its history"
-                    }
-                )?;
-            }
-        }
-        let count = |v: Verdict| self.turns.iter().filter(|t| t.verdict == v).count();
-        let amnesia = self
-            .turns
-            .iter()
-            .filter(|t| t.fidelity.as_ref().is_some_and(|f| f.amnesia))
-            .count();
-        writeln!(f)?;
-        write!(
-            f,
-            "{} turns: {} faithful, {} drifted, {} broken, {} skipped; {} amnesia",
-            self.turns.len(),
-            count(Verdict::Faithful),
-            count(Verdict::Drifted),
-            count(Verdict::Broken),
-            count(Verdict::Skipped),
-            amnesia
-        )
-    }
 }
