@@ -48,7 +48,9 @@ pub struct AuditArgs {
     /// Traffic bundle written by `lmrr proxy`.
     traffic: PathBuf,
     /// The model the upstream serves: an HF directory (e.g. lmrr's import of
-    /// the GGUF it serves), or `synthetic:PRESET[:SEED]`.
+    /// the GGUF it serves), or `synthetic:PRESET[:SEED]`. Without it, the
+    /// model the traffic's requests name, when that is a directory here or a
+    /// synthetic model; otherwise the audit refuses to guess.
     #[arg(long)]
     model: Option<String>,
     /// Worker threads (default: all cores). Never changes a bit.
@@ -69,7 +71,11 @@ pub fn run_audit(a: &AuditArgs) -> Result<u8> {
     if !matches!(traffic.integrity, lmrr_recorder::Integrity::Complete { .. }) {
         eprintln!("warning: {}: {}", a.traffic.display(), traffic.integrity);
     }
-    let model = crate::load_model(a.model.as_deref())?;
+    let spec = match &a.model {
+        Some(m) => m.clone(),
+        None => traffic_model(&traffic, &a.traffic)?,
+    };
+    let model = crate::load_model(Some(&spec))?;
     let th = crate::threads(a.threads)?;
     let report = lmrr_serve::audit::audit(
         &model,
@@ -89,6 +95,48 @@ pub fn run_audit(a: &AuditArgs) -> Result<u8> {
         println!("{report}");
     }
     Ok(if report.all_faithful() { 0 } else { 1 })
+}
+
+/// The model the traffic's requests name, when this machine can load it by
+/// that name (a directory, or `synthetic:…`); else an error asking for
+/// `--model`, naming what the traffic says.
+fn traffic_model(
+    traffic: &lmrr_recorder::traffic::TrafficBundle,
+    path: &std::path::Path,
+) -> Result<String> {
+    let mut named = std::collections::BTreeSet::new();
+    for e in &traffic.events {
+        if let lmrr_recorder::traffic::TrafficEvent::Request { body, .. } = e {
+            if let Some(m) = serde_json::from_slice::<serde_json::Value>(body)
+                .ok()
+                .and_then(|v| v.get("model")?.as_str().map(str::to_string))
+            {
+                named.insert(m);
+            }
+        }
+    }
+    let loadable = |m: &str| m.starts_with("synthetic:") || std::path::Path::new(m).is_dir();
+    match named.iter().collect::<Vec<_>>().as_slice() {
+        [one] if loadable(one) => {
+            eprintln!("audit: reference model `{one}`, as the traffic names it");
+            Ok(one.to_string())
+        }
+        [] => anyhow::bail!(
+            "{}: no request names a model; pass --model DIR (the model the upstream serves)",
+            path.display()
+        ),
+        names => anyhow::bail!(
+            "{}: the requests name the model{} {}, which {} not a model directory here or `synthetic:…`; pass --model DIR (the model the upstream serves, e.g. lmrr's import of its GGUF)",
+            path.display(),
+            if names.len() > 1 { "s" } else { "" },
+            names
+                .iter()
+                .map(|n| format!("`{n}`"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            if names.len() > 1 { "are" } else { "is" }
+        ),
+    }
 }
 
 fn lmrr_serve_traffic(p: &std::path::Path) -> Result<lmrr_recorder::traffic::TrafficBundle> {

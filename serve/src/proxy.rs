@@ -86,7 +86,7 @@ pub struct ProxyConfig {
 #[derive(Debug, Clone)]
 pub struct Upstream {
     /// `scheme://authority`, no trailing slash.
-    base: String,
+    pub base: String,
 }
 
 impl Upstream {
@@ -721,40 +721,55 @@ pub async fn resend(
             Some((Outcome::ClientGone, n)) => Some(*n),
             _ => None,
         };
-        let mut headers = HeaderMap::new();
-        headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        let resp = forward_recorded(
-            p.clone(),
-            m,
-            path.clone(),
-            headers,
-            Bytes::from(body.clone()),
-        )
-        .await;
-        let mut body = resp.into_body();
-        let mut got = 0u32;
-        loop {
-            if cut.is_some_and(|n| got >= n) {
-                break;
-            }
-            match body.frame().await {
-                Some(Ok(_)) => got += 1,
-                _ => break,
-            }
-        }
-        drop(body);
-        // The recording task notes the hang-up; wait for it before the next
-        // request so that order is kept.
-        let until = Instant::now() + Duration::from_secs(30);
-        while Arc::strong_count(&p) > 1 && Instant::now() < until {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        send(&p, m, path, body.clone(), cut).await;
     }
     drop(p);
     rec.finish()
+}
+
+/// One request as a client sends it through the proxy's recording path
+/// (`--resend`, `lmrr probe --url`): the response's frames (a whole body,
+/// or one SSE event each), the client hanging up after `cut` of them. Returns
+/// once the request's end is recorded, so requests sent one after another
+/// keep their order in the traffic.
+pub async fn send(
+    p: &Arc<Proxy>,
+    method: Method,
+    path: &str,
+    body: Vec<u8>,
+    cut: Option<u32>,
+) -> Vec<Bytes> {
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    let resp = forward_recorded(
+        p.clone(),
+        method,
+        path.to_string(),
+        headers,
+        Bytes::from(body),
+    )
+    .await;
+    let mut body = resp.into_body();
+    let mut frames = Vec::new();
+    loop {
+        if cut.is_some_and(|n| frames.len() as u32 >= n) {
+            break;
+        }
+        match body.frame().await {
+            Some(Ok(f)) => frames.push(f.into_data().unwrap_or_default()),
+            _ => break,
+        }
+    }
+    drop(body);
+    // The recording task notes the hang-up; wait for it.
+    let until = Instant::now() + Duration::from_secs(30);
+    while Arc::strong_count(p) > 1 && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    frames
 }
 
 /// `lmrr proxy`: runs until SIGINT or SIGTERM (or, with `resend`, until the
