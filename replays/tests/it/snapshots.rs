@@ -32,6 +32,23 @@ const V4_PATCH_SETS: [&str; 8] = [
     "indexer-early-exit",
 ];
 
+/// Bundles recorded on a disaggregated deployment (llama tiny model),
+/// replayed under the reference engine, the colocated cache patches and each
+/// disaggregation patch (`pd-incident`: an abort mid-transfer, where
+/// `pd-abort-reuses-pages` and `pd-abort-incomplete-kv` act;
+/// `pd-incident-bug`: the same session recorded under
+/// `pd-abort-reuses-pages`; `pd-leak`: aborts after the transfer, before
+/// admission, where `pd-abort-leaks` acts).
+const PD_BUNDLES: [&str; 3] = ["pd-incident", "pd-incident-bug", "pd-leak"];
+const PD_PATCH_SETS: [&str; 6] = [
+    "none",
+    "abort-inserts-partial",
+    "abort-frees-shared",
+    "pd-abort-reuses-pages",
+    "pd-abort-incomplete-kv",
+    "pd-abort-leaks",
+];
+
 fn settings() -> insta::Settings {
     let mut s = insta::Settings::clone_current();
     s.set_snapshot_path("../../../snapshots");
@@ -47,7 +64,7 @@ fn bundle(name: &str) -> String {
 
 #[test]
 fn committed_bundles_are_small_and_complete() {
-    for b in BUNDLES.into_iter().chain(V4_BUNDLES) {
+    for b in BUNDLES.into_iter().chain(V4_BUNDLES).chain(PD_BUNDLES) {
         let len = std::fs::metadata(bundle(b)).unwrap().len();
         assert!(
             len <= 200 * 1024,
@@ -100,4 +117,37 @@ fn mini_v4_patches_are_inert_on_llama_bundles() {
             .unwrap();
         assert!(r.outcome.is_bit_exact(), "{b}:\n{r}");
     }
+}
+
+#[test]
+fn disaggregated_replay_reports_match_their_snapshots() {
+    reports_match(&PD_BUNDLES, &PD_PATCH_SETS);
+}
+
+/// The recompute oracle on the bundle recorded under
+/// `pd-abort-reuses-pages` (no golden run: the bundle alone), and the
+/// bisect over the catalog on the clean recording of the same session.
+#[test]
+fn disaggregated_oracle_and_bisect_match_their_snapshots() {
+    use lmrr_engine::{Model, PatchSet};
+    use lmrr_replays::{bisect_all, oracle, probe, rounds_text, Criterion, ReplayOptions};
+    let th = lmrr_kernels::Threads::new(2).unwrap();
+    let load = |name: &str| {
+        let b = lmrr_recorder::open(std::path::Path::new(&bundle(name))).unwrap();
+        let m = Model::synthetic(b.manifest.model.synthetic.unwrap()).unwrap();
+        (b, m)
+    };
+    settings().bind(|| {
+        let (b, m) = load("pd-incident-bug");
+        let o = oracle(&b, &m, &ReplayOptions::new(PatchSet::none(), th.clone())).unwrap();
+        let d = o.divergence().expect("the oracle flags the late writes");
+        assert_eq!(d.request.as_deref(), Some("turn2"));
+        insta::assert_snapshot!("pd-incident-bug__oracle", o.to_string());
+        let (b, m) = load("pd-incident");
+        let space: Vec<lmrr_engine::Patch> =
+            PatchSet::all_for_deployment(m.net.family(), true).iter().collect();
+        let mut f = |set: &PatchSet| probe(&b, &m, set, &th, Criterion::Behaviour);
+        let rounds = bisect_all(&PatchSet::none(), &space, &mut f).unwrap();
+        insta::assert_snapshot!("pd-incident__bisect", rounds_text(&rounds));
+    });
 }
