@@ -345,9 +345,9 @@ extern "C" __global__ void attention_decode(const float* q, const unsigned long 
 // RoPE of q's head h of token t in place, of k's head kvh (from `kraw`, the
 // k matmul's unrotated rows) into the page slot dst[t]/slot[t] with v's head
 // kvh, and by the group's first head into `kout`; then a barrier: the
-// prologue of attention_decode_rope and attention_decode_rope_hd64. QS
-// (attention_decode_rope_qs): the rotated q head also into attn_qs, which
-// the barrier hands to attention_body<.., QS = true> (no reload of q).
+// prologue of attention_decode_rope_qs. QS: the rotated q head also into
+// attn_qs, which the barrier hands to attention_body<.., QS = true> (no
+// reload of q).
 // EARLY (ATTN_EARLY): the block's inputs come in `ein` (DecodeIn), loaded
 // before the PDL wait, not from pos, dst, slot and the tables.
 template <bool QS = false, bool EARLY = false>
@@ -426,11 +426,10 @@ __device__ __forceinline__ DecodeIn decode_inputs(const float* cos_t, const floa
     return in;
 }
 
-// attention_decode_rope with the rotated q head handed from the prologue to
-// the body in shared memory: one barrier and one load
-// of q from global memory fewer; the same values in the same operations
-// (q is still rotated in place in global memory, as attention_decode_rope
-// leaves it).
+// rope_kv then attention_decode in one launch, the rotated q head handed
+// from the prologue to the body in shared memory (no reload of q from
+// global memory); the same values in the same operations (q is still
+// rotated in place in global memory, as rope_kv leaves it).
 extern "C" __global__ void attention_decode_rope_qs(float* q, const float* kraw, float* kout, const float* v,
                                                     const float* cos_t, const float* sin_t,
                                                     const unsigned long long* pages,

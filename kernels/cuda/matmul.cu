@@ -225,7 +225,7 @@ extern "C" __global__ void matmul_rows(int kind, const float* x, const unsigned 
 // in its order, a quarter of its blocks. k ≤ 64 · MR4_MAX_CHUNKS.
 #define MR4_ROWS 4
 #define MR4_MAX_CHUNKS 64
-// The body of matmul_rows4 and matmul_multi4 for rows o0 .. o0 + MR4_ROWS
+// The body of matmul_rows4 for rows o0 .. o0 + MR4_ROWS
 // (those below `rows`) of W and token tile t0.
 __device__ __forceinline__ void mm_rows4_block(int kind, const float* x, const unsigned char* w, float* y, int n,
                                                int rows, int k, long long row_bytes, int o0, int t0) {
@@ -379,9 +379,8 @@ __device__ __forceinline__ float tree8_xor(const float v[8]) {
 // then adds them in chunk order from +0.0, the same adds.
 //
 // gemm_tiles<GR, GT, PF> is the body: GR·8 rows × GT·8 tokens per block of
-// 8·GR·GT threads (GR, GT even); matmul_gemm (4, 2), matmul_gemm_wide
-// (8, 4) and matmul_gemm_pipelined (8, 4, staging pipelined) differ in tile
-// and staging only, never in any output's operations.
+// 8·GR·GT threads (GR, GT even); matmul_gemm (4, 2) and matmul_gemm_wide
+// (8, 4) differ in tile only, never in any output's operations.
 // Staged value e of a block's chunk at c0 (ragged at cend): weight row
 // o0 + e / CHUNK, or input token t0 + e / CHUNK; 0 outside the matrix.
 __device__ __forceinline__ float gm_weight(int kind, const unsigned char* w, long long row_bytes, int rows,

@@ -86,10 +86,9 @@ extern "C" __global__ void norm_block(float* x, const float* y, const float* ypa
 // way). Faster alone and in prefill, slower in a batch-1 decode chain under programmatic
 // dependent launch, so the host picks by row count (Tuning::loads_first_min).
 #define NR_MAX_CHUNKS 128
-// Row r of norm_reg's work (its body, and the last block of
-// matmul_rows_norm). WAIT: the PDL wait after the norm weight's loads
-// (norm_reg; matmul_rows_norm has waited already). CG: y read through L2
-// (ld.global.cg), for y written by other blocks of the same launch.
+// Row r of norm_reg's work. WAIT: the PDL wait after the norm weight's
+// loads. CG: y read through L2 (ld.global.cg), for y written by other
+// blocks of the same launch.
 template <bool LOADS_FIRST, bool WAIT, bool CG>
 __device__ __forceinline__ void norm_reg_row(float* x, const float* y, const float* ypart, int ychunks,
                                              const float* w, float* out, int rows, int d, float eps, int add,

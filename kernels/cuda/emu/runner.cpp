@@ -82,18 +82,12 @@ int main() {
         } else if (kernel == "gemm") {
             unsigned b = (unsigned)(((rows + GM_ROWS - 1) / GM_ROWS) * ((n + GM_TOKS - 1) / GM_TOKS));
             emu::launch(b, GM_THREADS, [&] { matmul_gemm(kind, xp, wp, yp, n, rows, k, row_bytes, nullptr, 0); });
-        } else if (kernel == "gemm_wide" || kernel == "gemm_pipe") {
+        } else if (kernel == "gemm_wide") {
             unsigned b = (unsigned)(((rows + GW_ROWS - 1) / GW_ROWS) * ((n + GW_TOKS - 1) / GW_TOKS));
-            if (kernel == "gemm_wide") {
-                emu::launch(b, GW_THREADS, [&] { matmul_gemm_wide(kind, xp, wp, yp, n, rows, k, row_bytes, nullptr, 0); });
-            } else {
-                emu::launch(b, GW_THREADS, [&] { matmul_gemm_pipelined(kind, xp, wp, yp, n, rows, k, row_bytes, nullptr, 0); });
-            }
-        } else if (kernel.rfind("gemm_split", 0) == 0 || kernel.rfind("gemm_wide_split", 0) == 0 ||
-                   kernel.rfind("gemm_pipe_split", 0) == 0) {
-            // gemm[_wide|_pipe]_splitC: blocks of C chunks writing partials, then sum_chunks.
-            bool pipe = kernel.rfind("gemm_pipe_split", 0) == 0;
-            bool wide = pipe || kernel.rfind("gemm_wide_split", 0) == 0;
+            emu::launch(b, GW_THREADS, [&] { matmul_gemm_wide(kind, xp, wp, yp, n, rows, k, row_bytes, nullptr, 0); });
+        } else if (kernel.rfind("gemm_split", 0) == 0 || kernel.rfind("gemm_wide_split", 0) == 0) {
+            // gemm[_wide]_splitC: blocks of C chunks writing partials, then sum_chunks.
+            bool wide = kernel.rfind("gemm_wide_split", 0) == 0;
             int cpb = std::atoi(kernel.c_str() + (wide ? 15 : 10));
             if (cpb < 1) return 2;
             int chunks = (k + CHUNK - 1) / CHUNK;
@@ -103,9 +97,7 @@ int main() {
             long long count = (long long)n * rows;
             std::vector<float> part((size_t)chunks * count, std::nanf(""));
             float* pp = part.data();
-            if (pipe) {
-                emu::launch(tiles * groups, GW_THREADS, [&] { matmul_gemm_pipelined(kind, xp, wp, yp, n, rows, k, row_bytes, pp, cpb); });
-            } else if (wide) {
+            if (wide) {
                 emu::launch(tiles * groups, GW_THREADS, [&] { matmul_gemm_wide(kind, xp, wp, yp, n, rows, k, row_bytes, pp, cpb); });
             } else {
                 emu::launch(tiles * groups, GM_THREADS, [&] { matmul_gemm(kind, xp, wp, yp, n, rows, k, row_bytes, pp, cpb); });
@@ -115,160 +107,21 @@ int main() {
             return 2;
         }
         write_array(y);
-    } else if (job == "rows_swiglu") {
-        // rows_swiglu kind n rows k: g, u (n·k floats each), w
-        int kind, n, rows, k;
-        hs >> kind >> n >> rows >> k;
-        auto g = read_as<float>();
-        auto u = read_as<float>();
-        auto w = read_array();
-        long long row_bytes = rows ? (long long)(w.size() / rows) : 0;
-        std::vector<float> y((size_t)n * rows, std::nanf(""));
-        unsigned b = (unsigned)(rows * ((n + MM_TOKENS - 1) / MM_TOKENS));
-        emu::launch(b, 8 * MR_GROUPS,
-                    [&] { matmul_rows_swiglu(kind, g.data(), u.data(), w.data(), y.data(), n, rows, k, row_bytes); });
-        write_array(y);
-    } else if (job == "rows_norm") {
-        // rows_norm kind n rows k eps_bits: x (n·k floats), w, resid (n·rows
-        // floats), nw (rows floats) -> y, resid after the add, hout, the
-        // counter after the launch; then the same by matmul_rows and
-        // norm_reg (y, resid, hout). The fused kernel runs twice on one
-        // counter (the second launch's outputs are written), so a counter
-        // left other than 0 by the first would show.
-        int kind, n, rows, k;
-        unsigned eps_bits;
-        hs >> kind >> n >> rows >> k >> eps_bits;
-        float eps = __uint_as_float(eps_bits);
-        auto x = read_as<float>();
-        auto w = read_array();
-        auto resid0 = read_as<float>();
-        auto nw = read_as<float>();
-        long long row_bytes = rows ? (long long)(w.size() / rows) : 0;
-        unsigned b = (unsigned)(rows * ((n + MM_TOKENS - 1) / MM_TOKENS));
-        unsigned counter = 0;
-        std::vector<float> y, resid, hout;
-        for (int pass = 0; pass < 2; ++pass) {
-            y.assign((size_t)n * rows, std::nanf(""));
-            hout.assign((size_t)n * rows, std::nanf(""));
-            resid = resid0;
-            emu::launch(b, 8 * MR_GROUPS, [&] {
-                matmul_rows_norm(kind, x.data(), w.data(), y.data(), n, rows, k, row_bytes, resid.data(), nw.data(),
-                                 hout.data(), eps, &counter);
-            });
-        }
-        write_array(y);
-        write_array(resid);
-        write_array(hout);
-        write_array(std::vector<unsigned>{counter});
-        std::vector<float> y2((size_t)n * rows, std::nanf("")), h2((size_t)n * rows, std::nanf(""));
-        auto r2 = resid0;
-        emu::launch(b, 8 * MR_GROUPS, [&] { matmul_rows(kind, x.data(), w.data(), y2.data(), n, rows, k, row_bytes); });
-        unsigned threads = (unsigned)((8 * ((rows + CHUNK - 1) / CHUNK) + 31) / 32 * 32);
-        emu::launch((unsigned)n, threads,
-                    [&] { norm_reg(r2.data(), y2.data(), nullptr, 0, nw.data(), h2.data(), n, rows, eps, 1); });
-        write_array(y2);
-        write_array(r2);
-        write_array(h2);
-    } else if (job == "swiglu4") {
-        // swiglu4 n: g, u (n floats each, n a multiple of 4) -> out
-        int n;
-        hs >> n;
-        auto g = read_as<float>();
-        auto u = read_as<float>();
-        std::vector<float> y((size_t)n, std::nanf(""));
-        int n4 = n / 4;
-        emu::launch(blocks_of(n4, 128), 128, [&] {
-            swiglu4((const float4*)g.data(), (const float4*)u.data(), (float4*)y.data(), n4);
-        });
-        write_array(y);
-    } else if (job == "gate_up_swiglu") {
-        // gate_up_swiglu kind n rows k: x (n·k floats), gate, up -> y (n·rows)
-        int kind, n, rows, k;
-        hs >> kind >> n >> rows >> k;
-        auto x = read_as<float>();
-        auto wg = read_array(), wu = read_array();
-        long long row_bytes = rows ? (long long)(wg.size() / rows) : 0;
-        std::vector<float> y((size_t)n * rows, std::nanf(""));
-        unsigned b = (unsigned)(rows * ((n + MM_TOKENS - 1) / MM_TOKENS));
-        emu::launch(b, 16 * MR_GROUPS,
-                    [&] { gate_up_swiglu(kind, x.data(), wg.data(), wu.data(), y.data(), n, rows, k, row_bytes); });
-        write_array(y);
     } else if (job == "multi") {
-        // multi kind n k rows0 rows1 rows2 four: three matrices, one launch
-        // (four: matmul_multi4)
-        int kind, n, k, r0, r1, r2, four;
-        hs >> kind >> n >> k >> r0 >> r1 >> r2 >> four;
+        // multi kind n k rows0 rows1 rows2: three matrices, one matmul_multi
+        // launch
+        int kind, n, k, r0, r1, r2;
+        hs >> kind >> n >> k >> r0 >> r1 >> r2;
         auto x = read_as<float>();
         auto w0 = read_array(), w1 = read_array(), w2 = read_array();
         std::vector<float> y0((size_t)n * r0), y1((size_t)n * r1), y2((size_t)n * r2 + 1);
         auto rb = [](const std::vector<unsigned char>& w, int r) { return r ? (long long)(w.size() / r) : 0LL; };
         int tiles = (n + MM_TOKENS - 1) / MM_TOKENS;
-        auto g = [&](int r) { return four ? (r + MR4_ROWS - 1) / MR4_ROWS : r; };
-        unsigned b = (unsigned)((g(r0) + g(r1) + g(r2)) * tiles);
-        auto f = four ? matmul_multi4 : matmul_multi;
+        unsigned b = (unsigned)((r0 + r1 + r2) * tiles);
         emu::launch(b, 8 * MR_GROUPS, [&] {
-            f(kind, x.data(), n, k, w0.data(), y0.data(), r0, rb(w0, r0), w1.data(), y1.data(), r1, rb(w1, r1),
-              w2.data(), y2.data(), r2, rb(w2, r2));
+            matmul_multi(kind, x.data(), n, k, w0.data(), y0.data(), r0, rb(w0, r0), w1.data(), y1.data(), r1, rb(w1, r1),
+                     w2.data(), y2.data(), r2, rb(w2, r2));
         });
-        y2.resize((size_t)n * r2);
-        write_array(y0);
-        write_array(y1);
-        write_array(y2);
-    } else if (job == "chunk") {
-        // chunk kind vec n k rpb mode has_norm eps_bits rows0 rows1 rows2:
-        // x, nw, w0, w1, w2, y0 (its start, for mode 1) -> y0, y1, y2 (one
-        // matmul_chunk launch)
-        int kind, vec, n, k, rpb, mode, has_norm, r0, r1, r2;
-        unsigned eps_bits;
-        hs >> kind >> vec >> n >> k >> rpb >> mode >> has_norm >> eps_bits >> r0 >> r1 >> r2;
-        float eps = __uint_as_float(eps_bits);
-        auto x = read_as<float>();
-        auto nw = read_as<float>();
-        auto w0 = read_array(), w1 = read_array(), w2 = read_array();
-        auto y0 = read_as<float>();
-        y0.resize((size_t)n * r0 + 1, std::nanf(""));
-        std::vector<float> y1((size_t)n * r1 + 1, std::nanf("")), y2((size_t)n * r2 + 1, std::nanf(""));
-        auto rb = [](const std::vector<unsigned char>& w, int r) { return r ? (long long)(w.size() / r) : 0LL; };
-        int chunks = (k + CHUNK - 1) / CHUNK;
-        unsigned threads = (unsigned)((rpb * chunks + 31) / 32 * 32);
-        long long units = mode == 2 ? r0 : (long long)r0 + r1 + r2;
-        int per = mode == 2 ? rpb / 2 : rpb;
-        if (per < 1 || threads > MC_MAX_THREADS) return 2;
-        unsigned b = (unsigned)((units + per - 1) / per * ((n + MM_TOKENS - 1) / MM_TOKENS));
-        const float* nwp = has_norm ? nw.data() : nullptr;
-        // mode 2 reads row o of W1 with W0's row bytes (the host's rule: one shape).
-        emu::launch(b, threads, [&] {
-            matmul_chunk(kind, vec, x.data(), n, k, rpb, nwp, eps, mode, w0.data(), y0.data(), r0, rb(w0, r0),
-                         w1.data(), y1.data(), r1, rb(w1, r1), w2.data(), y2.data(), r2, rb(w2, r2));
-        });
-        y0.resize((size_t)n * r0);
-        y1.resize((size_t)n * r1);
-        y2.resize((size_t)n * r2);
-        write_array(y0);
-        write_array(y1);
-        write_array(y2);
-    } else if (job == "fused") {
-        // fused kind n k mode has_norm eps_bits rows0 rows1 rows2: x, nw,
-        // w0, w1, w2, y0 (its start, for mode 1) -> y0, y1, y2
-        int kind, n, k, mode, has_norm, r0, r1, r2;
-        unsigned eps_bits;
-        hs >> kind >> n >> k >> mode >> has_norm >> eps_bits >> r0 >> r1 >> r2;
-        float eps = __uint_as_float(eps_bits);
-        auto x = read_as<float>();
-        auto nw = read_as<float>();
-        auto w0 = read_array(), w1 = read_array(), w2 = read_array();
-        auto y0 = read_as<float>();
-        y0.resize((size_t)n * r0);
-        std::vector<float> y1((size_t)n * r1 + 1), y2((size_t)n * r2 + 1);
-        auto rb = [](const std::vector<unsigned char>& w, int r) { return r ? (long long)(w.size() / r) : 0LL; };
-        int tiles = (n + MM_TOKENS - 1) / MM_TOKENS;
-        unsigned b = (unsigned)((mode == 2 ? r0 : r0 + r1 + r2) * tiles);
-        const float* nwp = has_norm ? nw.data() : nullptr;
-        emu::launch(b, 8 * MR_GROUPS, [&] {
-            matmul_fused(kind, x.data(), n, k, nwp, eps, mode, w0.data(), y0.data(), r0, rb(w0, r0), w1.data(),
-                         y1.data(), r1, rb(w1, r1), w2.data(), y2.data(), r2, rb(w2, r2));
-        });
-        y1.resize((size_t)n * r1);
         y2.resize((size_t)n * r2);
         write_array(y0);
         write_array(y1);
@@ -312,7 +165,7 @@ int main() {
         // cos, sin, store (whole pages of one layer), index (page of each
         // table entry), seq_off, pos, dst_page (u64 each), slot (u64) ->
         // rope_kv then attention_decode: out, q, k, store; then
-        // attention_decode_rope on the same inputs: out, q, kout, store.
+        // attention_decode_rope_qs on the same inputs: out, q, kout, store.
         int n, nh, nkv, hd, page_len;
         unsigned scale_bits;
         hs >> n >> nh >> nkv >> hd >> page_len >> scale_bits;
@@ -359,21 +212,16 @@ int main() {
             write_array(ka);
             write_array(sa);
         }
-        // attention_decode_rope, attention_decode_rope_qs, then (head_dim 64)
-        // attention_decode_rope_hd64, each on the same inputs: out, q, kout,
-        // store.
-        for (int form = 0; form < (hd == 64 ? 3 : 2); ++form) {
+        {
             auto qb = q, sb = store;
             std::vector<float> kout((size_t)n * kvd, std::nanf(""));
             std::vector<unsigned long long> table, dst;
             tables(sb, table, dst);
             std::vector<float> out((size_t)n * qd, std::nanf(""));
-            auto fused = form == 2   ? attention_decode_rope_hd64
-                         : form == 1 ? attention_decode_rope_qs
-                                     : attention_decode_rope;
             emu::launch((unsigned)(n * nh), ATTN_THREADS, [&] {
-                fused(qb.data(), k.data(), kout.data(), v.data(), cs.data(), sn.data(), table.data(), so.data(),
-                      ps.data(), dst.data(), sl.data(), out.data(), nh, nkv, hd, 0, page_len, 0, scale);
+                attention_decode_rope_qs(qb.data(), k.data(), kout.data(), v.data(), cs.data(), sn.data(),
+                                         table.data(), so.data(), ps.data(), dst.data(), sl.data(), out.data(), nh,
+                                         nkv, hd, 0, page_len, 0, scale);
             });
             write_array(out);
             write_array(qb);
@@ -508,7 +356,7 @@ int main() {
         write_array(x);
     } else if (job == "attention") {
         // attention tasks nh nkv hd page_len scale_bits [decode: 1 attention_decode, 2
-        // attention_prefill, 3 attention_prefill_hd64, 4 attention_decode_hd64, 5 attention_prefill_hd64
+        // attention_prefill, 3 attention_prefill_hd64, 5 attention_prefill_hd64
         // with its groups listed last first]: q, pages (floats,
         // whole pages of one layer), page index per table entry, seq_off,
         // pos (u64 each)
@@ -553,10 +401,7 @@ int main() {
             return 0;
         }
         emu::launch((unsigned)(tasks * nh), ATTN_THREADS, [&] {
-            if (decode == 4)
-                attention_decode_hd64(q.data(), table.data(), so.data(), ps.data(), out.data(), nh, nkv, hd, 0,
-                                      page_len, 0, scale);
-            else if (decode)
+            if (decode)
                 attention_decode(q.data(), table.data(), so.data(), ps.data(), out.data(), nh, nkv, hd, 0, page_len, 0,
                                  scale);
             else

@@ -237,7 +237,7 @@ pub fn norms(gpu: &Gpu, r: &mut Rng, rep: &mut Report) {
 }
 
 /// A decode step's RoPE, page writes and attention in one launch
-/// (attention_decode_rope) against rope_kv then attention: tokens at
+/// (attention_decode_rope_qs) against rope_kv then attention: tokens at
 /// positions inside a first page, on a page edge and past several pages.
 /// The rotated q and K rows of both against the CPU's rope.
 pub fn decode_rope_steps(gpu: &Gpu, r: &mut Rng, rep: &mut Report) {

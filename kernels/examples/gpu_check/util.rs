@@ -72,7 +72,7 @@ pub fn block_view<'a>(kb: &'a [Vec<f32>], vb: &'a [Vec<f32>]) -> KvView<'a> {
 /// A decode step (9/3 heads × 64, pages of 16, tokens at `positions`, each
 /// one sequence, pages listed out of order, the written slots NaN before
 /// the step) run as `rope_kv` then attention and as
-/// `attention_decode_rope` on the device: `(fused, rope_kv, outputs)`: the
+/// `attention_decode_rope_qs` on the device: `(fused, rope_kv, outputs)`: the
 /// differing bits of the two paths' outputs, rotated q, rotated K rows and
 /// pages (the attention kernels are checked against the CPU elsewhere);
 /// and of the rotated q and K rows of `rope_kv` and of the fused kernel
@@ -127,7 +127,7 @@ pub fn decode_rope(gpu: &Gpu, r: &mut Rng, positions: &[usize]) -> (usize, usize
         pos: &pos,
         dst_page: &dst_page,
     };
-    let [a, b] = case.run(gpu).expect("gpu attention_decode_rope");
+    let [a, b] = case.run(gpu).expect("gpu attention_decode_rope_qs");
     let d = a.iter().zip(&b).map(|(x, y)| diff(x, y)).sum();
     // The CPU's RoPE of each token's q and k rows at its position.
     let (mut qc, mut kc) = (q.clone(), k.clone());

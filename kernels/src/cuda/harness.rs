@@ -44,7 +44,8 @@ pub struct DecodeRopeCase<'a> {
 impl DecodeRopeCase<'_> {
     /// Runs the step twice on the device from the same inputs: `rope_kv`
     /// then attention (the kernel [`Gpu::attention_paged`] picks), and
-    /// `attention_decode_rope`; returns each path's attention output,
+    /// [`Gpu::attention_decode_rope`] (the kernel
+    /// `attention_decode_rope_qs`); returns each path's attention output,
     /// rotated q, rotated K rows and pages.
     pub fn run(&self, gpu: &Gpu) -> Result<[[Vec<f32>; 4]; 2], GpuError> {
         let n = self.pos.len();

@@ -363,8 +363,8 @@ pub(crate) fn warps(n: usize) -> Result<LaunchConfig, GpuError> {
 }
 
 /// The three `(weights, y, rows, row bytes)` argument groups of the
-/// kernels that take up to three matrices of one input (`matmul_multi`,
-/// `matmul_chunk`, `matmul_fused`): an absent matrix has 0 rows.
+/// kernels that take up to three matrices of one input (`matmul_multi`):
+/// an absent matrix has 0 rows.
 pub(crate) fn mat_slots(mats: &[(&DevMatrix, u64)]) -> Result<[(u64, u64, i32, i64); 3], GpuError> {
     let slot = |i: usize| -> Result<(u64, u64, i32, i64), GpuError> {
         Ok(match mats.get(i) {
@@ -375,8 +375,6 @@ pub(crate) fn mat_slots(mats: &[(&DevMatrix, u64)]) -> Result<[(u64, u64, i32, i
     Ok([slot(0)?, slot(1)?, slot(2)?])
 }
 
-/// A grid of `blocks` blocks of `MR_THREADS` threads (`matmul_rows`,
-/// `matmul_multi`, `matmul_fused`, `matmul_rows_swiglu`).
 /// Rows of `cols` columns fit a kernel that holds `most` 64-chunks a row;
 /// otherwise an error naming the kernel and both widths.
 pub(crate) fn width_fits(what: &'static str, cols: usize, most: usize) -> Result<(), GpuError> {
@@ -389,6 +387,8 @@ pub(crate) fn width_fits(what: &'static str, cols: usize, most: usize) -> Result
     Ok(())
 }
 
+/// A grid of `blocks` blocks of `MR_THREADS` threads (`matmul_rows`,
+/// `matmul_multi`).
 pub(crate) fn row_blocks(blocks: usize) -> Result<LaunchConfig, GpuError> {
     Ok(LaunchConfig {
         grid_dim: (as_i32("matmul", blocks)? as u32, 1, 1),

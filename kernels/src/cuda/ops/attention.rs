@@ -301,8 +301,7 @@ impl Gpu {
         unsafe { b.launch(cfg) }
     }
 
-    /// `rope_kv` then `attention_decode` in one launch
-    /// (`attention_decode_rope`, the same bits): RoPE of `q` (n · qd, in
+    /// `rope_kv` then `attention_decode` in one launch, the same bits: RoPE of `q` (n · qd, in
     /// place) and of the unrotated K rows `kraw` (n · kvd) into `kout` and,
     /// with the V rows `v`, into each token's page slot `dst`/`slot`; then
     /// attention into `out`. Only for a step whose tokens are one per
@@ -369,7 +368,7 @@ impl Gpu {
             .arg(&pl)
             .arg(&aux)
             .arg(&scale);
-        // SAFETY: matches `attention_decode_rope`; q holds n·qd floats,
+        // SAFETY: matches `attention_decode_rope_qs`; q holds n·qd floats,
         // kraw, kout and v n·kvd; positions inside the RoPE tables; each
         // token's page list covers 0..=pos[t] and dst[t]/slot[t] is the
         // slot of pos[t] in it (distinct over the step); out n·qd floats.

@@ -225,9 +225,8 @@ impl Gpu {
         self.multi_rows_launch(x, n, mats)
     }
 
-    /// One `matmul_multi` launch (`four`: `matmul_multi4`) over up to three
-    /// matrices of one storage and width, each of at most `MR_MAX_CHUNKS`
-    /// chunks a row (`MR4_MAX_CHUNKS` with `four`).
+    /// One `matmul_multi` launch over up to three matrices of one storage
+    /// and width, each of at most `MR_MAX_CHUNKS` chunks a row.
     pub(crate) fn multi_rows_launch(
         &self,
         x: u64,
