@@ -17,10 +17,12 @@ pub fn silu_scalar(x: f32) -> f32 {
 
 /// `√(2/π)` rounded to f32.
 const GELU_C: f32 = 0.797_884_6;
-/// The cubic coefficient of the tanh approximation.
-pub(crate) const GELU_A: f32 = 0.044_715;
-/// `−2·√(2/π)` (exact: a power of two times [`GELU_C`]).
-pub(crate) const GELU_NEG_2C: f32 = -2.0 * GELU_C;
+/// The cubic coefficient of the tanh approximation (public: the device's
+/// `geglu` takes it from the host, so that it is these bits).
+pub const GELU_A: f32 = 0.044_715;
+/// `−2·√(2/π)` (exact: a power of two times [`GELU_C`]; public, as
+/// [`GELU_A`]).
+pub const GELU_NEG_2C: f32 = -2.0 * GELU_C;
 
 /// Scalar GeLU (tanh approximation) of one value: `x2 = x·x`, `v = fma(a·x2,
 /// x, x)`, `x / (1 + det_exp(v·(−2c)))`.

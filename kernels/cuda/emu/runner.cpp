@@ -409,6 +409,91 @@ int main() {
                                 scale);
         });
         write_array(out);
+    } else if (job == "add_bias") {
+        // add_bias cols: y, b (cols floats) -> y after the adds
+        int cols;
+        hs >> cols;
+        auto y = read_as<float>();
+        auto b = read_as<float>();
+        long long n = (long long)y.size();
+        emu::launch(blocks_of(n, 128), 128, [&] { add_bias(y.data(), b.data(), n, cols); });
+        write_array(y);
+    } else if (job == "scale") {
+        // scale by_bits: x -> x after the multiplies (scale_elems)
+        unsigned by_bits;
+        hs >> by_bits;
+        auto x = read_as<float>();
+        long long n = (long long)x.size();
+        emu::launch(blocks_of(n, 128), 128, [&] { scale_elems(x.data(), __uint_as_float(by_bits), n); });
+        write_array(x);
+    } else if (job == "geglu") {
+        // geglu a_bits neg2c_bits: g, u -> out (the host's two constants)
+        unsigned a_bits, c_bits;
+        hs >> a_bits >> c_bits;
+        auto g = read_as<float>();
+        auto u = read_as<float>();
+        long long n = (long long)g.size();
+        std::vector<float> out(g.size(), std::nanf(""));
+        emu::launch(blocks_of(n, 128), 128, [&] {
+            geglu(g.data(), u.data(), out.data(), n, __uint_as_float(a_bits), __uint_as_float(c_bits));
+        });
+        write_array(out);
+    } else if (job == "repeat_rows") {
+        // repeat_rows n d w: x (n·d) -> out (n·w)
+        int n, d, w;
+        hs >> n >> d >> w;
+        auto x = read_as<float>();
+        std::vector<float> out((size_t)n * w, std::nanf(""));
+        emu::launch(blocks_of((long long)n * w, 128), 128, [&] { repeat_rows(x.data(), out.data(), n, d, w); });
+        write_array(out);
+    } else if (job == "round_bf16") {
+        // round_bf16: x -> x rounded in place
+        auto x = read_as<float>();
+        long long n = (long long)x.size();
+        emu::launch(blocks_of(n, 128), 128, [&] { round_bf16(x.data(), n); });
+        write_array(x);
+    } else if (job == "stream_mean") {
+        // stream_mean n s d inv_bits: x (n·s·d) -> out (n·d)
+        int n, s, d;
+        unsigned inv_bits;
+        hs >> n >> s >> d >> inv_bits;
+        auto x = read_as<float>();
+        std::vector<float> out((size_t)n * d, std::nanf(""));
+        emu::launch(blocks_of((long long)n * d, 128), 128,
+                    [&] { stream_mean(x.data(), out.data(), n, s, d, __uint_as_float(inv_bits)); });
+        write_array(out);
+    } else if (job == "moe_combine_idx") {
+        // moe_combine_idx n d: base (n·d floats; none: null), gates, ys (rows
+        // of d), idx (i32, a row of ys per entry), off (i32, n + 1) -> out
+        int n, d;
+        hs >> n >> d;
+        auto base = read_as<float>();
+        auto gates = read_as<float>();
+        auto ys = read_as<float>();
+        auto idx = read_as<int32_t>();
+        auto off = read_as<int32_t>();
+        std::vector<float> out((size_t)n * d, std::nanf(""));
+        const float* bp = base.empty() ? nullptr : base.data();
+        emu::launch(blocks_of((long long)n * d, 128), 128, [&] {
+            moe_combine_idx(bp, gates.data(), ys.data(), idx.data(), off.data(), out.data(), n, d);
+        });
+        write_array(out);
+    } else if (job == "kv_write_aux") {
+        // kv_write_aux n layers layer page_len kvd aux: ik (n·aux), store
+        // (whole pages of `layers` layers), dst (the page of each token),
+        // slot (u64 each) -> store after the writes
+        int n, layers, layer, page_len, kvd, aux;
+        hs >> n >> layers >> layer >> page_len >> kvd >> aux;
+        auto ik = read_as<float>();
+        auto store = read_as<float>();
+        auto page = read_as<uint64_t>();
+        auto slot = read_as<uint64_t>();
+        size_t pf = (size_t)layers * page_len * (2 * kvd + aux);
+        std::vector<unsigned long long> dst(n), sl(slot.begin(), slot.end());
+        for (int t = 0; t < n; ++t) dst[t] = (unsigned long long)(uintptr_t)(store.data() + page[t] * pf);
+        emu::launch(blocks_of((long long)n * aux, 128), 128,
+                    [&] { kv_write_aux(ik.data(), dst.data(), sl.data(), n, layer, page_len, kvd, aux); });
+        write_array(store);
     } else {
         return 2;
     }
