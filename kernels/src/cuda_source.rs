@@ -1,6 +1,6 @@
 //! The CUDA source (`kernels/cuda/*.cuh`, `*.cu`: one file per op family)
 //! and its negative controls: plain text, built with or without the `cuda`
-//! feature, so that the emulated-kernel tests (`tests/cuda_emulated.rs`) and
+//! feature, so that the emulated-kernel tests (`tests/cuda_emulated/`) and
 //! the NVRTC compile check see exactly what the device compiles.
 //!
 //! Invariant: [`SOURCE`] is the files joined in this fixed order, each

@@ -20,7 +20,7 @@
 //
 // Fibers switch by a few lines of assembly on x86-64 (ucontext elsewhere:
 // correct, slower, as swapcontext makes a system call per switch).
-// Used by kernels/tests/cuda_emulated.rs; not a performance model.
+// Used by kernels/tests/cuda_emulated/; not a performance model.
 #pragma once
 
 #include <sys/mman.h>

@@ -1,5 +1,5 @@
 // Runs the CUDA kernels (kernels/cuda/) on the CPU emulation (cuda_emu.h) with the
-// launch shapes kernels/src/cuda/ uses, for kernels/tests/cuda_emulated.rs.
+// launch shapes kernels/src/cuda/ uses, for kernels/tests/cuda_emulated/.
 //
 // Protocol: stdin holds one job: a text line `NAME int...` and then its
 // arrays, each a u64 byte count and the bytes; stdout gets the outputs the
