@@ -3,6 +3,7 @@
 
 mod bench;
 mod demo;
+mod disagg;
 mod proxy;
 mod replay;
 mod rerecord;
@@ -18,7 +19,7 @@ use lmrr_engine::digest::hex;
 use lmrr_engine::synth::SynthDtype;
 use lmrr_engine::{
     run_session, EngineConfig, GenerateOptions, Model, Patch, PatchSet, Preset, SamplingParams,
-    Scheduler, Script, SynthSpec,
+    Script, SynthSpec,
 };
 use lmrr_kernels::Threads;
 use lmrr_recorder::{Manifest, Recorder, Summary};
@@ -104,6 +105,8 @@ struct RunArgs {
     /// Engine patches to run with (comma-separated; see `lmrr patches`).
     #[arg(long, default_value = "", value_parser = parse_patches)]
     patches: PatchSet,
+    #[command(flatten)]
+    disagg: disagg::DisaggArgs,
 }
 
 pub(crate) fn parse_patches(s: &str) -> Result<PatchSet, String> {
@@ -409,7 +412,13 @@ fn run_run(a: &RunArgs) -> Result<u8> {
             model.net.family()
         );
     }
-    let mut sch = Scheduler::with_patches(model.net(), cfg, th, a.patches.clone())?;
+    let mut sch = disagg::Engine::new(
+        model.net(),
+        cfg,
+        a.disagg.config(cfg),
+        th,
+        a.patches.clone(),
+    )?;
     // Validate against the model and pool before creating any file.
     script.check_fits(&model, &sch)?;
     let mut recorder = match &a.record {
@@ -426,7 +435,11 @@ fn run_run(a: &RunArgs) -> Result<u8> {
             sch.set_top_logprobs(TOP_LOGPROBS);
             let f = std::fs::File::create(path)
                 .with_context(|| format!("creating {}", path.display()))?;
-            Some(Recorder::new(std::io::BufWriter::new(f), &manifest)?)
+            let mut r = Recorder::new(std::io::BufWriter::new(f), &manifest)?;
+            if let Some(c) = sch.pd_config() {
+                r.disaggregated(c);
+            }
+            Some(r)
         }
     };
     let t0 = std::time::Instant::now();
@@ -587,10 +600,13 @@ fn run_gguf_dequant(file: &std::path::Path, tensor: &str) -> Result<()> {
 
 fn run_patches() -> Result<()> {
     let mut out = std::io::stdout().lock();
-    for p in Patch::ALL {
-        let family = p
+    for p in Patch::CATALOG {
+        let mut family = p
             .family()
             .map_or("every family".to_string(), |f| f.to_string());
+        if p.disaggregated_only() {
+            family += ", disaggregated deployments (`--disaggregate`)";
+        }
         writeln!(out, "{:<22} {:?}, {family}", p.name(), p.class())?;
         writeln!(out, "    {}", p.doc())?;
     }

@@ -64,6 +64,8 @@ pub struct ServeArgs {
     /// No log line per request.
     #[arg(long)]
     quiet: bool,
+    #[command(flatten)]
+    disagg: crate::disagg::DisaggArgs,
 }
 
 pub fn run(a: &ServeArgs) -> Result<()> {
@@ -127,6 +129,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
             queue: a.queue,
             body_limit: lmrr_serve::server::BODY_LIMIT,
             log_requests: !a.quiet,
+            disaggregate: a.disagg.config(cfg),
         },
     )?;
     Ok(())

@@ -1,5 +1,7 @@
-//! The engine loop: one thread that owns the [`Scheduler`] and the bundle,
-//! and that every HTTP handler talks to through channels.
+//! The engine loop: one thread that owns the [`lmrr_engine::Scheduler`] (or,
+//! with `--disaggregate`, the prefill and decode engines of a
+//! [`lmrr_engine::PdEngine`], see [`crate::deploy`]) and the bundle, and that
+//! every HTTP handler talks to through channels.
 //!
 //! Handlers send a validated, tokenized [`Submission`] into a bounded inbox
 //! and read [`Update`]s from the submission's own bounded channel. The loop
@@ -14,7 +16,7 @@
 //!    (0, 1, … per bundle, in arrival order) and are submitted; the arrival
 //!    step recorded is the scheduler's step count;
 //! 3. interrupts of requests that arrived already abandoned;
-//! 4. one [`Scheduler::step`], recorded whole, whose sampled tokens are
+//! 4. one step, recorded whole, whose sampled tokens are
 //!    detokenized and sent to their clients.
 //!
 //! Idle time is not recorded: when nothing is waiting, running or pending
@@ -33,7 +35,7 @@
 //! `interrupt_after_tokens` takes, and the one the incident went through.
 //!
 //! Logprobs (OpenAI's `logprobs`): when a live request asks for them, the
-//! step keeps its sampled logits rows ([`Scheduler::set_keep_rows`], off
+//! step keeps its sampled logits rows (`Scheduler::set_keep_rows`, off
 //! otherwise: a row is a vocabulary of f32 per sequence), and each sampled
 //! token of such a request becomes a [`TokenLogprob`] computed with the
 //! engine's own [`token_logprob`] and [`top_logprobs`] (the functions
@@ -60,7 +62,6 @@ use tokio::sync::mpsc;
 use lmrr_engine::scheduler::{token_logprob, top_logprobs, Request, RequestId, StepReport};
 use lmrr_engine::{
     EngineConfig, EngineError, FinishReason, Model, ModelFamily, PatchSet, SamplingParams,
-    Scheduler,
 };
 use lmrr_kernels::Threads;
 use lmrr_recorder::{Event, Manifest};
@@ -223,6 +224,9 @@ pub struct EngineSetup {
     pub queue: usize,
     /// Log a line per request.
     pub log_requests: bool,
+    /// A disaggregated deployment's decode engine and link (`engine` is
+    /// then its prefill engine).
+    pub pd: Option<lmrr_engine::PdConfig>,
 }
 
 /// A request the loop is serving.
@@ -284,7 +288,7 @@ pub fn spawn(
 
 /// One bundle's worth of engine: a fresh scheduler and its bundle.
 struct Epoch<'m> {
-    sch: Scheduler<'m>,
+    sch: crate::deploy::Deployment<'m>,
     bundle: Option<Bundle>,
     live: BTreeMap<RequestId, Live>,
     next_id: RequestId,
@@ -297,6 +301,7 @@ struct EpochCtx<'a> {
     engine: EngineConfig,
     threads: &'a Threads,
     patches: &'a PatchSet,
+    pd: Option<lmrr_engine::PdConfig>,
 }
 
 impl<'a> EpochCtx<'a> {
@@ -306,9 +311,10 @@ impl<'a> EpochCtx<'a> {
         record: &mut Option<(BundleDir, Rotation, Manifest)>,
         index: u64,
     ) -> Result<Epoch<'a>, ServeError> {
-        let mut sch = Scheduler::with_patches(
+        let mut sch = crate::deploy::Deployment::new(
             net(self.model),
             self.engine,
+            self.pd,
             self.threads.clone(),
             self.patches.clone(),
         )?;
@@ -316,7 +322,10 @@ impl<'a> EpochCtx<'a> {
             None => None,
             Some((dir, _, manifest)) => {
                 sch.set_top_logprobs(TOP_LOGPROBS);
-                let b = dir.open(manifest)?;
+                let mut b = dir.open(manifest)?;
+                if let Some(e) = sch.first_event() {
+                    b.push(e)?;
+                }
                 log(format!("recording into {}", b.path.display()));
                 Some(b)
             }
@@ -349,6 +358,7 @@ fn run(
         engine: setup.engine,
         threads: &setup.threads,
         patches: &setup.patches,
+        pd: setup.pd,
     };
     let open_epoch =
         |record: &mut Option<(BundleDir, Rotation, Manifest)>, index: u64| ctx.open(record, index);
@@ -418,12 +428,12 @@ fn run(
             .step_us
             .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
         match stepped {
-            Ok(report) => {
+            Ok(stepped) => {
                 stats.steps.fetch_add(1, Ordering::Relaxed);
                 if let Some(b) = ep.bundle.as_mut() {
-                    b.push(Event::Step(report.clone()))?;
+                    b.push(stepped.event)?;
                 }
-                deliver(&mut ep, &report, &model, setup.log_requests, stats);
+                deliver(&mut ep, &stepped.report, &model, setup.log_requests, stats);
             }
             Err(e) => {
                 // The scheduler cannot go on (a livelock under a patch, the

@@ -16,6 +16,7 @@
 
 pub mod api;
 pub mod audit;
+pub mod deploy;
 pub mod detok;
 pub mod engine;
 pub mod error;
@@ -58,6 +59,9 @@ pub struct ServeConfig {
     pub body_limit: usize,
     /// One log line per finished request.
     pub log_requests: bool,
+    /// Serve from a disaggregated deployment: `engine` is the prefill
+    /// engine; this the decode engine and the link.
+    pub disaggregate: Option<lmrr_engine::PdConfig>,
 }
 
 /// Runs the server until SIGINT or SIGTERM; returns once the bundle is
@@ -120,6 +124,7 @@ pub fn serve(model: Model, cfg: ServeConfig) -> Result<(), ServeError> {
         record,
         queue: cfg.queue,
         log_requests: cfg.log_requests,
+        pd: cfg.disaggregate,
     })?;
     let app = Arc::new(server::App {
         model,
