@@ -104,16 +104,34 @@ impl Model {
         Ok(m)
     }
 
-    /// Renders chat messages with the model's template (built-in ChatML when
-    /// it has none) into prompt parts.
+    /// Renders chat messages with the model's template into prompt parts.
+    /// A model without one gets the built-in ChatML only where its
+    /// vocabulary has ChatML's tokens (the synthetic models, which are made
+    /// with them); any other is refused, so that a model never reads a chat
+    /// format it was not trained on.
     pub fn render_chat(&self, messages: &[chat::Message]) -> Result<Vec<chat::Part>, EngineError> {
         match &self.chat_template {
             Some(t) => t.render(messages).map_err(|msg| EngineError::Config {
                 path: self.origin.clone().into(),
                 msg: format!("rendering the chat template: {msg}"),
             }),
-            None => Ok(chat::render_chatml(messages)),
+            None if self.speaks_chatml() => Ok(chat::render_chatml(messages)),
+            None => Err(EngineError::Config {
+                path: self.origin.clone().into(),
+                msg: "the model has no chat template (no `chat_template` in \
+                      tokenizer_config.json) and its vocabulary has no ChatML tokens \
+                      (`<|im_start|>`, `<|im_end|>`): give a plain prompt instead of \
+                      chat messages, or add the model's template to tokenizer_config.json"
+                    .into(),
+            }),
         }
+    }
+
+    /// Whether the vocabulary has ChatML's two special tokens.
+    pub fn speaks_chatml(&self) -> bool {
+        ["<|im_start|>", "<|im_end|>"]
+            .iter()
+            .all(|t| self.tokenizer.token_id(t).is_some())
     }
 
     /// The prompt text for one user message in the model's template,

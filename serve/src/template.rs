@@ -35,6 +35,9 @@ pub struct Renderer {
     /// The model's template, compiled once (its source is leaked: one
     /// template per server process).
     jinja: Option<Jinja>,
+    /// Without a template: whether the vocabulary has ChatML's tokens (the
+    /// built-in ChatML is used only then).
+    chatml: bool,
 }
 
 struct Jinja {
@@ -62,7 +65,10 @@ impl Renderer {
     /// Compiles the model's template, if it has one.
     pub fn new(model: &Model) -> Result<Self, String> {
         let Some(t) = &model.chat_template else {
-            return Ok(Self { jinja: None });
+            return Ok(Self {
+                jinja: None,
+                chatml: model.speaks_chatml(),
+            });
         };
         let source: &'static str = Box::leak(t.source().to_string().into_boxed_str());
         let mut env = minijinja::Environment::new();
@@ -79,6 +85,7 @@ impl Renderer {
                 eos: eos.to_string(),
                 reads_tools: source.contains("tools"),
             }),
+            chatml: false,
         })
     }
 
@@ -106,6 +113,12 @@ impl Renderer {
             ));
         }
         let text = match &self.jinja {
+            None if !self.chatml => {
+                return Err(ApiError::bad_request(
+                    "the model has no chat template and its vocabulary has no ChatML tokens: \
+                     use /v1/completions with a plain prompt",
+                ))
+            }
             None => chatml(messages),
             Some(j) => {
                 let msgs: Vec<Value> = messages

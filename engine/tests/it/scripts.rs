@@ -175,6 +175,41 @@ fn templated_model() -> Model {
     m
 }
 
+/// The embedded default with ChatML's two tokens renamed: a vocabulary
+/// that does not speak ChatML.
+fn model_without_chatml(template: Option<&str>) -> Model {
+    let mut f = SynthSpec::embedded_default().build();
+    let text = String::from_utf8(f.tokenizer.clone())
+        .unwrap()
+        .replace("<|im_start|>", "<|turn|>")
+        .replace("<|im_end|>", "<|done|>");
+    f.tokenizer = text.into_bytes();
+    f.tokenizer_config = template.map(|t| (t.as_bytes().to_vec(), "tokenizer_config.json".into()));
+    Model::from_files(f).unwrap()
+}
+
+#[test]
+fn chat_needs_a_template_where_the_vocabulary_has_no_chatml() {
+    let m = model_without_chatml(None);
+    assert!(!m.speaks_chatml());
+    let err = m
+        .chat_prompt("hi")
+        .expect_err("no template and no ChatML tokens");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("no chat template") && msg.contains("<|im_start|>"),
+        "{msg}"
+    );
+    // With its own template the same model renders.
+    let t = r#"{"chat_template": "{% for m in messages %}<|turn|>{{ m['content'] }}<|done|>{% endfor %}"}"#;
+    let m = model_without_chatml(Some(t));
+    assert_eq!(m.chat_prompt("hi").unwrap(), "<|turn|>hi<|done|>");
+    // The synthetic models speak ChatML: the built-in template serves them.
+    assert!(Model::from_files(SynthSpec::embedded_default().build())
+        .unwrap()
+        .speaks_chatml());
+}
+
 fn prompts(m: &Model, s: &Script, max_batch_tokens: usize) -> Vec<Vec<u32>> {
     let cfg = EngineConfig {
         max_batch_tokens,
