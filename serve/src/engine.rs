@@ -46,10 +46,9 @@
 //! hold back: an entry can arrive before its text. Invariant: a request's
 //! entries, concatenated, are its sampled tokens in order, each once, up to
 //! and including the one that completed a stop sequence, except an EOS that
-//! ends the request without text (no text, no entry, as llama.cpp's server).
-//! The detokenizer keeps special tokens, so an EOS that decodes to text
-//! (`<|im_end|>` on ChatML models) is in the response and has its entry:
-//! the entries' bytes, joined, are the response text's bytes. What is recorded is unchanged: the bundle's top-5 logprobs
+//! ends the request: it is neither text nor entry (OpenAI's and llama.cpp's
+//! servers leave `<|im_end|>` out of `content` too), so the entries' bytes,
+//! joined, are the response text's bytes. What is recorded is unchanged: the bundle's top-5 logprobs
 //! come from the scheduler's own report, whatever clients ask.
 
 use std::collections::{BTreeMap, VecDeque};
@@ -627,20 +626,20 @@ fn deliver(
         if l.stopper.hit() {
             continue;
         }
+        // An EOS that ends the request is not part of the answer: no text
+        // (its `<|im_end|>` stays out of `content`) and no entry, as OpenAI
+        // and llama.cpp answer.
+        if s.finish == Some(FinishReason::Eos) {
+            continue;
+        }
         let mut logprobs = Vec::new();
         if let Some(k) = l.logprobs {
-            // An EOS that ends the request gets an entry only when it is
-            // part of the text (the decoder keeps special tokens' text).
-            let silent_eos = s.finish == Some(FinishReason::Eos)
-                && model.tokenizer.decode(&[t]).map_or(true, |x| x.is_empty());
-            if !silent_eos {
-                let row = ep.sch.last_rows().iter().find(|(id, _)| *id == s.id);
-                logprobs.push(TokenLogprob {
-                    token: t,
-                    logprob: row.and_then(|(_, r)| token_logprob(r, t)),
-                    top: row.map_or_else(Vec::new, |(_, r)| top_logprobs(r, k)),
-                });
-            }
+            let row = ep.sch.last_rows().iter().find(|(id, _)| *id == s.id);
+            logprobs.push(TokenLogprob {
+                token: t,
+                logprob: row.and_then(|(_, r)| token_logprob(r, t)),
+                top: row.map_or_else(Vec::new, |(_, r)| top_logprobs(r, k)),
+            });
         }
         let piece = l.detok.push(&model.tokenizer, t);
         let text = l.stopper.push(&piece);
