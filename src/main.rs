@@ -4,6 +4,9 @@
 mod bench;
 mod demo;
 mod disagg;
+mod harm;
+mod inspect;
+mod probe;
 mod proxy;
 mod replay;
 mod rerecord;
@@ -22,7 +25,7 @@ use lmrr_engine::{
     Script, SynthSpec,
 };
 use lmrr_kernels::Threads;
-use lmrr_recorder::{Manifest, Recorder, Summary};
+use lmrr_recorder::{Manifest, Recorder};
 use lmrr_replays::report::plural;
 
 /// rr for LLM inference: a deterministic engine whose logits are a pure function
@@ -45,8 +48,9 @@ enum Cmd {
     Generate(GenerateArgs),
     /// Run a session script (multi-request, multi-turn) on the serving core.
     Run(RunArgs),
-    /// Print a bundle's manifest, counts, size and integrity verdict.
-    Inspect(InspectArgs),
+    /// Print a bundle's manifest, counts, size and integrity verdict (session
+    /// or traffic bundle).
+    Inspect(inspect::InspectArgs),
     /// Re-execute a bundle bit-exactly; report the first divergence; bisect patches.
     Replay(replay::ReplayArgs),
     /// Re-run a bundle's session on the current engine; write fresh hashes; show what changed.
@@ -67,6 +71,9 @@ enum Cmd {
     Proxy(proxy::ProxyArgs),
     /// Check a server's recorded answers against lmrr's reference engine.
     Audit(proxy::AuditArgs),
+    /// Context-fidelity sweeps: needles at depths × lengths, and recall
+    /// after an interrupt, under patch sets or against a server.
+    Probe(probe::ProbeArgs),
     /// Raw little-endian f32 of one GGUF tensor on stdout (for
     /// scripts/check_dequant.py).
     #[command(hide = true)]
@@ -156,25 +163,6 @@ struct ScoreArgs {
     /// Where the kernels run: `cpu`, or `cuda` (builds with `--features cuda`).
     #[arg(long, default_value = "cpu")]
     device: String,
-}
-
-#[derive(clap::Args, Debug)]
-struct InspectArgs {
-    /// The bundle.
-    bundle: PathBuf,
-    /// Print JSON (manifest and summary) instead of text.
-    #[arg(long)]
-    json: bool,
-    /// Also write the bundle's timeline as one self-contained HTML page.
-    #[arg(long, value_name = "OUT.html")]
-    html: Option<PathBuf>,
-    /// Also write the session as a script for `lmrr run --script`.
-    #[arg(long, value_name = "OUT.toml")]
-    script: Option<PathBuf>,
-    /// The model for `--script`'s prompt texts (default: the bundle's
-    /// synthetic model; token ids without one).
-    #[arg(long)]
-    model: Option<String>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -653,84 +641,6 @@ pub(crate) fn open_bundle(path: &std::path::Path) -> Result<lmrr_recorder::Bundl
     })
 }
 
-fn run_inspect(a: &InspectArgs) -> Result<()> {
-    let b = crate::open_bundle(&a.bundle)?;
-    let s = Summary::of(&b);
-    if let Some(out) = &a.script {
-        serve::write_script(&b, &a.bundle, a.model.as_deref(), out)?;
-    }
-    if let Some(p) = &a.html {
-        let cmd = format!("lmrr inspect {}", a.bundle.display());
-        let data =
-            lmrr_replays::html::ReportData::inspect(&b, &a.bundle.display().to_string(), &cmd);
-        std::fs::write(p, data.to_html()?)
-            .with_context(|| format!("writing the HTML report {}", p.display()))?;
-        eprintln!("report: {}", p.display());
-    }
-    let mut out = std::io::stdout().lock();
-    if a.json {
-        let v = serde_json::json!({ "manifest": b.manifest, "summary": s });
-        writeln!(out, "{}", serde_json::to_string_pretty(&v)?)?;
-        return Ok(());
-    }
-    let m = &b.manifest;
-    writeln!(out, "bundle      {}", a.bundle.display())?;
-    writeln!(
-        out,
-        "format      v{} · contract v{} · lmrr {} ({})",
-        m.format_version, m.contract_version, m.tool_version, m.git_revision
-    )?;
-    writeln!(out, "model       {} · {}", m.model.origin, m.model.identity)?;
-    writeln!(
-        out,
-        "engine      page size {} · pool {} pages · {} tokens/step · prefix cache {}",
-        m.engine.page_size,
-        m.engine.pool_pages,
-        m.engine.max_batch_tokens,
-        if m.engine.prefix_cache { "on" } else { "off" }
-    )?;
-    writeln!(
-        out,
-        "patches     {}",
-        if m.patches.is_empty() {
-            "none".to_string()
-        } else {
-            m.patches.join(",")
-        }
-    )?;
-    writeln!(
-        out,
-        "host        {} {} · {} · {} · {}",
-        m.host.os,
-        m.host.arch,
-        m.host.isa,
-        m.host.cpu,
-        plural(m.threads, "thread")
-    )?;
-    writeln!(out, "session     {}", m.source.script_path)?;
-    writeln!(
-        out,
-        "counts      {} · {} · {} · {} · {}",
-        plural(s.requests as u64, "request"),
-        plural(s.turns as u64, "follow-up turn"),
-        plural(s.interrupts as u64, "interrupt"),
-        plural(s.preemptions as u64, "preemption"),
-        plural(s.steps as u64, "step")
-    )?;
-    writeln!(
-        out,
-        "tokens      {} prompt · {} generated",
-        s.prompt_tokens, s.generated_tokens
-    )?;
-    writeln!(
-        out,
-        "size        {} bytes in {} frames · {:.2} bytes/token · token data {} bytes ({:.2}/token) · hashes {} bytes",
-        s.bytes, s.frames, s.bytes_per_token, s.token_data_bytes, s.token_data_bytes_per_token, s.hash_bytes
-    )?;
-    writeln!(out, "integrity   {}", s.integrity)?;
-    Ok(())
-}
-
 fn run_gen_model(a: &GenModelArgs) -> Result<()> {
     let family = match a.arch.as_str() {
         "llama" => lmrr_engine::Family::Llama,
@@ -785,7 +695,7 @@ fn main() -> std::process::ExitCode {
             Ok(code) => return std::process::ExitCode::from(code),
             Err(e) => Err(e),
         },
-        Some(Cmd::Inspect(a)) => run_inspect(a),
+        Some(Cmd::Inspect(a)) => inspect::run(a),
         Some(Cmd::Replay(a)) => match replay::run(a) {
             Ok(code) => return std::process::ExitCode::from(code),
             Err(e) => Err(e),
@@ -799,6 +709,10 @@ fn main() -> std::process::ExitCode {
         Some(Cmd::Bench(a)) => bench::run(a),
         Some(Cmd::Serve(a)) => serve::run(a),
         Some(Cmd::Proxy(a)) => proxy::run_proxy(a),
+        Some(Cmd::Probe(a)) => match probe::run(a) {
+            Ok(code) => return std::process::ExitCode::from(code),
+            Err(e) => Err(e),
+        },
         Some(Cmd::Audit(a)) => match proxy::run_audit(a) {
             Ok(code) => return std::process::ExitCode::from(code),
             Err(e) => Err(e),

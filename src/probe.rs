@@ -26,18 +26,18 @@ pub struct ProbeArgs {
     /// patches (local engine only).
     #[arg(long, default_value = "none")]
     patches: String,
-    /// Needle depths, percent of the haystack.
-    #[arg(long, value_delimiter = ',', default_value = "0,25,50,75,100")]
-    depths: Vec<u32>,
-    /// Context lengths, tokens (empty: no needle sweep).
-    #[arg(long, value_delimiter = ',', default_value = "256,512,1024")]
-    lengths: Vec<usize>,
-    /// Interrupt points of the recall probe, tokens (chunks with `--url`);
-    /// `--cuts ''` skips it.
-    #[arg(long, value_delimiter = ',', default_value = "8,30")]
-    cuts: Vec<u32>,
+    /// Needle depths, percent of the haystack, comma-separated.
+    #[arg(long, default_value = "0,25,50,75,100")]
+    depths: String,
+    /// Context lengths, tokens, comma-separated (`''`: no needle sweep).
+    #[arg(long, default_value = "256,512,1024")]
+    lengths: String,
+    /// Interrupt points of the recall probe, tokens (chunks with `--url`),
+    /// comma-separated (`''`: no recall probe).
+    #[arg(long, default_value = "8,30")]
+    cuts: String,
     /// Tokens generated for a needle answer.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 12)]
     needle_tokens: usize,
     /// Tokens generated for the recall answer.
     #[arg(long, default_value_t = 24)]
@@ -54,6 +54,18 @@ pub struct ProbeArgs {
     /// Worker threads (default: all cores). Never changes a bit.
     #[arg(long)]
     threads: Option<usize>,
+}
+
+/// A comma-separated list of numbers (empty: none).
+fn list<T: std::str::FromStr>(name: &str, s: &str) -> Result<Vec<T>> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|x| !x.is_empty())
+        .map(|x| {
+            x.parse()
+                .map_err(|_| anyhow::anyhow!("{name} {s}: `{x}` is not a non-negative integer"))
+        })
+        .collect()
 }
 
 fn patch_sets(s: &str) -> Result<Vec<PatchSet>> {
@@ -74,10 +86,10 @@ fn patch_sets(s: &str) -> Result<Vec<PatchSet>> {
 /// one is worse somewhere.
 pub fn run(a: &ProbeArgs) -> Result<u8> {
     let sweep = Sweep {
-        depths: a.depths.clone(),
-        lengths: a.lengths.clone(),
+        depths: list("--depths", &a.depths)?,
+        lengths: list("--lengths", &a.lengths)?,
         needle_tokens: a.needle_tokens,
-        cuts: a.cuts.clone(),
+        cuts: list("--cuts", &a.cuts)?,
         recall_tokens: a.recall_tokens,
     };
     if let Some(d) = sweep.depths.iter().find(|&&d| d > 100) {

@@ -231,12 +231,35 @@ pub fn run(a: &ReplayArgs) -> Result<u8> {
         opts.trace_steps = TRACE_STEPS;
     }
     let (o, trace) = replay_traced(&b, &model, &opts)?;
-    print_outcome(
-        &mut out,
-        &o,
-        a.json,
-        &format!("replay under patches `{patches}`"),
-    )?;
+    // Under another patch set, lead with the request whose output changes.
+    let harm = if patches != recorded && !o.is_bit_exact() {
+        match crate::harm::harm(&b, &model, &patches, &opts.threads, &path) {
+            Ok(h) => h,
+            Err(e) => {
+                eprintln!("warning: the harmed request could not be computed: {e:#}");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    if a.json {
+        let mut v = serde_json::to_value(&o)?;
+        if let (Some(h), Some(m)) = (&harm, v.as_object_mut()) {
+            m.insert("harm".into(), h.to_json());
+        }
+        writeln!(out, "{}", serde_json::to_string_pretty(&v)?)?;
+    } else {
+        if let Some(h) = &harm {
+            writeln!(out, "{h}")?;
+        }
+        print_outcome(
+            &mut out,
+            &o,
+            false,
+            &format!("replay under patches `{patches}`"),
+        )?;
+    }
     if a.explain {
         let text = match o.divergence() {
             Some(d) => {
@@ -257,7 +280,7 @@ pub fn run(a: &ReplayArgs) -> Result<u8> {
             &o,
             &trace,
         );
-        write_reports(a, &data)?;
+        write_reports_led(a, &data, harm.as_ref())?;
     }
     Ok(u8::from(!o.is_bit_exact()))
 }
@@ -268,8 +291,22 @@ pub fn run(a: &ReplayArgs) -> Result<u8> {
 const TRACE_STEPS: u64 = u64::MAX;
 
 fn write_reports(a: &ReplayArgs, data: &ReportData) -> Result<()> {
+    write_reports_led(a, data, None)
+}
+
+/// The reports, the HTML page led by the harmed request when there is one.
+fn write_reports_led(
+    a: &ReplayArgs,
+    data: &ReportData,
+    harm: Option<&crate::harm::Harm>,
+) -> Result<()> {
     if let Some(p) = &a.html {
-        std::fs::write(p, data.to_html()?)
+        let html = data.to_html()?;
+        let html = match harm {
+            Some(h) => crate::harm::lead_html(&html, h),
+            None => html,
+        };
+        std::fs::write(p, html)
             .with_context(|| format!("writing the HTML report {}", p.display()))?;
         eprintln!("report: {}", p.display());
     }

@@ -489,21 +489,17 @@ pub fn replay_traced(
             if let (Some(a), true) = (&a, in_report) {
                 let exp: BTreeMap<RequestId, &Vec<f32>> =
                     a.last_rows().iter().map(|(id, r)| (*id, r)).collect();
-                let pairs: Vec<(f32, f64, bool)> = b
+                let pairs: Vec<(String, f32, f64, bool)> = b
                     .last_rows()
                     .iter()
-                    .filter_map(|(id, r)| exp.get(id).map(|e| drift(e, r)))
+                    .filter_map(|(id, r)| {
+                        exp.get(id).map(|e| {
+                            let (d, kl, top1) = drift(e, r);
+                            (cat.name(*id), d, kl, top1)
+                        })
+                    })
                     .collect();
-                if !pairs.is_empty() {
-                    drift_rows.push(DriftRow {
-                        step: rec.step,
-                        rows: pairs.len(),
-                        max_abs_dlogit: pairs.iter().map(|p| p.0).fold(0.0, f32::max),
-                        mean_kl: pairs.iter().map(|p| p.1).sum::<f64>() / pairs.len() as f64,
-                        top1_agreement: pairs.iter().filter(|p| p.2).count() as f64
-                            / pairs.len() as f64,
-                    });
-                }
+                drift_rows.extend(DriftRow::of(rec.step, &pairs));
             }
             let go_on = (opts.drift_steps as u64).max(opts.trace_steps);
             if opts.stop_at_first || rec.step >= d.step.saturating_add(go_on) {

@@ -335,7 +335,7 @@ pub(crate) fn replay_pd(
                         kl,
                         top1_agrees,
                     });
-                    pairs.push((max_abs_dlogit, kl, top1_agrees));
+                    pairs.push((cat.name(key.1), max_abs_dlogit, kl, top1_agrees));
                 }
             }
         }
@@ -353,15 +353,8 @@ pub(crate) fn replay_pd(
                 .map(|d| (d.step, d.signal));
         }
         if let Some(d) = &first {
-            if rec.step <= d.step + opts.drift_steps as u64 && !pairs.is_empty() {
-                drift_rows.push(DriftRow {
-                    step: rec.step,
-                    rows: pairs.len(),
-                    max_abs_dlogit: pairs.iter().map(|p| p.0).fold(0.0, f32::max),
-                    mean_kl: pairs.iter().map(|p| p.1).sum::<f64>() / pairs.len() as f64,
-                    top1_agreement: pairs.iter().filter(|p| p.2).count() as f64
-                        / pairs.len() as f64,
-                });
+            if rec.step <= d.step + opts.drift_steps as u64 {
+                drift_rows.extend(DriftRow::of(rec.step, &pairs));
             }
             let go_on = (opts.drift_steps as u64).max(opts.trace_steps);
             if opts.stop_at_first || rec.step >= d.step.saturating_add(go_on) {

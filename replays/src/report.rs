@@ -46,6 +46,29 @@ pub struct DriftRow {
     pub mean_kl: f64,
     /// Fraction of rows whose argmax agrees.
     pub top1_agreement: f64,
+    /// The requests whose rows were compared, the one with the largest
+    /// |Δlogit| first.
+    pub requests: Vec<String>,
+}
+
+impl DriftRow {
+    /// The step's row from `(request, max |Δlogit|, KL, top-1 agrees)` per
+    /// compared row; `None` when no row was compared.
+    pub fn of(step: u64, rows: &[(String, f32, f64, bool)]) -> Option<Self> {
+        if rows.is_empty() {
+            return None;
+        }
+        let mut by_drift: Vec<&(String, f32, f64, bool)> = rows.iter().collect();
+        by_drift.sort_by(|a, b| b.1.total_cmp(&a.1));
+        Some(Self {
+            step,
+            rows: rows.len(),
+            max_abs_dlogit: rows.iter().map(|p| p.1).fold(0.0, f32::max),
+            mean_kl: rows.iter().map(|p| p.2).sum::<f64>() / rows.len() as f64,
+            top1_agreement: rows.iter().filter(|p| p.3).count() as f64 / rows.len() as f64,
+            requests: by_drift.iter().map(|p| p.0.clone()).collect(),
+        })
+    }
 }
 
 /// The first divergence.
@@ -221,16 +244,20 @@ impl std::fmt::Display for Outcome {
                         plural(d.drift.len() as u64, "step")
                     )?;
                 } else if !d.drift.is_empty() {
-                    writeln!(f, "  drift     step   rows  max|Δlogit|        KL   top-1")?;
+                    writeln!(
+                        f,
+                        "  drift     step   rows  max|Δlogit|        KL   top-1  requests"
+                    )?;
                     for r in &d.drift {
                         writeln!(
                             f,
-                            "            {:>4} {:>6} {:>12.3e} {:>9.2e} {:>6.0}%",
+                            "            {:>4} {:>6} {:>12.3e} {:>9.2e} {:>6.0}%  {}",
                             r.step,
                             r.rows,
                             r.max_abs_dlogit,
                             r.mean_kl,
-                            100.0 * r.top1_agreement
+                            100.0 * r.top1_agreement,
+                            r.requests.join(", ")
                         )?;
                     }
                 }

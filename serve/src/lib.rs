@@ -20,6 +20,7 @@ pub mod deploy;
 pub mod detok;
 pub mod engine;
 pub mod error;
+pub mod probe;
 pub mod proxy;
 pub mod proxy_bench;
 pub mod record;
@@ -27,6 +28,7 @@ pub mod script;
 pub mod server;
 pub mod sse;
 pub mod template;
+pub mod traffic_summary;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

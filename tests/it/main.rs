@@ -6,5 +6,7 @@
 
 mod cli;
 mod cli_snapshots;
+mod probe;
 mod proxy;
 mod serve;
+mod serve_ends;

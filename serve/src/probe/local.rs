@@ -88,6 +88,9 @@ pub fn label(patches: &PatchSet) -> String {
     }
 }
 
+/// Each request's output tokens and digest, in script order.
+type Outputs = Vec<(Vec<u32>, [u8; 32])>;
+
 struct Ctx<'a> {
     model: &'a Model,
     threads: &'a Threads,
@@ -104,7 +107,7 @@ impl Ctx<'_> {
         name: &str,
         patches: &PatchSet,
         prefix_cache: bool,
-    ) -> Result<(Vec<(Vec<u32>, [u8; 32])>, String), ProbeError> {
+    ) -> Result<(Outputs, String), ProbeError> {
         let script = Script::parse(src, name)?;
         let context = self.model.net.context();
         let cfg = EngineConfig {

@@ -95,7 +95,7 @@ impl Default for Sweep {
         Self {
             depths: vec![0, 25, 50, 75, 100],
             lengths: vec![256, 512, 1024],
-            needle_tokens: 8,
+            needle_tokens: 12,
             cuts: vec![8, 30],
             recall_tokens: 24,
         }
