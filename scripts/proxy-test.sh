@@ -16,7 +16,10 @@
 #     build gave broken, rank 950 at token 17; the portable AVX2 build used
 #     here gives drifted, one greedy choice off, mean KL 0.18);
 #   - lmrr serve without patches is bit-faithful: every token at rank 1 and
-#     every logprob the reference's bits.
+#     every logprob the reference's bits;
+#   - the upstreams' verdicts: llama.cpp `faithful` (steady, no change point),
+#     the patched lmrr serve `broken after interrupt` with its change point at
+#     turn 2, right after turn 1's interrupt, and lmrr serve `faithful`.
 #
 #   scripts/proxy-test.sh [SMOLLM2_DIR]     default: scripts/get-smollm2.sh
 #   LMRR=path/to/lmrr                       default: target/release/lmrr
@@ -109,8 +112,10 @@ resend reference
 "$py" - "$work" <<'PY'
 import json, sys
 w = sys.argv[1]
+def report(n):
+    return json.load(open(f"{w}/{n}.json"))
 def load(n):
-    return json.load(open(f"{w}/{n}.json"))["turns"]
+    return report(n)["turns"]
 def show(n, turns):
     print(n + ": " + ", ".join(f"turn {t['turn']} {t['verdict']}" for t in turns))
 llama, patched, ref = load("llama"), load("patched"), load("reference")
@@ -126,5 +131,13 @@ for t in ref:
     s = t["stats"]
     assert t["verdict"] == "faithful", t["why"]
     assert s["rank1"] == s["tokens"] == s["identical_logprobs"] > 0, f"turn {t['turn']} not bit-faithful: {s}"
-print(f"proxy-test: llama.cpp faithful; abort-frees-shared {patched[2]['verdict']} at the follow-up turn; lmrr serve bit-faithful")
+verdicts = {n: report(n)["verdict"] for n in ("llama", "patched", "reference")}
+print("upstream verdicts:", verdicts)
+assert verdicts["llama"] == "faithful", report("llama")["change"]
+assert verdicts["reference"] == "faithful", report("reference")["change"]
+assert verdicts["patched"] == "broken after interrupt", verdicts["patched"]
+c = report("patched")["change"]
+assert c["turn"] == 2 and c["right_after"] and c["event"]["kind"] == "interrupt", c
+print(f"proxy-test: llama.cpp faithful; abort-frees-shared {patched[2]['verdict']} at the follow-up turn, "
+      f"upstream broken after interrupt (change point turn {c['turn']}); lmrr serve bit-faithful")
 PY

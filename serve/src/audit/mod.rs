@@ -23,6 +23,11 @@
 //!   past a near-tie for a greedy turn; below [`Thresholds::improbable_logprob`]
 //!   for a sampled one) — the signature of a corrupted context.
 //!
+//! Those are levels, turn by turn; [`change`] then judges the upstream
+//! against itself (calibrated on the turns before the first interrupt or
+//! cache hit) and names the change point: `broken after interrupt` for an
+//! upstream that was bit-faithful and stops being so right after one.
+//!
 //! Context fidelity: for a chat turn with history, the reference log-probability
 //! of the upstream's answer with the full history against the same answer
 //! with the history removed (system messages and the last user message kept).
