@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Renders HTML reports of the committed bundles in headless Chromium and checks
 # them: the page loads with no console errors and no script error, and the
-# timeline, the divergence marker (for a diverging replay) and the drift plots
-# are in the DOM. Screenshots are kept under target/report-pngs/ (CI artifacts).
+# timeline, the divergence marker (for a diverging replay), the drift plots
+# and the harmed request (a replay whose outputs change) are in the DOM; then
+# `lmrr probe`'s heat map on mini-v4 (two panels, the lost needle, links). Screenshots are kept under target/report-pngs/ (CI artifacts).
 # Installs Debian's `chromium` when missing. Usage: scripts/browser-test.sh
 # [LMRR_BINARY]; LMRR_REPORT_DIR overrides the output folder.
 set -euo pipefail
@@ -56,6 +57,11 @@ for c in "${cases[@]}"; do
     grep -q 'id="divergence-marker"' <<<"$dom" || problems+=("no divergence marker")
     grep -q 'id="drift-plots"' <<<"$dom" || problems+=("no drift plots")
   fi
+  # A replay under another patch set whose outputs change leads with the
+  # harmed request.
+  if [[ $name == incident-abort-inserts-partial ]]; then
+    grep -q 'id="harm"' <<<"$dom" || problems+=("no harmed-request section")
+  fi
   if [[ $name == truncated ]]; then
     grep -q 'id="truncated"' <<<"$dom" || problems+=("no truncation banner")
   fi
@@ -68,4 +74,32 @@ for c in "${cases[@]}"; do
     echo "ok   $name ($(stat -c %s "$html") bytes, load ${load} ms) -> $OUT/$name.png"
   fi
 done
+# `lmrr probe`'s heat map (a page with no script): a panel per patch set, the
+# needle the early-exit indexer loses marked, every cell a link.
+probe_dir=$(mktemp -d)
+html="$OUT/probe-mini-v4.html"
+"$L" probe --model synthetic:mini-v4-tiny --patches none,indexer-early-exit --lengths 512 \
+  --depths 0,100 --cuts 8 --record-dir "$probe_dir" --html "$html" >/dev/null 2>&1 || true
+if [[ -s "$html" ]]; then
+  url="file://$(realpath "$html")"
+  dom=$(chrome --dump-dom "$url" 2>"$OUT/probe-mini-v4.log")
+  chrome --window-size=1280,900 --hide-scrollbars --screenshot="$OUT/probe-mini-v4.png" "$url" >/dev/null 2>>"$OUT/probe-mini-v4.log"
+  problems=()
+  grep -qi 'CONSOLE.*error\|Uncaught' "$OUT/probe-mini-v4.log" && problems+=("console error")
+  [[ $(grep -o 'class="panel"' <<<"$dom" | wc -l) == 2 ]] || problems+=("not two panels")
+  [[ $(grep -o 'data-status="lost"' <<<"$dom" | wc -l) == 1 ]] || problems+=("not one lost needle")
+  [[ $(grep -o '<td class="cell[^>]*><a href="[^"]*lmrr"' <<<"$dom" | wc -l) == 4 ]] || problems+=("cells without bundle links")
+  grep -q 'id="recall"' <<<"$dom" || problems+=("no recall table")
+  [[ -s "$OUT/probe-mini-v4.png" ]] || problems+=("no screenshot")
+  if ((${#problems[@]})); then
+    echo "FAIL probe-mini-v4: ${problems[*]}"
+    fail=1
+  else
+    echo "ok   probe-mini-v4 ($(stat -c %s "$html") bytes) -> $OUT/probe-mini-v4.png"
+  fi
+else
+  echo "FAIL probe-mini-v4: no heat map written"
+  fail=1
+fi
+rm -rf "$probe_dir"
 exit $fail
