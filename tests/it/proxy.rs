@@ -460,6 +460,10 @@ fn lmrr_serve_as_the_upstream_is_bit_faithful_and_survives_a_resend() {
 }
 
 fn write_traffic(path: &Path, chunks: &[Value]) {
+    write_traffic_for(path, "m", chunks)
+}
+
+fn write_traffic_for(path: &Path, model: &str, chunks: &[Value]) {
     let m = TrafficManifest::new(
         "http://127.0.0.1:1",
         "127.0.0.1:2",
@@ -469,7 +473,7 @@ fn write_traffic(path: &Path, chunks: &[Value]) {
         "none",
     );
     let mut w = TrafficWriter::new(std::fs::File::create(path).unwrap(), &m, 1).unwrap();
-    let body = json!({"model": "m", "messages": [{"role": "user", "content": "Who are you?"}], "stream": true});
+    let body = json!({"model": model, "messages": [{"role": "user", "content": "Who are you?"}], "stream": true});
     w.push(TrafficEvent::Request {
         id: 0,
         at_us: 0,
@@ -551,4 +555,41 @@ fn traffic_for_another_tokenizer_is_refused_naming_the_first_piece() {
         err.contains("session bundle") && err.contains("lmrr replay"),
         "{err}"
     );
+}
+
+#[test]
+fn audit_without_a_model_takes_the_one_the_traffic_names_or_refuses() {
+    let dir = tempfile::tempdir().unwrap();
+    let entry = |tok: &str| {
+        json!({"choices": [{"index": 0, "delta": {"content": tok},
+        "logprobs": {"content": [{"token": tok, "logprob": -0.1, "bytes": null, "top_logprobs": []}]}}]})
+    };
+    let audit = |path: &Path| {
+        let out = Command::new(env!("CARGO_BIN_EXE_lmrr"))
+            .args(["audit", path.to_str().unwrap(), "--threads", "1"])
+            .env_clear()
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    // A served name is not a model lmrr can load: refused, naming it.
+    let named = dir.path().join("named.lmrr");
+    write_traffic_for(&named, "smollm2", &[entry(" t")]);
+    let (code, _, err) = audit(&named);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("`smollm2`") && err.contains("--model"),
+        "{err}"
+    );
+    // A synthetic model the traffic names is the reference.
+    let synth = dir.path().join("synth.lmrr");
+    write_traffic_for(&synth, MODEL, &[entry(" t")]);
+    let (code, out, err) = audit(&synth);
+    assert!(matches!(code, Some(0 | 1)), "{err}");
+    assert!(out.contains(&format!("reference {MODEL}")), "{out}");
+    assert!(err.contains("as the traffic names it"), "{err}");
 }
