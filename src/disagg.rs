@@ -55,8 +55,8 @@ impl DisaggArgs {
 
 /// The engine a session runs on.
 pub enum Engine<'m> {
-    Colocated(Scheduler<'m>),
-    Disaggregated(PdEngine<'m>),
+    Colocated(Box<Scheduler<'m>>),
+    Disaggregated(Box<PdEngine<'m>>),
 }
 
 impl<'m> Engine<'m> {
@@ -68,8 +68,12 @@ impl<'m> Engine<'m> {
         patches: PatchSet,
     ) -> Result<Self, EngineError> {
         Ok(match pd {
-            Some(c) => Self::Disaggregated(PdEngine::new(model, cfg, c, threads, patches)?),
-            None => Self::Colocated(Scheduler::with_patches(model, cfg, threads, patches)?),
+            Some(c) => {
+                Self::Disaggregated(Box::new(PdEngine::new(model, cfg, c, threads, patches)?))
+            }
+            None => Self::Colocated(Box::new(Scheduler::with_patches(
+                model, cfg, threads, patches,
+            )?)),
         })
     }
 
@@ -101,15 +105,15 @@ impl<'m> Engine<'m> {
 
     fn inner(&self) -> &dyn SessionEngine {
         match self {
-            Self::Colocated(s) => s,
-            Self::Disaggregated(e) => e,
+            Self::Colocated(s) => &**s,
+            Self::Disaggregated(e) => &**e,
         }
     }
 
     fn inner_mut(&mut self) -> &mut (dyn SessionEngine + 'm) {
         match self {
-            Self::Colocated(s) => s,
-            Self::Disaggregated(e) => e,
+            Self::Colocated(s) => &mut **s,
+            Self::Disaggregated(e) => &mut **e,
         }
     }
 }

@@ -47,7 +47,7 @@ impl<W: Write> Recorder<W> {
                 id,
             },
             SessionEvent::Step(r) => Event::Step(r.clone()),
-            SessionEvent::PdStep(r) => Event::PdStep(r.clone()),
+            SessionEvent::PdStep(r) => Event::PdStep(Box::new(r.clone())),
         };
         if let Err(err) = self.writer.push(ev) {
             self.error = Some(err);

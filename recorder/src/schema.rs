@@ -159,8 +159,9 @@ pub enum Event {
     /// link are these. The first event when present.
     Disaggregated(PdConfig),
     /// Format 3: one step of a disaggregated deployment (both engines'
-    /// reports and the link's events).
-    PdStep(PdStep),
+    /// reports and the link's events; boxed, it holds two reports, encoded
+    /// as the value itself).
+    PdStep(Box<PdStep>),
 }
 
 impl Event {

@@ -14,9 +14,9 @@ use lmrr_recorder::Event;
 
 /// The engine behind the loop.
 pub enum Deployment<'m> {
-    Colocated(Scheduler<'m>),
+    Colocated(Box<Scheduler<'m>>),
     Disaggregated {
-        engine: PdEngine<'m>,
+        engine: Box<PdEngine<'m>>,
         /// Both engines' rows of the latest step, prefill first.
         rows: Vec<(RequestId, Vec<f32>)>,
     },
@@ -37,9 +37,11 @@ impl<'m> Deployment<'m> {
         patches: PatchSet,
     ) -> Result<Self, EngineError> {
         Ok(match pd {
-            None => Self::Colocated(Scheduler::with_patches(model, cfg, threads, patches)?),
+            None => Self::Colocated(Box::new(Scheduler::with_patches(
+                model, cfg, threads, patches,
+            )?)),
             Some(c) => Self::Disaggregated {
-                engine: PdEngine::new(model, cfg, c, threads, patches)?,
+                engine: Box::new(PdEngine::new(model, cfg, c, threads, patches)?),
                 rows: Vec::new(),
             },
         })
@@ -155,7 +157,7 @@ impl<'m> Deployment<'m> {
                     cache_state: p.decode.cache_state,
                 };
                 Ok(Stepped {
-                    event: Event::PdStep(p),
+                    event: Event::PdStep(Box::new(p)),
                     report,
                 })
             }

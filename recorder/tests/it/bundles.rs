@@ -76,7 +76,7 @@ fn record(p: Preset) -> (Vec<u8>, Vec<Event>) {
                 id: *id,
             },
             SessionEvent::Step(r) => Event::Step((*r).clone()),
-            SessionEvent::PdStep(r) => Event::PdStep((*r).clone()),
+            SessionEvent::PdStep(r) => Event::PdStep(Box::new((*r).clone())),
         });
         rec.observe(e)
     })

@@ -90,7 +90,7 @@ fn stages(b: &Bundle) -> Vec<Stage> {
     b.events
         .iter()
         .filter_map(|e| match e {
-            Event::PdStep(p) => Some(p),
+            Event::PdStep(p) => Some(&**p),
             _ => None,
         })
         .flat_map(|p| &p.before)
