@@ -157,7 +157,12 @@ impl Ctx<'_> {
         ))
     }
 
+    /// The answer's text, without the EOS that ended it (as a server sends).
     fn text(&self, ids: &[u32]) -> String {
+        let ids = match ids.split_last() {
+            Some((&last, rest)) if self.model.net.is_eos(last) => rest,
+            _ => ids,
+        };
         self.model.tokenizer.decode(ids).unwrap_or_default()
     }
 }
