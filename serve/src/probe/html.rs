@@ -138,8 +138,12 @@ pub fn page(r: &ProbeReport, page_dir: &Path) -> Result<String, serde_json::Erro
             esc(&RECALL_WORDS.join(", "))
         ));
         for x in &r.recall {
-            let forgot =
-                x.recalled.len() < RECALL_WORDS.len() || x.same_as_reference == Some(false);
+            // Shaded: an answer the reference does not give, or (with no
+            // reference in the sweep) one that misses a fact.
+            let forgot = match x.same_as_reference {
+                Some(same) => !same,
+                None => x.recalled.len() < RECALL_WORDS.len(),
+            };
             h.push_str(&format!(
                 "<tr class=\"{}\"><td>{}</td><td>{} after {}</td><td>{}/{}</td><td>{}</td><td>{}</td><td><a href=\"{}\">bundle</a></td></tr>\n",
                 if forgot { "forgot" } else { "" },
