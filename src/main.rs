@@ -255,32 +255,10 @@ impl Default for GenerateArgs {
 
 /// Resolves `--model`: a directory, `synthetic:PRESET[:SEED]`, or the default.
 pub(crate) fn load_model(spec: Option<&str>) -> Result<Model> {
-    let synth = match spec {
-        None => Some(SynthSpec::embedded_default()),
-        Some(s) if s.starts_with("synthetic:") => {
-            let mut parts = s["synthetic:".len()..].split(':');
-            let preset: Preset = parts
-                .next()
-                .unwrap_or("")
-                .parse()
-                .map_err(anyhow::Error::msg)?;
-            let seed = match parts.next() {
-                None => 0,
-                Some(x) => x
-                    .trim_start_matches("seed")
-                    .parse()
-                    .with_context(|| format!("bad seed in `{s}`"))?,
-            };
-            Some(SynthSpec::new(preset, seed))
-        }
-        Some(_) => None,
-    };
-    match (synth, spec) {
-        (Some(sp), _) => Model::synthetic(sp).with_context(|| format!("loading {}", sp.name())),
-        (None, Some(dir)) => Model::load_dir(std::path::Path::new(dir))
-            .with_context(|| format!("loading model `{dir}`")),
-        (None, None) => unreachable!("no spec means the embedded default"),
-    }
+    Model::from_spec(spec).with_context(|| match spec {
+        Some(s) => format!("loading model `{s}`"),
+        None => format!("loading {}", SynthSpec::embedded_default().name()),
+    })
 }
 
 /// Most worker threads per available core. The pool's workers spin while
@@ -306,27 +284,13 @@ pub(crate) fn threads(n: Option<usize>) -> Result<Threads> {
 
 /// Moves the model's kernels to `device` (`cpu` or `cuda`).
 pub(crate) fn set_device(model: &mut Model, device: &str) -> Result<()> {
-    match device {
-        "cpu" => Ok(()),
-        #[cfg(feature = "cuda")]
-        "cuda" => {
-            let gpu = lmrr_kernels::cuda::Gpu::open(0).context("opening CUDA device 0")?;
-            eprintln!("device: {}", gpu.name());
-            model
-                .net
-                .set_device(lmrr_engine::Device::Cuda(std::sync::Arc::new(gpu)))
-                .context("moving the model to the GPU")?;
-            Ok(())
-        }
-        #[cfg(not(feature = "cuda"))]
-        "cuda" => {
-            let _ = model;
-            anyhow::bail!(
-                "this lmrr was built without CUDA support (cargo build --release --features cuda)"
-            )
-        }
-        other => anyhow::bail!("unknown --device `{other}` (cpu, cuda)"),
+    if let Some(name) = model
+        .set_device_named(device)
+        .with_context(|| format!("--device {device}"))?
+    {
+        eprintln!("device: {name}");
     }
+    Ok(())
 }
 
 fn run_generate(a: &GenerateArgs) -> Result<()> {

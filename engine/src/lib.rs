@@ -19,6 +19,7 @@ pub mod model;
 pub mod patches;
 pub mod runtime;
 pub mod sampling;
+pub mod spec;
 
 pub use model::llama::config;
 pub use model::{chat, gguf, hf_config, identity, kv, llama, mini_v4, synth, tokenizer, weights};
