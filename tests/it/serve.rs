@@ -1009,3 +1009,107 @@ fn logprob_validation_errors_are_400s_naming_the_field() {
         );
     }
 }
+
+/// `lmrr serve --disaggregate`: every request's digest (its tokens and
+/// logits bits) is the colocated server's; the bundle starts with the
+/// deployment, replays bit-exactly, and its script re-run on the same
+/// deployment records the same events.
+#[test]
+fn a_disaggregated_server_answers_with_the_colocated_bits_and_its_bundle_replays() {
+    let pd = [
+        "--disaggregate",
+        "--page-size",
+        "4",
+        "--decode-page-size",
+        "8",
+        "--decode-pool-pages",
+        "300",
+        "--transfer-pages-per-step",
+        "2",
+    ];
+    let mut args = vec!["--record-dir", "rec", "--max-batch-tokens", "24"];
+    args.extend(pd);
+    let mut s = Server::start(&args);
+    let colocated = Server::start(&["--max-batch-tokens", "24"]);
+    let bodies: Vec<Value> = (0..4)
+        .map(|i| {
+            let mut b = chat_body(&format!("request {i}: {}", "go on ".repeat(i * 4)), 12 + i);
+            if i % 2 == 1 {
+                b["temperature"] = json!(0.8);
+                b["seed"] = json!(i);
+            }
+            b
+        })
+        .collect();
+    let ask = |port: u16| -> Vec<String> {
+        let threads: Vec<_> = bodies
+            .iter()
+            .cloned()
+            .map(|b| std::thread::spawn(move || post(port, "/v1/chat/completions", &b)))
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| {
+                let r = t.join().unwrap();
+                assert_eq!(r.status, 200, "{}", r.body);
+                r.json()["lmrr"]["digest"].as_str().unwrap().to_string()
+            })
+            .collect()
+    };
+    let split = ask(s.port);
+    let mut quitter = open_stream(
+        s.port,
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": "x ".repeat(200)}],
+                "max_tokens": 300, "temperature": 0, "stream": true}),
+    );
+    let _ = read_events(&mut quitter, 1);
+    drop(quitter);
+    assert_eq!(split, ask(colocated.port), "digests of the two deployments");
+    s.signal("-INT");
+    assert_eq!(s.wait(), Some(0), "{}", s.log());
+    let bundle = s.bundles().remove(0);
+    let a = events(&bundle);
+    assert!(matches!(a[0], lmrr_recorder::Event::Disaggregated(_)));
+    assert!(a
+        .iter()
+        .any(|e| matches!(e, lmrr_recorder::Event::PdStep(_))));
+    let bs = bundle.to_str().unwrap();
+    let o = lmrr(&["replay", bs]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    assert!(String::from_utf8_lossy(&o.stdout).contains("bit-exact"));
+    let script = s.dir.path().join("s.toml");
+    let o = lmrr(&["inspect", bs, "--script", script.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = std::fs::read_to_string(&script).unwrap();
+    assert!(
+        text.contains("--disaggregate --decode-page-size 8"),
+        "{text}"
+    );
+    let again = s.dir.path().join("again.lmrr");
+    let mut run = vec![
+        "run",
+        "--script",
+        script.to_str().unwrap(),
+        "--model",
+        MODEL,
+        "--pool-pages",
+        "512",
+        "--max-batch-tokens",
+        "24",
+        "--record",
+        again.to_str().unwrap(),
+    ];
+    run.extend(pd);
+    let o = lmrr(&run);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let b = events(&again);
+    assert_eq!(a.len(), b.len());
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert_eq!(x, y, "event {i}");
+    }
+}
