@@ -125,7 +125,14 @@ pub fn harm(
         .iter()
         .map(|r| (r.name.as_str(), r.output.tokens.as_slice()))
         .collect();
-    let text = |t: &[u32]| model.tokenizer.decode(t).unwrap_or_default();
+    // The text a client saw: without the EOS that ended the output.
+    let text = |t: &[u32]| {
+        let t = match t.split_last() {
+            Some((&last, rest)) if model.net.is_eos(last) => rest,
+            _ => t,
+        };
+        model.tokenizer.decode(t).unwrap_or_default()
+    };
     let mut changed = Vec::new();
     let mut first: Option<(u64, &[u32], &[u32])> = None;
     for id in &rec.order {
