@@ -154,4 +154,6 @@ pub enum ServeError {
     Io(#[from] std::io::Error),
     #[error("the engine loop stopped: {0}")]
     EngineLoop(String),
+    #[error("lmrr probe: request {request} to the server: {what}")]
+    Probe { request: u64, what: String },
 }

@@ -117,9 +117,34 @@ fn a_server_is_probed_through_the_proxy_client_and_its_traffic_is_recorded() {
         ],
         tmp.path(),
     );
+    // A server that refuses the requests stops the probe, naming the
+    // request and the server's message (not a table of "lost" cells).
+    let (bad_code, _, bad_err) = lmrr(
+        &[
+            "probe",
+            "--url",
+            &url,
+            "--served-model-name",
+            "no-such-model",
+            "--lengths",
+            "128",
+            "--depths",
+            "0",
+            "--cuts",
+            "",
+            "--record-dir",
+            "refused",
+        ],
+        tmp.path(),
+    );
     let _ = child.kill();
     let _ = child.wait();
     assert_eq!(code, 0, "{out}\n{err}\n{}", log.lock().unwrap());
+    assert_eq!(bad_code, 2, "{bad_err}");
+    assert!(
+        bad_err.contains("request 0") && bad_err.contains("no-such-model"),
+        "{bad_err}"
+    );
     let r: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(r["needle"].as_array().unwrap().len(), 2);
     let rows = r["recall"].as_array().unwrap();

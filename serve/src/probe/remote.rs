@@ -23,15 +23,29 @@ use crate::proxy::{self, ProxyConfig, Recording};
 const CHARS_PER_TOKEN: usize = 4;
 
 /// The text of a response: a JSON body's `choices[0].message.content`, or
-/// the SSE events' `delta.content`, joined.
-fn text_of(frames: &[axum::body::Bytes]) -> String {
+/// the SSE events' `delta.content`, joined; an error the server sent (or no
+/// response at all) is the error's message.
+fn text_of(frames: &[axum::body::Bytes]) -> Result<String, String> {
     let all: Vec<u8> = frames.iter().flat_map(|f| f.iter().copied()).collect();
+    if all.is_empty() {
+        return Err("no response (the server closed the connection)".into());
+    }
+    let error = |v: &Value| {
+        v.get("error").map(|e| {
+            e.pointer("/message")
+                .and_then(Value::as_str)
+                .map_or_else(|| e.to_string(), str::to_string)
+        })
+    };
     if let Ok(v) = serde_json::from_slice::<Value>(&all) {
-        return v
+        if let Some(e) = error(&v) {
+            return Err(format!("the server answered an error: {e}"));
+        }
+        return Ok(v
             .pointer("/choices/0/message/content")
             .and_then(Value::as_str)
             .unwrap_or_default()
-            .to_string();
+            .to_string());
     }
     let mut out = String::new();
     for line in String::from_utf8_lossy(&all).lines() {
@@ -39,6 +53,9 @@ fn text_of(frames: &[axum::body::Bytes]) -> String {
             continue;
         };
         if let Ok(v) = serde_json::from_str::<Value>(d.trim()) {
+            if let Some(e) = error(&v) {
+                return Err(format!("the server's stream ended in an error: {e}"));
+            }
             if let Some(t) = v
                 .pointer("/choices/0/delta/content")
                 .and_then(Value::as_str)
@@ -47,7 +64,7 @@ fn text_of(frames: &[axum::body::Bytes]) -> String {
             }
         }
     }
-    out
+    Ok(out)
 }
 
 fn body(model: &str, messages: Value, max_tokens: usize, stream: bool) -> Vec<u8> {
@@ -109,7 +126,9 @@ pub fn run(
         seconds: 0.0,
     };
     let mut request = 0u64;
-    let mut send = |b: Vec<u8>, cut: Option<u32>| {
+    // Each request's text (an error names the request), and its id in the
+    // traffic bundle.
+    let mut send = |b: Vec<u8>, cut: Option<u32>| -> Result<(String, u64), ServeError> {
         let frames = rt.block_on(proxy::send(
             &p,
             Method::POST,
@@ -118,7 +137,11 @@ pub fn run(
             cut,
         ));
         request += 1;
-        (frames, request - 1)
+        let text = text_of(&frames).map_err(|what| ServeError::Probe {
+            request: request - 1,
+            what,
+        })?;
+        Ok((text, request - 1))
     };
     let (a, b) = NEEDLE_VALUES[0];
     for &length in &sweep.lengths {
@@ -126,9 +149,8 @@ pub fn run(
         for &depth in &sweep.depths {
             progress(&format!("needle {depth}% of {length} · {url}"));
             let msg = |v: &str| json!([{"role": "user", "content": haystack(n, depth, v)}]);
-            let (fa, ia) = send(body(model_name, msg(a), sweep.needle_tokens, false), None);
-            let (fb, _) = send(body(model_name, msg(b), sweep.needle_tokens, false), None);
-            let (ta, tb) = (text_of(&fa), text_of(&fb));
+            let (ta, ia) = send(body(model_name, msg(a), sweep.needle_tokens, false), None)?;
+            let (tb, _) = send(body(model_name, msg(b), sweep.needle_tokens, false), None)?;
             report.needle.push(NeedleCell {
                 patches: panel.clone(),
                 depth,
@@ -151,20 +173,18 @@ pub fn run(
                 if interrupted { "cut" } else { "ending" }
             ));
             let facts = json!({"role": "user", "content": RECALL_FACTS});
-            send(body(model_name, json!([facts]), 4, false), None);
-            let (fr, _) = if interrupted {
-                send(body(model_name, json!([facts]), 400, true), Some(cut))
+            send(body(model_name, json!([facts]), 4, false), None)?;
+            let (partial, _) = if interrupted {
+                send(body(model_name, json!([facts]), 400, true), Some(cut))?
             } else {
-                send(body(model_name, json!([facts]), cut as usize, true), None)
+                send(body(model_name, json!([facts]), cut as usize, true), None)?
             };
-            let partial = text_of(&fr);
             let history = json!([
                 facts,
                 {"role": "assistant", "content": partial},
                 {"role": "user", "content": RECALL_QUESTION},
             ]);
-            let (fa, ia) = send(body(model_name, history, sweep.recall_tokens, false), None);
-            let answer = text_of(&fa);
+            let (answer, ia) = send(body(model_name, history, sweep.recall_tokens, false), None)?;
             report.recall.push(RecallRow {
                 patches: panel.clone(),
                 cut,
