@@ -83,7 +83,8 @@ fn patch_sets(s: &str) -> Result<Vec<PatchSet>> {
 }
 
 /// Exit 0 when every patch set matches `none` (or only one ran), 1 when
-/// one is worse somewhere.
+/// one departs from it somewhere (a lost needle, a forgotten fact, or only
+/// another answer).
 pub fn run(a: &ProbeArgs) -> Result<u8> {
     let sweep = Sweep {
         depths: list("--depths", &a.depths)?,

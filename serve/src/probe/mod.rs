@@ -207,25 +207,25 @@ impl ProbeReport {
         }
     }
 
-    /// Whether a patch set differs from the reference anywhere, or loses a
-    /// needle the reference reads, or forgets a fact the reference recalls.
+    /// Where a patch set departs from `none`: first the needles it loses and
+    /// the facts it forgets that the reference keeps, then the cells whose
+    /// answer merely differs from the reference's.
     pub fn findings(&self, patches: &str) -> Vec<String> {
-        let mut out = Vec::new();
+        let (mut worse, mut differs) = (Vec::new(), Vec::new());
         for c in self.needle.iter().filter(|c| c.patches == patches) {
             let r = self
                 .needle
                 .iter()
                 .find(|r| r.patches == "none" && r.depth == c.depth && r.length == c.length);
-            if let Some(r) = r {
-                if r.status() != c.status() {
-                    out.push(format!(
-                        "needle at {}% of {} tokens: {} (reference: {})",
-                        c.depth,
-                        c.length,
-                        c.status(),
-                        r.status()
-                    ));
-                }
+            let Some(r) = r else { continue };
+            let at = format!("needle at {}% of {} tokens", c.depth, c.length);
+            if r.status() != c.status() {
+                worse.push(format!("{at}: {} (reference: {})", c.status(), r.status()));
+            } else if c.same_as_reference == Some(false) {
+                differs.push(format!(
+                    "{at}: answer differs ({:?})",
+                    shorten(&c.answer, 40)
+                ));
             }
         }
         for x in self.recall.iter().filter(|x| x.patches == patches) {
@@ -233,24 +233,32 @@ impl ProbeReport {
                 .recall
                 .iter()
                 .find(|r| r.patches == "none" && r.cut == x.cut && r.interrupted == x.interrupted);
-            if let Some(r) = r {
-                if r.recalled.len() > x.recalled.len() {
-                    out.push(format!(
-                        "recall {} {}: recalls {} of {} (reference: {})",
-                        if x.interrupted {
-                            "after an interrupt at"
-                        } else {
-                            "without an interrupt, retry of"
-                        },
-                        x.cut,
-                        x.recalled.len(),
-                        RECALL_WORDS.len(),
-                        r.recalled.len()
-                    ));
-                }
+            let Some(r) = r else { continue };
+            let at = format!(
+                "recall {} {}",
+                if x.interrupted {
+                    "after a retry cut at"
+                } else {
+                    "after a retry that ends at"
+                },
+                x.cut
+            );
+            if r.recalled.len() > x.recalled.len() {
+                worse.push(format!(
+                    "{at}: recalls {} of {} (reference: {})",
+                    x.recalled.len(),
+                    RECALL_WORDS.len(),
+                    r.recalled.len()
+                ));
+            } else if x.same_as_reference == Some(false) {
+                differs.push(format!(
+                    "{at}: answer differs ({:?})",
+                    shorten(&x.answer, 40)
+                ));
             }
         }
-        out
+        worse.extend(differs);
+        worse
     }
 }
 
@@ -352,7 +360,7 @@ impl std::fmt::Display for ProbeReport {
                 if fs.is_empty() {
                     write!(f, "{p}: the same as none in every cell")?;
                 } else {
-                    writeln!(f, "{p}: {} cell(s) worse than none:", fs.len())?;
+                    writeln!(f, "{p}: {} cell(s) depart from none:", fs.len())?;
                     for (i, x) in fs.iter().enumerate() {
                         if i == 8 {
                             writeln!(f, "  … {} more", fs.len() - 8)?;
