@@ -19,7 +19,7 @@
 use std::collections::BTreeMap;
 
 use anyhow::{Context, Result};
-use lmrr_engine::{run_session, Model, PatchSet, Scheduler, Script};
+use lmrr_engine::{run_session, Model, PatchSet, Script};
 use lmrr_kernels::Threads;
 use lmrr_recorder::{Bundle, Event};
 
@@ -70,15 +70,16 @@ fn recorded(b: &Bundle) -> Recorded {
                 }
             }
             Event::Interrupt { name, .. } => last_interrupt = Some(name.clone()),
-            Event::Step(s) => {
-                for q in &s.seqs {
-                    if let Some(t) = q.sampled {
-                        r.outputs.entry(q.id).or_default().push(t);
+            Event::Step(_) | Event::PdStep(_) => {
+                for s in e.reports() {
+                    for q in &s.seqs {
+                        if let Some(t) = q.sampled {
+                            r.outputs.entry(q.id).or_default().push(t);
+                        }
                     }
                 }
             }
-            #[allow(unreachable_patterns)]
-            _ => {}
+            Event::Disaggregated(_) => {}
         }
     }
     r
@@ -108,9 +109,11 @@ pub fn harm(
 ) -> Result<Option<Harm>> {
     let rec = recorded(b);
     let script = script_of(b, model, path)?;
-    let mut sch = Scheduler::with_patches(
+    // On the recording's deployment: one engine, or a disaggregated pair.
+    let mut sch = crate::disagg::Engine::new(
         model.net(),
         b.manifest.engine,
+        lmrr_replays::pd::pd_config(b),
         threads.clone(),
         patches.clone(),
     )?;
