@@ -74,6 +74,18 @@ pub fn run(a: &InspectArgs) -> Result<()> {
         m.engine.max_batch_tokens,
         if m.engine.prefix_cache { "on" } else { "off" }
     )?;
+    if let Some(c) = lmrr_replays::pd::pd_config(&b) {
+        let d = &c.decode;
+        writeln!(
+            out,
+            "deployment  disaggregated: the engine above prefills; decode engine page size {} · pool {} pages · {} tokens/step · prefix cache {} · link {} pages/step",
+            d.page_size,
+            d.pool_pages,
+            d.max_batch_tokens,
+            if d.prefix_cache { "on" } else { "off" },
+            c.transfer_pages_per_step
+        )?;
+    }
     writeln!(
         out,
         "patches     {}",
