@@ -138,13 +138,16 @@ impl Runner<'_> {
             }
             offs[t + 1] = at_entry as i32;
         }
-        let mut ints = idx;
-        ints.extend(&offs);
-        if !rows_of.is_empty() {
-            g.htod(&rows_of, rl).map_err(e)?;
-            g.htod(&gates, gt).map_err(e)?;
-        }
-        g.htod(&ints, ix).map_err(e)?;
+        // One upload: the row lists (u64), then the combine's entry rows and
+        // offsets (i32) and its gates (f32), at the offsets of `rl`, `ix`
+        // and `gt` in the scratch (consecutive regions).
+        let mut up: Vec<u8> = Vec::with_capacity(((gt - rl) as usize) + 4 * total);
+        up.extend(rows_of.iter().flat_map(|r| r.to_le_bytes()));
+        up.resize((ix - rl) as usize, 0);
+        up.extend(idx.iter().chain(&offs).flat_map(|v| v.to_le_bytes()));
+        up.resize((gt - rl) as usize, 0);
+        up.extend(gates.iter().flat_map(|v| v.to_le_bytes()));
+        g.htod(&up, rl).map_err(e)?;
         let sp = SplitScratch {
             addr: self.a.part,
             floats: self.a.part_floats,
@@ -168,13 +171,16 @@ impl Runner<'_> {
             debug_assert!(dn.iter().all(|o: &MmOut| !o.is_split()));
             Ok(())
         };
+        // Every routed row gathered in one launch: entries are laid out by
+        // expert, rows ascending within each, so expert x's rows are the
+        // block of its entries.
+        g.gather(job.x, rl, total, d, xe).map_err(e)?;
         for (x, mats) in job.experts.iter().enumerate() {
             let (s, c) = (start[x], start[x + 1] - start[x]);
             if c == 0 {
                 continue;
             }
             let xs = xe + 4 * (s * d) as u64;
-            g.gather(job.x, rl + 8 * s as u64, c, d, xs).map_err(e)?;
             let fo = |b: u64| b + 4 * (s * f) as u64;
             expert(
                 mats,
