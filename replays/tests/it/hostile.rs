@@ -2,7 +2,8 @@
 //! exhaust the replayer. Each named finding is pinned by a test; a sweep of
 //! structure-aware mutations (the `replay_mutated` fuzz target's own
 //! mutator, driven by a fixed SplitMix64 stream) must give errors or reports,
-//! never a panic, on a seed bundle of each family's tiny model.
+//! never a panic, on a seed bundle of each family's tiny model (colocated,
+//! and disaggregated with orphaned transfers).
 
 #[macro_use]
 #[path = "../../../engine/tests/common/families.rs"]
@@ -182,11 +183,46 @@ fn the_seed_bundle_itself_replays_bit_exactly(p: Preset) {
     assert!(o.is_bit_exact(), "{o}");
 }
 
+/// A disaggregated recording whose first request is aborted with its K/V on
+/// the link, under `pd-abort-reuses-pages` (orphaned transfers included).
+fn pd_seed(m: &lmrr_engine::Model) -> lmrr_recorder::Bundle {
+    use lmrr_engine::{EngineConfig, PdConfig, PdEngine, Script};
+    let src = "[defaults]\nmax_tokens = 5\nignore_eos = true\n\
+               [[request]]\nid = \"a\"\nprompt_tokens = [5, 9, 14, 3, 77, 8, 19, 40, 2, 31, 6, 12]\ninterrupt_at_step = 2\n\
+               [[request]]\nid = \"b\"\nafter = \"a\"\nprompt_tokens = [7, 7, 21, 4, 90, 11, 3, 3, 65, 12]\n";
+    let cfg = EngineConfig {
+        page_size: 2,
+        pool_pages: 40,
+        max_batch_tokens: 6,
+        prefix_cache: true,
+    };
+    let pd = PdConfig {
+        decode: cfg,
+        transfer_pages_per_step: 1,
+    };
+    let patches = PatchSet::parse("pd-abort-reuses-pages").unwrap();
+    let script = Script::parse(src, "pd.toml").unwrap();
+    let manifest =
+        lmrr_recorder::Manifest::for_session(m, cfg, &patches, "pd.toml", src, 5, 1, "t", "t");
+    let mut eng = PdEngine::new(m.net(), cfg, pd, Threads::single(), patches).unwrap();
+    eng.set_top_logprobs(5);
+    let mut rec = lmrr_recorder::Recorder::new(Vec::new(), &manifest).unwrap();
+    rec.disaggregated(pd);
+    lmrr_engine::run_session(m, &script, &mut eng, |e| rec.observe(e)).unwrap();
+    let b = lmrr_recorder::read(&rec.finish().unwrap()).unwrap();
+    assert!(b.events.iter().any(|e| matches!(
+        e,
+        Event::PdStep(p) if p.link.iter().any(|l| matches!(l, lmrr_engine::PdEvent::Transfer { orphan: true, .. }))
+    )));
+    b
+}
+
 fn a_sweep_of_structure_aware_mutations_never_panics(p: Preset) {
     let m = families::model(p);
     let seeds = [
         seed_bundle(m, PatchSet::none()),
         seed_bundle(m, PatchSet::parse("abort-frees-shared").unwrap()),
+        pd_seed(m),
     ];
     let mut rng = SplitMix64(0x1157_0b00);
     let sweeps: usize = std::env::var("LMRR_HOSTILE_SWEEP")
