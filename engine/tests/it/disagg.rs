@@ -463,3 +463,41 @@ fn leaks_exhaust_the_decode_pool_and_the_livelock_report_says_so(p: Preset) {
         "{report}"
     );
 }
+
+/// What crosses between the two engines is plain data: every message
+/// survives an encoding to bytes and back, K/V rows bit for bit.
+#[test]
+fn link_messages_survive_an_encoding_to_bytes() {
+    use lmrr_engine::disagg::PdMessage;
+    let request = plain(7, toks(3, 9), 4).req;
+    let rows = vec![1.5f32, -0.0, f32::MIN_POSITIVE, -3.4e38, 1e-45, 0.1];
+    let msgs = vec![
+        PdMessage::Bootstrap { request },
+        PdMessage::Reserved {
+            id: 7,
+            pages: vec![4, 0, 9],
+        },
+        PdMessage::Kv {
+            id: 7,
+            start: 4,
+            len: 1,
+            pages: vec![4, 0, 9],
+            rows: rows.clone(),
+        },
+        PdMessage::Done {
+            id: 7,
+            token: 11,
+            row: rows.clone(),
+        },
+        PdMessage::Abort { id: 7 },
+    ];
+    for m in msgs {
+        let bytes = serde_json::to_vec(&m).unwrap();
+        let back: PdMessage = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(back, m);
+        if let PdMessage::Kv { rows: r, .. } | PdMessage::Done { row: r, .. } = &back {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(r), bits(&rows));
+        }
+    }
+}
