@@ -126,9 +126,10 @@ impl<'m> PdEngine<'m> {
         p.set_stall_limit(u64::MAX);
         d.set_stall_limit(u64::MAX);
         let context = model.context();
-        let stall_limit = p.stall_limit().min(crate::scheduler::MIN_STALL_LIMIT.max(
-            4 * context.div_ceil(prefill.max_batch_tokens.min(cfg.decode.max_batch_tokens)) as u64,
-        ));
+        // The colocated engine's bound, at the smaller of the two budgets.
+        let budget = prefill.max_batch_tokens.min(cfg.decode.max_batch_tokens);
+        let stall_limit =
+            crate::scheduler::MIN_STALL_LIMIT.max(4 * context.div_ceil(budget) as u64);
         Ok(Self {
             prefill: p,
             decode: d,
