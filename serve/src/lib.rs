@@ -142,8 +142,18 @@ pub fn serve(model: Model, cfg: ServeConfig) -> Result<(), ServeError> {
         token_bytes,
     });
     eprintln!(
-        "lmrr serve: listening on http://{local} · model \"{}\" · page size {} · pool {} pages · {} tokens/step",
-        cfg.model_name, cfg.engine.page_size, cfg.engine.pool_pages, cfg.engine.max_batch_tokens
+        "lmrr serve: listening on http://{local} · model \"{}\" · page size {} · pool {} pages · {} tokens/step{}",
+        cfg.model_name,
+        cfg.engine.page_size,
+        cfg.engine.pool_pages,
+        cfg.engine.max_batch_tokens,
+        cfg.disaggregate.map_or(String::new(), |c| format!(
+            " · disaggregated: that is the prefill engine; decode engine page size {} · pool {} pages · {} tokens/step · link {} pages/step",
+            c.decode.page_size,
+            c.decode.pool_pages,
+            c.decode.max_batch_tokens,
+            c.transfer_pages_per_step
+        ))
     );
     let h2 = handle.clone();
     let served: Result<(), std::io::Error> = rt.block_on(async move {
