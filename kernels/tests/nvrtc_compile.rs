@@ -29,7 +29,7 @@ fn nvrtc() -> bool {
 
 /// Every kernel the source defines: the resident path's, the one-thread
 /// references gpu_check holds them to, and the bench's FMA probe.
-const KERNELS: [&str; 36] = [
+const KERNELS: [&str; 44] = [
     "matmul",
     "matmul_warp",
     "rms_norm",
@@ -66,6 +66,14 @@ const KERNELS: [&str; 36] = [
     "attention_prefill",
     "attention_prefill_hd64",
     "fma_peak",
+    "add_bias",
+    "scale_elems",
+    "geglu",
+    "repeat_rows",
+    "round_bf16",
+    "stream_mean",
+    "moe_combine_idx",
+    "kv_write_aux",
 ];
 
 /// The text of kernel `name` in `ptx`, up to the next entry.

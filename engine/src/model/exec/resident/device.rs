@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use lmrr_kernels::cuda::overlap::Overlap;
-use lmrr_kernels::cuda::resident::{DevBuf, DevMatrix, Graph, PageLayout, PageTable, Pinned};
+use lmrr_kernels::cuda::resident::{DevBuf, DevMatrix, Graph, Mark, PageLayout, PageTable, Pinned};
 use lmrr_kernels::cuda::Gpu;
 use lmrr_kernels::Threads;
 
@@ -37,6 +37,54 @@ struct Shape {
     prog: usize,
     n: usize,
     m: usize,
+}
+
+/// What staging the step's inputs left in `State::host_in`: where the page
+/// lists start (`fixed`), where the prefill groups start and how many, the
+/// step's page addresses and the mirror's sink page.
+struct Staged {
+    fixed: usize,
+    groups_at: usize,
+    n_groups: usize,
+    pages: Vec<u64>,
+    sink: u64,
+}
+
+/// The step's kernel choices.
+#[derive(Debug, Clone, Copy)]
+struct Choice {
+    /// Every row wanted, in stacked order: the head reads them in place.
+    direct: bool,
+    /// The fused decode attention (RoPE and page writes in its blocks).
+    rope_attn: bool,
+    /// Launched from (or captured as) a graph.
+    graphs: bool,
+    /// K/V rows copied back layer by layer while later layers run.
+    per_layer: bool,
+    /// K/V rows copied back after the last attention.
+    early: bool,
+}
+
+/// What a plain download gives: the logits per span, the event after the
+/// copies (when timing), and when the wait ended.
+type Downloaded = (Vec<Vec<f32>>, Option<Mark>, std::time::Instant);
+
+/// A step's sizes: wanted rows, vocabulary, KV row widths and layers.
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    w: usize,
+    vocab: usize,
+    kvd: usize,
+    adim: usize,
+    layers: usize,
+}
+
+/// What the launch needs of the step's set-up.
+struct Launched {
+    shape: Shape,
+    cut: usize,
+    growth: f64,
+    entered: std::time::Instant,
 }
 
 struct StepGraph {
@@ -272,7 +320,6 @@ impl Resident {
         rows: &[usize],
         threads: &Threads,
     ) -> Result<Vec<Vec<f32>>, EngineError> {
-        let gpu = &*self.gpu;
         let entered = std::time::Instant::now();
         let (n, w) = (tok.len(), rows.len());
         let shape = Shape {
@@ -280,18 +327,62 @@ impl Resident {
             n,
             m: w,
         };
-        let vocab = prog.decl(prog.logits).width;
         let geom = plan.kv;
-        let (kvd, adim, layers) = (geom.kv_dim, geom.aux_dim, geom.layers);
         let block_len = spans
             .first()
             .map_or(1, |s| kv.blocks(s.seq).block_len.max(1));
         let layout = PageLayout {
             page_len: block_len,
-            layers: layers.max(1),
-            kv_dim: kvd,
-            aux_dim: adim,
+            layers: geom.layers.max(1),
+            kv_dim: geom.kv_dim,
+            aux_dim: geom.aux_dim,
         };
+        let staged = self.stage_inputs(st, kv, spans, tok, rows, layout)?;
+        let (a, growth) = self.place(st, prog, plan, n, w, &staged)?;
+        let c = self.choose(st, plan, spans, rows, n, w, &staged);
+        // The ops up to the last attention, then the rest.
+        let cut = plan.attends.last().map_or(0, |&(j, _)| j + 1);
+        let runner = || {
+            Runner::new(
+                self,
+                prog,
+                plan,
+                tables,
+                &a,
+                layout,
+                n,
+                w,
+                c.rope_attn,
+                c.direct,
+                spans,
+            )
+        };
+        if c.graphs && !st.graphs.contains_key(&shape) {
+            self.capture(st, shape, prog.ops.len(), cut, c.early, &mut runner())?;
+        }
+        let step = Launched {
+            shape,
+            cut,
+            growth,
+            entered,
+        };
+        self.launch_and_bring_back(st, kv, spans, tok, threads, &a, &mut runner(), c, step)
+    }
+
+    /// Makes the mirror current for the step's sequences and packs the
+    /// step's inputs into `st.host_in` (uploaded by [`Resident::place`]).
+    #[allow(clippy::too_many_arguments)]
+    fn stage_inputs(
+        &self,
+        st: &mut State,
+        kv: &mut dyn KvCache,
+        spans: &[SeqSpan],
+        tok: &[(usize, usize)],
+        rows: &[usize],
+        layout: PageLayout,
+    ) -> Result<Staged, EngineError> {
+        let gpu = &*self.gpu;
+        let (n, block_len) = (tok.len(), layout.page_len);
         if st.mirror.as_ref().map(|mi| mi.layout()) != Some(layout) {
             st.mirror = None;
             st.graphs.clear();
@@ -350,6 +441,29 @@ impl Resident {
             None => 0,
         };
 
+        Ok(Staged {
+            fixed,
+            groups_at,
+            n_groups,
+            pages,
+            sink,
+        })
+    }
+
+    /// Grows the step's device buffers (dropping the graphs that name the
+    /// old ones), uploads its inputs, and lays out its addresses; returns
+    /// them and the seconds spent growing.
+    fn place(
+        &self,
+        st: &mut State,
+        prog: &Program,
+        plan: &Plan,
+        n: usize,
+        w: usize,
+        staged: &Staged,
+    ) -> Result<(Addrs, f64), EngineError> {
+        let gpu = &*self.gpu;
+        let (kvd, adim, layers) = (plan.kv.kv_dim, plan.kv.aux_dim, plan.kv.layers);
         // Buffers: grow (and drop the graphs that name the old ones).
         let grown = std::time::Instant::now();
         let need_in = st.host_in.len();
@@ -381,7 +495,7 @@ impl Resident {
                 .map_err(gpu_err)?;
             st.scratch = Some((b, cap));
         }
-        let mut growth = grown.elapsed().as_secs_f64();
+        let growth = grown.elapsed().as_secs_f64();
         let inb = st.inputs.as_ref().map(|(b, _)| b.ptr()).unwrap_or(0);
         let sb = st.scratch.as_ref().map(|(b, _)| b.ptr()).unwrap_or(0);
         self.timed("step inputs upload", || {
@@ -404,17 +518,34 @@ impl Resident {
             aux: region[5],
             ids: at(0),
             table: PageTable {
-                pages: at(fixed),
+                pages: at(staged.fixed),
                 seq_off: at(2 * n),
                 pos: at(n),
-                groups: at(groups_at),
-                n_groups,
+                groups: at(staged.groups_at),
+                n_groups: staged.n_groups,
             },
             dst: at(3 * n),
             slot: at(4 * n),
             rows: at(5 * n),
         };
 
+        Ok((a, growth))
+    }
+
+    /// The step's kernel choices.
+    #[allow(clippy::too_many_arguments)]
+    fn choose(
+        &self,
+        st: &State,
+        plan: &Plan,
+        spans: &[SeqSpan],
+        rows: &[usize],
+        n: usize,
+        w: usize,
+        staged: &Staged,
+    ) -> Choice {
+        let gpu = &*self.gpu;
+        let adim = plan.kv.aux_dim;
         let decode = spans.iter().all(|s| s.tokens.len() == 1);
         // Every token's logits row wanted, in stacked order: the head reads
         // the residual rows where they are.
@@ -429,17 +560,17 @@ impl Resident {
         let crossed = decode && {
             let dsts = &st.host_in[3 * n..4 * n];
             let mut refs: HashMap<u64, usize> = HashMap::new();
-            for p in &pages {
+            for p in &staged.pages {
                 *refs.entry(*p).or_insert(0) += 1;
             }
             dsts.iter()
-                .any(|d| *d == sink || refs.get(d).copied().unwrap_or(0) != 1)
+                .any(|d| *d == staged.sink || refs.get(d).copied().unwrap_or(0) != 1)
         };
         let rope_attn = {
             let t = gpu.tuning();
             decode
                 && !crossed
-                && n_groups == 0
+                && staged.n_groups == 0
                 && plan.fusable_attention
                 && n * plan.heads <= t.attn_decode_max
                 && n < t.gemm_min.max(1)
@@ -462,44 +593,103 @@ impl Resident {
             let per_layer = on(t.kv_overlap_min) && !graphs;
             (per_layer, on(t.kv_early_min) && !per_layer)
         };
-        // The ops up to the last attention, then the rest.
-        let cut = plan.attends.last().map_or(0, |&(j, _)| j + 1);
-        let mut runner = Runner::new(
-            self, prog, plan, tables, &a, layout, n, w, rope_attn, direct, spans,
-        );
-        if graphs && !st.graphs.contains_key(&shape) {
-            let seen = st.seen.entry(shape).or_insert(0);
-            *seen += 1;
-            if *seen >= 2 && st.graphs.len() < MAX_GRAPHS {
-                let mut moe = st.moe.take();
+        Choice {
+            direct,
+            rope_attn,
+            graphs,
+            per_layer,
+            early,
+        }
+    }
+
+    /// On the second sight of a decode shape, captures its launches as a
+    /// graph (two, the part after the last attention apart, when the K/V
+    /// rows are copied back early).
+    fn capture(
+        &self,
+        st: &mut State,
+        shape: Shape,
+        ops: usize,
+        cut: usize,
+        early: bool,
+        runner: &mut Runner,
+    ) -> Result<(), EngineError> {
+        let gpu = &*self.gpu;
+        let seen = st.seen.entry(shape).or_insert(0);
+        *seen += 1;
+        if *seen >= 2 && st.graphs.len() < MAX_GRAPHS {
+            let mut moe = st.moe.take();
+            gpu.begin_capture().map_err(gpu_err)?;
+            let r = if early {
+                runner.run(0..cut, None, &mut moe)
+            } else {
+                runner.run(0..ops, None, &mut moe)
+            };
+            let g = gpu.end_capture().map_err(gpu_err)?;
+            r?;
+            let head = if early {
                 gpu.begin_capture().map_err(gpu_err)?;
-                let r = if early {
-                    runner.run(0..cut, None, &mut moe)
-                } else {
-                    runner.run(0..prog.ops.len(), None, &mut moe)
-                };
-                let g = gpu.end_capture().map_err(gpu_err)?;
+                let r = runner.run(cut..ops, None, &mut moe);
+                let h = gpu.end_capture().map_err(gpu_err)?;
                 r?;
-                let head = if early {
-                    gpu.begin_capture().map_err(gpu_err)?;
-                    let r = runner.run(cut..prog.ops.len(), None, &mut moe);
-                    let h = gpu.end_capture().map_err(gpu_err)?;
-                    r?;
-                    h
-                } else {
-                    None
-                };
-                st.moe = moe;
-                if let Some(layers) = g {
-                    if !early || head.is_some() {
-                        st.graphs.insert(shape, StepGraph { layers, head });
-                    }
+                h
+            } else {
+                None
+            };
+            st.moe = moe;
+            if let Some(layers) = g {
+                if !early || head.is_some() {
+                    st.graphs.insert(shape, StepGraph { layers, head });
                 }
-                runner = Runner::new(
-                    self, prog, plan, tables, &a, layout, n, w, rope_attn, direct, spans,
-                );
             }
         }
+        Ok(())
+    }
+
+    /// Launches the step (its graph, or op by op), brings back the logits
+    /// rows and the step's K/V rows into the host store (overlapped with the
+    /// launch where the choices say), and records the step's timing.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_and_bring_back(
+        &self,
+        st: &mut State,
+        kv: &mut dyn KvCache,
+        spans: &[SeqSpan],
+        tok: &[(usize, usize)],
+        threads: &Threads,
+        a: &Addrs,
+        runner: &mut Runner,
+        c: Choice,
+        step: Launched,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        let gpu = &*self.gpu;
+        let Launched {
+            shape,
+            cut,
+            growth,
+            entered,
+        } = step;
+        let Choice {
+            graphs,
+            per_layer,
+            early,
+            ..
+        } = c;
+        let prog = runner.prog;
+        let (n, w) = (runner.n, runner.m);
+        let vocab = prog.decl(prog.logits).width;
+        let (kvd, adim, layers) = (
+            runner.plan.kv.kv_dim,
+            runner.plan.kv.aux_dim,
+            runner.plan.kv.layers,
+        );
+        let dims = Dims {
+            w,
+            vocab,
+            kvd,
+            adim,
+            layers,
+        };
         // Back: logits rows and the step's K/V rows, `(layers, n, kvd)` each,
         // then the indexer keys `(layers, n, adim)`.
         let per = layers * n * kvd;
@@ -517,7 +707,7 @@ impl Resident {
         let grown = std::time::Instant::now();
         grow(&mut st.host_logits, w * vocab)?;
         grow(&mut st.host_kv, 2 * per + per_aux)?;
-        growth += grown.elapsed().as_secs_f64();
+        let growth = growth + grown.elapsed().as_secs_f64();
         if self.profiling {
             // Device and pinned host buffers grown for this step's shape
             // (once per larger shape; the rest of "other" is host work).
@@ -606,52 +796,11 @@ impl Resident {
         let out = match overlapped {
             Some(out) => out,
             None => {
-                let (Some(hl), Some(hkv)) = (st.host_logits.as_mut(), st.host_kv.as_mut()) else {
-                    return Err(EngineError::Device("no host buffers".into()));
-                };
-                self.timed("download (logits, K/V rows)", || {
-                    // One copy each, one wait.
-                    let l = hl.as_mut_slice().map_err(gpu_err)?;
-                    let s = hkv.as_mut_slice().map_err(gpu_err)?;
-                    let (hk, rest) = s.split_at_mut(per);
-                    let (hv, hx) = rest.split_at_mut(per);
-                    let mut copies: Vec<(u64, &mut [f32])> = vec![
-                        (logits_at, &mut l[..w * vocab]),
-                        (a.k, &mut hk[..]),
-                        (a.v, &mut hv[..]),
-                    ];
-                    if per_aux > 0 {
-                        copies.push((a.aux, &mut hx[..per_aux]));
-                    }
-                    copied = gpu.dtoh_many(&mut copies, timing).map_err(gpu_err)?;
-                    Ok(())
-                })?;
-                waited = std::time::Instant::now();
-                let s = hkv.as_slice().map_err(gpu_err)?;
-                let (hk, rest) = s.split_at(per);
-                let (hv, hx) = rest.split_at(per);
-                self.timed("host K/V writes", || {
-                    // `write_step` copies the layers across `threads`.
-                    kv.write_step(&runs, layers, hk, hv, threads);
-                    if per_aux > 0 {
-                        for li in 0..layers {
-                            for (i, &(si, pos)) in tok.iter().enumerate() {
-                                let r = (li * n + i) * adim;
-                                kv.write_aux(spans[si].seq, li, pos, &hx[r..r + adim]);
-                            }
-                        }
-                    }
-                    Ok(())
-                })?;
-                let logits = hl.as_slice().map_err(gpu_err)?;
-                self.timed("logits rows into per-span vectors", || {
-                    Ok(crate::model::split_rows(
-                        spans,
-                        &logits[..w * vocab],
-                        vocab,
-                        threads,
-                    ))
-                })?
+                let (out, c, t) = self
+                    .download_and_write(st, kv, spans, tok, threads, a, logits_at, timing, dims)?;
+                copied = c;
+                waited = t;
+                out
             }
         };
         let mirror = st
@@ -680,6 +829,84 @@ impl Resident {
             }
         }
         Ok(out)
+    }
+
+    /// The plain download after the launch: the logits rows, the K/V rows
+    /// and indexer keys in one wait, then the host store's writes; returns
+    /// the logits per span, the event after the copies (when timing) and
+    /// when the wait ended.
+    #[allow(clippy::too_many_arguments)]
+    fn download_and_write(
+        &self,
+        st: &mut State,
+        kv: &mut dyn KvCache,
+        spans: &[SeqSpan],
+        tok: &[(usize, usize)],
+        threads: &Threads,
+        a: &Addrs,
+        logits_at: u64,
+        timing: bool,
+        dims: Dims,
+    ) -> Result<Downloaded, EngineError> {
+        let gpu = &*self.gpu;
+        let n = tok.len();
+        let Dims {
+            w,
+            vocab,
+            kvd,
+            adim,
+            layers,
+        } = dims;
+        let (per, per_aux) = (layers * n * kvd, layers * n * adim);
+        let runs = step_runs(spans);
+        let mut copied = None;
+        let (Some(hl), Some(hkv)) = (st.host_logits.as_mut(), st.host_kv.as_mut()) else {
+            return Err(EngineError::Device("no host buffers".into()));
+        };
+        self.timed("download (logits, K/V rows)", || {
+            // One copy each, one wait.
+            let l = hl.as_mut_slice().map_err(gpu_err)?;
+            let s = hkv.as_mut_slice().map_err(gpu_err)?;
+            let (hk, rest) = s.split_at_mut(per);
+            let (hv, hx) = rest.split_at_mut(per);
+            let mut copies: Vec<(u64, &mut [f32])> = vec![
+                (logits_at, &mut l[..w * vocab]),
+                (a.k, &mut hk[..]),
+                (a.v, &mut hv[..]),
+            ];
+            if per_aux > 0 {
+                copies.push((a.aux, &mut hx[..per_aux]));
+            }
+            copied = gpu.dtoh_many(&mut copies, timing).map_err(gpu_err)?;
+            Ok(())
+        })?;
+        let waited = std::time::Instant::now();
+        let s = hkv.as_slice().map_err(gpu_err)?;
+        let (hk, rest) = s.split_at(per);
+        let (hv, hx) = rest.split_at(per);
+        self.timed("host K/V writes", || {
+            // `write_step` copies the layers across `threads`.
+            kv.write_step(&runs, layers, hk, hv, threads);
+            if per_aux > 0 {
+                for li in 0..layers {
+                    for (i, &(si, pos)) in tok.iter().enumerate() {
+                        let r = (li * n + i) * adim;
+                        kv.write_aux(spans[si].seq, li, pos, &hx[r..r + adim]);
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        let logits = hl.as_slice().map_err(gpu_err)?;
+        let out = self.timed("logits rows into per-span vectors", || {
+            Ok(crate::model::split_rows(
+                spans,
+                &logits[..w * vocab],
+                vocab,
+                threads,
+            ))
+        })?;
+        Ok((out, copied, waited))
     }
 
     /// The device scratch of a MoE op, at least `floats` (kept across steps).
