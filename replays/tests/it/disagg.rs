@@ -248,3 +248,60 @@ fn the_oracle_flags_reuses_pages_and_incomplete_kv_with_no_golden_run(p: Preset)
         );
     }
 }
+
+/// The HTML report of a disaggregated bundle: a prefill and a decode lane
+/// per request, the transfers on the decode lanes, the writes that went on
+/// after the abort marked as such, in the SVG and in the data part.
+#[test]
+fn the_html_report_shows_both_engines_lanes_and_the_transfers() {
+    use lmrr_replays::html::ReportData;
+    use lmrr_replays::replay_traced;
+    let path = format!("{}/pd-incident-bug.lmrr", env!("CARGO_MANIFEST_DIR"));
+    let b = lmrr_recorder::open(std::path::Path::new(&path)).unwrap();
+    let m = Model::synthetic(b.manifest.model.synthetic.unwrap()).unwrap();
+    let mut opts = ReplayOptions::new(PatchSet::none(), Threads::new(2).unwrap());
+    opts.trace_steps = u64::MAX;
+    let (o, t) = replay_traced(&b, &m, &opts).unwrap();
+    let r = ReportData::replay(
+        &b,
+        "pd-incident-bug.lmrr",
+        "lmrr replay",
+        &m,
+        "none",
+        &o,
+        &t,
+    );
+    let lanes: Vec<(String, Option<String>)> = r
+        .timeline
+        .lanes
+        .iter()
+        .map(|l| (l.request.clone(), l.engine.clone()))
+        .collect();
+    let want: Vec<(String, Option<String>)> = ["turn1", "turn2"]
+        .iter()
+        .flat_map(|n| ["prefill", "decode"].map(|e| (n.to_string(), Some(e.to_string()))))
+        .collect();
+    assert_eq!(lanes, want);
+    let kinds = |lane: usize| -> Vec<String> {
+        r.timeline.lanes[lane]
+            .runs
+            .iter()
+            .map(|run| format!("{:?}", run.kind))
+            .collect()
+    };
+    // turn1's decode lane: its transfer, then the orphaned writes.
+    assert_eq!(kinds(1), ["Transfer", "OrphanTransfer"]);
+    // turn2: prefill on the prefill lane; transfer then decode on the decode lane.
+    assert_eq!(kinds(2), ["Prefill"]);
+    assert_eq!(kinds(3), ["Transfer", "Decode"]);
+    let html = r.to_html().unwrap();
+    for needle in [
+        "turn1 · turn 1 · decode",
+        "turn2 · turn 2 · prefill",
+        "class=\"transfer\"",
+        "class=\"orphan-transfer\"",
+        "K/V transfer into decode pages",
+    ] {
+        assert!(html.contains(needle), "{needle}");
+    }
+}
