@@ -144,8 +144,9 @@ fn disaggregated_oracle_and_bisect_match_their_snapshots() {
         assert_eq!(d.request.as_deref(), Some("turn2"));
         insta::assert_snapshot!("pd-incident-bug__oracle", o.to_string());
         let (b, m) = load("pd-incident");
-        let space: Vec<lmrr_engine::Patch> =
-            PatchSet::all_for_deployment(m.net.family(), true).iter().collect();
+        let space: Vec<lmrr_engine::Patch> = PatchSet::all_for_deployment(m.net.family(), true)
+            .iter()
+            .collect();
         let mut f = |set: &PatchSet| probe(&b, &m, set, &th, Criterion::Behaviour);
         let rounds = bisect_all(&PatchSet::none(), &space, &mut f).unwrap();
         insta::assert_snapshot!("pd-incident__bisect", rounds_text(&rounds));
