@@ -156,77 +156,11 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         (None, None) => 4 * m.hidden_size(),
     };
     let (rows, cols, n) = (ffn, m.hidden_size(), 64);
-    let x: Vec<f32> = (0..n * cols)
-        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
-        .collect();
-    let wf: Vec<f32> = (0..rows * cols)
-        .map(|i| ((i * 53 % 97) as f32 - 48.0) / 480.0)
-        .collect();
-    let wb: Vec<u16> = wf.iter().map(|&v| (v.to_bits() >> 16) as u16).collect();
-    let mut y = vec![0.0; n * rows];
-    let flops = 2.0 * (n * rows * cols) as f64;
-    let mut gflops = Vec::new();
-    let kernel_rows = if a.speed_only || on_gpu {
-        Vec::new()
+    let (gflops, matvec) = if a.speed_only || on_gpu {
+        (Vec::new(), Vec::new())
     } else {
-        vec![("f32", Weights::F32(&wf)), ("bf16", Weights::Bf16(&wb))]
+        kernel_rates(&th, rows, cols, n, r)
     };
-    for (label, w) in kernel_rows {
-        let mm = Matrix::new(w, rows, cols).expect("shape");
-        let s = time(r + 4, || matmul(&th, &x, n, &mm, &mut y));
-        gflops.push((label, flops / s / 1e9));
-    }
-    // Decode-shaped matvec (one token) per storage, weights in cache: the
-    // kernel's compute rate without the memory system.
-    let blocks = |kind: QuantKind| -> Vec<u8> {
-        let bb = kind.block_bytes();
-        let mut q: Vec<u8> = (0..rows * kind.row_bytes(cols))
-            .map(|i| (i * 7919 % 251) as u8)
-            .collect();
-        for b in q.chunks_exact_mut(bb) {
-            b[..2].copy_from_slice(&0x2000u16.to_le_bytes()); // d = 2^-7
-            if kind == QuantKind::Q4_1 || kind == QuantKind::Q4K {
-                b[2..4].copy_from_slice(&0xa000u16.to_le_bytes()); // m = -2^-7
-            }
-            if kind == QuantKind::Q6K {
-                b[208..].copy_from_slice(&0x2000u16.to_le_bytes()); // d last
-            }
-        }
-        q
-    };
-    let (q41, q80) = (blocks(QuantKind::Q4_1), blocks(QuantKind::Q8_0));
-    // K-quant rows are 256-weight super-blocks: the first `kcols` columns.
-    let kcols = cols - cols % lmrr_kernels::QK_K;
-    let kblocks = |kind: QuantKind| blocks(kind)[..rows * kind.row_bytes(kcols)].to_vec();
-    let (q4k, q6k) = (kblocks(QuantKind::Q4K), kblocks(QuantKind::Q6K));
-    let mut matvec = Vec::new();
-    let mut y1 = vec![0.0; rows];
-    let storages = [
-        ("f32", Weights::F32(&wf)),
-        ("bf16", Weights::Bf16(&wb)),
-        ("Q4_1", Weights::Quant(QuantKind::Q4_1, &q41)),
-        ("Q8_0", Weights::Quant(QuantKind::Q8_0, &q80)),
-        ("Q4_K", Weights::Quant(QuantKind::Q4K, &q4k)),
-        ("Q6_K", Weights::Quant(QuantKind::Q6K, &q6k)),
-    ];
-    for (label, w) in storages
-        .into_iter()
-        .filter(|(l, _)| !a.speed_only && !on_gpu && (kcols > 0 || !l.ends_with("_K")))
-    {
-        let c = if label.ends_with("_K") { kcols } else { cols };
-        let mm = Matrix::new(w, rows, c).expect("shape");
-        let reps = 20;
-        let s = time(r + 4, || {
-            for _ in 0..reps {
-                matmul(&th, &x[..c], 1, &mm, &mut y1)
-            }
-        }) / reps as f64;
-        matvec.push((
-            label,
-            (rows * c) as f64 / s / 1e9,
-            mm.storage_bytes() as f64 / s / 1e9,
-        ));
-    }
 
     let new_kv = || SeqKvStore::new(m.kv_layout());
     let prompt = |s: u64| -> Vec<u32> {
@@ -580,4 +514,86 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         rf.read_s * 1e3
     );
     Ok(())
+}
+
+/// Matmul GFLOP/s (`n` tokens, f32 and bf16) and decode-shaped matvec rates
+/// per storage (weights in cache: the kernel's compute rate without the
+/// memory system) on a `rows × cols` matrix: `(label, GFLOP/s)` and
+/// `(label, Gweights/s, GB/s)`.
+#[allow(clippy::type_complexity)]
+fn kernel_rates(
+    th: &Threads,
+    rows: usize,
+    cols: usize,
+    n: usize,
+    r: usize,
+) -> (Vec<(&'static str, f64)>, Vec<(&'static str, f64, f64)>) {
+    let x: Vec<f32> = (0..n * cols)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+        .collect();
+    let wf: Vec<f32> = (0..rows * cols)
+        .map(|i| ((i * 53 % 97) as f32 - 48.0) / 480.0)
+        .collect();
+    let wb: Vec<u16> = wf.iter().map(|&v| (v.to_bits() >> 16) as u16).collect();
+    let mut y = vec![0.0; n * rows];
+    let flops = 2.0 * (n * rows * cols) as f64;
+    let mut gflops = Vec::new();
+    let kernel_rows = vec![("f32", Weights::F32(&wf)), ("bf16", Weights::Bf16(&wb))];
+    for (label, w) in kernel_rows {
+        let mm = Matrix::new(w, rows, cols).expect("shape");
+        let s = time(r + 4, || matmul(th, &x, n, &mm, &mut y));
+        gflops.push((label, flops / s / 1e9));
+    }
+    // Decode-shaped matvec (one token) per storage, weights in cache: the
+    // kernel's compute rate without the memory system.
+    let blocks = |kind: QuantKind| -> Vec<u8> {
+        let bb = kind.block_bytes();
+        let mut q: Vec<u8> = (0..rows * kind.row_bytes(cols))
+            .map(|i| (i * 7919 % 251) as u8)
+            .collect();
+        for b in q.chunks_exact_mut(bb) {
+            b[..2].copy_from_slice(&0x2000u16.to_le_bytes()); // d = 2^-7
+            if kind == QuantKind::Q4_1 || kind == QuantKind::Q4K {
+                b[2..4].copy_from_slice(&0xa000u16.to_le_bytes()); // m = -2^-7
+            }
+            if kind == QuantKind::Q6K {
+                b[208..].copy_from_slice(&0x2000u16.to_le_bytes()); // d last
+            }
+        }
+        q
+    };
+    let (q41, q80) = (blocks(QuantKind::Q4_1), blocks(QuantKind::Q8_0));
+    // K-quant rows are 256-weight super-blocks: the first `kcols` columns.
+    let kcols = cols - cols % lmrr_kernels::QK_K;
+    let kblocks = |kind: QuantKind| blocks(kind)[..rows * kind.row_bytes(kcols)].to_vec();
+    let (q4k, q6k) = (kblocks(QuantKind::Q4K), kblocks(QuantKind::Q6K));
+    let mut matvec = Vec::new();
+    let mut y1 = vec![0.0; rows];
+    let storages = [
+        ("f32", Weights::F32(&wf)),
+        ("bf16", Weights::Bf16(&wb)),
+        ("Q4_1", Weights::Quant(QuantKind::Q4_1, &q41)),
+        ("Q8_0", Weights::Quant(QuantKind::Q8_0, &q80)),
+        ("Q4_K", Weights::Quant(QuantKind::Q4K, &q4k)),
+        ("Q6_K", Weights::Quant(QuantKind::Q6K, &q6k)),
+    ];
+    for (label, w) in storages
+        .into_iter()
+        .filter(|(l, _)| kcols > 0 || !l.ends_with("_K"))
+    {
+        let c = if label.ends_with("_K") { kcols } else { cols };
+        let mm = Matrix::new(w, rows, c).expect("shape");
+        let reps = 20;
+        let s = time(r + 4, || {
+            for _ in 0..reps {
+                matmul(th, &x[..c], 1, &mm, &mut y1)
+            }
+        }) / reps as f64;
+        matvec.push((
+            label,
+            (rows * c) as f64 / s / 1e9,
+            mm.storage_bytes() as f64 / s / 1e9,
+        ));
+    }
+    (gflops, matvec)
 }
