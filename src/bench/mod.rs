@@ -404,77 +404,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             );
         }
     }
-    {
-        // What a batch-64 step costs the host to hand out its logits rows:
-        // 64 fresh vectors of `vocab` floats, copied and dropped, as
-        // ModelFamily::forward returns them (main.rs keeps freed memory in
-        // glibc's heap; without that each row is mapped and faulted in).
-        let rows = 64;
-        let src = vec![0.5f32; rows * vocab];
-        let t = time(r + 4, || {
-            let out: Vec<Vec<f32>> = src.chunks(vocab).map(|c| c.to_vec()).collect();
-            std::hint::black_box(out);
-        });
-        println!(
-            "| logits rows handed out per batch-64 step (64 × {vocab} floats as fresh vectors) | {:.2} ms ({:.1} GB/s) |",
-            t * 1e3,
-            (rows * vocab * 4) as f64 / t / 1e9,
-        );
-    }
-    {
-        // What a batch-64 decode step costs the host to digest its written
-        // slots (every layer's K and V rows of 64 positions, SHA-256 each),
-        // on one thread and across the engine's threads (the same digests).
-        let (one, all) = slot_hashing(&model, &th, r)?;
-        let l = model.net.kv_layout();
-        println!(
-            "| slot digests of a batch-64 decode step (64 slots × {} layers × {} floats) | one thread {:.2} ms, {} threads {:.2} ms |",
-            l.layers,
-            2 * l.kv_dim + l.aux_dim,
-            one * 1e3,
-            th.count(),
-            all * 1e3
-        );
-    }
-    {
-        // What a step costs the host to put its K/V rows (brought back
-        // from the device on the CUDA path) into the paged pool: one
-        // `write` per (token, layer), token-outer as the GPU step once did;
-        // one `write_run` per (layer, sequence), layer-outer; one
-        // `write_step`, its layers spread over the engine's threads (the
-        // same rows and digests). A 512-token prefill and a batch-64 decode.
-        let l = model.net.kv_layout();
-        let ps = lmrr_engine::EngineConfig::default().page_size;
-        for (what, seqs, n) in [
-            ("a 512-token step", 1, 512),
-            ("a batch-64 decode step (64 sequences × 1 row)", 64, 1),
-        ] {
-            let [rows, runs, step] = kv_writes(&model, seqs, n, &th, r)?;
-            println!(
-                "| host K/V writes of {what} ({} layers × 2 × {} floats, pages of {ps}) | per row {:.3} ms, runs {:.3} ms, step on {} threads {:.3} ms |",
-                l.layers,
-                l.kv_dim,
-                rows * 1e3,
-                runs * 1e3,
-                th.count(),
-                step * 1e3
-            );
-        }
-    }
-    {
-        // What a single-sequence store costs a 512-token prefill before
-        // and after its rows are computed: prepare (growing the buffers)
-        // and write_step, in a fresh store against one whose removed
-        // sequence left its buffers (as `lmrr bench`'s prefill repeats run).
-        let [first, fresh, reused] = kv_store_reuse(&model, 512, &th, r)?;
-        println!(
-            "| SeqKvStore, a 512-token prefill's prepare + write_step ({} layers) | first store of its size in this process {:.2} ms; then a fresh store {:.2} ms, a removed sequence's buffers reused {:.2} ms |",
-            model.net.kv_layout().layers,
-            first * 1e3,
-            fresh * 1e3,
-            reused * 1e3
-        );
-    }
+    host_costs(&model, &th, r)?;
     let Some(((hash_s, total_s, steps), rf)) = extras else {
         return Ok(());
     };
@@ -596,4 +526,83 @@ fn kernel_rates(
         ));
     }
     (gflops, matvec)
+}
+
+/// The host-side costs beside the model's speed, one report row each:
+/// handing out a batch-64 step's logits rows, digesting its written slots,
+/// writing K/V rows into the paged pool, and a store's prepare and writes.
+fn host_costs(model: &lmrr_engine::Model, th: &Threads, r: usize) -> Result<()> {
+    let vocab = model.net.vocab_size();
+    {
+        // What a batch-64 step costs the host to hand out its logits rows:
+        // 64 fresh vectors of `vocab` floats, copied and dropped, as
+        // ModelFamily::forward returns them (main.rs keeps freed memory in
+        // glibc's heap; without that each row is mapped and faulted in).
+        let rows = 64;
+        let src = vec![0.5f32; rows * vocab];
+        let t = time(r + 4, || {
+            let out: Vec<Vec<f32>> = src.chunks(vocab).map(|c| c.to_vec()).collect();
+            std::hint::black_box(out);
+        });
+        println!(
+            "| logits rows handed out per batch-64 step (64 × {vocab} floats as fresh vectors) | {:.2} ms ({:.1} GB/s) |",
+            t * 1e3,
+            (rows * vocab * 4) as f64 / t / 1e9,
+        );
+    }
+    {
+        // What a batch-64 decode step costs the host to digest its written
+        // slots (every layer's K and V rows of 64 positions, SHA-256 each),
+        // on one thread and across the engine's threads (the same digests).
+        let (one, all) = slot_hashing(model, th, r)?;
+        let l = model.net.kv_layout();
+        println!(
+            "| slot digests of a batch-64 decode step (64 slots × {} layers × {} floats) | one thread {:.2} ms, {} threads {:.2} ms |",
+            l.layers,
+            2 * l.kv_dim + l.aux_dim,
+            one * 1e3,
+            th.count(),
+            all * 1e3
+        );
+    }
+    {
+        // What a step costs the host to put its K/V rows (brought back
+        // from the device on the CUDA path) into the paged pool: one
+        // `write` per (token, layer), token-outer as the GPU step once did;
+        // one `write_run` per (layer, sequence), layer-outer; one
+        // `write_step`, its layers spread over the engine's threads (the
+        // same rows and digests). A 512-token prefill and a batch-64 decode.
+        let l = model.net.kv_layout();
+        let ps = lmrr_engine::EngineConfig::default().page_size;
+        for (what, seqs, n) in [
+            ("a 512-token step", 1, 512),
+            ("a batch-64 decode step (64 sequences × 1 row)", 64, 1),
+        ] {
+            let [rows, runs, step] = kv_writes(model, seqs, n, th, r)?;
+            println!(
+                "| host K/V writes of {what} ({} layers × 2 × {} floats, pages of {ps}) | per row {:.3} ms, runs {:.3} ms, step on {} threads {:.3} ms |",
+                l.layers,
+                l.kv_dim,
+                rows * 1e3,
+                runs * 1e3,
+                th.count(),
+                step * 1e3
+            );
+        }
+    }
+    {
+        // What a single-sequence store costs a 512-token prefill before
+        // and after its rows are computed: prepare (growing the buffers)
+        // and write_step, in a fresh store against one whose removed
+        // sequence left its buffers (as `lmrr bench`'s prefill repeats run).
+        let [first, fresh, reused] = kv_store_reuse(model, 512, th, r)?;
+        println!(
+            "| SeqKvStore, a 512-token prefill's prepare + write_step ({} layers) | first store of its size in this process {:.2} ms; then a fresh store {:.2} ms, a removed sequence's buffers reused {:.2} ms |",
+            model.net.kv_layout().layers,
+            first * 1e3,
+            fresh * 1e3,
+            reused * 1e3
+        );
+    }
+    Ok(())
 }
