@@ -162,122 +162,13 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         kernel_rates(&th, rows, cols, n, r)
     };
 
-    let new_kv = || SeqKvStore::new(m.kv_layout());
-    let prompt = |s: u64| -> Vec<u32> {
-        (0..a.prompt_len as u64)
-            .map(|i| ((i * 7919 + s * 104_729) % (vocab as u64 - 3)) as u32 + 3)
-            .collect()
-    };
-    let most = batches.iter().copied().max().unwrap_or(1) as u64;
-    let prompts: Vec<Vec<u32>> = (0..most).map(prompt).collect();
-    let mut rows_out = Vec::new();
-    // Per batch, the first prefill's tok/s (into a fresh store).
-    let mut fresh_out = Vec::new();
-    // Per batch, the family's breakdown of prefill and decode time.
-    let mut parts_out = Vec::new();
-    m.reset_profile();
-    // On the device, batch-1 decode is also measured with graphs off: what
-    // capturing the step saves over launching its kernels one by one.
-    let mut graphs_off = None;
-    // (batch, device seconds of a decode step's kernels, its wall seconds).
-    let mut device_split: Vec<(usize, f64, f64, [f64; 5])> = Vec::new();
-    for &batch in &batches {
-        // Prefill: `batch` prompts in one step. The first into a fresh
-        // store (its K/V memory allocated and first touched in the step);
-        // then `r` into the same store with its sequences removed before
-        // each, so their buffers are reused as a serving pool's pages are:
-        // the median of those is the prefill figure.
-        let spans: Vec<SeqSpan> = (0..batch)
-            .map(|i| SeqSpan {
-                seq: i as u64,
-                start: 0,
-                tokens: &prompts[i],
-                logits: LogitsWanted::Last,
-            })
-            .collect();
-        let mut kv = new_kv();
-        let t = Instant::now();
-        m.forward(&mut kv, &spans, &th)?;
-        let fresh_s = t.elapsed().as_secs_f64();
-        m.reset_profile();
-        let mut pre = Vec::new();
-        for _ in 0..r.max(1) {
-            for s in &spans {
-                kv.remove(s.seq);
-            }
-            let t = Instant::now();
-            m.forward(&mut kv, &spans, &th)?;
-            pre.push(t.elapsed().as_secs_f64());
-        }
-        let prefill_s = median(pre);
-        let prefill_parts = m.profile();
-        m.reset_profile();
-        // Decode: `batch` sequences advance one token per step; each pass
-        // is `decode_steps` steps, their wall seconds.
-        let toks: Vec<u32> = (0..batch as u32).map(|i| 100 + i).collect();
-        let mut decode_pass = || -> anyhow::Result<Vec<f64>> {
-            let mut steps = Vec::with_capacity(a.decode_steps);
-            for _ in 0..a.decode_steps {
-                let spans: Vec<SeqSpan> = (0..batch)
-                    .map(|i| SeqSpan {
-                        seq: i as u64,
-                        start: kv.len(i as u64),
-                        tokens: std::slice::from_ref(&toks[i]),
-                        logits: LogitsWanted::Last,
-                    })
-                    .collect();
-                let t = Instant::now();
-                m.forward(&mut kv, &spans, &th)?;
-                steps.push(t.elapsed().as_secs_f64());
-            }
-            Ok(steps)
-        };
-        let step_s = median(decode_pass()?);
-        if on_gpu {
-            // The same steps again, each one's kernels timed on the device by
-            // events around them: what of the step is device time, and what
-            // host work and copies.
-            if let Some(l) = model.llama() {
-                l.set_cuda_step_timing(true);
-                let _ = l.take_cuda_step_device();
-                let wall = decode_pass();
-                l.set_cuda_step_timing(false);
-                let wall = wall?;
-                let dev = l.take_cuda_step_device();
-                if !dev.is_empty() {
-                    let med = |f: fn(&lmrr_engine::llama::StepSplit) -> f64| {
-                        median(dev.iter().map(f).collect())
-                    };
-                    let parts = [
-                        med(|s| s.before),
-                        med(|s| s.launch),
-                        med(|s| s.wait),
-                        med(|s| s.copies),
-                        med(|s| s.after),
-                    ];
-                    device_split.push((batch, med(|s| s.kernels), median(wall), parts));
-                }
-            }
-        }
-        if on_gpu && batch == 1 {
-            if let Some(l) = model.llama() {
-                l.set_cuda_graphs(false);
-                let off = decode_pass();
-                l.set_cuda_graphs(true);
-                graphs_off = Some(median(off?));
-            }
-        }
-        let decode_parts = m.profile();
-        m.reset_profile();
-        fresh_out.push((batch, (batch * a.prompt_len) as f64 / fresh_s));
-        rows_out.push((
-            batch,
-            (batch * a.prompt_len) as f64 / prefill_s,
-            batch as f64 / step_s,
-            step_s,
-        ));
-        parts_out.push((batch, prefill_parts, decode_parts));
-    }
+    let Batches {
+        rows_out,
+        fresh_out,
+        parts_out,
+        graphs_off,
+        device_split,
+    } = measure_batches(a, &model, &th, &batches, on_gpu)?;
 
     let extras = if a.speed_only {
         None
@@ -605,4 +496,160 @@ fn host_costs(model: &lmrr_engine::Model, th: &Threads, r: usize) -> Result<()> 
         );
     }
     Ok(())
+}
+
+/// A family's step time by part (`ModelFamily::profile`).
+type Parts = Vec<(&'static str, f64)>;
+
+/// Per batch size: prefill and decode tok/s, the first prefill into a fresh
+/// store, the family's breakdown of step time, and on the device the
+/// decode step's kernels timed by events (and batch 1 with graphs off).
+#[derive(Default)]
+struct Batches {
+    /// (batch, prefill tok/s, decode tok/s, decode seconds a step).
+    rows_out: Vec<(usize, f64, f64, f64)>,
+    /// (batch, the first prefill's tok/s, into a fresh store).
+    fresh_out: Vec<(usize, f64)>,
+    /// (batch, prefill parts, decode parts).
+    parts_out: Vec<(usize, Parts, Parts)>,
+    /// Batch-1 decode seconds a step with CUDA graphs off.
+    graphs_off: Option<f64>,
+    /// (batch, device seconds of a decode step's kernels, its wall
+    /// seconds, its parts).
+    device_split: Vec<(usize, f64, f64, [f64; 5])>,
+}
+
+fn measure_batches(
+    a: &BenchArgs,
+    model: &lmrr_engine::Model,
+    th: &Threads,
+    batches: &[usize],
+    on_gpu: bool,
+) -> Result<Batches> {
+    let (m, r) = (model.net(), a.repeats);
+    let vocab = m.vocab_size();
+    let new_kv = || SeqKvStore::new(m.kv_layout());
+    let prompt = |s: u64| -> Vec<u32> {
+        (0..a.prompt_len as u64)
+            .map(|i| ((i * 7919 + s * 104_729) % (vocab as u64 - 3)) as u32 + 3)
+            .collect()
+    };
+    let most = batches.iter().copied().max().unwrap_or(1) as u64;
+    let prompts: Vec<Vec<u32>> = (0..most).map(prompt).collect();
+    let mut rows_out = Vec::new();
+    // Per batch, the first prefill's tok/s (into a fresh store).
+    let mut fresh_out = Vec::new();
+    // Per batch, the family's breakdown of prefill and decode time.
+    let mut parts_out = Vec::new();
+    m.reset_profile();
+    // On the device, batch-1 decode is also measured with graphs off: what
+    // capturing the step saves over launching its kernels one by one.
+    let mut graphs_off = None;
+    // (batch, device seconds of a decode step's kernels, its wall seconds).
+    let mut device_split: Vec<(usize, f64, f64, [f64; 5])> = Vec::new();
+    for &batch in batches {
+        // Prefill: `batch` prompts in one step. The first into a fresh
+        // store (its K/V memory allocated and first touched in the step);
+        // then `r` into the same store with its sequences removed before
+        // each, so their buffers are reused as a serving pool's pages are:
+        // the median of those is the prefill figure.
+        let spans: Vec<SeqSpan> = (0..batch)
+            .map(|i| SeqSpan {
+                seq: i as u64,
+                start: 0,
+                tokens: &prompts[i],
+                logits: LogitsWanted::Last,
+            })
+            .collect();
+        let mut kv = new_kv();
+        let t = Instant::now();
+        m.forward(&mut kv, &spans, th)?;
+        let fresh_s = t.elapsed().as_secs_f64();
+        m.reset_profile();
+        let mut pre = Vec::new();
+        for _ in 0..r.max(1) {
+            for s in &spans {
+                kv.remove(s.seq);
+            }
+            let t = Instant::now();
+            m.forward(&mut kv, &spans, th)?;
+            pre.push(t.elapsed().as_secs_f64());
+        }
+        let prefill_s = median(pre);
+        let prefill_parts = m.profile();
+        m.reset_profile();
+        // Decode: `batch` sequences advance one token per step; each pass
+        // is `decode_steps` steps, their wall seconds.
+        let toks: Vec<u32> = (0..batch as u32).map(|i| 100 + i).collect();
+        let mut decode_pass = || -> anyhow::Result<Vec<f64>> {
+            let mut steps = Vec::with_capacity(a.decode_steps);
+            for _ in 0..a.decode_steps {
+                let spans: Vec<SeqSpan> = (0..batch)
+                    .map(|i| SeqSpan {
+                        seq: i as u64,
+                        start: kv.len(i as u64),
+                        tokens: std::slice::from_ref(&toks[i]),
+                        logits: LogitsWanted::Last,
+                    })
+                    .collect();
+                let t = Instant::now();
+                m.forward(&mut kv, &spans, th)?;
+                steps.push(t.elapsed().as_secs_f64());
+            }
+            Ok(steps)
+        };
+        let step_s = median(decode_pass()?);
+        if on_gpu {
+            // The same steps again, each one's kernels timed on the device by
+            // events around them: what of the step is device time, and what
+            // host work and copies.
+            if let Some(l) = model.llama() {
+                l.set_cuda_step_timing(true);
+                let _ = l.take_cuda_step_device();
+                let wall = decode_pass();
+                l.set_cuda_step_timing(false);
+                let wall = wall?;
+                let dev = l.take_cuda_step_device();
+                if !dev.is_empty() {
+                    let med = |f: fn(&lmrr_engine::llama::StepSplit) -> f64| {
+                        median(dev.iter().map(f).collect())
+                    };
+                    let parts = [
+                        med(|s| s.before),
+                        med(|s| s.launch),
+                        med(|s| s.wait),
+                        med(|s| s.copies),
+                        med(|s| s.after),
+                    ];
+                    device_split.push((batch, med(|s| s.kernels), median(wall), parts));
+                }
+            }
+        }
+        if on_gpu && batch == 1 {
+            if let Some(l) = model.llama() {
+                l.set_cuda_graphs(false);
+                let off = decode_pass();
+                l.set_cuda_graphs(true);
+                graphs_off = Some(median(off?));
+            }
+        }
+        let decode_parts = m.profile();
+        m.reset_profile();
+        fresh_out.push((batch, (batch * a.prompt_len) as f64 / fresh_s));
+        rows_out.push((
+            batch,
+            (batch * a.prompt_len) as f64 / prefill_s,
+            batch as f64 / step_s,
+            step_s,
+        ));
+        parts_out.push((batch, prefill_parts, decode_parts));
+    }
+
+    Ok(Batches {
+        rows_out,
+        fresh_out,
+        parts_out,
+        graphs_off,
+        device_split,
+    })
 }
