@@ -162,13 +162,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         kernel_rates(&th, rows, cols, n, r)
     };
 
-    let Batches {
-        rows_out,
-        fresh_out,
-        parts_out,
-        graphs_off,
-        device_split,
-    } = measure_batches(a, &model, &th, &batches, on_gpu)?;
+    let measured = measure_batches(a, &model, &th, &batches, on_gpu)?;
 
     let extras = if a.speed_only {
         None
@@ -225,76 +219,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             "| matvec {label} (1×{cols} · {cols}×{rows}, weights in cache) | {wns:.2} weights/ns ({gbs:.1} GB/s of storage) |"
         );
     }
-    for (batch, pre, dec, step) in &rows_out {
-        let of_peak = peak.map_or(String::new(), |p| {
-            format!(
-                " ({:.2}% of the FP32 rate)",
-                100.0 * pre * flops_per_token / p
-            )
-        });
-        println!(
-            "| prefill, batch {batch} × {} tokens (KV memory reused) | {pre:.1} tok/s{of_peak} |",
-            a.prompt_len
-        );
-        if let Some((_, f)) = fresh_out.iter().find(|f| f.0 == *batch) {
-            println!(
-                "| prefill, batch {batch} × {} tokens, first, into a fresh KV store (one sample) | {f:.1} tok/s |",
-                a.prompt_len
-            );
-        }
-        println!(
-            "| decode, batch {batch} (context ~{}) | {dec:.1} tok/s ({:.2} ms/step, {:.2}× the floor) |",
-            a.prompt_len,
-            step * 1e3,
-            step / floor
-        );
-    }
-    for (batch, dev, wall, [before, launch, wait, copies, after]) in &device_split {
-        println!(
-            "| decode, batch {batch}: the step's kernels on the device (events around them) | {:.3} of {:.3} ms ({:.1}%; host work and copies {:.3} ms) |",
-            dev * 1e3,
-            wall * 1e3,
-            100.0 * dev / wall,
-            (wall - dev) * 1e3
-        );
-        println!(
-            "| decode, batch {batch}: the step's parts (medians) | host before the launch {:.1} µs, launch calls {:.1} µs, waiting for the downloads {:.1} µs (of which the copies on the device {:.1} µs), host after {:.1} µs |",
-            before * 1e6,
-            launch * 1e6,
-            wait * 1e6,
-            copies * 1e6,
-            after * 1e6
-        );
-    }
-    if let Some(off) = graphs_off {
-        println!(
-            "| decode, batch 1, CUDA graphs off (kernels launched one by one) | {:.1} tok/s ({:.2} ms/step, {:.2}× the floor) |",
-            1.0 / off,
-            off * 1e3,
-            off / floor
-        );
-    }
-    for (batch, pre, dec) in &parts_out {
-        for (what, parts) in [("prefill", pre), ("decode", dec)] {
-            let Some(&(_, step)) = parts.iter().find(|p| p.0 == "step") else {
-                continue;
-            };
-            let named: Vec<&(&str, f64)> = parts.iter().filter(|p| p.0 != "step").collect();
-            let other = step - named.iter().map(|p| p.1).sum::<f64>();
-            let shares: Vec<String> = named
-                .iter()
-                .map(|(name, s)| format!("{name} {:.1}%", 100.0 * s / step))
-                .chain(std::iter::once(format!(
-                    "other (host work outside these parts: input packing, bookkeeping) {:.1}%",
-                    100.0 * other / step
-                )))
-                .collect();
-            println!(
-                "| share of {what} step time, batch {batch} | {} |",
-                shares.join(", ")
-            );
-        }
-    }
+    report_batches(&measured, a, peak, flops_per_token, floor);
     host_costs(&model, &th, r)?;
     let Some(((hash_s, total_s, steps), rf)) = extras else {
         return Ok(());
@@ -652,4 +577,87 @@ fn measure_batches(
         graphs_off,
         device_split,
     })
+}
+
+/// The report's rows of [`measure_batches`]' figures: per batch prefill and
+/// decode against the floor (and the FP32 rate on the device), the device
+/// split of a decode step, batch 1 with graphs off, and the step's parts.
+fn report_batches(b: &Batches, a: &BenchArgs, peak: Option<f64>, flops_per_token: f64, floor: f64) {
+    let Batches {
+        rows_out,
+        fresh_out,
+        parts_out,
+        graphs_off,
+        device_split,
+    } = b;
+    for (batch, pre, dec, step) in rows_out {
+        let of_peak = peak.map_or(String::new(), |p| {
+            format!(
+                " ({:.2}% of the FP32 rate)",
+                100.0 * pre * flops_per_token / p
+            )
+        });
+        println!(
+            "| prefill, batch {batch} × {} tokens (KV memory reused) | {pre:.1} tok/s{of_peak} |",
+            a.prompt_len
+        );
+        if let Some((_, f)) = fresh_out.iter().find(|f| f.0 == *batch) {
+            println!(
+                "| prefill, batch {batch} × {} tokens, first, into a fresh KV store (one sample) | {f:.1} tok/s |",
+                a.prompt_len
+            );
+        }
+        println!(
+            "| decode, batch {batch} (context ~{}) | {dec:.1} tok/s ({:.2} ms/step, {:.2}× the floor) |",
+            a.prompt_len,
+            step * 1e3,
+            step / floor
+        );
+    }
+    for (batch, dev, wall, [before, launch, wait, copies, after]) in device_split {
+        println!(
+            "| decode, batch {batch}: the step's kernels on the device (events around them) | {:.3} of {:.3} ms ({:.1}%; host work and copies {:.3} ms) |",
+            dev * 1e3,
+            wall * 1e3,
+            100.0 * dev / wall,
+            (wall - dev) * 1e3
+        );
+        println!(
+            "| decode, batch {batch}: the step's parts (medians) | host before the launch {:.1} µs, launch calls {:.1} µs, waiting for the downloads {:.1} µs (of which the copies on the device {:.1} µs), host after {:.1} µs |",
+            before * 1e6,
+            launch * 1e6,
+            wait * 1e6,
+            copies * 1e6,
+            after * 1e6
+        );
+    }
+    if let Some(off) = graphs_off {
+        println!(
+            "| decode, batch 1, CUDA graphs off (kernels launched one by one) | {:.1} tok/s ({:.2} ms/step, {:.2}× the floor) |",
+            1.0 / off,
+            off * 1e3,
+            off / floor
+        );
+    }
+    for (batch, pre, dec) in parts_out {
+        for (what, parts) in [("prefill", pre), ("decode", dec)] {
+            let Some(&(_, step)) = parts.iter().find(|p| p.0 == "step") else {
+                continue;
+            };
+            let named: Vec<&(&str, f64)> = parts.iter().filter(|p| p.0 != "step").collect();
+            let other = step - named.iter().map(|p| p.1).sum::<f64>();
+            let shares: Vec<String> = named
+                .iter()
+                .map(|(name, s)| format!("{name} {:.1}%", 100.0 * s / step))
+                .chain(std::iter::once(format!(
+                    "other (host work outside these parts: input packing, bookkeeping) {:.1}%",
+                    100.0 * other / step
+                )))
+                .collect();
+            println!(
+                "| share of {what} step time, batch {batch} | {} |",
+                shares.join(", ")
+            );
+        }
+    }
 }
