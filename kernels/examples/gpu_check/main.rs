@@ -14,6 +14,7 @@
 
 mod cases;
 mod controls;
+mod program_ops;
 mod report;
 mod timing;
 mod util;
@@ -54,6 +55,7 @@ fn main() {
     cases::hyper_specials(g, r, rep);
     cases::moe_combines(g, r, rep);
     cases::indexer_scores(g, r, rep);
+    program_ops::program_ops(g, r, rep);
     timing::matmuls(g, r);
     timing::attention_prefill(g, r, rep);
     timing::attention_decode(g, r, rep);
