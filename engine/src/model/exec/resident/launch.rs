@@ -460,55 +460,46 @@ impl<'a> Runner<'a> {
         let xa = self.read(x)?;
         let ops = &self.prog.ops;
         let (rows, d) = (self.rows(x), self.width(x));
-        if let Some(Op::RmsNorm {
-            x: nx,
-            w,
-            eps_bits,
-            out,
-        }) = ops.get(i + 1)
-        {
-            if *nx == x {
-                let o = self.write(i + 1, *out);
-                self.next = i + 2;
-                return g
-                    .add_norm(
-                        xa,
-                        yv,
-                        &self.r.dev.vecs[w.0 as usize],
-                        rows,
-                        d,
-                        f32::from_bits(*eps_bits),
-                        o,
-                    )
-                    .map_err(e);
+        // The norm the add folds into: the next op when it norms `x`, or,
+        // every row wanted in order, the norm after the gather that then
+        // stands for `x`.
+        let fused = match (ops.get(i + 1), ops.get(i + 2)) {
+            (
+                Some(Op::RmsNorm {
+                    x: nx,
+                    w,
+                    eps_bits,
+                    out,
+                }),
+                _,
+            ) if *nx == x => Some((i + 1, None, *w, *eps_bits, *out)),
+            (
+                Some(Op::GatherWanted { x: gx, out: hx }),
+                Some(Op::RmsNorm {
+                    x: nx,
+                    w,
+                    eps_bits,
+                    out,
+                }),
+            ) if self.direct
+                && *gx == x
+                && nx == hx
+                && self.plan.gather_alias.contains(&(i + 1)) =>
+            {
+                Some((i + 2, Some(*hx), *w, *eps_bits, *out))
             }
-        }
-        if let (
-            Some(Op::GatherWanted { x: gx, out: hx }),
-            Some(Op::RmsNorm {
-                x: nx,
-                w,
-                eps_bits,
-                out,
-            }),
-        ) = (ops.get(i + 1), ops.get(i + 2))
-        {
-            if self.direct && *gx == x && nx == hx && self.plan.gather_alias.contains(&(i + 1)) {
+            _ => None,
+        };
+        if let Some((at, alias, w, eps_bits, out)) = fused {
+            if let Some(hx) = alias {
                 self.cur[hx.0 as usize] = self.cur[x.0 as usize];
-                let o = self.write(i + 2, *out);
-                self.next = i + 3;
-                return g
-                    .add_norm(
-                        xa,
-                        yv,
-                        &self.r.dev.vecs[w.0 as usize],
-                        rows,
-                        d,
-                        f32::from_bits(*eps_bits),
-                        o,
-                    )
-                    .map_err(e);
             }
+            let o = self.write(at, out);
+            self.next = at + 1;
+            let w = &self.r.dev.vecs[w.0 as usize];
+            return g
+                .add_norm(xa, yv, w, rows, d, f32::from_bits(eps_bits), o)
+                .map_err(e);
         }
         g.add_out(xa, yv, rows * d).map_err(e)
     }
