@@ -225,7 +225,8 @@ struct GenerateArgs {
     #[arg(long)]
     ignore_eos: bool,
     /// Send the prompt as one user message through the model's chat template
-    /// (its own, from tokenizer_config.json, or ChatML) and print the reply.
+    /// (its own, from tokenizer_config.json; the built-in ChatML only for a
+    /// vocabulary with ChatML's tokens) and print the reply.
     #[arg(long)]
     chat: bool,
     /// Where the kernels run: `cpu`, or `cuda` (builds with `--features
