@@ -145,8 +145,13 @@ pub enum BundleError {
     #[error("not an lmrr bundle: starts with {found:?}, expected {expected:?}")]
     Foreign { found: String, expected: String },
     #[error(
-        "bundle format version {found}, this lmrr reads version {supported}{}",
-        if *found < *supported {
+        "bundle format version {found}, this lmrr reads {}{}",
+        if *oldest == *supported {
+            format!("version {supported}")
+        } else {
+            format!("versions {oldest} to {supported}")
+        },
+        if *found < *oldest {
             format!(
                 ": the bundle was written by an older lmrr ({}); replay it with that \
                  version, or record the session again",
@@ -156,7 +161,11 @@ pub enum BundleError {
             ": the bundle was written by a newer lmrr".into()
         }
     )]
-    Version { found: u32, supported: u32 },
+    Version {
+        found: u32,
+        oldest: u32,
+        supported: u32,
+    },
     #[error("corrupt bundle: frame {frame} at byte {offset}: {what}")]
     Corrupt {
         frame: usize,
@@ -484,6 +493,7 @@ pub fn read_as<K: Kind>(bytes: &[u8]) -> Result<BundleOf<K>, BundleError> {
     if !(MIN_READ_VERSION..=FORMAT_VERSION).contains(&version) {
         return Err(BundleError::Version {
             found: version,
+            oldest: MIN_READ_VERSION,
             supported: FORMAT_VERSION,
         });
     }

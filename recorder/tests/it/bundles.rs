@@ -252,7 +252,10 @@ fn foreign_files_and_other_versions_are_named() {
     let e = read(&bytes).unwrap_err().to_string();
     assert!(
         e.contains(&format!("version {}", supported + 5))
-            && e.contains(&format!("reads version {supported}"))
+            && e.contains(&format!(
+                "reads versions {} to {supported}",
+                lmrr_recorder::MIN_READ_VERSION
+            ))
             && e.contains("newer lmrr"),
         "{e}"
     );
