@@ -162,9 +162,7 @@ impl<'a> Runner<'a> {
     /// Where op `i` writes `b`; its address.
     pub fn write(&mut self, i: usize, b: Buf) -> u64 {
         let bi = b.0 as usize;
-        let loc = self
-            .plan
-            .write_loc(i, &self.prog.ops[i], b, self.cur[bi], self.rope_attn);
+        let loc = self.plan.write_loc(i, b, self.cur[bi], self.rope_attn);
         self.cur[bi] = loc;
         self.val[bi] = None;
         self.at(loc)

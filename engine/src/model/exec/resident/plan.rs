@@ -53,6 +53,8 @@ pub struct Plan {
     pub kv: KvGeom,
     /// Per op: the writes that go somewhere other than the buffer's region.
     redirect: Vec<Vec<(Buf, Target)>>,
+    /// Per op: the buffers it writes in place (reads and writes).
+    in_place: Vec<Vec<Buf>>,
     /// Per op: for each buffer it writes, the ops reading that value before
     /// the buffer is written again.
     readers: Vec<Vec<(Buf, u32)>>,
@@ -219,7 +221,15 @@ impl Plan {
                 _ => None,
             })
             .collect();
+        let in_place = ops
+            .iter()
+            .map(|op| {
+                let r = op.reads();
+                op.writes().into_iter().filter(|b| r.contains(b)).collect()
+            })
+            .collect();
         Ok(Self {
+            in_place,
             dense_below,
             fusable_attention,
             heads,
@@ -242,7 +252,7 @@ impl Plan {
     /// staging for an attention op's operands (its unrotated K rows in
     /// [`Loc::KRaw`] when `fused_k`), the same place for an op that writes
     /// in place, else the buffer's own region.
-    pub fn write_loc(&self, i: usize, op: &Op, b: Buf, cur: Loc, fused_k: bool) -> Loc {
+    pub fn write_loc(&self, i: usize, b: Buf, cur: Loc, fused_k: bool) -> Loc {
         if let Some((_, t)) = self.redirect[i].iter().find(|(x, _)| *x == b) {
             return match *t {
                 Target::K(_) if fused_k => Loc::KRaw,
@@ -251,7 +261,7 @@ impl Plan {
                 Target::Aux(l) => Loc::StageAux(l),
             };
         }
-        if op.reads().contains(&b) {
+        if self.in_place[i].contains(&b) {
             cur
         } else {
             Loc::Own(b)
@@ -319,7 +329,7 @@ pub fn placements(plan: &Plan, prog: &Program, fused_k: bool) -> Vec<Vec<(Buf, L
                 .into_iter()
                 .map(|b| {
                     let now = cur.get(&b).copied().unwrap_or(Loc::Own(b));
-                    let l = plan.write_loc(i, op, b, now, fused_k);
+                    let l = plan.write_loc(i, b, now, fused_k);
                     cur.insert(b, l);
                     (b, l)
                 })
