@@ -42,6 +42,7 @@ pub mod reduce;
 pub mod rope;
 pub mod softmax;
 pub mod splitmix;
+pub mod tensor_core;
 pub mod threads;
 #[cfg(target_arch = "x86_64")]
 mod x86;
