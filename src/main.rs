@@ -24,6 +24,7 @@ use lmrr_engine::{
     run_session, EngineConfig, GenerateOptions, Model, Patch, PatchSet, Preset, SamplingParams,
     Script, SynthSpec,
 };
+use lmrr_kernels::tensor_core::Numerics;
 use lmrr_kernels::Threads;
 use lmrr_recorder::{Manifest, Recorder};
 use lmrr_replays::report::plural;
@@ -94,6 +95,11 @@ struct RunArgs {
     /// Where the kernels run: `cpu`, or `cuda` (builds with `--features cuda`).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// The matmuls' arithmetic: `canonical` (FMA order, f32 activations) or
+    /// `tensor-core-sm90` (bf16 activations and weights, sm_90 tensor cores
+    /// or their CPU model; bf16 models only). Recorded in the bundle.
+    #[arg(long, default_value = "canonical")]
+    numerics: String,
     /// Positions per KV page.
     #[arg(long, default_value_t = 16)]
     page_size: usize,
@@ -171,8 +177,9 @@ struct GenModelArgs {
     #[arg(long, default_value = "llama")]
     arch: String,
     /// `tiny` (for tests) or `small` (for benchmarks; llama: SmolLM2-135M's
-    /// shape). `mini-v4-tiny` and `mini-v4-small` name a mini-v4 preset
-    /// whatever `--arch`.
+    /// shape); llama also `1b` and `8b` (Llama 3.2 1B's and Llama 3 8B's
+    /// shapes, for GPU benchmarks: 2.4 and 15 GB in bf16). `mini-v4-tiny`
+    /// and `mini-v4-small` name a mini-v4 preset whatever `--arch`.
     #[arg(long)]
     preset: String,
     #[arg(long, default_value_t = 0)]
@@ -233,6 +240,10 @@ struct GenerateArgs {
     /// cuda`). Never changes a bit.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// The matmuls' arithmetic: `canonical` or `tensor-core-sm90` (see
+    /// `lmrr run --help`).
+    #[arg(long, default_value = "canonical")]
+    numerics: String,
 }
 
 impl Default for GenerateArgs {
@@ -250,6 +261,7 @@ impl Default for GenerateArgs {
             ignore_eos: false,
             chat: false,
             device: "cpu".into(),
+            numerics: "canonical".into(),
         }
     }
 }
@@ -283,6 +295,21 @@ pub(crate) fn threads(n: Option<usize>) -> Result<Threads> {
     Ok(Threads::new(n)?)
 }
 
+/// Puts the model's matmuls under the numerics `--numerics` names.
+pub(crate) fn set_numerics(model: &mut Model, numerics: &str) -> Result<()> {
+    let n = Numerics::parse(numerics).with_context(|| {
+        let known: Vec<&str> = Numerics::ALL.iter().map(|n| n.name()).collect();
+        format!(
+            "--numerics {numerics}: unknown (known: {})",
+            known.join(", ")
+        )
+    })?;
+    model
+        .net
+        .set_numerics(n)
+        .with_context(|| format!("--numerics {numerics}"))
+}
+
 /// Moves the model's kernels to `device` (`cpu` or `cuda`).
 pub(crate) fn set_device(model: &mut Model, device: &str) -> Result<()> {
     if let Some(name) = model
@@ -300,6 +327,7 @@ fn run_generate(a: &GenerateArgs) -> Result<()> {
     }
     let mut model = load_model(a.model.as_deref())?;
     set_device(&mut model, &a.device)?;
+    set_numerics(&mut model, &a.numerics)?;
     let th = threads(a.threads)?;
     let shown = if a.chat {
         model.chat_prompt(&a.prompt)?
@@ -348,6 +376,7 @@ fn run_run(a: &RunArgs) -> Result<u8> {
     let script = Script::load(&a.script)?;
     let mut model = load_model(a.model.as_deref())?;
     set_device(&mut model, &a.device)?;
+    set_numerics(&mut model, &a.numerics)?;
     let th = threads(a.threads)?;
     let cfg = EngineConfig {
         page_size: a.page_size,

@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 
 use lmrr_engine::{Model, Patch, PatchSet};
+use lmrr_kernels::tensor_core::Numerics;
 use lmrr_replays::html::ReportData;
 use lmrr_replays::report::plural;
 use lmrr_replays::{
@@ -105,6 +106,14 @@ pub fn run(a: &ReplayArgs) -> Result<u8> {
     }
     let mut model = load_model(a, &b)?;
     crate::set_device(&mut model, &a.device)?;
+    let numerics = lmrr_replays::set_recorded_numerics(&mut model, &b)?;
+    if numerics != Numerics::Canonical {
+        let how = match a.device.as_str() {
+            "cpu" => "on the CPU by its bit-exact model of the sm_90 tensor core's inner product",
+            _ => "on the device's tensor cores",
+        };
+        eprintln!("numerics: {numerics}, as recorded; {how}");
+    }
     let th = crate::threads(a.threads)?;
     let recorded = PatchSet::parse(&b.manifest.patches.join(",")).map_err(anyhow::Error::msg)?;
     let path = a.bundle.display().to_string();

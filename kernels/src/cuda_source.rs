@@ -21,6 +21,15 @@ pub const SOURCE: &str = concat!(
     include_str!("../cuda/hyper.cu"),
 );
 
+/// The tensor-core kernels (`kernels/cuda/tc/`): `mma.sync` needs sm_80 or
+/// later, and the g++ emulation of [`SOURCE`] cannot run PTX, so they are a
+/// module of their own, checked against the CPU model of the instruction
+/// ([`crate::tensor_core`]) by `tc_probe` on a GPU.
+pub const TC_SOURCE: &str = concat!(
+    include_str!("../cuda/tc/probe.cu"),
+    include_str!("../cuda/tc/gemm.cu"),
+);
+
 /// `source` with `PDL_PREFETCH` defined: the resident kernels that load
 /// weights first issue those loads before waiting for the kernel ahead of
 /// them (`Tuning::pdl_prefetch`; common.cuh's `PDL_ENTRY_LATE`).

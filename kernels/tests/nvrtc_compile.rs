@@ -207,3 +207,32 @@ fn every_negative_control_compiles() {
         }
     }
 }
+
+#[test]
+fn the_tensor_core_module_compiles_for_sm_80_with_its_mma() {
+    if !nvrtc() {
+        return;
+    }
+    let src = lmrr_kernels::cuda_source::TC_SOURCE;
+    let ptx = compile_for(src, false, Some("compute_80")).unwrap_or_else(|e| panic!("{e}"));
+    for name in [
+        "tc_probe_bf16",
+        "tc_gemm_128x128",
+        "tc_gemm_64x64",
+        "tc_gemm_16x32",
+    ] {
+        entry(&ptx, name);
+    }
+    assert_eq!(
+        ptx.matches(".entry ").count(),
+        4,
+        "kernels in the tensor-core PTX"
+    );
+    // The inner product is the instruction the CPU model describes, and
+    // nothing else multiplies: bf16 inputs, f32 accumulate.
+    assert!(ptx.contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"));
+    assert!(
+        !ptx.contains("fma.rn.f32"),
+        "a CUDA-core fma in the tensor-core module"
+    );
+}

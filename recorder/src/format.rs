@@ -74,6 +74,12 @@ pub trait Kind {
     /// Whether an event counts in the trailer's `steps` (and triggers the
     /// writer's periodic flush).
     fn is_step(e: &Self::Event) -> bool;
+    /// The manifest of a bundle of format `version` from its encoded bytes
+    /// (an older format's manifest is brought to this one's).
+    fn decode_manifest(version: u32, raw: &[u8]) -> Result<Self::Manifest, String> {
+        let _ = version;
+        codec::decode(raw)
+    }
 }
 
 /// A session recording: requests, scheduling, steps.
@@ -94,6 +100,12 @@ impl Kind for Session {
     }
     fn is_step(e: &Event) -> bool {
         matches!(e, Event::Step(_) | Event::PdStep(_))
+    }
+    fn decode_manifest(version: u32, raw: &[u8]) -> Result<Manifest, String> {
+        match version {
+            ..=3 => codec::decode::<crate::schema::ManifestV3>(raw).map(Manifest::from),
+            _ => codec::decode(raw),
+        }
     }
 }
 
@@ -438,6 +450,21 @@ fn payload<T: DeserializeOwned>(
     index: usize,
     off: usize,
 ) -> Result<T, BundleError> {
+    let raw = payload_bytes(h, data, index, off)?;
+    codec::decode(&raw).map_err(|e| BundleError::Corrupt {
+        frame: index,
+        offset: off as u64,
+        what: format!("decoding: {e}"),
+    })
+}
+
+/// A frame's payload checked and decompressed, not yet decoded.
+fn payload_bytes(
+    h: &FrameHeader,
+    data: &[u8],
+    index: usize,
+    off: usize,
+) -> Result<Vec<u8>, BundleError> {
     let corrupt = |what: String| BundleError::Corrupt {
         frame: index,
         offset: off as u64,
@@ -454,7 +481,7 @@ fn payload<T: DeserializeOwned>(
             h.raw_len
         )));
     }
-    codec::decode(&raw).map_err(|e| corrupt(format!("decoding: {e}")))
+    Ok(raw)
 }
 
 /// Reads a session bundle from bytes.
@@ -520,7 +547,13 @@ pub fn read_as<K: Kind>(bytes: &[u8]) -> Result<BundleOf<K>, BundleError> {
             what: format!("first frame is kind {}, expected the manifest", h.kind),
         });
     }
-    let manifest: K::Manifest = payload(&h, data, 0, off)?;
+    let manifest = K::decode_manifest(version, &payload_bytes(&h, data, 0, off)?).map_err(|e| {
+        BundleError::Corrupt {
+            frame: 0,
+            offset: off as u64,
+            what: format!("decoding the manifest: {e}"),
+        }
+    })?;
     if K::format_version(&manifest) != version {
         return Err(BundleError::Corrupt {
             frame: 0,

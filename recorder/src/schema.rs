@@ -16,10 +16,14 @@ use lmrr_engine::{PdConfig, PdStep};
 /// - 3: two events appended to [`Event`] for disaggregated deployments
 ///   (`Disaggregated`, `PdStep`); nothing else changed, so a format-2 bundle
 ///   decodes as it is and is still read.
-pub const FORMAT_VERSION: u32 = 3;
+/// - 4: [`Manifest::numerics`], the arithmetic of the matmuls
+///   (`canonical` or `tensor-core-sm90`); a format-2 or -3 manifest reads
+///   as `canonical`, the only mode those formats had.
+pub const FORMAT_VERSION: u32 = 4;
 
-/// The oldest format this lmrr reads (formats 2 and 3 differ only by
-/// event variants appended after format 2's).
+/// The oldest format this lmrr reads (formats 2 to 4 differ by event
+/// variants appended and the manifest's numerics, read as `canonical`
+/// before 4).
 pub const MIN_READ_VERSION: u32 = 2;
 
 /// What changed after format `version`, for the message that refuses it.
@@ -48,6 +52,44 @@ pub struct Manifest {
     pub top_logprobs: u32,
     /// Threads used (never changes a bit; recorded for reports).
     pub threads: u32,
+    /// The matmuls' arithmetic (`lmrr_kernels::tensor_core::Numerics`'s
+    /// name): replay runs under it, on any device that has it.
+    pub numerics: String,
+}
+
+/// A format-2 or -3 manifest: [`Manifest`] without `numerics`.
+#[derive(Debug, Clone, Deserialize)]
+pub(crate) struct ManifestV3 {
+    format_version: u32,
+    contract_version: u32,
+    tool_version: String,
+    git_revision: String,
+    model: ModelInfo,
+    engine: EngineConfig,
+    patches: Vec<String>,
+    host: HostInfo,
+    source: SessionSource,
+    top_logprobs: u32,
+    threads: u32,
+}
+
+impl From<ManifestV3> for Manifest {
+    fn from(m: ManifestV3) -> Self {
+        Self {
+            format_version: m.format_version,
+            contract_version: m.contract_version,
+            tool_version: m.tool_version,
+            git_revision: m.git_revision,
+            model: m.model,
+            engine: m.engine,
+            patches: m.patches,
+            host: m.host,
+            source: m.source,
+            top_logprobs: m.top_logprobs,
+            threads: m.threads,
+            numerics: lmrr_kernels::tensor_core::Numerics::Canonical.name().into(),
+        }
+    }
 }
 
 impl Manifest {
@@ -84,6 +126,7 @@ impl Manifest {
             },
             top_logprobs,
             threads,
+            numerics: model.net.numerics().name().into(),
         }
     }
 }

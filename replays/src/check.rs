@@ -98,7 +98,7 @@ impl Check {
             path: shown.clone(),
             source,
         })?;
-        let model = match (&self.model, &b.manifest.model.synthetic) {
+        let mut model = match (&self.model, &b.manifest.model.synthetic) {
             (Some(dir), _) => Model::load_dir(dir)?,
             (None, Some(spec)) => Model::synthetic(*spec)?,
             (None, None) => {
@@ -108,6 +108,7 @@ impl Check {
                 })
             }
         };
+        crate::set_recorded_numerics(&mut model, &b)?;
         let recorded =
             PatchSet::parse(&b.manifest.patches.join(",")).map_err(CheckError::Patches)?;
         let patches = self.patches.clone().unwrap_or(recorded);

@@ -15,6 +15,7 @@ use std::collections::BTreeMap;
 
 use lmrr_engine::scheduler::{Decision, RequestId, StepReport};
 use lmrr_engine::{EngineError, Model, ModelIdentity, PatchSet, Scheduler};
+use lmrr_kernels::tensor_core::Numerics;
 use lmrr_kernels::Threads;
 use lmrr_recorder::{Bundle, Event, Integrity};
 
@@ -86,6 +87,16 @@ pub enum ReplayError {
     Contract { found: u32, supported: u32 },
     #[error("the bundle names a patch this lmrr does not know: {0}")]
     UnknownPatch(String),
+    #[error(
+        "the bundle was recorded under `{recorded}` numerics, which this lmrr does not know \
+         (it has canonical, tensor-core-sm90)"
+    )]
+    UnknownNumerics { recorded: String },
+    #[error(
+        "the bundle was recorded under `{recorded}` numerics and the model runs `{running}`: \
+         set the recorded mode first (`set_recorded_numerics`)"
+    )]
+    NumericsMismatch { recorded: String, running: String },
     #[error("the bundle's own patch set cannot re-execute step {step}: {source}")]
     Baseline {
         step: u64,
@@ -154,8 +165,27 @@ impl Catalog {
     }
 }
 
+/// Puts `model`'s matmuls under the numerics `bundle` was recorded in
+/// (replay re-executes in that arithmetic, on whichever device); the mode
+/// it set. A mode this lmrr lacks, or one the model cannot run (the
+/// tensor-core mode on non-bf16 weights), is refused.
+pub fn set_recorded_numerics(model: &mut Model, bundle: &Bundle) -> Result<Numerics, ReplayError> {
+    let recorded = &bundle.manifest.numerics;
+    let n = Numerics::parse(recorded).ok_or_else(|| ReplayError::UnknownNumerics {
+        recorded: recorded.clone(),
+    })?;
+    model.net.set_numerics(n)?;
+    Ok(n)
+}
+
 pub(crate) fn check_bundle(bundle: &Bundle, model: &Model) -> Result<PatchSet, ReplayError> {
     let m = &bundle.manifest;
+    if m.numerics != model.net.numerics().name() {
+        return Err(ReplayError::NumericsMismatch {
+            recorded: m.numerics.clone(),
+            running: model.net.numerics().name().into(),
+        });
+    }
     if m.contract_version != lmrr_kernels::CONTRACT_VERSION {
         return Err(ReplayError::Contract {
             found: m.contract_version,

@@ -31,6 +31,8 @@ pub use bisect::{
     all_culprits, all_found, bisect, bisect_all, probe, rounds_text, BisectOutcome, Probe,
 };
 pub use check::{Check, CheckError, Report};
-pub use driver::{replay, replay_traced, Criterion, ReplayError, ReplayOptions, Trace};
+pub use driver::{
+    replay, replay_traced, set_recorded_numerics, Criterion, ReplayError, ReplayOptions, Trace,
+};
 pub use oracle::{oracle, oracle_traced, OracleTurn};
 pub use report::{Divergence, DriftRow, Outcome, Signal, TokenInfo};

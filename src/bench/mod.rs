@@ -47,6 +47,10 @@ pub struct BenchArgs {
     /// host's, and each figure is given against them).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// The matmuls' arithmetic: `canonical` or `tensor-core-sm90` (see
+    /// `lmrr run --help`).
+    #[arg(long, default_value = "canonical")]
+    numerics: String,
     /// Batch sizes for prefill and decode (default 1,8; with `--speed-only`, 1).
     #[arg(long, value_delimiter = ',')]
     batches: Option<Vec<usize>>,
@@ -108,6 +112,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let load_s = t_load.elapsed().as_secs_f64();
     let t_dev = Instant::now();
     crate::set_device(&mut model, &a.device)?;
+    crate::set_numerics(&mut model, &a.numerics)?;
     let dev_s = t_dev.elapsed().as_secs_f64();
     let on_gpu = a.device != "cpu";
     let m = model.net();

@@ -29,6 +29,7 @@ pub mod synth;
 pub mod tokenizer;
 pub mod weights;
 
+use lmrr_kernels::tensor_core::Numerics;
 use lmrr_kernels::Threads;
 
 use crate::kv::{KvCache, SeqId};
@@ -217,6 +218,23 @@ pub trait ModelFamily: Send + Sync {
 
     /// Where the kernels run.
     fn device(&self) -> &Device;
+
+    /// The numerics mode its matmuls follow.
+    fn numerics(&self) -> Numerics {
+        Numerics::Canonical
+    }
+
+    /// Switches the matmuls' numerics mode; a family that has only the
+    /// canonical one refuses the others, naming itself.
+    fn set_numerics(&mut self, numerics: Numerics) -> Result<(), EngineError> {
+        match numerics {
+            Numerics::Canonical => Ok(()),
+            other => Err(EngineError::Device(format!(
+                "{} has no {other} numerics yet (llama, qwen2 and qwen3 have)",
+                self.family()
+            ))),
+        }
+    }
 
     /// Bytes of weights a decode step of one token streams.
     fn weight_bytes_per_step(&self) -> usize;

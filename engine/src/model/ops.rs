@@ -2,6 +2,7 @@
 //! model's [`Device`]. Every device computes the same bits (I6), so a family
 //! writes its arithmetic once, against these.
 
+use lmrr_kernels::tensor_core::Numerics;
 use lmrr_kernels::{self as k, AttnShape, AttnTask, RopeTable, Threads};
 
 #[cfg(feature = "cuda")]
@@ -19,11 +20,27 @@ fn no_device_kernel(what: &str) -> EngineError {
     ))
 }
 
-/// Kernels on one device.
+/// Kernels on one device, under one numerics mode (which only the
+/// matmuls read: the tensor-core mode changes nothing else).
 #[derive(Clone, Copy)]
 pub struct Ops<'a> {
     pub device: &'a Device,
     pub threads: &'a Threads,
+    pub numerics: Numerics,
+}
+
+/// The error of a tensor-core matmul over weights not stored as bf16.
+pub fn not_bf16(w: &k::Matrix) -> EngineError {
+    let kind = match w.w {
+        k::Weights::F32(_) => "f32".to_string(),
+        k::Weights::Bf16(_) => "bf16".to_string(),
+        k::Weights::Quant(q, _) => format!("{q:?}"),
+    };
+    EngineError::Device(format!(
+        "tensor-core numerics multiply bf16 weights, and a {}x{} matrix of this model is stored as {kind}; \
+         use a bf16 checkpoint (gen-model --dtype bf16) or the canonical numerics",
+        w.rows, w.cols
+    ))
 }
 
 impl Ops<'_> {
@@ -34,6 +51,23 @@ impl Ops<'_> {
         n: usize,
         jobs: &mut [(&k::Matrix, &mut [f32])],
     ) -> Result<(), EngineError> {
+        if let Some(m) = self.numerics.model() {
+            return match self.device {
+                Device::Cpu => {
+                    for (w, y) in jobs.iter_mut() {
+                        let k::Weights::Bf16(bits) = w.w else {
+                            return Err(not_bf16(w));
+                        };
+                        k::tensor_core::tc_matmul(self.threads, m, x, n, bits, w.rows, w.cols, y);
+                    }
+                    Ok(())
+                }
+                #[cfg(feature = "cuda")]
+                Device::Cuda(_) => Err(EngineError::Device(
+                    "tensor-core numerics on CUDA run on the resident executor only".into(),
+                )),
+            };
+        }
         match self.device {
             Device::Cpu => k::matmul_many(self.threads, x, n, jobs),
             #[cfg(feature = "cuda")]

@@ -40,14 +40,25 @@ pub enum Preset {
     /// mini-v4 with 64 routed experts: for benchmarks.
     #[serde(rename = "mini-v4-small")]
     MiniV4Small,
+    /// llama at a 1.2B shape (hidden 2048, 16 layers, 32/8 heads, FFN
+    /// 8192; `small`'s vocabulary): GPU benchmarks at the size of Llama 3.2
+    /// 1B.
+    #[serde(rename = "1b")]
+    OneB,
+    /// llama at a 7.4B shape (hidden 4096, 32 layers, 32/8 heads, FFN
+    /// 14336; `small`'s vocabulary): GPU benchmarks at Llama 3 8B's size.
+    #[serde(rename = "8b")]
+    EightB,
 }
 
 impl Preset {
-    pub const ALL: [Preset; 4] = [
+    pub const ALL: [Preset; 6] = [
         Preset::Tiny,
         Preset::Small,
         Preset::MiniV4Tiny,
         Preset::MiniV4Small,
+        Preset::OneB,
+        Preset::EightB,
     ];
 
     /// The preset's name (`tiny`, `mini-v4-small`, …).
@@ -57,13 +68,15 @@ impl Preset {
             Self::Small => "small",
             Self::MiniV4Tiny => "mini-v4-tiny",
             Self::MiniV4Small => "mini-v4-small",
+            Self::OneB => "1b",
+            Self::EightB => "8b",
         }
     }
 
     /// The model family it generates.
     pub fn family(self) -> Family {
         match self {
-            Self::Tiny | Self::Small => Family::Llama,
+            Self::Tiny | Self::Small | Self::OneB | Self::EightB => Family::Llama,
             Self::MiniV4Tiny | Self::MiniV4Small => Family::MiniV4,
         }
     }
@@ -73,9 +86,13 @@ impl Preset {
         match (family, size) {
             (Family::Llama, "tiny") => Ok(Self::Tiny),
             (Family::Llama, "small") => Ok(Self::Small),
+            (Family::Llama, "1b") => Ok(Self::OneB),
+            (Family::Llama, "8b") => Ok(Self::EightB),
             (Family::MiniV4, "tiny") => Ok(Self::MiniV4Tiny),
             (Family::MiniV4, "small") => Ok(Self::MiniV4Small),
-            _ => Err(format!("unknown preset `{size}` (tiny, small)")),
+            _ => Err(format!(
+                "unknown preset `{size}` (tiny, small; llama also 1b, 8b)"
+            )),
         }
     }
 }
@@ -141,6 +158,8 @@ impl SynthSpec {
         let (hidden, ffn, layers, heads, kv, vocab, ctx) = match self.preset {
             Preset::Tiny => (128, 384, 4, 4, 2, 1024, 2048),
             Preset::Small => (576, 1536, 30, 9, 3, 49152, 8192),
+            Preset::OneB => (2048, 8192, 16, 32, 8, 49152, 32768),
+            Preset::EightB => (4096, 14336, 32, 32, 8, 49152, 32768),
             Preset::MiniV4Tiny | Preset::MiniV4Small => return None,
         };
         Some(LlamaConfig {
@@ -184,7 +203,7 @@ impl SynthSpec {
             Preset::MiniV4Small => (
                 512, 8, 8, 2, 64, 32768, 8192, 64, 6, 256, 2, 4, 32, 16, 64, 64,
             ),
-            Preset::Tiny | Preset::Small => return None,
+            Preset::Tiny | Preset::Small | Preset::OneB | Preset::EightB => return None,
         };
         Some(MiniV4Config {
             architectures: vec!["MiniV4ForCausalLM".into()],

@@ -10,7 +10,10 @@
 //!
 //! Prints the crafted vectors (hardware beside the model), the candidates
 //! that match a first sample of every class, then the full tally of
-//! `SM90_BF16` and of its negative controls over every tile. With
+//! `SM90_BF16` and of its negative controls over every tile; then checks
+//! the tensor-core GEMM kernels (`kernels/cuda/tc/gemm.cu`) against the
+//! CPU's `tc_matmul` and across batch and tile shapes, and times them
+//! (see `gemm.rs`). With
 //! `TC_PROBE_OUT=dir` it also writes the hardware's outputs
 //! (`<dir>/<class>.f32`, little-endian, 128 a tile, tiles from seed
 //! `SEED`, and `crafted.f32`) which `--from DIR` reads instead of running
@@ -24,14 +27,16 @@ use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
 use lmrr_kernels::tensor_core::probe::{self, Class, Tile, OUTPUTS};
 use lmrr_kernels::tensor_core::{candidates, negative_controls, TcModel, SM90_BF16};
 
-const SOURCE: &str = include_str!("../../cuda/tc/probe.cu");
 /// The seed the random tiles are drawn from (the CPU regenerates them).
 const SEED: u64 = 0x7c_2026;
 /// Tiles of each class the whole candidate grid is fitted on.
 const FIT_TILES: usize = 256;
 
+mod gemm;
+
 struct Probe {
     ctx: Arc<CudaContext>,
+    module: Arc<cudarc::driver::CudaModule>,
     func: cudarc::driver::CudaFunction,
 }
 
@@ -75,15 +80,19 @@ fn stem(class: Class) -> String {
 impl Probe {
     fn open() -> Result<Self, String> {
         let ctx = CudaContext::new(0).map_err(|e| format!("no device: {e:?}"))?;
-        let ptx = lmrr_kernels::cuda::compile::compile_for(SOURCE, false, Some("compute_80"))
-            .map_err(|e| format!("compiling the probe: {e}"))?;
+        let ptx = lmrr_kernels::cuda::compile::compile_for(
+            lmrr_kernels::cuda_source::TC_SOURCE,
+            false,
+            Some("compute_80"),
+        )
+        .map_err(|e| format!("compiling the probe: {e}"))?;
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
             .map_err(|e| format!("loading the probe: {e:?}"))?;
         let func = module
             .load_function("tc_probe_bf16")
             .map_err(|e| format!("{e:?}"))?;
-        Ok(Self { ctx, func })
+        Ok(Self { ctx, module, func })
     }
 
     /// The hardware's 128 outputs of each tile.
@@ -335,11 +344,14 @@ fn main() {
             println!("  this control is not told from the hardware: the probe is blind to it");
         }
     }
+    if let Source::Gpu(p) = &source {
+        ok &= gemm::run(p);
+    }
     let all = 6 * per_class * OUTPUTS + crafted.len();
     println!(
         "\nresult: {} ({all} inner products on {name})",
         if ok {
-            "SM90_BF16 matches every output, every control misses"
+            "SM90_BF16 matches every output, every control misses, the GEMMs match it"
         } else {
             "MISMATCH"
         }

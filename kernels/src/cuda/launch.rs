@@ -225,6 +225,15 @@ unsafe impl Sync for RawModule {}
 impl RawModule {
     /// `image` loaded into `ctx` (`cuModuleLoadData`): a CUBIN as is, PTX
     /// with the closing NUL the driver reads it up to.
+    pub(crate) fn function(&self, name: &str) -> Result<Func, GpuError> {
+        let c = std::ffi::CString::new(name)
+            .map_err(|_| GpuError::Compile(format!("kernel name {name:?}")))?;
+        // SAFETY: the module is loaded and alive while `self` is.
+        unsafe { result::module::get_function(self.m, c) }
+            .map(Func)
+            .map_err(drv)
+    }
+
     pub(crate) fn load(
         ctx: &Arc<CudaContext>,
         format: Format,
@@ -280,6 +289,13 @@ pub(crate) struct Launch<'a> {
 }
 
 impl<'a> Launch<'a> {
+    /// Launches in plain stream order, for a kernel that does not wait on
+    /// the grid ahead of it (no `griddepcontrol.wait`).
+    pub(crate) fn no_pdl(&mut self) -> &mut Self {
+        self.pdl = false;
+        self
+    }
+
     /// The next kernel parameter, by reference (its bytes are read at the
     /// launch).
     pub(crate) fn arg<T>(&mut self, v: &'a T) -> &mut Self {

@@ -33,6 +33,7 @@ pub mod overlap;
 pub mod portable;
 pub mod resident;
 pub mod split;
+pub mod tc;
 pub mod tuning;
 
 /// Largest head dimension the attention kernel's per-thread arrays hold.
@@ -98,6 +99,8 @@ pub struct Gpu {
     hc_post: CudaFunction,
     moe_combine: CudaFunction,
     index_scores: CudaFunction,
+    /// The tensor-core kernels ([`tc`]), built on first use.
+    tc: std::sync::OnceLock<Result<tc::TcKernels, String>>,
 }
 
 /// The kernels' storage code (`weight()` in kernels/cuda/) of a block format,
@@ -256,6 +259,7 @@ impl Gpu {
             hc_post: f("hc_post")?,
             moe_combine: f("moe_combine")?,
             index_scores: f("index_scores")?,
+            tc: std::sync::OnceLock::new(),
             ctx,
         })
     }

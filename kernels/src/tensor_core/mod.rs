@@ -30,7 +30,54 @@
 //! result is `+0`, whatever the signs of the zeros that made it (the
 //! hardware does not keep IEEE's `-0 + -0 = -0`).
 
+pub mod gemm;
 pub mod probe;
+
+pub use gemm::tc_matmul;
+
+/// The arithmetic the matmuls of a run follow, recorded in its bundle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Numerics {
+    /// The canonical FMA order ([`crate::dot_ref`]) over f32 activations:
+    /// every device, every ISA.
+    #[default]
+    Canonical,
+    /// Activations rounded to bf16, bf16 weights, each output a chain of
+    /// sm_90 tensor-core instructions ([`tc_dot`] under [`SM90_BF16`]): the
+    /// GPU's tensor cores, or this model of them on a CPU.
+    TensorCoreSm90,
+}
+
+impl Numerics {
+    pub const ALL: [Numerics; 2] = [Numerics::Canonical, Numerics::TensorCoreSm90];
+
+    /// The name bundles and the CLI use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Numerics::Canonical => "canonical",
+            Numerics::TensorCoreSm90 => "tensor-core-sm90",
+        }
+    }
+
+    /// The mode named `s` (see [`Numerics::name`]).
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|n| n.name() == s)
+    }
+
+    /// The tensor-core model this mode multiplies by, if any.
+    pub fn model(self) -> Option<&'static TcModel> {
+        match self {
+            Numerics::Canonical => None,
+            Numerics::TensorCoreSm90 => Some(&SM90_BF16),
+        }
+    }
+}
+
+impl std::fmt::Display for Numerics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 /// How the exact sum of a step's aligned terms becomes an f32.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

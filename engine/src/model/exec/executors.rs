@@ -1,6 +1,6 @@
 //! A family's executors in one place: its programs (one per patch set,
-//! built once) and, on CUDA, the resident executor with its tables on the
-//! device. A step runs on the resident executor where there is one and it
+//! built once), the numerics mode its matmuls follow, and, on CUDA, the
+//! resident executor with its tables on the device. A step runs on the resident executor where there is one and it
 //! takes the step, else on the host executor; the measurement switches of
 //! the device path are reached through here, so that no family holds device
 //! code.
@@ -15,11 +15,13 @@ use crate::model::ops::Ops;
 use crate::model::{Device, SeqSpan};
 use crate::patches::PatchSet;
 use crate::EngineError;
+use lmrr_kernels::tensor_core::Numerics;
 
 /// A family's programs and, on CUDA, its resident executor.
 #[derive(Default)]
 pub struct Executors {
     programs: Programs,
+    numerics: Numerics,
     #[cfg(feature = "cuda")]
     resident: Option<super::resident::Resident>,
 }
@@ -49,9 +51,36 @@ impl Executors {
         }
         #[cfg(feature = "cuda")]
         if let Device::Cuda(g) = device {
-            self.resident = Some(super::resident::Resident::new(g.clone(), tables)?);
+            let mut r = super::resident::Resident::new(g.clone(), tables)?;
+            r.set_numerics(self.numerics)?;
+            self.resident = Some(r);
         }
         let _ = tables;
+        Ok(())
+    }
+
+    /// The numerics mode the matmuls follow.
+    pub fn numerics(&self) -> Numerics {
+        self.numerics
+    }
+
+    /// Switches the matmuls to `numerics`. The tensor-core mode multiplies
+    /// bf16 weights only: a table with another storage is refused, naming
+    /// it; on CUDA the resident executor switches its matmul kernels.
+    pub fn set_numerics(&mut self, numerics: Numerics, tables: &Tables) -> Result<(), EngineError> {
+        if numerics.model().is_some() {
+            for m in &tables.mats {
+                let m = m.matrix();
+                if !matches!(m.w, lmrr_kernels::Weights::Bf16(_)) {
+                    return Err(crate::model::ops::not_bf16(&m));
+                }
+            }
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(r) = &mut self.resident {
+            r.set_numerics(numerics)?;
+        }
+        self.numerics = numerics;
         Ok(())
     }
 

@@ -162,6 +162,7 @@ mod tests {
         let ops = Ops {
             device: &crate::model::Device::Cpu,
             threads: &threads,
+            numerics: Default::default(),
         };
         let select = |q: &[f32], pos, early| s.select(&ops, q, &w, &view, pos, early).expect("cpu");
         // Short context (2 blocks = topk): dense either way.

@@ -334,6 +334,7 @@ impl Gemma3 {
         let ops = Ops {
             device: &self.device,
             threads,
+            numerics: self.exec.numerics(),
         };
         let context = self.cfg.max_position_embeddings;
         exec::begin_step(&ops, kv, spans, context, vocab, &PatchSet::none())?;

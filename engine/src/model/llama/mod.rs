@@ -18,6 +18,7 @@ pub use variant::Variant;
 
 pub use crate::model::exec::StepSplit;
 
+use lmrr_kernels::tensor_core::Numerics;
 use lmrr_kernels::{AttnShape, RopeTable, Threads};
 
 use crate::kv::KvCache;
@@ -428,6 +429,7 @@ impl Llama {
         let ops = Ops {
             device: &self.device,
             threads,
+            numerics: self.exec.numerics(),
         };
         exec::begin_step(
             &ops,
@@ -515,6 +517,18 @@ impl ModelFamily for Llama {
 
     fn device(&self) -> &Device {
         &self.device
+    }
+
+    fn numerics(&self) -> Numerics {
+        self.exec.numerics()
+    }
+
+    /// The tensor-core mode needs every matrix stored as bf16.
+    fn set_numerics(&mut self, numerics: Numerics) -> Result<(), EngineError> {
+        let mut exec = std::mem::take(&mut self.exec);
+        let r = exec.set_numerics(numerics, &self.tables().0);
+        self.exec = exec;
+        r
     }
 
     fn weight_bytes_per_step(&self) -> usize {

@@ -422,6 +422,7 @@ impl MiniV4 {
         let ops = Ops {
             device: &self.device,
             threads,
+            numerics: self.exec.numerics(),
         };
         let (context, vocab) = (cfg.max_position_embeddings, cfg.vocab_size);
         exec::begin_step(&ops, kv, spans, context, vocab, patches)?;

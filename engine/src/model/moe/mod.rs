@@ -399,6 +399,7 @@ impl MoeModel {
         let ops = Ops {
             device: &self.device,
             threads,
+            numerics: self.exec.numerics(),
         };
         let context = self.cfg.max_position_embeddings;
         exec::begin_step(&ops, kv, spans, context, vocab, patches)?;

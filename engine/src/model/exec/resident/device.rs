@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use lmrr_kernels::cuda::overlap::Overlap;
 use lmrr_kernels::cuda::resident::{DevBuf, DevMatrix, Graph, Mark, PageLayout, PageTable, Pinned};
 use lmrr_kernels::cuda::Gpu;
+use lmrr_kernels::tensor_core::Numerics;
 use lmrr_kernels::Threads;
 
 use super::launch::{Addrs, Runner};
@@ -136,6 +137,9 @@ pub struct Resident {
     step_timing: AtomicBool,
     step_device: Mutex<Vec<StepSplit>>,
     state: Mutex<State>,
+    /// The matmuls' numerics: the canonical kernels, or the tensor-core
+    /// GEMM (`Gpu::tc_mm`) under `TensorCoreSm90`.
+    pub(super) numerics: Numerics,
 }
 
 fn graphs_default() -> bool {
@@ -181,6 +185,7 @@ impl Resident {
             step_timing: AtomicBool::new(false),
             step_device: Mutex::new(Vec::new()),
             state: Mutex::new(State::default()),
+            numerics: Numerics::Canonical,
             gpu,
         })
     }
@@ -190,6 +195,21 @@ impl Resident {
     }
 
     /// Turns decode-step graphs on or off (for measurement; bits are equal).
+    /// Switches the matmuls to `numerics`; the tensor-core module is built
+    /// here, so a device without tensor cores refuses at once. Graphs
+    /// captured under the other mode are dropped.
+    pub fn set_numerics(&mut self, numerics: Numerics) -> Result<(), EngineError> {
+        if numerics.model().is_some() {
+            self.gpu.tensor_cores().map_err(gpu_err)?;
+        }
+        self.numerics = numerics;
+        if let Ok(mut st) = self.state.lock() {
+            st.graphs.clear();
+            st.seen.clear();
+        }
+        Ok(())
+    }
+
     pub fn set_graphs(&self, on: bool) {
         self.graphs_on.store(on, Ordering::Relaxed);
         if let Ok(mut st) = self.state.lock() {

@@ -399,7 +399,8 @@ impl<'a> Runner<'a> {
 
     /// Every job of a matmul op: wanted rows one launch each (never split);
     /// token rows by up to three matrices a launch, an output left in
-    /// partials only for a lone reader and no bias.
+    /// partials only for a lone reader and no bias. Under tensor-core
+    /// numerics, one `tc_mm` a matrix.
     fn matmul(
         &mut self,
         i: usize,
@@ -415,6 +416,19 @@ impl<'a> Runner<'a> {
             addr: self.a.part,
             floats: self.a.part_floats,
         };
+        if self.r.numerics.model().is_some() {
+            // Tensor cores: a launch per matrix, whole outputs (no split).
+            for j in jobs {
+                let o = self.write(i, j.out);
+                let w = &dev.mats[j.w.0 as usize];
+                g.tc_mm(xa, rows, w, o).map_err(e)?;
+                if let Some(b) = j.bias {
+                    g.add_bias(o, dev.vecs[b.0 as usize].ptr(), rows * w.rows, w.rows)
+                        .map_err(e)?;
+                }
+            }
+            return Ok(());
+        }
         let fold = jobs.len() <= 3;
         for group in jobs.chunks(3) {
             let outs: Vec<u64> = group.iter().map(|j| self.write(i, j.out)).collect();

@@ -1,0 +1,129 @@
+// Tensor-core matmul Y[t][o] = X[t] . W[o]: X (n, K) f32 rounded to bf16
+// (nearest even) as it is staged, W (rows, K) bf16, Y (n, rows) f32.
+// Invariant (tensor_core::gemm on the CPU is its model): every output is a
+// chain of mma.m16n8k16 over k in order from +0, k blocks of 16 aligned to
+// 0, zeros past K; a block tile changes which warp runs a chain, never the
+// chain. No split over k, so no batch, tile or launch shape changes a bit.
+
+__device__ __forceinline__ unsigned short tc_bf16_rne(float v) {
+    unsigned b = __float_as_uint(v);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((b >> 16) | 0x40u);
+    return (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+__device__ __forceinline__ unsigned tc_ld32(const unsigned short* p) {
+    return *reinterpret_cast<const unsigned*>(p);
+}
+
+// BM tokens x BN rows a block, WM x WN warps, each warp (BM/WM) x (BN/WN).
+template <int BM, int BN, int WM, int WN>
+__device__ __forceinline__ void tc_gemm_body(const float* __restrict__ X,
+                                             const unsigned short* __restrict__ W,
+                                             float* __restrict__ Y, int n, int rows, int K) {
+    constexpr int BK = 32, LD = BK + 8;  // +8: rows start on other banks
+    constexpr int MI = BM / WM / 16, NI = BN / WN / 8, THREADS = WM * WN * 32;
+    __shared__ __align__(16) unsigned short xs[BM * LD];
+    __shared__ __align__(16) unsigned short ws[BN * LD];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int wm = warp / WN, wn = warp % WN;
+    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const bool vec = (K & 7) == 0;
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NI; j++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) acc[i][j][r] = 0.0f;
+    for (int k0 = 0; k0 < K; k0 += BK) {
+        const bool full = vec && k0 + BK <= K;
+        if (full) {
+            // X: 4 floats a thread a pass; W: 8 bf16.
+            for (int i = tid; i < BM * BK / 4; i += THREADS) {
+                const int r = i / (BK / 4), c = (i % (BK / 4)) * 4, tok = m0 + r;
+                float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (tok < n) v = *reinterpret_cast<const float4*>(X + (size_t)tok * K + k0 + c);
+                unsigned short* d = xs + r * LD + c;
+                d[0] = tc_bf16_rne(v.x);
+                d[1] = tc_bf16_rne(v.y);
+                d[2] = tc_bf16_rne(v.z);
+                d[3] = tc_bf16_rne(v.w);
+            }
+            for (int i = tid; i < BN * BK / 8; i += THREADS) {
+                const int r = i / (BK / 8), c = (i % (BK / 8)) * 8, o = n0 + r;
+                uint4 v = make_uint4(0u, 0u, 0u, 0u);
+                if (o < rows) v = *reinterpret_cast<const uint4*>(W + (size_t)o * K + k0 + c);
+                *reinterpret_cast<uint4*>(ws + r * LD + c) = v;
+            }
+        } else {
+            for (int i = tid; i < BM * BK; i += THREADS) {
+                const int r = i / BK, c = i % BK, tok = m0 + r, k = k0 + c;
+                xs[r * LD + c] = (tok < n && k < K) ? tc_bf16_rne(X[(size_t)tok * K + k]) : 0;
+            }
+            for (int i = tid; i < BN * BK; i += THREADS) {
+                const int r = i / BK, c = i % BK, o = n0 + r, k = k0 + c;
+                ws[r * LD + c] = (o < rows && k < K) ? W[(size_t)o * K + k] : 0;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            unsigned a[MI][4], b[NI][2];
+#pragma unroll
+            for (int i = 0; i < MI; i++) {
+                const unsigned short* p = xs + (wm * (BM / WM) + i * 16 + g) * LD + kk + t * 2;
+                a[i][0] = tc_ld32(p);
+                a[i][1] = tc_ld32(p + 8 * LD);
+                a[i][2] = tc_ld32(p + 8);
+                a[i][3] = tc_ld32(p + 8 * LD + 8);
+            }
+#pragma unroll
+            for (int j = 0; j < NI; j++) {
+                const unsigned short* p = ws + (wn * (BN / WN) + j * 8 + g) * LD + kk + t * 2;
+                b[j][0] = tc_ld32(p);
+                b[j][1] = tc_ld32(p + 8);
+            }
+#pragma unroll
+            for (int i = 0; i < MI; i++)
+#pragma unroll
+                for (int j = 0; j < NI; j++)
+                    asm volatile(
+                        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                        : "+f"(acc[i][j][0]), "+f"(acc[i][j][1]), "+f"(acc[i][j][2]),
+                          "+f"(acc[i][j][3])
+                        : "r"(a[i][0]), "r"(a[i][1]), "r"(a[i][2]), "r"(a[i][3]),
+                          "r"(b[j][0]), "r"(b[j][1]));
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NI; j++) {
+            const int tok = m0 + wm * (BM / WM) + i * 16 + g;
+            const int o = n0 + wn * (BN / WN) + j * 8 + t * 2;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int tt = tok + h * 8;
+                if (tt >= n) continue;
+                if (o < rows) Y[(size_t)tt * rows + o] = acc[i][j][h * 2];
+                if (o + 1 < rows) Y[(size_t)tt * rows + o + 1] = acc[i][j][h * 2 + 1];
+            }
+        }
+}
+
+// Launch: grid (ceil(rows / BN), ceil(n / BM)), WM * WN * 32 threads.
+extern "C" __global__ void __launch_bounds__(256) tc_gemm_128x128(
+    const float* X, const unsigned short* W, float* Y, int n, int rows, int K) {
+    tc_gemm_body<128, 128, 2, 4>(X, W, Y, n, rows, K);
+}
+extern "C" __global__ void __launch_bounds__(128) tc_gemm_64x64(
+    const float* X, const unsigned short* W, float* Y, int n, int rows, int K) {
+    tc_gemm_body<64, 64, 2, 2>(X, W, Y, n, rows, K);
+}
+extern "C" __global__ void __launch_bounds__(128) tc_gemm_16x32(
+    const float* X, const unsigned short* W, float* Y, int n, int rows, int K) {
+    tc_gemm_body<16, 32, 1, 4>(X, W, Y, n, rows, K);
+}
