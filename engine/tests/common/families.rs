@@ -7,9 +7,26 @@
 
 #![allow(dead_code)]
 
+use std::cell::Cell;
 use std::sync::OnceLock;
 
 use lmrr_engine::{Model, Preset, SynthSpec};
+use lmrr_kernels::tensor_core::Numerics;
+
+thread_local! {
+    /// Set while a test runs under [`with_tensor_cores`].
+    static TENSOR_CORES: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with [`model`] and [`fresh`] handing out llama's tiny model
+/// under tensor-core numerics (the CPU model of sm_90's mma): the tests of
+/// [`per_numerics!`] hold in that arithmetic too.
+pub fn with_tensor_cores<R>(f: impl FnOnce() -> R) -> R {
+    TENSOR_CORES.set(true);
+    let r = f();
+    TENSOR_CORES.set(false);
+    r
+}
 
 /// One tiny synthetic model per family, in listing order.
 pub const FAMILIES: [Preset; 2] = [Preset::Tiny, Preset::MiniV4Tiny];
@@ -18,8 +35,10 @@ pub const FAMILIES: [Preset; 2] = [Preset::Tiny, Preset::MiniV4Tiny];
 /// once per test binary.
 pub fn model(p: Preset) -> &'static Model {
     static LLAMA: OnceLock<Model> = OnceLock::new();
+    static LLAMA_TC: OnceLock<Model> = OnceLock::new();
     static MINI_V4: OnceLock<Model> = OnceLock::new();
     let cell = match p {
+        Preset::Tiny if TENSOR_CORES.get() => &LLAMA_TC,
         Preset::Tiny => &LLAMA,
         Preset::MiniV4Tiny => &MINI_V4,
         other => panic!("{other} is not a test preset"),
@@ -30,7 +49,11 @@ pub fn model(p: Preset) -> &'static Model {
 /// A newly built instance of the family's tiny model (with its synthetic
 /// spec, as `--model synthetic:NAME` loads it).
 pub fn fresh(p: Preset) -> Model {
-    Model::synthetic(SynthSpec::new(p, 0)).unwrap()
+    let mut m = Model::synthetic(SynthSpec::new(p, 0)).unwrap();
+    if TENSOR_CORES.get() {
+        m.net.set_numerics(Numerics::TensorCoreSm90).unwrap();
+    }
+    m
 }
 
 /// `--model` value of the family's tiny model.
@@ -73,6 +96,20 @@ macro_rules! per_family {
             $(#[test]
             fn $name() {
                 super::$name(lmrr_engine::Preset::MiniV4Tiny)
+            })+
+        }
+    };
+}
+
+/// Generates `tensor_cores::name` for each `fn name(p: Preset)` listed:
+/// llama's tiny model under tensor-core numerics ([`with_tensor_cores`]).
+#[allow(unused_macros)]
+macro_rules! per_numerics {
+    ($($name:ident),+ $(,)?) => {
+        mod tensor_cores {
+            $(#[test]
+            fn $name() {
+                super::families::with_tensor_cores(|| super::$name(lmrr_engine::Preset::Tiny))
             })+
         }
     };

@@ -31,6 +31,43 @@ per_family!(
     sparse_attention_starts_where_the_tests_assume,
 );
 
+// The same contract under tensor-core numerics (llama's tiny model, bf16
+// weights, on the CPU model of sm_90's mma): the GPU's tensor cores are held
+// to these bits by tc_probe and scripts/device-check.sh.
+per_numerics!(
+    i1_same_input_same_bits_every_run,
+    i3_chunked_prefill_equals_one_shot_at_every_position,
+    i5_thread_count_never_changes_a_bit,
+    i2_a_sequence_alone_equals_it_batched_with_three_others,
+    page_size_and_shared_prefix_pages_never_change_a_bit,
+    generate_digest_is_invariant_to_threads_and_prefill_chunk,
+    i7_sampled_tokens_do_not_depend_on_batch_mates,
+    greedy_output_does_not_collapse_and_logits_are_finite,
+);
+
+#[test]
+fn tensor_core_numerics_are_another_arithmetic_and_need_bf16_weights() {
+    use lmrr_kernels::tensor_core::Numerics;
+    // The mode is really on: the same tokens give other logits bits.
+    let th = Threads::single();
+    let t = tokens(3, 40);
+    let canonical = all_logits(model(Preset::Tiny), &t, 40, &th);
+    let tc = families::with_tensor_cores(|| all_logits(model(Preset::Tiny), &t, 40, &th));
+    assert_ne!(canonical, tc);
+    assert_eq!(model(Preset::Tiny).net.numerics(), Numerics::Canonical);
+    // f32 weights are refused, naming the storage and the way out.
+    let mut spec = lmrr_engine::SynthSpec::new(Preset::Tiny, 0);
+    spec.dtype = lmrr_engine::synth::SynthDtype::F32;
+    let mut m = Model::synthetic(spec).unwrap();
+    let e = m.net.set_numerics(Numerics::TensorCoreSm90).unwrap_err().to_string();
+    assert!(e.contains("stored as f32") && e.contains("bf16"), "{e}");
+    assert_eq!(m.net.numerics(), Numerics::Canonical, "a refused switch changes nothing");
+    // A family without the mode says so.
+    let mut v = families::fresh(Preset::MiniV4Tiny);
+    let e = v.net.set_numerics(Numerics::TensorCoreSm90).unwrap_err().to_string();
+    assert!(e.contains("no tensor-core-sm90 numerics"), "{e}");
+}
+
 /// `families::sparse_from`, which every test above uses to check that its
 /// sequences reach sparse attention, against the indexer's own choices: every
 /// layer reads everything up to the position before, and from it on a
