@@ -95,6 +95,7 @@ pub fn run(a: &InspectArgs) -> Result<()> {
             m.patches.join(",")
         }
     )?;
+    writeln!(out, "numerics    {}", m.numerics)?;
     writeln!(
         out,
         "host        {} {} · {} · {} · {}",

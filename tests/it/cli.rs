@@ -778,3 +778,86 @@ fn max_tokens_zero_exits_2_in_generate_and_in_run() {
         "{e}"
     );
 }
+
+/// A session recorded under tensor-core numerics says so in its manifest
+/// (a canonical one says canonical) and replays bit-exactly under them (the
+/// CPU model of the instruction); an unknown mode and a model that cannot
+/// run it are refused with the reason.
+#[test]
+fn tensor_core_numerics_are_recorded_and_replayed() {
+    let d = tempfile::tempdir().unwrap();
+    let b = d.path().join("tc.lmrr");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/multi-user.toml");
+    let run = |numerics: &str, out: &std::path::Path| {
+        lmrr(
+            &[
+                "run",
+                "--script",
+                script,
+                "--numerics",
+                numerics,
+                "--record",
+                out.to_str().unwrap(),
+            ],
+            &[],
+        )
+    };
+    let o = run("tensor-core-sm90", &b);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = lmrr(&["inspect", b.to_str().unwrap()], &[]);
+    let out = String::from_utf8(o.stdout).unwrap();
+    assert!(out.contains("numerics    tensor-core-sm90"), "{out}");
+    let o = lmrr(&["replay", b.to_str().unwrap(), "--threads", "1"], &[]);
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert_eq!(o.status.code(), Some(0), "{out}{err}");
+    assert!(out.contains("bit-exact"), "{out}");
+    assert!(
+        err.contains("numerics: tensor-core-sm90, as recorded"),
+        "{err}"
+    );
+    let c = d.path().join("canonical.lmrr");
+    assert!(run("canonical", &c).status.success());
+    let numerics_of = |p: &std::path::Path| {
+        let o = lmrr(&["inspect", "--json", p.to_str().unwrap()], &[]);
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["manifest"]["numerics"].as_str().unwrap().to_string()
+    };
+    assert_eq!(numerics_of(&b), "tensor-core-sm90");
+    assert_eq!(numerics_of(&c), "canonical");
+    // An unknown mode and an f32 model are refused, exit 2, naming why.
+    let o = lmrr(&["generate", "--numerics", "tensor-core-sm91"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("unknown (known: canonical, tensor-core-sm90)")
+    );
+    let m = d.path().join("f32");
+    let o = lmrr(
+        &[
+            "gen-model",
+            "--preset",
+            "tiny",
+            "--dtype",
+            "f32",
+            "--out",
+            m.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(o.status.success());
+    let o = lmrr(
+        &[
+            "generate",
+            "--model",
+            m.to_str().unwrap(),
+            "--numerics",
+            "tensor-core-sm90",
+        ],
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("stored as f32"), "{err}");
+}
