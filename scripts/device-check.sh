@@ -4,8 +4,8 @@
 # digests must not depend on the device, the chunking or the thread count.
 #
 #   cargo build --release --features cuda
-#   cargo build --release -p lmrr-kernels --features cuda --example gpu_check
-#   mkdir -p .gpu && cp target/release/lmrr target/release/examples/gpu_check .gpu/ && strip .gpu/*
+#   cargo build --release -p lmrr-kernels --features cuda --example gpu_check --example tc_probe
+#   mkdir -p .gpu && cp target/release/lmrr target/release/examples/{gpu_check,tc_probe} .gpu/ && strip .gpu/*
 #   scripts/device-check.sh .gpu          # on the GPU machine; exit 0 = all identical
 #
 # DEVICE_CHECK_GPU_CHECK=0 skips gpu_check (for a run whose kernels.cu
@@ -78,6 +78,37 @@ for cfg in "--page-size 1" "--page-size 7 --max-batch-tokens 40" "--page-size 64
   [ $rc = 0 ] || fail=1
   out=$("$bin/lmrr" replay "$tmp/inv.lmrr" --device cuda --oracle recompute 2>&1); rc=$?
   printf 'multi-user on cuda %-36s oracle on cuda: exit %s  %s\n' "$cfg," "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|mismatch|error')"
+  [ $rc = 0 ] || fail=1
+done
+# Tensor-core numerics (bf16 mma chains on the GPU, the CPU's model of them):
+# the same contract. tc_probe first (the model against the instruction on
+# 6.3M inner products, the GEMM kernels against the model), then digests on
+# both devices and chunkings, and sessions recorded on the GPU under other
+# page sizes, budgets and cache settings replayed on the CPU.
+if [ -x "$bin/tc_probe" ]; then
+  out=$("$bin/tc_probe" 2>&1); rc=$?
+  printf 'tc_probe: exit %s  %s\n' "$rc" "$(echo "$out" | grep -m1 '^result')"
+  [ $rc = 0 ] || fail=1
+else
+  echo "tc_probe: missing from $bin (cargo build --release -p lmrr-kernels --features cuda --example tc_probe)"; fail=1
+fi
+for model in synthetic:tiny synthetic:small; do
+  ref=""
+  for run in "cpu 2 -" "cuda 1 -" "cuda 1 7"; do
+    set -- $run
+    chunk=(); [ "$3" != "-" ] && chunk=(--prefill-chunk "$3")
+    out=$("$bin/lmrr" generate --model "$model" --numerics tensor-core-sm90 --prompt "$prompt" --max-tokens 24 --device "$1" --threads "$2" "${chunk[@]}" 2>&1); d=$(echo "$out" | sed -n 's/^digest: //p'); [ -n "$d" ] || echo "$out" | tail -n 2
+    [ -z "$ref" ] && ref=$d
+    same=$([ -n "$d" ] && [ "$d" = "$ref" ] && echo same || echo DIFFERENT)
+    [ "$same" = same ] || fail=1
+    printf '%-22s tensor cores, device %-4s chunk %-2s  %s  %s\n' "$model" "$1" "$3" "${d:-<none>}" "$same"
+  done
+done
+for cfg in "" "--page-size 7 --max-batch-tokens 40" "--no-prefix-cache" "--max-batch-tokens 3"; do
+  rm -f "$tmp/tc.lmrr"
+  "$bin/lmrr" run --script examples/multi-user.toml --numerics tensor-core-sm90 --device cuda $cfg --record "$tmp/tc.lmrr" >/dev/null 2>&1 || fail=1
+  out=$("$bin/lmrr" replay "$tmp/tc.lmrr" --device cpu 2>&1); rc=$?
+  printf 'multi-user on cuda, tensor cores %-36s replay on cpu: exit %s  %s\n' "$cfg," "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
   [ $rc = 0 ] || fail=1
 done
 rm -f "$tmp/g1.lmrr" "$tmp/g0.lmrr"
