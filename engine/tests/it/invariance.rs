@@ -59,12 +59,24 @@ fn tensor_core_numerics_are_another_arithmetic_and_need_bf16_weights() {
     let mut spec = lmrr_engine::SynthSpec::new(Preset::Tiny, 0);
     spec.dtype = lmrr_engine::synth::SynthDtype::F32;
     let mut m = Model::synthetic(spec).unwrap();
-    let e = m.net.set_numerics(Numerics::TensorCoreSm90).unwrap_err().to_string();
+    let e = m
+        .net
+        .set_numerics(Numerics::TensorCoreSm90)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("stored as f32") && e.contains("bf16"), "{e}");
-    assert_eq!(m.net.numerics(), Numerics::Canonical, "a refused switch changes nothing");
+    assert_eq!(
+        m.net.numerics(),
+        Numerics::Canonical,
+        "a refused switch changes nothing"
+    );
     // A family without the mode says so.
     let mut v = families::fresh(Preset::MiniV4Tiny);
-    let e = v.net.set_numerics(Numerics::TensorCoreSm90).unwrap_err().to_string();
+    let e = v
+        .net
+        .set_numerics(Numerics::TensorCoreSm90)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("no tensor-core-sm90 numerics"), "{e}");
 }
 

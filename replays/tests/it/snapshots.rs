@@ -49,6 +49,11 @@ const PD_PATCH_SETS: [&str; 6] = [
     "pd-abort-leaks",
 ];
 
+/// Bundles recorded on a GPU's tensor cores (`--numerics tensor-core-sm90
+/// --device cuda`, llama tiny model): the CPU replays them by its model of
+/// the instruction, under the reference engine and the llama patches.
+const TC_BUNDLES: [&str; 2] = ["tc-incident", "tc-multi-user"];
+
 fn settings() -> insta::Settings {
     let mut s = insta::Settings::clone_current();
     s.set_snapshot_path("../../../snapshots");
@@ -64,7 +69,12 @@ fn bundle(name: &str) -> String {
 
 #[test]
 fn committed_bundles_are_small_and_complete() {
-    for b in BUNDLES.into_iter().chain(V4_BUNDLES).chain(PD_BUNDLES) {
+    for b in BUNDLES
+        .into_iter()
+        .chain(V4_BUNDLES)
+        .chain(PD_BUNDLES)
+        .chain(TC_BUNDLES)
+    {
         let len = std::fs::metadata(bundle(b)).unwrap().len();
         assert!(
             len <= 200 * 1024,
@@ -117,6 +127,15 @@ fn mini_v4_patches_are_inert_on_llama_bundles() {
             .unwrap();
         assert!(r.outcome.is_bit_exact(), "{b}:\n{r}");
     }
+}
+
+#[test]
+fn tensor_core_replay_reports_match_their_snapshots() {
+    for b in TC_BUNDLES {
+        let m = lmrr_recorder::open(std::path::Path::new(&bundle(b))).unwrap().manifest;
+        assert_eq!(m.numerics, "tensor-core-sm90", "{b}");
+    }
+    reports_match(&TC_BUNDLES, &PATCH_SETS);
 }
 
 #[test]
