@@ -366,6 +366,9 @@ fn step(m: &TcModel, c: f32, a: &[u16], b: &[u16]) -> f32 {
     to_f32(m, sum < 0, sum.unsigned_abs(), q)
 }
 
+/// 2^128: the least magnitude past f32's range once cut to 24 bits.
+const F32_OVERFLOW: f64 = 340_282_366_920_938_463_463_374_607_431_768_211_456.0;
+
 /// `(-1)^neg · mag · 2^q` as an f32 under `m`'s rounding and overflow.
 fn to_f32(m: &TcModel, neg: bool, mag: u128, q: i32) -> f32 {
     if mag == 0 {
@@ -396,8 +399,9 @@ fn to_f32(m: &TcModel, neg: bool, mag: u128, q: i32) -> f32 {
     };
     // kept < 2^25 and lsb ≥ -149: exact in f64, then exact in f32 unless
     // past the range.
-    let v = kept as f64 * 2f64.powi(lsb);
-    let r = if v >= 2f64.powi(128) {
+    // 2^lsb built from its bits: lsb is in f64's normal range.
+    let v = kept as f64 * f64::from_bits(((lsb + 1023) as u64) << 52);
+    let r = if v >= F32_OVERFLOW {
         match m.overflow {
             Overflow::Infinity => f32::INFINITY,
             Overflow::Saturate => f32::MAX,
@@ -414,10 +418,85 @@ fn to_f32(m: &TcModel, neg: bool, mag: u128, q: i32) -> f32 {
     }
 }
 
+/// [`step`] for [`SM90_BF16`] over one whole instruction, specialised:
+/// integer decoding, one pass, no term list (the CPU replay's hot loop).
+/// `None` where an input is an infinity or a NaN (the general step answers).
+/// Bitwise equal to `step(&SM90_BF16, ..)` (tested on every probe class).
+fn sm90_step(c: f32, a: &[u16], b: &[u16]) -> Option<f32> {
+    // Exponent fields (biased; a subnormal's is 1), significands, signs.
+    let cb = c.to_bits();
+    let ce = ((cb >> 23) & 0xff) as i32;
+    if ce == 0xff {
+        return None;
+    }
+    let csig = (cb & 0x7f_ffff) as i64 | if ce != 0 { 0x80_0000 } else { 0 };
+    let cfield = ce.max(1) - 127;
+    let mut sigs = [0i64; MMA_K];
+    let mut fields = [i32::MIN; MMA_K];
+    let mut emax = if csig != 0 { cfield } else { i32::MIN };
+    for k in 0..MMA_K {
+        let (x, y) = (a[k], b[k]);
+        let (ex, ey) = (((x >> 7) & 0xff) as i32, ((y >> 7) & 0xff) as i32);
+        if ex == 0xff || ey == 0xff {
+            return None;
+        }
+        let sx = (x & 0x7f) as i64 | if ex != 0 { 0x80 } else { 0 };
+        let sy = (y & 0x7f) as i64 | if ey != 0 { 0x80 } else { 0 };
+        let p = sx * sy;
+        if p != 0 {
+            let f = ex.max(1) + ey.max(1) - 254;
+            sigs[k] = if (x ^ y) & 0x8000 != 0 { -p } else { p };
+            fields[k] = f;
+            emax = emax.max(f);
+        }
+    }
+    if emax == i32::MIN {
+        return Some(0.0);
+    }
+    let frac = SM90_BF16.frac_bits as i32;
+    // Each term cut toward zero to the quantum 2^(emax - frac): a product
+    // sig·2^(field - 14), the addend csig·2^(cfield - 23).
+    let cut = |sig: i64, shift: i32| -> i64 {
+        if shift >= 0 {
+            sig << shift
+        } else if shift <= -63 {
+            0
+        } else {
+            let m = sig.unsigned_abs() >> -shift;
+            if sig < 0 {
+                -(m as i64)
+            } else {
+                m as i64
+            }
+        }
+    };
+    let mut sum = 0i64;
+    if csig != 0 {
+        let s = if cb & 0x8000_0000 != 0 { -csig } else { csig };
+        sum += cut(s, cfield - 23 - (emax - frac));
+    }
+    for k in 0..MMA_K {
+        if sigs[k] != 0 {
+            sum += cut(sigs[k], fields[k] - 14 - (emax - frac));
+        }
+    }
+    Some(to_f32(
+        &SM90_BF16,
+        sum < 0,
+        sum.unsigned_abs() as u128,
+        emax - frac,
+    ))
+}
+
 /// One instruction's output: `c + Σ a[k]·b[k]` over [`MMA_K`] pairs, in
 /// `m.block`-product steps, in k order.
 pub fn mma_dot(m: &TcModel, c: f32, a: &[u16], b: &[u16]) -> f32 {
     debug_assert!(a.len() == MMA_K && b.len() == MMA_K);
+    if *m == SM90_BF16 {
+        if let Some(v) = sm90_step(c, a, b) {
+            return v;
+        }
+    }
     let mut acc = c;
     for (ca, cb) in a.chunks(m.block).zip(b.chunks(m.block)) {
         acc = step(m, acc, ca, cb);
@@ -591,6 +670,31 @@ mod tests {
         };
         assert_eq!(dot_of(&m, 0.0, &[(t, t)]), 2f32.powi(-140));
         assert_eq!(dot_of(&flush, 0.0, &[(t, t)]), 0.0);
+    }
+
+    #[test]
+    fn the_specialised_sm90_step_is_the_general_one() {
+        // Every probe class (specials fall back to the general step).
+        use super::probe::{tiles, Class, OUTPUTS};
+        let m = SM90_BF16;
+        for class in Class::ALL {
+            for t in tiles(class, 99, 48) {
+                for o in 0..OUTPUTS {
+                    let (i, j) = (o / 8, o % 8);
+                    let (a, b) = (
+                        &t.a[i * MMA_K..(i + 1) * MMA_K],
+                        &t.b[j * MMA_K..(j + 1) * MMA_K],
+                    );
+                    let general = step(&m, t.c[o], a, b);
+                    let fast = mma_dot(&m, t.c[o], a, b);
+                    assert!(
+                        general.to_bits() == fast.to_bits() || (general.is_nan() && fast.is_nan()),
+                        "{}: {general:e} vs {fast:e}",
+                        class.name()
+                    );
+                }
+            }
+        }
     }
 
     #[test]
