@@ -45,6 +45,10 @@ pub struct ServeArgs {
     /// Where the kernels run: `cpu`, or `cuda` (builds with `--features cuda`).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// The matmuls' arithmetic: `canonical` or `tensor-core-sm90` (see
+    /// `lmrr run --help`); recorded in the bundle.
+    #[arg(long, default_value = "canonical")]
+    numerics: String,
     /// Positions per KV page.
     #[arg(long, default_value_t = 16)]
     page_size: usize,
@@ -71,6 +75,7 @@ pub struct ServeArgs {
 pub fn run(a: &ServeArgs) -> Result<()> {
     let mut model = crate::load_model(a.model.as_deref())?;
     crate::set_device(&mut model, &a.device)?;
+    crate::set_numerics(&mut model, &a.numerics)?;
     let th = crate::threads(a.threads)?;
     let context = model.net.context();
     let cfg = EngineConfig {
