@@ -132,7 +132,9 @@ fn mini_v4_patches_are_inert_on_llama_bundles() {
 #[test]
 fn tensor_core_replay_reports_match_their_snapshots() {
     for b in TC_BUNDLES {
-        let m = lmrr_recorder::open(std::path::Path::new(&bundle(b))).unwrap().manifest;
+        let m = lmrr_recorder::open(std::path::Path::new(&bundle(b)))
+            .unwrap()
+            .manifest;
         assert_eq!(m.numerics, "tensor-core-sm90", "{b}");
     }
     reports_match(&TC_BUNDLES, &PATCH_SETS);
