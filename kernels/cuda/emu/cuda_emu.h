@@ -310,6 +310,7 @@ inline float4 make_float4(float x, float y, float z, float w) { return float4{x,
 struct alignas(16) uint4 {
     unsigned x, y, z, w;
 };
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 
 inline void __syncthreads() { emu::sync_block(); }
 

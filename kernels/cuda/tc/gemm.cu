@@ -15,6 +15,19 @@ __device__ __forceinline__ unsigned tc_ld32(const unsigned short* p) {
     return *reinterpret_cast<const unsigned*>(p);
 }
 
+// d += A·B for one m16n8k16 fragment set. The g++ emulation of this file
+// (kernels/cuda/emu/tc_runner.cpp) defines TC_MMA_EMULATED and its own
+// tc_mma, with which it checks the tiling and fragment indices on a CPU.
+#ifndef TC_MMA_EMULATED
+__device__ __forceinline__ void tc_mma(float* d, const unsigned* a, const unsigned* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
 // BM tokens x BN rows a block, WM x WN warps, each warp (BM/WM) x (BN/WN).
 template <int BM, int BN, int WM, int WN>
 __device__ __forceinline__ void tc_gemm_body(const float* __restrict__ X,
@@ -87,14 +100,7 @@ __device__ __forceinline__ void tc_gemm_body(const float* __restrict__ X,
 #pragma unroll
             for (int i = 0; i < MI; i++)
 #pragma unroll
-                for (int j = 0; j < NI; j++)
-                    asm volatile(
-                        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                        : "+f"(acc[i][j][0]), "+f"(acc[i][j][1]), "+f"(acc[i][j][2]),
-                          "+f"(acc[i][j][3])
-                        : "r"(a[i][0]), "r"(a[i][1]), "r"(a[i][2]), "r"(a[i][3]),
-                          "r"(b[j][0]), "r"(b[j][1]));
+                for (int j = 0; j < NI; j++) tc_mma(acc[i][j], a[i], b[j]);
         }
         __syncthreads();
     }

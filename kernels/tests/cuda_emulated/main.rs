@@ -11,7 +11,9 @@
 //! One test binary, split by responsibility: `harness` (building and
 //! running the emulation), `matmul`, `norm`, `attention` (with RoPE, the
 //! page writes and embedding rows), `program_ops` (the step programs' op
-//! kernels) and `controls` (the negative controls: every test can fail).
+//! kernels), `tc_gemm` (the tensor-core GEMM's tiles and fragment indices,
+//! with an emulated mma) and `controls` (the negative controls: every test
+//! can fail).
 
 mod attention;
 mod controls;
@@ -19,3 +21,4 @@ mod harness;
 mod matmul;
 mod norm;
 mod program_ops;
+mod tc_gemm;
