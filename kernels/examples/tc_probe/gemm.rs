@@ -147,7 +147,7 @@ fn run_inner(p: &Probe) -> Result<bool, String> {
         let mut want = vec![0.0f32; n * rows];
         tc_matmul(&th, &SM90_BF16, &x, n, &w, rows, k, &mut want);
         let mut g = Gemm::new(p, &x, &w, n, rows, k)?;
-        for kernel in 0..KERNELS.len() {
+        for (kernel, (name, ..)) in KERNELS.iter().enumerate() {
             g.launch(kernel, n)?;
             let got = g.output()?;
             let bad = got
@@ -162,8 +162,7 @@ fn run_inner(p: &Probe) -> Result<bool, String> {
                 .filter(|&o| one[o].to_bits() != want[o].to_bits())
                 .count();
             println!(
-                "{:<16} n {n:>3} rows {rows:>5} k {k:>5}: {bad} of {} outputs differ from the model; token 0 launched alone: {bad1} differ",
-                KERNELS[kernel].0,
+                "{name:<16} n {n:>3} rows {rows:>5} k {k:>5}: {bad} of {} outputs differ from the model; token 0 launched alone: {bad1} differ",
                 n * rows
             );
             ok &= bad == 0 && bad1 == 0;
@@ -208,11 +207,10 @@ fn run_inner(p: &Probe) -> Result<bool, String> {
         for &n in &[1usize, 64, 512] {
             let (x, w) = operands(n, rows, k, 7);
             let mut g = Gemm::new(p, &x, &w, n, rows, k)?;
-            for kernel in 0..KERNELS.len() {
+            for (kernel, (name, ..)) in KERNELS.iter().enumerate() {
                 let s = g.time(kernel, 5)?;
                 println!(
-                    "{:<16} {n:>5} {rows:>7} {k:>7} {:>10.1} {:>9.1} {:>10.0}",
-                    KERNELS[kernel].0,
+                    "{name:<16} {n:>5} {rows:>7} {k:>7} {:>10.1} {:>9.1} {:>10.0}",
                     s * 1e6,
                     2.0 * (n * rows * k) as f64 / s / 1e12,
                     (rows * k * 2) as f64 / s / 1e9

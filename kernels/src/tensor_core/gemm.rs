@@ -14,6 +14,7 @@ use crate::threads::{SendPtr, Threads};
 /// `y = x · Wᵀ` with `x` `(n, cols)` f32 and `w` `(rows, cols)` bf16 bits,
 /// `y` `(n, rows)`, under model `m`. Panics if a slice's length does not
 /// match the shape (the caller's shapes come from a checked model).
+#[allow(clippy::too_many_arguments)]
 pub fn tc_matmul(
     threads: &Threads,
     m: &TcModel,

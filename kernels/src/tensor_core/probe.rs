@@ -163,7 +163,7 @@ pub fn tile(class: Class, r: &mut SplitMix64) -> Tile {
             for j in 0..8 {
                 for k in 0..8 {
                     let v = bf16_exp(r, -2, 2);
-                    let neg = (v ^ 0x8000) & 0xffff;
+                    let neg = v ^ 0x8000;
                     t.b[j * MMA_K + k] = v;
                     t.b[j * MMA_K + k + 8] = if chance(r, 1, 4) { ulp_up(neg) } else { neg };
                 }
