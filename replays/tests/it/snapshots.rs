@@ -173,3 +173,22 @@ fn disaggregated_oracle_and_bisect_match_their_snapshots() {
         insta::assert_snapshot!("pd-incident__bisect", rounds_text(&rounds));
     });
 }
+
+/// A tensor-core bundle replayed by a model left in canonical numerics is
+/// refused before any step runs, naming both modes; set to the recorded
+/// mode (`set_recorded_numerics`) it replays bit-exactly.
+#[test]
+fn a_bundle_replays_only_under_its_recorded_numerics() {
+    use lmrr_engine::{Model, PatchSet};
+    use lmrr_replays::{replay, set_recorded_numerics, ReplayOptions};
+    let b = lmrr_recorder::open(std::path::Path::new(&bundle("tc-multi-user"))).unwrap();
+    let mut m = Model::synthetic(b.manifest.model.synthetic.unwrap()).unwrap();
+    let opts = ReplayOptions::new(PatchSet::none(), lmrr_kernels::Threads::new(2).unwrap());
+    let e = replay(&b, &m, &opts).unwrap_err().to_string();
+    assert!(
+        e.contains("recorded under `tensor-core-sm90` numerics and the model runs `canonical`"),
+        "{e}"
+    );
+    set_recorded_numerics(&mut m, &b).unwrap();
+    assert!(replay(&b, &m, &opts).unwrap().is_bit_exact());
+}
