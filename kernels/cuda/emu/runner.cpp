@@ -20,28 +20,7 @@
 #include <sstream>
 #include <string>
 
-static std::vector<unsigned char> read_array() {
-    uint64_t n = 0;
-    if (std::fread(&n, 8, 1, stdin) != 1) std::exit(2);
-    std::vector<unsigned char> v(n);
-    if (n && std::fread(v.data(), 1, n, stdin) != n) std::exit(2);
-    return v;
-}
-
-template <class T>
-static std::vector<T> read_as() {
-    auto b = read_array();
-    std::vector<T> v(b.size() / sizeof(T));
-    std::memcpy(v.data(), b.data(), v.size() * sizeof(T));
-    return v;
-}
-
-template <class T>
-static void write_array(const std::vector<T>& v) {
-    uint64_t n = v.size() * sizeof(T);
-    std::fwrite(&n, 8, 1, stdout);
-    std::fwrite(v.data(), 1, n, stdout);
-}
+#include "job_io.h"
 
 static unsigned blocks_of(long long threads, unsigned per) { return (unsigned)((threads + per - 1) / per); }
 

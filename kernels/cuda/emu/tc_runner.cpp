@@ -64,13 +64,7 @@ __device__ void tc_mma(float* d, const unsigned* a, const unsigned* b) {
 #include <string>
 #include <vector>
 
-static std::vector<unsigned char> read_array() {
-    uint64_t n = 0;
-    if (std::fread(&n, 8, 1, stdin) != 1) std::exit(2);
-    std::vector<unsigned char> v(n);
-    if (n && std::fread(v.data(), 1, n, stdin) != n) std::exit(2);
-    return v;
-}
+#include "job_io.h"
 
 int main() {
     std::string line;
@@ -80,12 +74,8 @@ int main() {
     int n = 0, rows = 0, k = 0;
     hs >> job >> kernel >> n >> rows >> k;
     if (job != "tc_gemm") return 2;
-    auto xb = read_array();
-    auto wb = read_array();
-    std::vector<float> x(xb.size() / 4);
-    std::memcpy(x.data(), xb.data(), xb.size());
-    std::vector<unsigned short> w(wb.size() / 2);
-    std::memcpy(w.data(), wb.data(), wb.size());
+    auto x = read_as<float>();
+    auto w = read_as<unsigned short>();
     std::vector<float> y((size_t)n * rows, std::nanf(""));
     int bm = 0, bn = 0, threads = 0;
     if (kernel == "tc_gemm_128x128") bm = 128, bn = 128, threads = 256;
@@ -104,8 +94,6 @@ int main() {
         else if (kernel == "tc_gemm_64x64") emu::launch(grid, threads, [&] { tc_gemm_64x64(xp, w.data(), yp, nn, rows, k); });
         else emu::launch(grid, threads, [&] { tc_gemm_16x32(xp, w.data(), yp, nn, rows, k); });
     }
-    uint64_t bytes = y.size() * 4;
-    std::fwrite(&bytes, 8, 1, stdout);
-    std::fwrite(y.data(), 1, bytes, stdout);
+    write_array(y);
     return 0;
 }

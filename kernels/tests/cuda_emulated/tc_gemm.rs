@@ -9,7 +9,7 @@
 //! kernel, with partial tiles, k not a multiple of 16 or 8, and the rows of
 //! tokens launched apart.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use lmrr_kernels::matmul::bf16_to_f32;
@@ -18,29 +18,88 @@ use lmrr_kernels::tensor_core::f32_to_bf16;
 
 use crate::harness::{have_gxx, job_on};
 
+/// Builds `runner` (tc_runner.cpp, or a control's copy beside its mutated
+/// gemm.cu) as `out`.
+fn build(runner: &Path, out: &Path) {
+    let st = std::process::Command::new("g++")
+        .args(["-std=c++20", "-w", "-O1", "-ffp-contract=off", "-o"])
+        .arg(out)
+        .arg(runner)
+        .status()
+        .expect("run g++");
+    assert!(
+        st.success(),
+        "{} does not build under the emulation",
+        runner.display()
+    );
+}
+
+/// This process's folder for emulation builds.
+fn tmp(name: &str) -> PathBuf {
+    let d =
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).expect("the emulation's folder");
+    d
+}
+
 fn emulator() -> Option<&'static PathBuf> {
     static BIN: OnceLock<Option<PathBuf>> = OnceLock::new();
     BIN.get_or_init(|| {
         have_gxx().then(|| {
-            let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("cuda/emu");
-            let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-                .join(format!("emu-{}", std::process::id()));
-            std::fs::create_dir_all(&tmp).expect("the emulation's folder");
-            let out = tmp.join("tc_emu");
-            let st = std::process::Command::new("g++")
-                .args(["-std=c++20", "-w", "-O1", "-ffp-contract=off", "-o"])
-                .arg(&out)
-                .arg(dir.join("tc_runner.cpp"))
-                .status()
-                .expect("run g++");
-            assert!(
-                st.success(),
-                "tc_runner.cpp does not build under the emulation"
+            let out = tmp("emu").join("tc_emu");
+            build(
+                &PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("cuda/emu/tc_runner.cpp"),
+                &out,
             );
             out
         })
     })
     .as_ref()
+}
+
+/// A job's operands: x (f32) and W (bf16) drawn from `seed`.
+struct Operands {
+    x: Vec<f32>,
+    w: Vec<u16>,
+}
+
+impl Operands {
+    fn new(n: usize, rows: usize, k: usize, seed: u64) -> Self {
+        let mut r = SplitMix64(seed);
+        let x = r.uniform_vec(n * k, 3.0);
+        let w = r
+            .uniform_vec(rows * k, 1.0)
+            .into_iter()
+            .map(f32_to_bf16)
+            .collect();
+        Self { x, w }
+    }
+
+    /// The host's chain for every output, as bits, row-major (n, rows).
+    fn want(&self, n: usize, rows: usize, k: usize) -> Vec<u32> {
+        let xb: Vec<u16> = self.x.iter().map(|&v| f32_to_bf16(v)).collect();
+        (0..n * rows)
+            .map(|i| {
+                let (t, o) = (i / rows, i % rows);
+                chain(&xb[t * k..(t + 1) * k], &self.w[o * k..(o + 1) * k]).to_bits()
+            })
+            .collect()
+    }
+
+    /// `kernel`'s outputs on the emulation `bin`, as bits.
+    fn run(&self, bin: &PathBuf, kernel: &str, n: usize, rows: usize, k: usize) -> Vec<u32> {
+        let xbytes: Vec<u8> = self.x.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let wbytes: Vec<u8> = self.w.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let out = job_on(
+            bin,
+            &format!("tc_gemm {kernel} {n} {rows} {k}"),
+            &[&xbytes, &wbytes],
+        );
+        out[0]
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    }
 }
 
 /// The stand-in chain for output (t, o): from +0, per k block of 16
@@ -64,32 +123,10 @@ fn every_tile_kernel_chains_each_output_over_its_own_row_and_column() {
     // of 16: zero padding), 36 (not of 8: the scalar staging), 96 (three
     // staged k tiles); 130 tokens cross a 128-token block row.
     for &(n, rows, k) in &[(3, 37, 40), (17, 70, 36), (130, 33, 96), (1, 129, 64)] {
-        let mut r = SplitMix64((n * 1000 + rows * 10 + k) as u64);
-        let x = r.uniform_vec(n * k, 3.0);
-        let w: Vec<u16> = r
-            .uniform_vec(rows * k, 1.0)
-            .into_iter()
-            .map(f32_to_bf16)
-            .collect();
-        let xb: Vec<u16> = x.iter().map(|&v| f32_to_bf16(v)).collect();
-        let want: Vec<u32> = (0..n * rows)
-            .map(|i| {
-                let (t, o) = (i / rows, i % rows);
-                chain(&xb[t * k..(t + 1) * k], &w[o * k..(o + 1) * k]).to_bits()
-            })
-            .collect();
-        let xbytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let wbytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let ops = Operands::new(n, rows, k, (n * 1000 + rows * 10 + k) as u64);
+        let want = ops.want(n, rows, k);
         for kernel in ["tc_gemm_16x32", "tc_gemm_64x64", "tc_gemm_128x128"] {
-            let out = job_on(
-                bin,
-                &format!("tc_gemm {kernel} {n} {rows} {k}"),
-                &[&xbytes, &wbytes],
-            );
-            let got: Vec<u32> = out[0]
-                .chunks_exact(4)
-                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
+            let got = ops.run(bin, kernel, n, rows, k);
             let bad = got.iter().zip(&want).filter(|(a, b)| a != b).count();
             assert_eq!(
                 bad,
@@ -103,56 +140,30 @@ fn every_tile_kernel_chains_each_output_over_its_own_row_and_column() {
 
 #[test]
 fn the_check_sees_a_wrong_fragment_index() {
-    // Negative control: gemm.cu with a2/a3 (k + 8) read from k instead must
+    // Negative control: gemm.cu with a2 (k + 8) read from k instead must
     // fail the comparison above (the same emulation, the mutated source).
     let Some(_) = emulator() else { return };
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("cuda");
     let src = std::fs::read_to_string(dir.join("tc/gemm.cu")).unwrap();
     let bad = src.replacen("a[i][2] = tc_ld32(p + 8);", "a[i][2] = tc_ld32(p);", 1);
     assert_ne!(src, bad, "the mutation must apply");
-    let runner = std::fs::read_to_string(dir.join("emu/tc_runner.cpp")).unwrap();
-    let tmp =
-        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("emu-ctl-{}", std::process::id()));
-    std::fs::create_dir_all(tmp.join("tc")).unwrap();
-    std::fs::create_dir_all(tmp.join("emu")).unwrap();
-    std::fs::write(tmp.join("tc/gemm.cu"), bad).unwrap();
-    std::fs::write(tmp.join("emu/tc_runner.cpp"), runner).unwrap();
-    std::fs::copy(dir.join("emu/cuda_emu.h"), tmp.join("emu/cuda_emu.h")).unwrap();
-    let out = tmp.join("tc_emu_ctl");
-    let st = std::process::Command::new("g++")
-        .args(["-std=c++20", "-w", "-O1", "-ffp-contract=off", "-o"])
-        .arg(&out)
-        .arg(tmp.join("emu/tc_runner.cpp"))
-        .status()
-        .unwrap();
-    assert!(st.success());
+    let t = tmp("emu-ctl");
+    for d in ["tc", "emu"] {
+        std::fs::create_dir_all(t.join(d)).unwrap();
+    }
+    std::fs::write(t.join("tc/gemm.cu"), bad).unwrap();
+    for f in ["tc_runner.cpp", "cuda_emu.h", "job_io.h"] {
+        std::fs::copy(dir.join("emu").join(f), t.join("emu").join(f)).unwrap();
+    }
+    let out = t.join("tc_emu_ctl");
+    build(&t.join("emu/tc_runner.cpp"), &out);
     let (n, rows, k) = (5, 20, 32);
-    let mut r = SplitMix64(1);
-    let x = r.uniform_vec(n * k, 3.0);
-    let w: Vec<u16> = r
-        .uniform_vec(rows * k, 1.0)
-        .into_iter()
-        .map(f32_to_bf16)
-        .collect();
-    let xb: Vec<u16> = x.iter().map(|&v| f32_to_bf16(v)).collect();
-    let xbytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let wbytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let o = job_on(
-        &out,
-        &format!("tc_gemm tc_gemm_16x32 {n} {rows} {k}"),
-        &[&xbytes, &wbytes],
-    );
-    let differ = (0..n * rows)
-        .filter(|&i| {
-            let (t, c) = (i / rows, i % rows);
-            let got = f32::from_le_bytes([
-                o[0][4 * i],
-                o[0][4 * i + 1],
-                o[0][4 * i + 2],
-                o[0][4 * i + 3],
-            ]);
-            got.to_bits() != chain(&xb[t * k..(t + 1) * k], &w[c * k..(c + 1) * k]).to_bits()
-        })
+    let ops = Operands::new(n, rows, k, 1);
+    let got = ops.run(&out, "tc_gemm_16x32", n, rows, k);
+    let differ = got
+        .iter()
+        .zip(ops.want(n, rows, k))
+        .filter(|(a, b)| **a != *b)
         .count();
     assert!(differ > 0, "a wrong fragment index went unseen");
 }
