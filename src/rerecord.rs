@@ -59,7 +59,7 @@ fn outputs(b: &Bundle) -> (BTreeMap<String, Vec<u32>>, usize) {
 pub fn run(a: &RerecordArgs) -> Result<()> {
     let old = crate::open_bundle(&a.bundle)?;
     let m = &old.manifest;
-    let model = match (&a.model, &m.model.synthetic) {
+    let mut model = match (&a.model, &m.model.synthetic) {
         (Some(dir), _) => crate::load_model(Some(dir))?,
         (None, Some(spec)) => Model::synthetic(*spec)?,
         (None, None) => anyhow::bail!(
@@ -67,6 +67,8 @@ pub fn run(a: &RerecordArgs) -> Result<()> {
             m.model.origin
         ),
     };
+    // The session is re-run in the arithmetic it was recorded in.
+    lmrr_replays::set_recorded_numerics(&mut model, &old)?;
     let mut out = std::io::stdout().lock();
     if model.identity() != m.model.identity {
         writeln!(

@@ -780,9 +780,9 @@ fn max_tokens_zero_exits_2_in_generate_and_in_run() {
 }
 
 /// A session recorded under tensor-core numerics says so in its manifest
-/// (a canonical one says canonical) and replays bit-exactly under them (the
-/// CPU model of the instruction); an unknown mode and a model that cannot
-/// run it are refused with the reason.
+/// (a canonical one says canonical), replays bit-exactly under them (the
+/// CPU model of the instruction) and is re-recorded under them; an unknown
+/// mode and a model that cannot run it are refused with the reason.
 #[test]
 fn tensor_core_numerics_are_recorded_and_replayed() {
     let d = tempfile::tempdir().unwrap();
@@ -818,6 +818,18 @@ fn tensor_core_numerics_are_recorded_and_replayed() {
         err.contains("numerics: tensor-core-sm90, as recorded"),
         "{err}"
     );
+    // rerecord re-runs it in the same arithmetic.
+    let b2 = d.path().join("tc2.lmrr");
+    let o = lmrr(
+        &[
+            "rerecord",
+            b.to_str().unwrap(),
+            "--out",
+            b2.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let c = d.path().join("canonical.lmrr");
     assert!(run("canonical", &c).status.success());
     let numerics_of = |p: &std::path::Path| {
@@ -826,6 +838,7 @@ fn tensor_core_numerics_are_recorded_and_replayed() {
         v["manifest"]["numerics"].as_str().unwrap().to_string()
     };
     assert_eq!(numerics_of(&b), "tensor-core-sm90");
+    assert_eq!(numerics_of(&b2), "tensor-core-sm90");
     assert_eq!(numerics_of(&c), "canonical");
     // An unknown mode and an f32 model are refused, exit 2, naming why.
     let o = lmrr(&["generate", "--numerics", "tensor-core-sm91"], &[]);
