@@ -14,20 +14,21 @@
 # choices the sessions are recorded under (';' between choices).
 # DEVICE_CHECK_PART=core runs everything but those recordings, =tunings only
 # them: on a machine lent 10 minutes a command the whole check (about 11
-# minutes on an H100) takes two calls, one of each.
+# minutes on an H100) takes two calls, one of each. =tc runs only the
+# tensor-core section (part of core).
 set -uo pipefail
 bin=${1:-.gpu}
 part=${DEVICE_CHECK_PART:-all}
-case $part in all|core|tunings) ;; *) echo "DEVICE_CHECK_PART must be all, core or tunings, not '$part'"; exit 2 ;; esac
+case $part in all|core|tunings|tc) ;; *) echo "DEVICE_CHECK_PART must be all, core, tunings or tc, not '$part'"; exit 2 ;; esac
 fail=0
 tmp=$(mktemp -d)
-if [ "$part" != tunings ]; then
+prompt="The quick brown fox jumps over the lazy dog, and then"
+if [ "$part" != tunings ] && [ "$part" != tc ]; then
 if [ "${DEVICE_CHECK_GPU_CHECK:-1}" = 0 ]; then
   echo "gpu_check: skipped (DEVICE_CHECK_GPU_CHECK=0)"
 else
   "$bin/gpu_check" || fail=1
 fi
-prompt="The quick brown fox jumps over the lazy dog, and then"
 # mini-v4's indexer reads every position while the context has no more than
 # index_topk blocks (tiny: 4 blocks of 16 = 64 positions): its prompt and
 # generation run well past that, so the sparse path (indexer scores, top-k
@@ -80,11 +81,15 @@ for cfg in "--page-size 1" "--page-size 7 --max-batch-tokens 40" "--page-size 64
   printf 'multi-user on cuda %-36s oracle on cuda: exit %s  %s\n' "$cfg," "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|mismatch|error')"
   [ $rc = 0 ] || fail=1
 done
+fi  # the core part, before tensor cores
+if [ "$part" != tunings ]; then
 # Tensor-core numerics (bf16 mma chains on the GPU, the CPU's model of them):
 # the same contract. tc_probe first (the model against the instruction on
 # 6.3M inner products, the GEMM kernels against the model), then digests on
 # both devices and chunkings, and sessions recorded on the GPU under other
-# page sizes, budgets and cache settings replayed on the CPU.
+# page sizes, budgets and cache settings replayed on the CPU, and the
+# committed tensor-core bundles (recorded on a CPU) replayed on the GPU.
+# DEVICE_CHECK_PART=tc runs this section alone.
 if [ -x "$bin/tc_probe" ]; then
   out=$("$bin/tc_probe" 2>&1); rc=$?
   printf 'tc_probe: exit %s  %s\n' "$rc" "$(echo "$out" | grep -m1 '^result')"
@@ -111,6 +116,18 @@ for cfg in "" "--page-size 7 --max-batch-tokens 40" "--no-prefix-cache" "--max-b
   printf 'multi-user on cuda, tensor cores %-36s replay on cpu: exit %s  %s\n' "$cfg," "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
   [ $rc = 0 ] || fail=1
 done
+for b in replays/tc-*.lmrr; do
+  out=$("$bin/lmrr" replay "$b" --device cuda 2>&1); rc=$?
+  printf '%-32s (tensor cores, recorded on a cpu) replay on cuda: exit %s  %s\n' "$b" "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
+  [ $rc = 0 ] || fail=1
+done
+rm -f "$tmp/tc.lmrr"
+"$bin/lmrr" run --script examples/incident.toml --numerics tensor-core-sm90 --device cuda --record "$tmp/tc.lmrr" >/dev/null 2>&1 || fail=1
+out=$("$bin/lmrr" replay "$tmp/tc.lmrr" --device cpu 2>&1); rc=$?
+printf 'incident on cuda, tensor cores, replay on cpu: exit %s  %s\n' "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
+[ $rc = 0 ] || fail=1
+fi  # tensor cores
+if [ "$part" != tunings ] && [ "$part" != tc ]; then
 rm -f "$tmp/g1.lmrr" "$tmp/g0.lmrr"
 "$bin/lmrr" run --script examples/incident.toml --device cuda --record "$tmp/g1.lmrr" >/dev/null 2>&1 || fail=1
 LMRR_CUDA_GRAPHS=0 "$bin/lmrr" run --script examples/incident.toml --device cuda --record "$tmp/g0.lmrr" >/dev/null 2>&1 || fail=1
@@ -204,11 +221,11 @@ tunings+=";LMRR_CUDA_KV_OVERLAP_MIN=1 LMRR_CUDA_GRAPHS=0"
 tunings+=";LMRR_CUDA_LOADS_FIRST_MIN=1;LMRR_CUDA_LOADS_FIRST_MIN=1 LMRR_CUDA_PDL=0"
 tunings+=";LMRR_CUDA_ROWS4_MIN=1000;LMRR_CUDA_ROWS4_MIN=1000 LMRR_CUDA_GRAPHS=0"
 IFS=';' read -r -a tuning_list <<<"${DEVICE_CHECK_TUNINGS:-$tunings}"
-[ "$part" = core ] && tuning_list=()
+case $part in core|tc) tuning_list=() ;; esac
 # gpu_check under plain launches: the resident kernels as a pre-Hopper
 # device compiles them (the default run above has programmatic dependent
 # launch), each against the CPU or its reference.
-if [ "$part" != core ] && [ "${DEVICE_CHECK_GPU_CHECK:-1}" != 0 ]; then
+if [ "$part" != core ] && [ "$part" != tc ] && [ "${DEVICE_CHECK_GPU_CHECK:-1}" != 0 ]; then
   out=$(env LMRR_CUDA_PDL=0 GPU_CHECK_CONTROLS=none "$bin/gpu_check" 2>&1); rc=$?
   printf '%-72s gpu_check: exit %s  %s\n' "LMRR_CUDA_PDL=0:" "$rc" "$(echo "$out" | grep -m1 -E 'cases bit-identical|FAIL')"
   [ $rc = 0 ] || fail=1
