@@ -6,7 +6,7 @@ torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 print("torch", torch.__version__, torch.cuda.get_device_name(0))
 print(f"{'cuBLAS bf16':<16} {'n':>5} {'rows':>7} {'k':>7} {'us':>10} {'TFLOP/s':>9} {'W GB/s':>10}")
 for rows, k in [(6144, 4096), (28672, 4096), (4096, 14336)]:
-    for n in [1, 64, 512]:
+    for n in [1, 16, 64, 512]:
         x = torch.randn(n, k, device='cuda', dtype=torch.bfloat16)
         w = torch.randn(rows, k, device='cuda', dtype=torch.bfloat16) * 0.05
         for _ in range(3): y = x @ w.t()

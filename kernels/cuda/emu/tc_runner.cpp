@@ -56,6 +56,16 @@ __device__ void tc_mma(float* d, const unsigned* a, const unsigned* b) {
         }
 }
 
+// cp.async: the copy at once (a lane reads back only what it copied, after
+// its own wait, so ordering needs no more here).
+__device__ void tc_cp_async8(void* smem, const void* gmem, bool full) {
+    if (full) std::memcpy(smem, gmem, 8);
+    else std::memset(smem, 0, 8);
+}
+__device__ void tc_cp_commit() {}
+template <int N>
+__device__ void tc_cp_wait() {}
+
 #include "../tc/gemm.cu"
 
 #include <cstdio>
@@ -81,6 +91,7 @@ int main() {
     if (kernel == "tc_gemm_128x128") bm = 128, bn = 128, threads = 256;
     else if (kernel == "tc_gemm_64x64") bm = 64, bn = 64, threads = 128;
     else if (kernel == "tc_gemm_16x32") bm = 16, bn = 32, threads = 128;
+    else if (kernel == "tc_gemv_16" || kernel == "tc_gemv_32") bm = 16, bn = 32, threads = 128;
     else return 2;
     // The emulation's grids are one-dimensional: each row of blocks over the
     // tokens (blockIdx.y on the device) is a launch of its own on the tokens
@@ -92,6 +103,8 @@ int main() {
         unsigned grid = (unsigned)((rows + bn - 1) / bn);
         if (kernel == "tc_gemm_128x128") emu::launch(grid, threads, [&] { tc_gemm_128x128(xp, w.data(), yp, nn, rows, k); });
         else if (kernel == "tc_gemm_64x64") emu::launch(grid, threads, [&] { tc_gemm_64x64(xp, w.data(), yp, nn, rows, k); });
+        else if (kernel == "tc_gemv_16") emu::launch(grid, threads, [&] { tc_gemv_16(xp, w.data(), yp, nn, rows, k); });
+        else if (kernel == "tc_gemv_32") emu::launch(grid, threads, [&] { tc_gemv_32(xp, w.data(), yp, nn, rows, k); });
         else emu::launch(grid, threads, [&] { tc_gemm_16x32(xp, w.data(), yp, nn, rows, k); });
     }
     write_array(y);

@@ -28,6 +28,85 @@ __device__ __forceinline__ void tc_mma(float* d, const unsigned* a, const unsign
 }
 #endif
 
+// cp.async (sm_80): `bytes` (4, 8 or 16) from global to shared, zero-filled
+// where `full` is false (then nothing is read). The emulation defines
+// TC_MMA_EMULATED and copies at once.
+#ifndef TC_MMA_EMULATED
+__device__ __forceinline__ void tc_cp_async8(void* smem, const void* gmem, bool full) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(s), "l"(gmem), "r"(full ? 8 : 0));
+}
+__device__ __forceinline__ void tc_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void tc_cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+#endif
+
+__device__ __forceinline__ unsigned tc_pack(float lo, float hi) {
+    return (unsigned)tc_bf16_rne(lo) | ((unsigned)tc_bf16_rne(hi) << 16);
+}
+
+// Up to 16 tokens (decode): a warp per 8 rows of W over the whole of K, one
+// mma a k block, so there are only rows / 8 chains to run at once; memory
+// is kept busy by a ring of STAGES k blocks a warp, in flight by cp.async.
+// Within a block the lanes' k are permuted the same way for X and W (lane t
+// holds k 4t..4t+3: the fragment's k 2t, 2t+1 and 2t+8, 2t+9), so a lane
+// reads 8 contiguous bytes of a row; the mma still sums the same 16
+// products into the same accumulator, and its sum does not depend on their
+// order (the model: products aligned to the largest exponent, truncated,
+// added exactly). Each lane reads back only the slots it filled, so the
+// ring needs no barrier. Needs K % 4 == 0 (8-byte W chunks, 16-byte X);
+// tc_gemm_16x32 serves other K.
+template <int WARPS, int STAGES>
+__device__ __forceinline__ void tc_gemv_body(const float* __restrict__ X,
+                                             const unsigned short* __restrict__ W,
+                                             float* __restrict__ Y, int n, int rows, int K) {
+    __shared__ __align__(16) unsigned ring[WARPS][STAGES][32][2];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int row0 = (blockIdx.x * WARPS + warp) * 8, row = row0 + g;
+    const int blocks = (K + 15) >> 4;
+    const unsigned short* wrow = W + (size_t)(row < rows ? row : 0) * K;
+    auto issue = [&](int b) {
+        if (b < blocks) {
+            const int k = b * 16 + t * 4;
+            const bool full = row < rows && k < K;
+            tc_cp_async8(ring[warp][b % STAGES][lane], full ? wrow + k : W, full);
+        }
+        tc_cp_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) issue(s);
+    const bool lo = g < n, hi = g + 8 < n;
+    const float* x0 = X + (size_t)(lo ? g : 0) * K;
+    const float* x1 = X + (size_t)(hi ? g + 8 : 0) * K;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int b = 0; b < blocks; b++) {
+        issue(b + STAGES - 1);
+        const int k = b * 16 + t * 4;
+        float4 v0 = make_float4(0.f, 0.f, 0.f, 0.f), v1 = v0;
+        if (k < K) {
+            if (lo) v0 = *reinterpret_cast<const float4*>(x0 + k);
+            if (hi) v1 = *reinterpret_cast<const float4*>(x1 + k);
+        }
+        const unsigned a[4] = {tc_pack(v0.x, v0.y), tc_pack(v1.x, v1.y), tc_pack(v0.z, v0.w),
+                               tc_pack(v1.z, v1.w)};
+        tc_cp_wait<STAGES - 1>();
+        const unsigned* w = ring[warp][b % STAGES][lane];
+        const unsigned bw[2] = {w[0], w[1]};
+        tc_mma(acc, a, bw);
+    }
+    const int o = row0 + t * 2;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int tok = g + h * 8;
+        if (tok >= n) continue;
+        if (o < rows) Y[(size_t)tok * rows + o] = acc[h * 2];
+        if (o + 1 < rows) Y[(size_t)tok * rows + o + 1] = acc[h * 2 + 1];
+    }
+}
+
 // BM tokens x BN rows a block, WM x WN warps, each warp (BM/WM) x (BN/WN).
 template <int BM, int BN, int WM, int WN>
 __device__ __forceinline__ void tc_gemm_body(const float* __restrict__ X,
@@ -132,4 +211,13 @@ extern "C" __global__ void __launch_bounds__(128) tc_gemm_64x64(
 extern "C" __global__ void __launch_bounds__(128) tc_gemm_16x32(
     const float* X, const unsigned short* W, float* Y, int n, int rows, int K) {
     tc_gemm_body<16, 32, 1, 4>(X, W, Y, n, rows, K);
+}
+// Launch: grid (ceil(rows / 32)), 128 threads; n <= 16, K % 4 == 0.
+extern "C" __global__ void __launch_bounds__(128) tc_gemv_16(
+    const float* X, const unsigned short* W, float* Y, int n, int rows, int K) {
+    tc_gemv_body<4, 16>(X, W, Y, n, rows, K);
+}
+extern "C" __global__ void __launch_bounds__(128) tc_gemv_32(
+    const float* X, const unsigned short* W, float* Y, int n, int rows, int K) {
+    tc_gemv_body<4, 32>(X, W, Y, n, rows, K);
 }

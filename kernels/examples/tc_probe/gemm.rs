@@ -10,12 +10,21 @@ use lmrr_kernels::Threads;
 
 use super::Probe;
 
-/// (name, tokens a block, rows a block, threads).
-const KERNELS: [(&str, usize, usize, u32); 3] = [
-    ("tc_gemm_128x128", 128, 128, 256),
-    ("tc_gemm_64x64", 64, 64, 128),
-    ("tc_gemm_16x32", 16, 32, 128),
+/// (name, tokens a block, rows a block, threads, most tokens a launch).
+const KERNELS: [(&str, usize, usize, u32, usize); 5] = [
+    ("tc_gemm_128x128", 128, 128, 256, usize::MAX),
+    ("tc_gemm_64x64", 64, 64, 128, usize::MAX),
+    ("tc_gemm_16x32", 16, 32, 128, usize::MAX),
+    ("tc_gemv_16", 16, 32, 128, 16),
+    ("tc_gemv_32", 16, 32, 128, 16),
 ];
+
+/// Whether `kernel` serves n tokens at k (the decode kernels: n ≤ 16 and
+/// k % 4 == 0).
+fn fits(kernel: usize, n: usize, k: usize) -> bool {
+    let max = KERNELS[kernel].4;
+    n <= max && (max == usize::MAX || k % 4 == 0)
+}
 
 struct Gemm<'a> {
     p: &'a Probe,
@@ -50,7 +59,7 @@ impl<'a> Gemm<'a> {
     }
 
     fn launch(&mut self, kernel: usize, n: usize) -> Result<(), String> {
-        let (name, bm, bn, threads) = KERNELS[kernel];
+        let (name, bm, bn, threads, _) = KERNELS[kernel];
         let f = self
             .p
             .module
@@ -137,7 +146,9 @@ fn run_inner(p: &Probe) -> Result<bool, String> {
     // (zeros past k) and of 8 (the scalar staging), tiles cut short.
     let shapes = [
         (1, 4096, 4096),
+        (16, 4096, 14336),
         (7, 1000, 4100),
+        (3, 999, 4098),
         (33, 300, 776),
         (64, 512, 4096),
         (200, 257, 2056),
@@ -148,6 +159,9 @@ fn run_inner(p: &Probe) -> Result<bool, String> {
         tc_matmul(&th, &SM90_BF16, &x, n, &w, rows, k, &mut want);
         let mut g = Gemm::new(p, &x, &w, n, rows, k)?;
         for (kernel, (name, ..)) in KERNELS.iter().enumerate() {
+            if !fits(kernel, n, k) {
+                continue;
+            }
             g.launch(kernel, n)?;
             let got = g.output()?;
             let bad = got
@@ -173,7 +187,7 @@ fn run_inner(p: &Probe) -> Result<bool, String> {
     let (x, w) = operands(n, rows, k, 99);
     let mut g = Gemm::new(p, &x, &w, n, rows, k)?;
     let mut outs = Vec::new();
-    for kernel in 0..KERNELS.len() {
+    for kernel in (0..KERNELS.len()).filter(|&kn| fits(kn, n, k)) {
         g.launch(kernel, n)?;
         outs.push(g.output()?);
     }
@@ -195,7 +209,7 @@ fn run_inner(p: &Probe) -> Result<bool, String> {
             m.to_bits() != outs[0][t * rows + o].to_bits()
         })
         .count();
-    println!("n {n} rows {rows} k {k}: the three kernels give {} bits; {bad} of {sample} sampled outputs differ from the model", if same { "the same" } else { "DIFFERENT" });
+    println!("n {n} rows {rows} k {k}: the {} kernels for it give {} bits; {bad} of {sample} sampled outputs differ from the model", outs.len(), if same { "the same" } else { "DIFFERENT" });
     ok &= same && bad == 0;
 
     println!("\n## tensor-core GEMM speed (median of 5 × 10 launches; 8B shapes: qkv 6144x4096, gate+up 28672x4096, down 4096x14336)");
@@ -204,10 +218,13 @@ fn run_inner(p: &Probe) -> Result<bool, String> {
         "kernel", "n", "rows", "k", "us", "TFLOP/s", "W GB/s"
     );
     for &(rows, k) in &[(6144usize, 4096usize), (28672, 4096), (4096, 14336)] {
-        for &n in &[1usize, 64, 512] {
+        for &n in &[1usize, 16, 64, 512] {
             let (x, w) = operands(n, rows, k, 7);
             let mut g = Gemm::new(p, &x, &w, n, rows, k)?;
             for (kernel, (name, ..)) in KERNELS.iter().enumerate() {
+                if !fits(kernel, n, k) {
+                    continue;
+                }
                 let s = g.time(kernel, 5)?;
                 println!(
                     "{name:<16} {n:>5} {rows:>7} {k:>7} {:>10.1} {:>9.1} {:>10.0}",

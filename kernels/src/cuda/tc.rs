@@ -16,6 +16,8 @@ pub(crate) struct TcKernels {
     _module: RawModule,
     /// `tc_gemm_16x32`, `tc_gemm_64x64`, `tc_gemm_128x128`.
     gemm: [(Func, usize, usize, u32); 3],
+    /// `tc_gemv_32`: up to 16 tokens, columns a multiple of 4.
+    gemv: Func,
 }
 
 impl TcKernels {
@@ -36,6 +38,7 @@ impl TcKernels {
                 (f("tc_gemm_64x64")?, 64, 64, 128),
                 (f("tc_gemm_128x128")?, 128, 128, 256),
             ],
+            gemv: f("tc_gemv_32")?,
             _module: module,
         })
     }
@@ -83,12 +86,13 @@ impl Gpu {
             )));
         }
         let k = self.tc_kernels()?;
-        let pick = match n {
-            0..=16 => 0,
-            17..=128 => 1,
-            _ => 2,
+        let gemv = (k.gemv, 16, 32, 128);
+        let (f, bm, bn, threads) = match n {
+            0..=16 if w.cols % 4 == 0 => &gemv,
+            0..=16 => &k.gemm[0],
+            17..=128 => &k.gemm[1],
+            _ => &k.gemm[2],
         };
-        let (f, bm, bn, threads) = &k.gemm[pick];
         let (ni, ri, ci) = (
             as_i32("tc_mm", n)?,
             as_i32("tc_mm", w.rows)?,

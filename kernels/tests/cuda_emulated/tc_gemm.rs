@@ -139,6 +139,29 @@ fn every_tile_kernel_chains_each_output_over_its_own_row_and_column() {
 }
 
 #[test]
+fn the_decode_kernels_chain_each_output_over_k_blocks_in_order() {
+    let Some(bin) = emulator() else { return };
+    // tc_gemv_*: up to 16 tokens, K % 4 == 0. k = 36 (a block cut short:
+    // zero-filled copies), 4 and 1,040 (65 blocks: the ring wraps twice at
+    // 32 stages, four times at 16); 9 and 16 tokens use the fragment's
+    // second row; 37 and 70 rows leave warps and lanes past the matrix.
+    for &(n, rows, k) in &[(1, 37, 36), (9, 70, 1040), (16, 33, 4), (2, 64, 256)] {
+        let ops = Operands::new(n, rows, k, (n * 1000 + rows * 10 + k) as u64);
+        let want = ops.want(n, rows, k);
+        for kernel in ["tc_gemv_16", "tc_gemv_32"] {
+            let got = ops.run(bin, kernel, n, rows, k);
+            let bad = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+            assert_eq!(
+                bad,
+                0,
+                "{kernel} n {n} rows {rows} k {k}: {bad} of {} outputs differ",
+                n * rows
+            );
+        }
+    }
+}
+
+#[test]
 fn the_check_sees_a_wrong_fragment_index() {
     // Negative control: gemm.cu with a2 (k + 8) read from k instead must
     // fail the comparison above (the same emulation, the mutated source).
