@@ -220,14 +220,17 @@ fn the_tensor_core_module_compiles_for_sm_80_with_its_mma() {
         "tc_gemm_128x128",
         "tc_gemm_64x64",
         "tc_gemm_16x32",
-        "tc_gemv_16",
-        "tc_gemv_32",
+        "tc_round_bf16",
+        "tc_mm_16x32",
+        "tc_mm_64x32",
+        "tc_mm_64x64",
+        "tc_mm_128x128",
     ] {
         entry(&ptx, name);
     }
     assert_eq!(
         ptx.matches(".entry ").count(),
-        6,
+        9,
         "kernels in the tensor-core PTX"
     );
     // The inner product is the instruction the CPU model describes, and

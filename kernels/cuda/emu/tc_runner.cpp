@@ -56,15 +56,29 @@ __device__ void tc_mma(float* d, const unsigned* a, const unsigned* b) {
         }
 }
 
-// cp.async: the copy at once (a lane reads back only what it copied, after
-// its own wait, so ordering needs no more here).
-__device__ void tc_cp_async8(void* smem, const void* gmem, bool full) {
-    if (full) std::memcpy(smem, gmem, 8);
-    else std::memset(smem, 0, 8);
+// cp.async: the copy at once (what a thread reads after the wait and the
+// barrier is what the device would have copied by then).
+__device__ void tc_cp_async16(void* smem, const void* gmem, bool full) {
+    if (full) std::memcpy(smem, gmem, 16);
+    else std::memset(smem, 0, 16);
 }
 __device__ void tc_cp_commit() {}
 template <int N>
 __device__ void tc_cp_wait() {}
+// ldmatrix: lane (g, t) takes, of matrix j, the word at element 2t of the
+// row whose address lane 8j + g gave.
+template <int M>
+static void tc_ldsm(unsigned* r, const unsigned short* p) {
+    const unsigned lane = threadIdx.x & 31u, g = lane >> 2, t = lane & 3u;
+    for (unsigned j = 0; j < M; j++) {
+        const unsigned short* q = emu::exchange(p, j * 8 + g);
+        std::memcpy(&r[j], q + 2 * t, 4);
+    }
+}
+__device__ void tc_ldsm_x4(unsigned* r, const unsigned short* p) { tc_ldsm<4>(r, p); }
+__device__ void tc_ldsm_x2(unsigned* r, const unsigned short* p) { tc_ldsm<2>(r, p); }
+// Dynamic shared memory: one static buffer as large as the largest instance.
+#define TC_DYNAMIC_SMEM(name) static __attribute__((aligned(16))) unsigned short name[(1 << 17) / 2]
 
 #include "../tc/gemm.cu"
 
@@ -88,24 +102,30 @@ int main() {
     auto w = read_as<unsigned short>();
     std::vector<float> y((size_t)n * rows, std::nanf(""));
     int bm = 0, bn = 0, threads = 0;
-    if (kernel == "tc_gemm_128x128") bm = 128, bn = 128, threads = 256;
-    else if (kernel == "tc_gemm_64x64") bm = 64, bn = 64, threads = 128;
-    else if (kernel == "tc_gemm_16x32") bm = 16, bn = 32, threads = 128;
-    else if (kernel == "tc_gemv_16" || kernel == "tc_gemv_32") bm = 16, bn = 32, threads = 128;
+    void (*gemm)(const float*, const unsigned short*, float*, int, int, int) = nullptr;
+    void (*mm)(const unsigned short*, const unsigned short*, float*, int, int, int) = nullptr;
+    if (kernel == "tc_gemm_128x128") bm = 128, bn = 128, threads = 256, gemm = tc_gemm_128x128;
+    else if (kernel == "tc_gemm_64x64") bm = 64, bn = 64, threads = 128, gemm = tc_gemm_64x64;
+    else if (kernel == "tc_gemm_16x32") bm = 16, bn = 32, threads = 128, gemm = tc_gemm_16x32;
+    else if (kernel == "tc_mm_128x128") bm = 128, bn = 128, threads = 256, mm = tc_mm_128x128;
+    else if (kernel == "tc_mm_64x64") bm = 64, bn = 64, threads = 128, mm = tc_mm_64x64;
+    else if (kernel == "tc_mm_64x32") bm = 64, bn = 32, threads = 128, mm = tc_mm_64x32;
+    else if (kernel == "tc_mm_16x32") bm = 16, bn = 32, threads = 128, mm = tc_mm_16x32;
     else return 2;
+    // tc_mm_*: x rounded to bf16 by tc_round_bf16 first, as tc.rs does.
+    std::vector<unsigned short> xb(x.size());
+    if (mm) emu::launch(4, 64, [&] { tc_round_bf16(x.data(), xb.data(), (long long)x.size()); });
     // The emulation's grids are one-dimensional: each row of blocks over the
     // tokens (blockIdx.y on the device) is a launch of its own on the tokens
     // it covers, which is what blockIdx.y · BM offsets to.
     for (int m0 = 0; m0 < n; m0 += bm) {
         const float* xp = x.data() + (size_t)m0 * k;
+        const unsigned short* xbp = xb.data() + (size_t)m0 * k;
         float* yp = y.data() + (size_t)m0 * rows;
         int nn = std::min(bm, n - m0);
         unsigned grid = (unsigned)((rows + bn - 1) / bn);
-        if (kernel == "tc_gemm_128x128") emu::launch(grid, threads, [&] { tc_gemm_128x128(xp, w.data(), yp, nn, rows, k); });
-        else if (kernel == "tc_gemm_64x64") emu::launch(grid, threads, [&] { tc_gemm_64x64(xp, w.data(), yp, nn, rows, k); });
-        else if (kernel == "tc_gemv_16") emu::launch(grid, threads, [&] { tc_gemv_16(xp, w.data(), yp, nn, rows, k); });
-        else if (kernel == "tc_gemv_32") emu::launch(grid, threads, [&] { tc_gemv_32(xp, w.data(), yp, nn, rows, k); });
-        else emu::launch(grid, threads, [&] { tc_gemm_16x32(xp, w.data(), yp, nn, rows, k); });
+        if (mm) emu::launch(grid, threads, [&] { mm(xbp, w.data(), yp, nn, rows, k); });
+        else emu::launch(grid, threads, [&] { gemm(xp, w.data(), yp, nn, rows, k); });
     }
     write_array(y);
     return 0;

@@ -28,84 +28,149 @@ __device__ __forceinline__ void tc_mma(float* d, const unsigned* a, const unsign
 }
 #endif
 
-// cp.async (sm_80): `bytes` (4, 8 or 16) from global to shared, zero-filled
-// where `full` is false (then nothing is read). The emulation defines
-// TC_MMA_EMULATED and copies at once.
+// Asynchronous copies and matrix loads (sm_80). The emulation defines
+// TC_MMA_EMULATED and its own: copies at once, ldmatrix gathered warp-wide.
 #ifndef TC_MMA_EMULATED
-__device__ __forceinline__ void tc_cp_async8(void* smem, const void* gmem, bool full) {
+// 16 bytes global -> shared, zero-filled (nothing read) where !full.
+__device__ __forceinline__ void tc_cp_async16(void* smem, const void* gmem, bool full) {
     unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(s), "l"(gmem), "r"(full ? 8 : 0));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(full ? 16 : 0));
 }
 __device__ __forceinline__ void tc_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void tc_cp_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+// ldmatrix: lane l gives the row address of matrix l / 8, row l % 8; r[j]
+// is the lane's (row g, elements 2t, 2t+1) of matrix j.
+__device__ __forceinline__ void tc_ldsm_x4(unsigned* r, const unsigned short* p) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+__device__ __forceinline__ void tc_ldsm_x2(unsigned* r, const unsigned short* p) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(s));
+}
+#define TC_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned short name[]
 #endif
 
-__device__ __forceinline__ unsigned tc_pack(float lo, float hi) {
-    return (unsigned)tc_bf16_rne(lo) | ((unsigned)tc_bf16_rne(hi) << 16);
+// X (f32) rounded to bf16 (nearest even) once, for tc_mm_* to stream: the
+// same rounding the staging of tc_gemm_* does, so either gives the same bits.
+extern "C" __global__ void tc_round_bf16(const float* __restrict__ X, unsigned short* __restrict__ Xb,
+                                         long long count) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count;
+         i += (long long)gridDim.x * blockDim.x)
+        Xb[i] = tc_bf16_rne(X[i]);
 }
 
-// Up to 16 tokens (decode): a warp per 8 rows of W over the whole of K, one
-// mma a k block, so there are only rows / 8 chains to run at once; memory
-// is kept busy by a ring of STAGES k blocks a warp, in flight by cp.async.
-// Within a block the lanes' k are permuted the same way for X and W (lane t
-// holds k 4t..4t+3: the fragment's k 2t, 2t+1 and 2t+8, 2t+9), so a lane
-// reads 8 contiguous bytes of a row; the mma still sums the same 16
-// products into the same accumulator, and its sum does not depend on their
-// order (the model: products aligned to the largest exponent, truncated,
-// added exactly). Each lane reads back only the slots it filled, so the
-// ring needs no barrier. Needs K % 4 == 0 (8-byte W chunks, 16-byte X);
-// tc_gemm_16x32 serves other K.
-template <int WARPS, int STAGES>
-__device__ __forceinline__ void tc_gemv_body(const float* __restrict__ X,
-                                             const unsigned short* __restrict__ W,
-                                             float* __restrict__ Y, int n, int rows, int K) {
-    __shared__ __align__(16) unsigned ring[WARPS][STAGES][32][2];
+// Y (n, rows) f32 = Xb (n, K) bf16 · W (rows, K)ᵀ bf16, K % 8 == 0 (16-byte
+// chunks, each wholly inside K or past it). BM tokens x BN rows a block, WM
+// x WN warps; k tiles of BK through a ring of STAGES in dynamic shared
+// memory, filled by cp.async STAGES - 1 tiles ahead; fragments by ldmatrix.
+// Each output is one warp's chain of mma over k blocks of 16 in order from
+// +0, zeros past K, k blocks wholly past K skipped: tc_gemm_*'s chains, so
+// any tile of either family gives the same bits.
+template <int BM, int BN, int WM, int WN, int BK, int STAGES>
+__device__ __forceinline__ void tc_mm_body(const unsigned short* __restrict__ Xb,
+                                           const unsigned short* __restrict__ W,
+                                           float* __restrict__ Y, int n, int rows, int K) {
+    constexpr int LD = BK + 8;  // +16 bytes: ldmatrix's 8 rows on 8 bank groups
+    constexpr int MI = BM / WM / 16, NI = BN / WN / 8, THREADS = WM * WN * 32, CH = BK / 8;
+    constexpr int STAGE = (BM + BN) * LD;
+    TC_DYNAMIC_SMEM(smem);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int row0 = (blockIdx.x * WARPS + warp) * 8, row = row0 + g;
-    const int blocks = (K + 15) >> 4;
-    const unsigned short* wrow = W + (size_t)(row < rows ? row : 0) * K;
-    auto issue = [&](int b) {
-        if (b < blocks) {
-            const int k = b * 16 + t * 4;
-            const bool full = row < rows && k < K;
-            tc_cp_async8(ring[warp][b % STAGES][lane], full ? wrow + k : W, full);
+    const int wm = warp / WN, wn = warp % WN;
+    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const int tiles = (K + BK - 1) / BK;
+    auto load = [&](int tile) {
+        unsigned short* xs = smem + (tile % STAGES) * STAGE;
+        unsigned short* ws = xs + BM * LD;
+        const int k0 = tile * BK;
+        for (int i = tid; i < BM * CH; i += THREADS) {
+            const int r = i / CH, c = (i % CH) * 8, tok = m0 + r, k = k0 + c;
+            const bool full = tok < n && k < K;
+            tc_cp_async16(xs + r * LD + c, full ? Xb + (size_t)tok * K + k : Xb, full);
         }
-        tc_cp_commit();
+        for (int i = tid; i < BN * CH; i += THREADS) {
+            const int r = i / CH, c = (i % CH) * 8, o = n0 + r, k = k0 + c;
+            const bool full = o < rows && k < K;
+            tc_cp_async16(ws + r * LD + c, full ? W + (size_t)o * K + k : W, full);
+        }
     };
+    float acc[MI][NI][4];
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; s++) issue(s);
-    const bool lo = g < n, hi = g + 8 < n;
-    const float* x0 = X + (size_t)(lo ? g : 0) * K;
-    const float* x1 = X + (size_t)(hi ? g + 8 : 0) * K;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int b = 0; b < blocks; b++) {
-        issue(b + STAGES - 1);
-        const int k = b * 16 + t * 4;
-        float4 v0 = make_float4(0.f, 0.f, 0.f, 0.f), v1 = v0;
-        if (k < K) {
-            if (lo) v0 = *reinterpret_cast<const float4*>(x0 + k);
-            if (hi) v1 = *reinterpret_cast<const float4*>(x1 + k);
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NI; j++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) acc[i][j][r] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < tiles) load(s);
+        tc_cp_commit();
+    }
+    for (int tile = 0; tile < tiles; tile++) {
+        tc_cp_wait<STAGES - 2>();
+        __syncthreads();  // the tile is in; the slot refilled next was read by all
+        if (tile + STAGES - 1 < tiles) load(tile + STAGES - 1);
+        tc_cp_commit();
+        const unsigned short* xs = smem + (tile % STAGES) * STAGE;
+        const unsigned short* ws = xs + BM * LD;
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            if (tile * BK + kk >= K) break;
+            unsigned a[MI][4], b[NI][2];
+#pragma unroll
+            for (int i = 0; i < MI; i++)
+                tc_ldsm_x4(a[i], xs + (wm * (BM / WM) + i * 16 + (lane & 15)) * LD + kk + (lane >> 4) * 8);
+#pragma unroll
+            for (int j = 0; j + 1 < NI; j += 2) {
+                unsigned r[4];
+                tc_ldsm_x4(r, ws + (wn * (BN / WN) + j * 8 + (lane & 7) + (lane >> 4) * 8) * LD + kk +
+                                  ((lane >> 3) & 1) * 8);
+                b[j][0] = r[0], b[j][1] = r[1], b[j + 1][0] = r[2], b[j + 1][1] = r[3];
+            }
+            if (NI & 1)
+                tc_ldsm_x2(b[NI - 1], ws + (wn * (BN / WN) + (NI - 1) * 8 + (lane & 7)) * LD + kk +
+                                          ((lane >> 3) & 1) * 8);
+#pragma unroll
+            for (int i = 0; i < MI; i++)
+#pragma unroll
+                for (int j = 0; j < NI; j++) tc_mma(acc[i][j], a[i], b[j]);
         }
-        const unsigned a[4] = {tc_pack(v0.x, v0.y), tc_pack(v1.x, v1.y), tc_pack(v0.z, v0.w),
-                               tc_pack(v1.z, v1.w)};
-        tc_cp_wait<STAGES - 1>();
-        const unsigned* w = ring[warp][b % STAGES][lane];
-        const unsigned bw[2] = {w[0], w[1]};
-        tc_mma(acc, a, bw);
     }
-    const int o = row0 + t * 2;
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int tok = g + h * 8;
-        if (tok >= n) continue;
-        if (o < rows) Y[(size_t)tok * rows + o] = acc[h * 2];
-        if (o + 1 < rows) Y[(size_t)tok * rows + o + 1] = acc[h * 2 + 1];
-    }
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NI; j++) {
+            const int tok = m0 + wm * (BM / WM) + i * 16 + g;
+            const int o = n0 + wn * (BN / WN) + j * 8 + t * 2;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int tt = tok + h * 8;
+                if (tt >= n) continue;
+                if (o < rows) Y[(size_t)tt * rows + o] = acc[i][j][h * 2];
+                if (o + 1 < rows) Y[(size_t)tt * rows + o + 1] = acc[i][j][h * 2 + 1];
+            }
+        }
 }
+
+// The instances (tc.rs and tc_probe name them with their tiles, threads and
+// shared memory: (BM + BN) * (BK + 8) * 2 * STAGES bytes).
+#define TC_MM(NAME, BM, BN, WM, WN, BK, STAGES)                                                      \
+    extern "C" __global__ void __launch_bounds__(WM * WN * 32)                                     \
+        NAME(const unsigned short* Xb, const unsigned short* W, float* Y, int n, int rows, int K) { \
+        tc_mm_body<BM, BN, WM, WN, BK, STAGES>(Xb, W, Y, n, rows, K);                              \
+    }
+TC_MM(tc_mm_16x32, 16, 32, 1, 4, 64, 8)
+TC_MM(tc_mm_64x32, 64, 32, 2, 2, 64, 4)
+TC_MM(tc_mm_64x64, 64, 64, 2, 2, 64, 4)
+TC_MM(tc_mm_128x128, 128, 128, 2, 4, 32, 4)
 
 // BM tokens x BN rows a block, WM x WN warps, each warp (BM/WM) x (BN/WN).
 template <int BM, int BN, int WM, int WN>
@@ -211,13 +276,4 @@ extern "C" __global__ void __launch_bounds__(128) tc_gemm_64x64(
 extern "C" __global__ void __launch_bounds__(128) tc_gemm_16x32(
     const float* X, const unsigned short* W, float* Y, int n, int rows, int K) {
     tc_gemm_body<16, 32, 1, 4>(X, W, Y, n, rows, K);
-}
-// Launch: grid (ceil(rows / 32)), 128 threads; n <= 16, K % 4 == 0.
-extern "C" __global__ void __launch_bounds__(128) tc_gemv_16(
-    const float* X, const unsigned short* W, float* Y, int n, int rows, int K) {
-    tc_gemv_body<4, 16>(X, W, Y, n, rows, K);
-}
-extern "C" __global__ void __launch_bounds__(128) tc_gemv_32(
-    const float* X, const unsigned short* W, float* Y, int n, int rows, int K) {
-    tc_gemv_body<4, 32>(X, W, Y, n, rows, K);
 }

@@ -10,25 +10,29 @@ use lmrr_kernels::Threads;
 
 use super::Probe;
 
-/// (name, tokens a block, rows a block, threads, most tokens a launch).
-const KERNELS: [(&str, usize, usize, u32, usize); 5] = [
-    ("tc_gemm_128x128", 128, 128, 256, usize::MAX),
-    ("tc_gemm_64x64", 64, 64, 128, usize::MAX),
-    ("tc_gemm_16x32", 16, 32, 128, usize::MAX),
-    ("tc_gemv_16", 16, 32, 128, 16),
-    ("tc_gemv_32", 16, 32, 128, 16),
+/// (name, tokens a block, rows a block, threads, dynamic shared memory,
+/// input rounded to bf16 first): tc_gemm_* read x as f32, tc_mm_* its bf16
+/// rounding from tc_round_bf16 (timed with it), as kernels/src/cuda/tc.rs
+/// launches them.
+const KERNELS: [(&str, usize, usize, u32, u32, bool); 7] = [
+    ("tc_gemm_128x128", 128, 128, 256, 0, false),
+    ("tc_gemm_64x64", 64, 64, 128, 0, false),
+    ("tc_gemm_16x32", 16, 32, 128, 0, false),
+    ("tc_mm_128x128", 128, 128, 256, 256 * 40 * 2 * 4, true),
+    ("tc_mm_64x64", 64, 64, 128, 128 * 72 * 2 * 4, true),
+    ("tc_mm_64x32", 64, 32, 128, 96 * 72 * 2 * 4, true),
+    ("tc_mm_16x32", 16, 32, 128, 48 * 72 * 2 * 8, true),
 ];
 
-/// Whether `kernel` serves n tokens at k (the decode kernels: n ≤ 16 and
-/// k % 4 == 0).
-fn fits(kernel: usize, n: usize, k: usize) -> bool {
-    let max = KERNELS[kernel].4;
-    n <= max && (max == usize::MAX || k % 4 == 0)
+/// Whether `kernel` serves k (tc_mm_*: a multiple of 8).
+fn fits(kernel: usize, k: usize) -> bool {
+    !KERNELS[kernel].5 || k % 8 == 0
 }
 
 struct Gemm<'a> {
     p: &'a Probe,
     x: CudaSlice<f32>,
+    xb: CudaSlice<u16>,
     w: CudaSlice<u16>,
     y: CudaSlice<f32>,
     n: usize,
@@ -50,6 +54,7 @@ impl<'a> Gemm<'a> {
         Ok(Self {
             p,
             x: s.clone_htod(x).map_err(e)?,
+            xb: s.alloc_zeros::<u16>(x.len()).map_err(e)?,
             w: s.clone_htod(w).map_err(e)?,
             y: s.alloc_zeros::<f32>(n * rows).map_err(e)?,
             n,
@@ -59,27 +64,48 @@ impl<'a> Gemm<'a> {
     }
 
     fn launch(&mut self, kernel: usize, n: usize) -> Result<(), String> {
-        let (name, bm, bn, threads, _) = KERNELS[kernel];
-        let f = self
-            .p
-            .module
-            .load_function(name)
-            .map_err(|e| format!("{name}: {e:?}"))?;
+        let (name, bm, bn, threads, smem, rounds) = KERNELS[kernel];
+        let load = |name: &str| {
+            self.p
+                .module
+                .load_function(name)
+                .map_err(|e| format!("{name}: {e:?}"))
+        };
+        let f = load(name)?;
         let s = self.p.ctx.default_stream();
+        let (ni, ri, ki) = (n as i32, self.rows as i32, self.k as i32);
+        if rounds {
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .map_err(|e| format!("{name}: {e:?}"))?;
+            let round = load("tc_round_bf16")?;
+            let count = (n * self.k) as i64;
+            let cfg = LaunchConfig {
+                grid_dim: ((n * self.k).div_ceil(256).min(4096) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut l = s.launch_builder(&round);
+            l.arg(&self.x).arg(&mut self.xb).arg(&count);
+            // SAFETY: x holds n·k floats (n ≤ self.n), xb as many bf16.
+            unsafe { l.launch(cfg) }.map_err(|e| format!("tc_round_bf16: {e:?}"))?;
+        }
         let cfg = LaunchConfig {
             grid_dim: (self.rows.div_ceil(bn) as u32, n.div_ceil(bm) as u32, 1),
             block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: smem,
         };
-        let (ni, ri, ki) = (n as i32, self.rows as i32, self.k as i32);
         let mut l = s.launch_builder(&f);
-        l.arg(&self.x)
-            .arg(&self.w)
-            .arg(&mut self.y)
-            .arg(&ni)
-            .arg(&ri)
-            .arg(&ki);
-        // SAFETY: x holds n·k floats (n ≤ self.n), w rows·k bf16, y n·rows.
+        if rounds {
+            l.arg(&self.xb);
+        } else {
+            l.arg(&self.x);
+        }
+        l.arg(&self.w).arg(&mut self.y).arg(&ni).arg(&ri).arg(&ki);
+        // SAFETY: x (or xb) holds n·k values (n ≤ self.n), w rows·k bf16,
+        // y n·rows floats.
         unsafe { l.launch(cfg) }.map_err(|e| format!("{name}: {e:?}"))?;
         Ok(())
     }
@@ -149,6 +175,7 @@ fn run_inner(p: &Probe) -> Result<bool, String> {
         (16, 4096, 14336),
         (7, 1000, 4100),
         (3, 999, 4098),
+        (40, 2000, 4104),
         (33, 300, 776),
         (64, 512, 4096),
         (200, 257, 2056),
@@ -159,7 +186,7 @@ fn run_inner(p: &Probe) -> Result<bool, String> {
         tc_matmul(&th, &SM90_BF16, &x, n, &w, rows, k, &mut want);
         let mut g = Gemm::new(p, &x, &w, n, rows, k)?;
         for (kernel, (name, ..)) in KERNELS.iter().enumerate() {
-            if !fits(kernel, n, k) {
+            if !fits(kernel, k) {
                 continue;
             }
             g.launch(kernel, n)?;
@@ -187,7 +214,7 @@ fn run_inner(p: &Probe) -> Result<bool, String> {
     let (x, w) = operands(n, rows, k, 99);
     let mut g = Gemm::new(p, &x, &w, n, rows, k)?;
     let mut outs = Vec::new();
-    for kernel in (0..KERNELS.len()).filter(|&kn| fits(kn, n, k)) {
+    for kernel in (0..KERNELS.len()).filter(|&kn| fits(kn, k)) {
         g.launch(kernel, n)?;
         outs.push(g.output()?);
     }
@@ -222,7 +249,7 @@ fn run_inner(p: &Probe) -> Result<bool, String> {
             let (x, w) = operands(n, rows, k, 7);
             let mut g = Gemm::new(p, &x, &w, n, rows, k)?;
             for (kernel, (name, ..)) in KERNELS.iter().enumerate() {
-                if !fits(kernel, n, k) {
+                if !fits(kernel, k) {
                     continue;
                 }
                 let s = g.time(kernel, 5)?;

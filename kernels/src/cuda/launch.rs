@@ -234,6 +234,24 @@ impl RawModule {
             .map_err(drv)
     }
 
+    /// `name`, allowed `bytes` of dynamic shared memory a block (above the
+    /// 48 KiB a launch may ask for without it).
+    pub(crate) fn function_with_smem(&self, name: &str, bytes: usize) -> Result<Func, GpuError> {
+        let f = self.function(name)?;
+        let b = i32::try_from(bytes)
+            .map_err(|_| GpuError::Config(format!("{name}: {bytes} bytes of shared memory")))?;
+        // SAFETY: `f` is a function of this loaded module.
+        unsafe {
+            result::function::set_function_attribute(
+                f.0,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                b,
+            )
+        }
+        .map_err(drv)?;
+        Ok(f)
+    }
+
     pub(crate) fn load(
         ctx: &Arc<CudaContext>,
         format: Format,

@@ -11,13 +11,35 @@ use super::launch::{Func, RawModule};
 use super::{as_i32, drv, Gpu, GpuError};
 use crate::cuda::cache::Format;
 
-/// The tile kernels, by (tokens, rows) a block and threads.
+/// A tile kernel: the function, tokens and rows a block, threads, dynamic
+/// shared memory.
+#[derive(Clone, Copy)]
+struct Tile {
+    f: Func,
+    bm: usize,
+    bn: usize,
+    threads: u32,
+    smem: u32,
+}
+
+/// The pipelined instances of `tc_mm_body` (gemm.cu), by (name, BM, BN,
+/// warps, BK, stages); chosen by tokens a launch.
+const MM: [(&str, usize, usize, u32, usize, usize); 4] = [
+    ("tc_mm_16x32", 16, 32, 4, 64, 8),
+    ("tc_mm_64x32", 64, 32, 4, 64, 4),
+    ("tc_mm_64x64", 64, 64, 4, 64, 4),
+    ("tc_mm_128x128", 128, 128, 8, 32, 4),
+];
+
+/// The tensor-core module's kernels.
 pub(crate) struct TcKernels {
     _module: RawModule,
-    /// `tc_gemm_16x32`, `tc_gemm_64x64`, `tc_gemm_128x128`.
-    gemm: [(Func, usize, usize, u32); 3],
-    /// `tc_gemv_32`: up to 16 tokens, columns a multiple of 4.
-    gemv: Func,
+    round: Func,
+    /// `MM`, in its order.
+    mm: [Tile; 4],
+    /// `tc_gemm_64x64` (x as f32, staged to bf16 as it is read): K not a
+    /// multiple of 8.
+    gemm: Tile,
 }
 
 impl TcKernels {
@@ -31,14 +53,30 @@ impl TcKernels {
         }
         let ptx = compile_for(crate::cuda_source::TC_SOURCE, false, Some("compute_80"))?;
         let module = RawModule::load(&g.ctx, Format::Ptx, ptx.as_bytes())?;
-        let f = |name: &str| module.function(name);
+        let mut mm = Vec::with_capacity(MM.len());
+        for (name, bm, bn, warps, bk, stages) in MM {
+            let smem = (bm + bn) * (bk + 8) * 2 * stages;
+            mm.push(Tile {
+                f: module.function_with_smem(name, smem)?,
+                bm,
+                bn,
+                threads: warps * 32,
+                smem: smem as u32,
+            });
+        }
+        let mm: [Tile; 4] = mm
+            .try_into()
+            .map_err(|_| GpuError::Config("the tensor-core tile table".into()))?;
         Ok(Self {
-            gemm: [
-                (f("tc_gemm_16x32")?, 16, 32, 128),
-                (f("tc_gemm_64x64")?, 64, 64, 128),
-                (f("tc_gemm_128x128")?, 128, 128, 256),
-            ],
-            gemv: f("tc_gemv_32")?,
+            round: module.function("tc_round_bf16")?,
+            mm,
+            gemm: Tile {
+                f: module.function("tc_gemm_64x64")?,
+                bm: 64,
+                bn: 64,
+                threads: 128,
+                smem: 0,
+            },
             _module: module,
         })
     }
@@ -73,8 +111,38 @@ impl Gpu {
         r.as_ref().map_err(|e| GpuError::Config(e.clone()))
     }
 
+    /// `xb = bf16(x)` (round to nearest even) for `count` values: the
+    /// operand [`Gpu::tc_mm`] streams, made once for the matrices that
+    /// share an input.
+    pub fn tc_round(&self, x: u64, count: usize, xb: u64) -> Result<(), GpuError> {
+        if count == 0 {
+            return Ok(());
+        }
+        let k = self.tc_kernels()?;
+        let c = count as i64;
+        let cfg = LaunchConfig {
+            grid_dim: (count.div_ceil(256).min(4096) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut l = self.kernel(&k.round)?;
+        l.no_pdl();
+        l.arg(&x).arg(&xb).arg(&c);
+        // SAFETY: x holds `count` floats and xb room for `count` bf16.
+        unsafe { l.launch(cfg) }
+    }
+
+    /// Whether [`Gpu::tc_mm`] takes its input as bf16 (from
+    /// [`Gpu::tc_round`]) for a matrix of `cols` columns: a multiple of 8.
+    /// Otherwise it reads the f32 input itself.
+    pub fn tc_rounds_first(cols: usize) -> bool {
+        cols % 8 == 0
+    }
+
     /// `y (n, rows) = bf16(x (n, cols)) · Wᵀ` on tensor cores, `W` stored as
-    /// bf16: the tile kernel for `n` (any gives the same bits).
+    /// bf16: `x` is the bf16 input from [`Gpu::tc_round`] where
+    /// [`Gpu::tc_rounds_first`], the f32 input otherwise. The tile kernel
+    /// for `n` (any gives the same bits).
     pub fn tc_mm(&self, x: u64, n: usize, w: &DevMatrix, y: u64) -> Result<(), GpuError> {
         if n == 0 || w.rows == 0 {
             return Ok(());
@@ -86,12 +154,15 @@ impl Gpu {
             )));
         }
         let k = self.tc_kernels()?;
-        let gemv = (k.gemv, 16, 32, 128);
-        let (f, bm, bn, threads) = match n {
-            0..=16 if w.cols % 4 == 0 => &gemv,
-            0..=16 => &k.gemm[0],
-            17..=128 => &k.gemm[1],
-            _ => &k.gemm[2],
+        let t = if !Self::tc_rounds_first(w.cols) {
+            k.gemm
+        } else {
+            match n {
+                0..=16 => k.mm[0],
+                17..=48 => k.mm[1],
+                49..=256 => k.mm[2],
+                _ => k.mm[3],
+            }
         };
         let (ni, ri, ci) = (
             as_i32("tc_mm", n)?,
@@ -99,17 +170,18 @@ impl Gpu {
             as_i32("tc_mm", w.cols)?,
         );
         let cfg = LaunchConfig {
-            grid_dim: (w.rows.div_ceil(*bn) as u32, n.div_ceil(*bm) as u32, 1),
-            block_dim: (*threads, 1, 1),
-            shared_mem_bytes: 0,
+            grid_dim: (w.rows.div_ceil(t.bn) as u32, n.div_ceil(t.bm) as u32, 1),
+            block_dim: (t.threads, 1, 1),
+            shared_mem_bytes: t.smem,
         };
-        let mut l = self.kernel(f)?;
+        let mut l = self.kernel(&t.f)?;
         // These kernels do not wait on the grid ahead (no griddepcontrol):
         // launched in plain stream order.
         l.no_pdl();
         l.arg(&x).arg(&w.buf.ptr).arg(&y).arg(&ni).arg(&ri).arg(&ci);
-        // SAFETY: x holds n·cols floats, W rows·cols bf16, y n·rows floats
-        // (the resident plan's buffers); the grid covers exactly that.
+        // SAFETY: x holds n·cols values (bf16 or f32 as above), W rows·cols
+        // bf16, y n·rows floats (the resident plan's buffers); the grid
+        // covers exactly that.
         unsafe { l.launch(cfg) }
     }
 }

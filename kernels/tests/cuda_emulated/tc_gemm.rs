@@ -139,16 +139,17 @@ fn every_tile_kernel_chains_each_output_over_its_own_row_and_column() {
 }
 
 #[test]
-fn the_decode_kernels_chain_each_output_over_k_blocks_in_order() {
+fn the_pipelined_kernels_chain_each_output_over_k_blocks_in_order() {
     let Some(bin) = emulator() else { return };
-    // tc_gemv_*: up to 16 tokens, K % 4 == 0. k = 36 (a block cut short:
-    // zero-filled copies), 4 and 1,040 (65 blocks: the ring wraps twice at
-    // 32 stages, four times at 16); 9 and 16 tokens use the fragment's
-    // second row; 37 and 70 rows leave warps and lanes past the matrix.
-    for &(n, rows, k) in &[(1, 37, 36), (9, 70, 1040), (16, 33, 4), (2, 64, 256)] {
+    // tc_mm_* (x rounded by tc_round_bf16, K % 8 == 0): k = 40 (a tile cut
+    // short, a k block wholly past K skipped), 8, and 1,040 (17 tiles of 64,
+    // 33 of 32: the ring of stages wraps several times); 9, 17 and 130
+    // tokens use the fragments' second rows and cross block rows; 37 and 70
+    // rows leave warps and lanes past the matrix.
+    for &(n, rows, k) in &[(1, 37, 40), (9, 70, 1040), (17, 33, 8), (130, 40, 72)] {
         let ops = Operands::new(n, rows, k, (n * 1000 + rows * 10 + k) as u64);
         let want = ops.want(n, rows, k);
-        for kernel in ["tc_gemv_16", "tc_gemv_32"] {
+        for kernel in ["tc_mm_16x32", "tc_mm_64x32", "tc_mm_64x64", "tc_mm_128x128"] {
             let got = ops.run(bin, kernel, n, rows, k);
             let bad = got.iter().zip(&want).filter(|(a, b)| a != b).count();
             assert_eq!(

@@ -497,6 +497,11 @@ impl Resident {
         let (own, arena_floats) = arena(prog, n, w);
         let part_floats = n.min(SPLIT_MAX_TOKENS) * plan.part_per_token;
         let stage = layers * n * kvd;
+        // Tensor-core numerics: a matmul's input rounded to bf16 (two a float).
+        let xb_floats = match self.numerics.model() {
+            Some(_) => (n * plan.max_cols).div_ceil(2),
+            None => 0,
+        };
         let regions = [
             arena_floats,
             part_floats,
@@ -504,6 +509,7 @@ impl Resident {
             stage,
             stage,
             layers * n * adim,
+            xb_floats,
         ];
         let bytes: usize = regions.iter().map(|&f| (f * 4).div_ceil(256) * 256).sum();
         if st.scratch.as_ref().is_none_or(|(_, b)| *b < bytes) {
@@ -522,7 +528,7 @@ impl Resident {
             gpu.htod(&st.host_in, inb).map_err(gpu_err)
         })?;
         let at = |i: usize| inb + 8 * (i as u64);
-        let mut region = [0u64; 6];
+        let mut region = [0u64; 7];
         let mut off = sb;
         for (r, &f) in region.iter_mut().zip(&regions) {
             *r = off;
@@ -536,6 +542,7 @@ impl Resident {
             k: region[3],
             v: region[4],
             aux: region[5],
+            xb: region[6],
             ids: at(0),
             table: PageTable {
                 pages: at(staged.fixed),

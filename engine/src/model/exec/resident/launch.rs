@@ -22,7 +22,8 @@ use crate::EngineError;
 
 /// Device addresses of one step: each buffer's own region, the split
 /// partials, the unrotated K rows of the fused decode attention, the
-/// per-layer K, V and indexer-key staging, and the step's inputs.
+/// per-layer K, V and indexer-key staging, the bf16 matmul input of
+/// tensor-core numerics, and the step's inputs.
 pub(super) struct Addrs {
     pub own: Vec<u64>,
     pub part: u64,
@@ -31,6 +32,8 @@ pub(super) struct Addrs {
     pub k: u64,
     pub v: u64,
     pub aux: u64,
+    /// Tensor-core numerics: a matmul op's input rounded to bf16.
+    pub xb: u64,
     pub ids: u64,
     pub table: PageTable,
     pub dst: u64,
@@ -417,11 +420,23 @@ impl<'a> Runner<'a> {
             floats: self.a.part_floats,
         };
         if self.r.numerics.model().is_some() {
-            // Tensor cores: a launch per matrix, whole outputs (no split).
+            // Tensor cores: the input rounded to bf16 once (every job of an
+            // op reads the same x), then a launch per matrix, whole outputs
+            // (no split).
+            let mut rounded = None;
             for j in jobs {
                 let o = self.write(i, j.out);
                 let w = &dev.mats[j.w.0 as usize];
-                g.tc_mm(xa, rows, w, o).map_err(e)?;
+                let input = if lmrr_kernels::cuda::Gpu::tc_rounds_first(w.cols) {
+                    if rounded != Some(w.cols) {
+                        g.tc_round(xa, rows * w.cols, self.a.xb).map_err(e)?;
+                        rounded = Some(w.cols);
+                    }
+                    self.a.xb
+                } else {
+                    xa
+                };
+                g.tc_mm(input, rows, w, o).map_err(e)?;
                 if let Some(b) = j.bias {
                     g.add_bias(o, dev.vecs[b.0 as usize].ptr(), rows * w.rows, w.rows)
                         .map_err(e)?;

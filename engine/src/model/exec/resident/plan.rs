@@ -61,6 +61,9 @@ pub struct Plan {
     /// The most split partials per token one matmul op of token rows holds
     /// (every job's chunks × rows).
     pub part_per_token: usize,
+    /// The most columns of any matmul's matrix (the width of the bf16 input
+    /// tensor-core numerics round once per op).
+    pub max_cols: usize,
     /// The program has a MoE op (its routing runs on the host).
     pub has_moe: bool,
     /// The program has a sparse-attention op.
@@ -180,6 +183,16 @@ impl Plan {
             })
             .max()
             .unwrap_or(0);
+        let max_cols = ops
+            .iter()
+            .filter_map(|op| match op {
+                Op::Matmul { jobs, .. } => Some(jobs),
+                _ => None,
+            })
+            .flatten()
+            .map(|j| tables.mats[j.w.0 as usize].shape.get(1).copied().unwrap_or(0))
+            .max()
+            .unwrap_or(0);
         let dense_below = ops
             .iter()
             .filter_map(|o| match o {
@@ -242,6 +255,7 @@ impl Plan {
             redirect,
             readers,
             part_per_token,
+            max_cols,
             has_moe: ops.iter().any(|o| matches!(o, Op::Moe { .. })),
             has_sparse: ops.iter().any(|o| matches!(o, Op::SparseAttend { .. })),
             attends,
