@@ -7,8 +7,13 @@
 //! instructions over k in order from `+0`, 16 products each, the tail
 //! padded with zeros. No tiling, batch, split or thread count enters it,
 //! which is why the GPU's tiles may be anything that keeps k in order.
+//!
+//! Under [`SM90_BF16`] the outputs come from [`super::fast`] (operands
+//! decoded once, SIMD where the CPU has it), bitwise the same as the
+//! general path here ([`general_matmul`], [`tc_dot`] per output), which
+//! every other model takes.
 
-use super::{f32_to_bf16, tc_dot, TcModel};
+use super::{f32_to_bf16, fast, tc_dot, TcModel, SM90_BF16};
 use crate::threads::{SendPtr, Threads};
 
 /// `y = x · Wᵀ` with `x` `(n, cols)` f32 and `w` `(rows, cols)` bf16 bits,
@@ -32,6 +37,26 @@ pub fn tc_matmul(
         return;
     }
     let xb: Vec<u16> = x.iter().map(|&v| f32_to_bf16(v)).collect();
+    if *m == SM90_BF16 {
+        return fast::matmul(threads, &xb, n, w, rows, cols, y);
+    }
+    general_matmul(threads, m, &xb, n, w, rows, cols, y);
+}
+
+/// `y = x · Wᵀ` with `xb` the activations already in bf16: [`tc_dot`] per
+/// output, for any model (the specification the fast path is tested
+/// against).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn general_matmul(
+    threads: &Threads,
+    m: &TcModel,
+    xb: &[u16],
+    n: usize,
+    w: &[u16],
+    rows: usize,
+    cols: usize,
+    y: &mut [f32],
+) {
     let yp = SendPtr(y.as_mut_ptr());
     let grain = threads.grain(rows, 8);
     threads.for_ranges(rows, grain, |range| {

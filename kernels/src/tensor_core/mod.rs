@@ -26,10 +26,13 @@
 //! round-to-nearest neighbours of it ([`negative_controls`]) must not.
 //!
 //! Specials follow IEEE: a NaN input, `∞·0` or `+∞ + -∞` gives NaN
-//! (the canonical `0x7fff_ffff`), other infinities pass through. A zero
-//! result is `+0`, whatever the signs of the zeros that made it (the
-//! hardware does not keep IEEE's `-0 + -0 = -0`).
+//! (the canonical `0x7fff_ffff`), other infinities pass through. A sum that
+//! is exactly zero is `+0`, whatever the signs of the zeros that made it
+//! (the hardware does not keep IEEE's `-0 + -0 = -0`); a nonzero sum too
+//! small for f32 is cut to a zero of its own sign (a case the probe's
+//! crafted vectors do not pin).
 
+mod fast;
 pub mod gemm;
 pub mod probe;
 
