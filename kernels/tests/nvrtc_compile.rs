@@ -217,11 +217,11 @@ fn the_tensor_core_module_compiles_for_sm_80_with_its_mma() {
     let ptx = compile_for(src, false, Some("compute_80")).unwrap_or_else(|e| panic!("{e}"));
     for name in [
         "tc_probe_bf16",
-        "tc_gemm_128x128",
         "tc_gemm_64x64",
-        "tc_gemm_16x32",
         "tc_round_bf16",
+        "tc_mm_16x16",
         "tc_mm_16x32",
+        "tc_mm_16x32s12",
         "tc_mm_64x32",
         "tc_mm_64x64",
         "tc_mm_128x128",

@@ -167,7 +167,9 @@ __device__ __forceinline__ void tc_mm_body(const unsigned short* __restrict__ Xb
         NAME(const unsigned short* Xb, const unsigned short* W, float* Y, int n, int rows, int K) { \
         tc_mm_body<BM, BN, WM, WN, BK, STAGES>(Xb, W, Y, n, rows, K);                              \
     }
+TC_MM(tc_mm_16x16, 16, 16, 1, 2, 64, 8)
 TC_MM(tc_mm_16x32, 16, 32, 1, 4, 64, 8)
+TC_MM(tc_mm_16x32s12, 16, 32, 1, 4, 64, 12)
 TC_MM(tc_mm_64x32, 64, 32, 2, 2, 64, 4)
 TC_MM(tc_mm_64x64, 64, 64, 2, 2, 64, 4)
 TC_MM(tc_mm_128x128, 128, 128, 2, 4, 32, 4)
@@ -264,16 +266,10 @@ __device__ __forceinline__ void tc_gemm_body(const float* __restrict__ X,
         }
 }
 
-// Launch: grid (ceil(rows / BN), ceil(n / BM)), WM * WN * 32 threads.
-extern "C" __global__ void __launch_bounds__(256) tc_gemm_128x128(
-    const float* X, const unsigned short* W, float* Y, int n, int rows, int K) {
-    tc_gemm_body<128, 128, 2, 4>(X, W, Y, n, rows, K);
-}
+// Launch: grid (ceil(rows / 64), ceil(n / 64)), 128 threads. The kernel
+// for a matrix whose width is not a multiple of 8 (tc_mm_* need 16-byte
+// chunks); the same chains.
 extern "C" __global__ void __launch_bounds__(128) tc_gemm_64x64(
     const float* X, const unsigned short* W, float* Y, int n, int rows, int K) {
     tc_gemm_body<64, 64, 2, 2>(X, W, Y, n, rows, K);
-}
-extern "C" __global__ void __launch_bounds__(128) tc_gemm_16x32(
-    const float* X, const unsigned short* W, float* Y, int n, int rows, int K) {
-    tc_gemm_body<16, 32, 1, 4>(X, W, Y, n, rows, K);
 }

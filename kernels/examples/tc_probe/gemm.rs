@@ -15,13 +15,13 @@ use super::Probe;
 /// rounding from tc_round_bf16 (timed with it), as kernels/src/cuda/tc.rs
 /// launches them.
 const KERNELS: [(&str, usize, usize, u32, u32, bool); 7] = [
-    ("tc_gemm_128x128", 128, 128, 256, 0, false),
     ("tc_gemm_64x64", 64, 64, 128, 0, false),
-    ("tc_gemm_16x32", 16, 32, 128, 0, false),
     ("tc_mm_128x128", 128, 128, 256, 256 * 40 * 2 * 4, true),
     ("tc_mm_64x64", 64, 64, 128, 128 * 72 * 2 * 4, true),
     ("tc_mm_64x32", 64, 32, 128, 96 * 72 * 2 * 4, true),
     ("tc_mm_16x32", 16, 32, 128, 48 * 72 * 2 * 8, true),
+    ("tc_mm_16x32s12", 16, 32, 128, 48 * 72 * 2 * 12, true),
+    ("tc_mm_16x16", 16, 16, 64, 32 * 72 * 2 * 8, true),
 ];
 
 /// Whether `kernel` serves k (tc_mm_*: a multiple of 8).
