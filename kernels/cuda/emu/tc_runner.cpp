@@ -109,8 +109,6 @@ int main() {
     else if (kernel == "tc_mm_64x64") bm = 64, bn = 64, threads = 128, mm = tc_mm_64x64;
     else if (kernel == "tc_mm_64x32") bm = 64, bn = 32, threads = 128, mm = tc_mm_64x32;
     else if (kernel == "tc_mm_16x32") bm = 16, bn = 32, threads = 128, mm = tc_mm_16x32;
-    else if (kernel == "tc_mm_16x32s12") bm = 16, bn = 32, threads = 128, mm = tc_mm_16x32s12;
-    else if (kernel == "tc_mm_16x16") bm = 16, bn = 16, threads = 64, mm = tc_mm_16x16;
     else return 2;
     // tc_mm_*: x rounded to bf16 by tc_round_bf16 first, as tc.rs does.
     std::vector<unsigned short> xb(x.size());

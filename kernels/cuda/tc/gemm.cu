@@ -167,9 +167,7 @@ __device__ __forceinline__ void tc_mm_body(const unsigned short* __restrict__ Xb
         NAME(const unsigned short* Xb, const unsigned short* W, float* Y, int n, int rows, int K) { \
         tc_mm_body<BM, BN, WM, WN, BK, STAGES>(Xb, W, Y, n, rows, K);                              \
     }
-TC_MM(tc_mm_16x16, 16, 16, 1, 2, 64, 8)
 TC_MM(tc_mm_16x32, 16, 32, 1, 4, 64, 8)
-TC_MM(tc_mm_16x32s12, 16, 32, 1, 4, 64, 12)
 TC_MM(tc_mm_64x32, 64, 32, 2, 2, 64, 4)
 TC_MM(tc_mm_64x64, 64, 64, 2, 2, 64, 4)
 TC_MM(tc_mm_128x128, 128, 128, 2, 4, 32, 4)
