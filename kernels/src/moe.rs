@@ -54,7 +54,7 @@ pub fn top_k_indices(v: &[f32], k: usize, allowed: impl Fn(usize) -> bool) -> Ve
             if taken[i] || !allowed(i) {
                 continue;
             }
-            if best.map_or(true, |b| key(x) > key(v[b])) {
+            if best.is_none_or(|b| key(x) > key(v[b])) {
                 best = Some(i);
             }
         }

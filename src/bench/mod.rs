@@ -597,10 +597,17 @@ fn report_batches(b: &Batches, a: &BenchArgs, peak: Option<f64>, flops_per_token
     } = b;
     for (batch, pre, dec, step) in rows_out {
         let of_peak = peak.map_or(String::new(), |p| {
-            format!(
-                " ({:.2}% of the FP32 rate)",
-                100.0 * pre * flops_per_token / p
-            )
+            let rate = pre * flops_per_token;
+            if a.numerics == "canonical" {
+                format!(" ({:.2}% of the FP32 rate)", 100.0 * rate / p)
+            } else {
+                // Tensor cores: the FP32 CUDA-core rate is not their bound.
+                format!(
+                    " ({:.1} TFLOP/s on tensor cores, {:.2}× the FP32 CUDA-core rate)",
+                    rate / 1e12,
+                    rate / p
+                )
+            }
         });
         println!(
             "| prefill, batch {batch} × {} tokens (KV memory reused) | {pre:.1} tok/s{of_peak} |",

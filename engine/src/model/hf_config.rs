@@ -193,7 +193,7 @@ impl RopeParams {
             (_, Some(t)) | (Some(t), None) => num("rope_theta", t)?,
             (None, None) => default_theta,
         };
-        if !(theta > 1.0) {
+        if !theta.is_finite() || theta <= 1.0 {
             return Err(bad(path, "rope_theta", theta, "must be finite and > 1"));
         }
         let partial = match obj

@@ -497,8 +497,7 @@ fn import_err(bytes: &[u8]) -> String {
     let src = tmp.path().join("m.gguf");
     std::fs::write(&src, bytes).unwrap();
     import(&src, &tmp.path().join("out"), ImportDtype::Keep)
-        .err()
-        .expect("import must fail")
+        .expect_err("import must fail")
         .to_string()
 }
 

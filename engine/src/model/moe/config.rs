@@ -188,11 +188,9 @@ impl MoeConfig {
             .collect();
         let heads = raw.num_attention_heads;
         let kv_heads = raw.num_key_value_heads.unwrap_or(heads);
-        let head_dim = raw.head_dim.unwrap_or(if heads == 0 {
-            0
-        } else {
-            raw.hidden_size / heads
-        });
+        let head_dim = raw
+            .head_dim
+            .unwrap_or(raw.hidden_size.checked_div(heads).unwrap_or(0));
         for (field, x) in [
             ("vocab_size", raw.vocab_size),
             ("hidden_size", raw.hidden_size),

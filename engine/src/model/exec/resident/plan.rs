@@ -190,7 +190,13 @@ impl Plan {
                 _ => None,
             })
             .flatten()
-            .map(|j| tables.mats[j.w.0 as usize].shape.get(1).copied().unwrap_or(0))
+            .map(|j| {
+                tables.mats[j.w.0 as usize]
+                    .shape
+                    .get(1)
+                    .copied()
+                    .unwrap_or(0)
+            })
             .max()
             .unwrap_or(0);
         let dense_below = ops
