@@ -28,6 +28,28 @@ __device__ __forceinline__ void tc_mma(float* d, const unsigned* a, const unsign
 }
 #endif
 
+// A warp's accumulators out: fragment (i, j) holds tokens g and g + 8 of its
+// 16, rows 2t and 2t + 1 of its 8; outputs past n or rows are not written.
+template <int BM, int BN, int WM, int WN>
+__device__ __forceinline__ void tc_store(const float (&acc)[BM / WM / 16][BN / WN / 8][4], float* Y,
+                                         int n, int rows, int m0, int n0, int wm, int wn, int g,
+                                         int t) {
+#pragma unroll
+    for (int i = 0; i < BM / WM / 16; i++)
+#pragma unroll
+        for (int j = 0; j < BN / WN / 8; j++) {
+            const int tok = m0 + wm * (BM / WM) + i * 16 + g;
+            const int o = n0 + wn * (BN / WN) + j * 8 + t * 2;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int tt = tok + h * 8;
+                if (tt >= n) continue;
+                if (o < rows) Y[(size_t)tt * rows + o] = acc[i][j][h * 2];
+                if (o + 1 < rows) Y[(size_t)tt * rows + o + 1] = acc[i][j][h * 2 + 1];
+            }
+        }
+}
+
 // Asynchronous copies and matrix loads (sm_80). The emulation defines
 // TC_MMA_EMULATED and its own: copies at once, ldmatrix gathered warp-wide.
 #ifndef TC_MMA_EMULATED
@@ -144,20 +166,7 @@ __device__ __forceinline__ void tc_mm_body(const unsigned short* __restrict__ Xb
                 for (int j = 0; j < NI; j++) tc_mma(acc[i][j], a[i], b[j]);
         }
     }
-#pragma unroll
-    for (int i = 0; i < MI; i++)
-#pragma unroll
-        for (int j = 0; j < NI; j++) {
-            const int tok = m0 + wm * (BM / WM) + i * 16 + g;
-            const int o = n0 + wn * (BN / WN) + j * 8 + t * 2;
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int tt = tok + h * 8;
-                if (tt >= n) continue;
-                if (o < rows) Y[(size_t)tt * rows + o] = acc[i][j][h * 2];
-                if (o + 1 < rows) Y[(size_t)tt * rows + o + 1] = acc[i][j][h * 2 + 1];
-            }
-        }
+    tc_store<BM, BN, WM, WN>(acc, Y, n, rows, m0, n0, wm, wn, g, t);
 }
 
 // The instances (tc.rs and tc_probe name them with their tiles, threads and
@@ -248,20 +257,7 @@ __device__ __forceinline__ void tc_gemm_body(const float* __restrict__ X,
         }
         __syncthreads();
     }
-#pragma unroll
-    for (int i = 0; i < MI; i++)
-#pragma unroll
-        for (int j = 0; j < NI; j++) {
-            const int tok = m0 + wm * (BM / WM) + i * 16 + g;
-            const int o = n0 + wn * (BN / WN) + j * 8 + t * 2;
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int tt = tok + h * 8;
-                if (tt >= n) continue;
-                if (o < rows) Y[(size_t)tt * rows + o] = acc[i][j][h * 2];
-                if (o + 1 < rows) Y[(size_t)tt * rows + o + 1] = acc[i][j][h * 2 + 1];
-            }
-        }
+    tc_store<BM, BN, WM, WN>(acc, Y, n, rows, m0, n0, wm, wn, g, t);
 }
 
 // Launch: grid (ceil(rows / 64), ceil(n / 64)), 128 threads. The kernel

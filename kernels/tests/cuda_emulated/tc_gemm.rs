@@ -116,39 +116,13 @@ fn chain(xb: &[u16], w: &[u16]) -> f32 {
     acc
 }
 
-#[test]
-fn the_f32_staging_kernel_chains_each_output_over_its_own_row_and_column() {
-    let Some(bin) = emulator() else { return };
-    // (tokens, rows, k): partial tiles everywhere; k = 40 (not a multiple
-    // of 16: zero padding), 36 (not of 8: the scalar staging), 96 (three
-    // staged k tiles); 130 tokens cross a 128-token block row.
-    for &(n, rows, k) in &[(3, 37, 40), (17, 70, 36), (130, 33, 96), (1, 129, 64)] {
+/// Every output of each kernel on each (tokens, rows, k) equals the host's
+/// chain, bit for bit.
+fn check(bin: &PathBuf, kernels: &[&str], shapes: &[(usize, usize, usize)]) {
+    for &(n, rows, k) in shapes {
         let ops = Operands::new(n, rows, k, (n * 1000 + rows * 10 + k) as u64);
         let want = ops.want(n, rows, k);
-        let kernel = "tc_gemm_64x64";
-        let got = ops.run(bin, kernel, n, rows, k);
-        let bad = got.iter().zip(&want).filter(|(a, b)| a != b).count();
-        assert_eq!(
-            bad,
-            0,
-            "{kernel} n {n} rows {rows} k {k}: {bad} of {} outputs differ",
-            n * rows
-        );
-    }
-}
-
-#[test]
-fn the_pipelined_kernels_chain_each_output_over_k_blocks_in_order() {
-    let Some(bin) = emulator() else { return };
-    // tc_mm_* (x rounded by tc_round_bf16, K % 8 == 0): k = 40 (a tile cut
-    // short, a k block wholly past K skipped), 8, and 1,040 (17 tiles of 64,
-    // 33 of 32: the ring of stages wraps several times); 9, 17 and 130
-    // tokens use the fragments' second rows and cross block rows; 37 and 70
-    // rows leave warps and lanes past the matrix.
-    for &(n, rows, k) in &[(1, 37, 40), (9, 70, 1040), (17, 33, 8), (130, 40, 72)] {
-        let ops = Operands::new(n, rows, k, (n * 1000 + rows * 10 + k) as u64);
-        let want = ops.want(n, rows, k);
-        for kernel in ["tc_mm_16x32", "tc_mm_64x32", "tc_mm_64x64", "tc_mm_128x128"] {
+        for kernel in kernels {
             let got = ops.run(bin, kernel, n, rows, k);
             let bad = got.iter().zip(&want).filter(|(a, b)| a != b).count();
             assert_eq!(
@@ -159,6 +133,29 @@ fn the_pipelined_kernels_chain_each_output_over_k_blocks_in_order() {
             );
         }
     }
+}
+
+#[test]
+fn the_f32_staging_kernel_chains_each_output_over_its_own_row_and_column() {
+    let Some(bin) = emulator() else { return };
+    // (tokens, rows, k): partial tiles everywhere; k = 40 (not a multiple
+    // of 16: zero padding), 36 (not of 8: the scalar staging), 96 (three
+    // staged k tiles); 130 tokens cross a 128-token block row.
+    let shapes = [(3, 37, 40), (17, 70, 36), (130, 33, 96), (1, 129, 64)];
+    check(bin, &["tc_gemm_64x64"], &shapes);
+}
+
+#[test]
+fn the_pipelined_kernels_chain_each_output_over_k_blocks_in_order() {
+    let Some(bin) = emulator() else { return };
+    // tc_mm_* (x rounded by tc_round_bf16, K % 8 == 0): k = 40 (a tile cut
+    // short, a k block wholly past K skipped), 8, and 1,040 (17 tiles of 64,
+    // 33 of 32: the ring of stages wraps several times); 9, 17 and 130
+    // tokens use the fragments' second rows and cross block rows; 37 and 70
+    // rows leave warps and lanes past the matrix.
+    let shapes = [(1, 37, 40), (9, 70, 1040), (17, 33, 8), (130, 40, 72)];
+    let kernels = ["tc_mm_16x32", "tc_mm_64x32", "tc_mm_64x64", "tc_mm_128x128"];
+    check(bin, &kernels, &shapes);
 }
 
 #[test]
