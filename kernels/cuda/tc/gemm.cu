@@ -124,13 +124,7 @@ __device__ __forceinline__ void tc_mm_body(const unsigned short* __restrict__ Xb
             tc_cp_async16(ws + r * LD + c, full ? W + (size_t)o * K + k : W, full);
         }
     };
-    float acc[MI][NI][4];
-#pragma unroll
-    for (int i = 0; i < MI; i++)
-#pragma unroll
-        for (int j = 0; j < NI; j++)
-#pragma unroll
-            for (int r = 0; r < 4; r++) acc[i][j][r] = 0.0f;
+    float acc[MI][NI][4] = {};  // every chain starts from +0
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
         if (s < tiles) load(s);
@@ -195,13 +189,7 @@ __device__ __forceinline__ void tc_gemm_body(const float* __restrict__ X,
     const int wm = warp / WN, wn = warp % WN;
     const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
     const bool vec = (K & 7) == 0;
-    float acc[MI][NI][4];
-#pragma unroll
-    for (int i = 0; i < MI; i++)
-#pragma unroll
-        for (int j = 0; j < NI; j++)
-#pragma unroll
-            for (int r = 0; r < 4; r++) acc[i][j][r] = 0.0f;
+    float acc[MI][NI][4] = {};  // every chain starts from +0
     for (int k0 = 0; k0 < K; k0 += BK) {
         const bool full = vec && k0 + BK <= K;
         if (full) {
