@@ -223,12 +223,14 @@ fn the_tensor_core_module_compiles_for_sm_80_with_its_mma() {
         "tc_mm_64x32",
         "tc_mm_64x64",
         "tc_mm_128x128",
+        "tc_mv_8",
+        "tc_mv_16",
     ] {
         entry(&ptx, name);
     }
     assert_eq!(
         ptx.matches(".entry ").count(),
-        7,
+        9,
         "kernels in the tensor-core PTX"
     );
     // The inner product is the instruction the CPU model describes, and

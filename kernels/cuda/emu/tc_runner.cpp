@@ -109,6 +109,8 @@ int main() {
     else if (kernel == "tc_mm_64x64") bm = 64, bn = 64, threads = 128, mm = tc_mm_64x64;
     else if (kernel == "tc_mm_64x32") bm = 64, bn = 32, threads = 128, mm = tc_mm_64x32;
     else if (kernel == "tc_mm_16x32") bm = 16, bn = 32, threads = 128, mm = tc_mm_16x32;
+    else if (kernel == "tc_mv_8") bm = 8, bn = 32, threads = 128, mm = tc_mv_8;
+    else if (kernel == "tc_mv_16") bm = 16, bn = 32, threads = 128, mm = tc_mv_16;
     else return 2;
     // tc_mm_*: x rounded to bf16 by tc_round_bf16 first, as tc.rs does.
     std::vector<unsigned short> xb(x.size());

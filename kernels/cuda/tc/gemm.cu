@@ -175,6 +175,81 @@ TC_MM(tc_mm_64x32, 64, 32, 2, 2, 64, 4)
 TC_MM(tc_mm_64x64, 64, 64, 2, 2, 64, 4)
 TC_MM(tc_mm_128x128, 128, 128, 2, 4, 32, 4)
 
+// Few tokens (decode): no shared memory and no barrier. A warp owns 8 rows
+// and a tile of TOK tokens (8 or 16) and loads its fragments straight from
+// global memory, U k blocks a group, the next group in flight while the
+// current group's chain runs. Lane (g, t) loads 8 bytes, elements 4t..4t+3
+// of a k block, where the instruction takes elements 2t, 2t+1, 2t+8, 2t+9:
+// A and B go through the same permutation of the block's 16 k. Under
+// SM90_BF16 an instruction is one fused step over its 16 products (each
+// aligned and cut on its own, the cut terms added exactly), so its result
+// depends on which 16 k it holds, not on their order: each output is still
+// the chain of mma over k blocks of 16 in order from +0, tc_mm_*'s bits.
+// K % 8 == 0 (8-byte loads wholly inside K or past it).
+__device__ __forceinline__ uint2 tc_ld8(const unsigned short* p, bool ok) {
+    return ok ? *reinterpret_cast<const uint2*>(p) : make_uint2(0u, 0u);
+}
+
+template <int TOK, int U>
+__device__ __forceinline__ void tc_mv_body(const unsigned short* __restrict__ Xb,
+                                           const unsigned short* __restrict__ W,
+                                           float* __restrict__ Y, int n, int rows, int K) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int o0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 8;
+    if (o0 >= rows) return;  // uniform over the warp; nothing below waits on others
+    const int m0 = blockIdx.y * TOK, row = o0 + g, t0 = m0 + g, t1 = m0 + g + 8;
+    const bool wok = row < rows, ok0 = t0 < n, ok1 = TOK == 16 && t1 < n;
+    const unsigned short* wp = W + (size_t)(wok ? row : 0) * K + 4 * t;
+    const unsigned short* x0 = Xb + (size_t)(ok0 ? t0 : 0) * K + 4 * t;
+    const unsigned short* x1 = Xb + (size_t)(ok1 ? t1 : 0) * K + 4 * t;
+    const int blocks = (K + 15) / 16;
+    uint2 wb[2][U], xa[2][U], xc[2][TOK == 16 ? U : 1];
+    auto load = [&](int s, int kb0) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int e = (kb0 + u) * 16, in = e + 4 * t < K;
+            wb[s][u] = tc_ld8(wp + e, wok && in);
+            xa[s][u] = tc_ld8(x0 + e, ok0 && in);
+            if (TOK == 16) xc[s][TOK == 16 ? u : 0] = tc_ld8(x1 + e, ok1 && in);
+        }
+    };
+    float acc[4] = {};  // every chain starts from +0
+    auto chain = [&](int s, int kb0) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            if (kb0 + u >= blocks) break;  // blocks wholly past K are skipped
+            const uint2 c = TOK == 16 ? xc[s][TOK == 16 ? u : 0] : make_uint2(0u, 0u);
+            const unsigned a[4] = {xa[s][u].x, c.x, xa[s][u].y, c.y};
+            const unsigned b[2] = {wb[s][u].x, wb[s][u].y};
+            tc_mma(acc, a, b);
+        }
+    };
+    load(0, 0);
+    for (int kb0 = 0; kb0 < blocks; kb0 += 2 * U) {
+        load(1, kb0 + U);
+        chain(0, kb0);
+        load(0, kb0 + 2 * U);
+        chain(1, kb0 + U);
+    }
+    const int o = o0 + 2 * t;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int tt = m0 + g + h * 8;
+        if (tt >= n || (h == 1 && TOK == 8)) continue;
+        if (o < rows) Y[(size_t)tt * rows + o] = acc[h * 2];
+        if (o + 1 < rows) Y[(size_t)tt * rows + o + 1] = acc[h * 2 + 1];
+    }
+}
+
+// Launch: grid (ceil(rows / 32), ceil(n / TOK)), 128 threads, no shared memory.
+#define TC_MV(NAME, TOK, U)                                                                      \
+    extern "C" __global__ void __launch_bounds__(128)                                           \
+        NAME(const unsigned short* Xb, const unsigned short* W, float* Y, int n, int rows, int K) { \
+        tc_mv_body<TOK, U>(Xb, W, Y, n, rows, K);                                               \
+    }
+TC_MV(tc_mv_8, 8, 16)
+TC_MV(tc_mv_16, 16, 8)
+
 // BM tokens x BN rows a block, WM x WN warps, each warp (BM/WM) x (BN/WN).
 template <int BM, int BN, int WM, int WN>
 __device__ __forceinline__ void tc_gemm_body(const float* __restrict__ X,

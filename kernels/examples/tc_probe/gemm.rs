@@ -14,12 +14,14 @@ use super::Probe;
 /// input rounded to bf16 first): tc_gemm_* read x as f32, tc_mm_* its bf16
 /// rounding from tc_round_bf16 (timed with it), as kernels/src/cuda/tc.rs
 /// launches them.
-const KERNELS: [(&str, usize, usize, u32, u32, bool); 5] = [
+const KERNELS: [(&str, usize, usize, u32, u32, bool); 7] = [
     ("tc_gemm_64x64", 64, 64, 128, 0, false),
     ("tc_mm_128x128", 128, 128, 256, 256 * 40 * 2 * 4, true),
     ("tc_mm_64x64", 64, 64, 128, 128 * 72 * 2 * 4, true),
     ("tc_mm_64x32", 64, 32, 128, 96 * 72 * 2 * 4, true),
     ("tc_mm_16x32", 16, 32, 128, 48 * 72 * 2 * 8, true),
+    ("tc_mv_8", 8, 32, 128, 0, true),
+    ("tc_mv_16", 16, 32, 128, 0, true),
 ];
 
 /// Whether `kernel` serves k (tc_mm_*: a multiple of 8).
@@ -243,7 +245,7 @@ fn run_inner(p: &Probe) -> Result<bool, String> {
         "kernel", "n", "rows", "k", "us", "TFLOP/s", "W GB/s"
     );
     for &(rows, k) in &[(6144usize, 4096usize), (28672, 4096), (4096, 14336)] {
-        for &n in &[1usize, 16, 64, 512] {
+        for &n in &[1usize, 8, 16, 64, 512] {
             let (x, w) = operands(n, rows, k, 7);
             let mut g = Gemm::new(p, &x, &w, n, rows, k)?;
             for (kernel, (name, ..)) in KERNELS.iter().enumerate() {

@@ -31,12 +31,18 @@ const MM: [(&str, usize, usize, u32, usize, usize); 4] = [
     ("tc_mm_128x128", 128, 128, 8, 32, 4),
 ];
 
+/// The direct-load instances of `tc_mv_body` (gemm.cu), by (name, tokens a
+/// block): four warps of 8 rows each, no shared memory; for decode steps.
+const MV: [(&str, usize); 2] = [("tc_mv_8", 8), ("tc_mv_16", 16)];
+
 /// The tensor-core module's kernels.
 pub(crate) struct TcKernels {
     _module: RawModule,
     round: Func,
     /// `MM`, in its order.
     mm: [Tile; 4],
+    /// `MV`, in its order.
+    mv: [Tile; 2],
     /// `tc_gemm_64x64` (x as f32, staged to bf16 as it is read): K not a
     /// multiple of 8.
     gemm: Tile,
@@ -67,9 +73,23 @@ impl TcKernels {
         let mm: [Tile; 4] = mm
             .try_into()
             .map_err(|_| GpuError::Config("the tensor-core tile table".into()))?;
+        let mut mvs = Vec::with_capacity(MV.len());
+        for (name, bm) in MV {
+            mvs.push(Tile {
+                f: module.function(name)?,
+                bm,
+                bn: 32,
+                threads: 128,
+                smem: 0,
+            });
+        }
+        let mv: [Tile; 2] = mvs
+            .try_into()
+            .map_err(|_| GpuError::Config("the tensor-core tile table".into()))?;
         Ok(Self {
             round: module.function("tc_round_bf16")?,
             mm,
+            mv,
             gemm: Tile {
                 f: module.function("tc_gemm_64x64")?,
                 bm: 64,
@@ -158,7 +178,8 @@ impl Gpu {
             k.gemm
         } else {
             match n {
-                0..=16 => k.mm[0],
+                0..=8 => k.mv[0],
+                9..=16 => k.mv[1],
                 17..=48 => k.mm[1],
                 49..=256 => k.mm[2],
                 _ => k.mm[3],

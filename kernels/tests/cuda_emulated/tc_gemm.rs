@@ -159,6 +159,19 @@ fn the_pipelined_kernels_chain_each_output_over_k_blocks_in_order() {
 }
 
 #[test]
+fn the_direct_load_kernels_chain_each_output_over_k_blocks_in_order() {
+    let Some(bin) = emulator() else { return };
+    // tc_mv_* (fragments loaded from global memory, two groups of k blocks
+    // in flight): k = 40 and 8 (a k block half past K, one wholly past K
+    // skipped), 1,040 (65 blocks: the groups of 16 and 8 wrap with a
+    // ragged tail); 9 and 17 tokens use the second token tile and the
+    // fragments' second rows; 37 and 70 rows leave warps and lanes past the
+    // matrix.
+    let shapes = [(1, 37, 40), (9, 70, 1040), (17, 33, 8), (130, 40, 72)];
+    check(bin, &["tc_mv_8", "tc_mv_16"], &shapes);
+}
+
+#[test]
 fn the_check_sees_a_wrong_fragment_index() {
     // Negative control: gemm.cu with a2 (k + 8) read from k instead must
     // fail the comparison above (the same emulation, the mutated source).
