@@ -12,7 +12,8 @@
 //! models use).
 //!
 //! [`Stopper`] holds back the longest tail of the text that could still begin
-//! a stop sequence, and cuts the text where the first one completes.
+//! a stop sequence ([`partial_tail`], which `tools` reuses for its tags), and
+//! cuts the text where the first one completes.
 
 use lmrr_engine::Tokenizer;
 
@@ -66,6 +67,25 @@ impl Detok {
     }
 }
 
+/// Length of the longest tail of `text` that is a proper prefix of one of
+/// `patterns`: the bytes to hold back because a pattern may still complete
+/// there once more text arrives (always a character boundary of `text`).
+pub fn partial_tail<'a>(text: &str, patterns: impl IntoIterator<Item = &'a str>) -> usize {
+    let mut hold = 0;
+    for p in patterns {
+        for k in (1..p.len()).rev() {
+            if k <= hold {
+                break;
+            }
+            if p.is_char_boundary(k) && text.ends_with(&p[..k]) {
+                hold = k;
+                break;
+            }
+        }
+    }
+    hold
+}
+
 /// Stop-sequence matcher over streamed text.
 #[derive(Debug)]
 pub struct Stopper {
@@ -114,19 +134,7 @@ impl Stopper {
             self.emitted = p;
             return out;
         }
-        // Hold back the longest suffix that is a prefix of some stop.
-        let mut hold = 0;
-        for st in &self.stops {
-            for k in (1..st.len()).rev() {
-                if k <= hold {
-                    break;
-                }
-                if st.is_char_boundary(k) && self.text.ends_with(&st[..k]) {
-                    hold = k;
-                    break;
-                }
-            }
-        }
+        let hold = partial_tail(&self.text, self.stops.iter().map(String::as_str));
         let end = (self.text.len() - hold).max(self.emitted);
         let out = self.text[self.emitted..end].to_string();
         self.emitted = end;

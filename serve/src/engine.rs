@@ -210,6 +210,19 @@ impl EngineHandle {
     }
 }
 
+#[cfg(test)]
+impl EngineHandle {
+    /// A handle on no engine: tests feed a response's updates by hand.
+    pub(crate) fn detached() -> Self {
+        let (inbox, _) = mpsc::channel(1);
+        Self {
+            inbox,
+            shutdown: Arc::new(AtomicBool::new(true)),
+            stats: Arc::new(Stats::default()),
+        }
+    }
+}
+
 /// Everything the loop needs.
 pub struct EngineSetup {
     pub model: Arc<Model>,

@@ -6,8 +6,9 @@
 //! validates request bodies, [`template`] renders chat prompts, [`server`]
 //! holds routes and SSE framing, [`engine`] is the one thread that owns the
 //! scheduler and the bundle, [`detok`] streams text and stop sequences,
-//! [`record`] names and rotates bundles, and [`script`] turns a bundle back
-//! into a session script (`lmrr inspect B --script`).
+//! [`record`] names and rotates bundles, [`script`] turns a bundle back
+//! into a session script (`lmrr inspect B --script`), and [`tools`] shows an
+//! answer's `<tool_call>` blocks as OpenAI's `tool_calls`.
 //!
 //! Invariants: nothing a client sends can panic the server (parsing is
 //! property-tested; every limit is a 4xx with the numbers); the engine loop
@@ -28,6 +29,7 @@ pub mod script;
 pub mod server;
 pub mod sse;
 pub mod template;
+pub mod tools;
 pub mod traffic_summary;
 
 use std::net::SocketAddr;

@@ -823,3 +823,39 @@ pub fn proxy(cfg: ProxyConfig, resend_from: Option<PathBuf>) -> Result<(PathBuf,
     rt.shutdown_timeout(Duration::from_millis(100));
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// A tool-call answer, whole or streamed, reaches the client as the
+    /// upstream sent it but for `logprobs`; its request keeps its tools.
+    #[test]
+    fn a_tool_call_answer_passes_with_only_its_logprobs_stripped() {
+        let call = json!({"id": "call_c_0", "type": "function",
+            "function": {"name": "f", "arguments": "{\"x\":1}"}});
+        let lp = json!({"content": [{"token": "<", "logprob": -0.5, "bytes": [60], "top_logprobs": []}]});
+        let mut whole = json!({"choices": [{"index": 0,
+            "message": {"role": "assistant", "content": null, "tool_calls": [call]},
+            "logprobs": lp, "finish_reason": "tool_calls"}]});
+        let mut chunk = json!({"choices": [{"index": 0,
+            "delta": {"tool_calls": [call]}, "logprobs": lp, "finish_reason": null}]});
+        for v in [&mut whole, &mut chunk] {
+            let mut want = v.clone();
+            want["choices"][0]["logprobs"] = Value::Null;
+            strip_logprobs(v);
+            assert_eq!(*v, want);
+        }
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"});
+        let sent: Value = serde_json::from_slice(
+            &ask_logprobs("/v1/chat/completions", body.to_string().as_bytes(), 5).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(sent["tools"], body["tools"]);
+        assert_eq!(sent["tool_choice"], json!("auto"));
+        assert_eq!(sent["logprobs"], json!(true));
+        assert_eq!(sent["top_logprobs"], json!(5));
+    }
+}

@@ -11,6 +11,14 @@
 //! `data: [DONE]\n\n`. An error after the stream started is sent as
 //! `data: {"error": {...}}\n\n` with no `[DONE]`.
 //!
+//! Tool calls: on a chat request with `tools` (and `tool_choice` not
+//! `"none"`) the answer's `<tool_call>` blocks are shown as
+//! `message.tool_calls` (streamed: one `delta.tool_calls` chunk per call once
+//! its block is complete, the text that may begin one held back meanwhile),
+//! the rest as `content` (trimmed; null when empty), and `finish_reason` is
+//! `tool_calls` when there is a call; see [`crate::tools`]. Presentation
+//! only: the logprob entries, `usage` and the bundle are the tokens sampled.
+//!
 //! Logprobs, when asked for, are in each choice's `logprobs` (null
 //! otherwise, and in the role chunk): chat's `{"content": [{"token",
 //! "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`,
@@ -20,10 +28,11 @@
 //! a logprob is the engine's f32 written as the f64 it widens to (a client's
 //! f64 parse, cast back to f32, gives the very bits), −∞ written as OpenAI's
 //! −9999.0 and a NaN row as null. A stream's entries travel with the next
-//! text piece after their token was sampled (the text of a token held back
-//! by the detokenizer or a stop sequence may come a chunk later), and any
-//! left at the end (the token that completed a stop sequence) with the
-//! `finish_reason` chunk; concatenated, they are the response's tokens.
+//! text piece (or tool call) after their token was sampled (the text of a
+//! token held back by the detokenizer, a stop sequence or a possible tool
+//! call may come chunks later), and any left at the end (the token that
+//! completed a stop sequence) with the `finish_reason` chunk; concatenated,
+//! they are the response's tokens.
 //! Legacy `top_logprobs` objects are keyed by token text: alternatives with
 //! the same text keep the likeliest; `text_offset` counts the characters
 //! begun before each token in the completion.
@@ -56,6 +65,7 @@ use crate::api::{self, GenParams, Prompt};
 use crate::engine::{net, EngineHandle, Finish, Kind, Submission, TokenLogprob, Update};
 use crate::error::ApiError;
 use crate::template::Renderer;
+use crate::tools::{self, Piece, ToolStream};
 
 /// Largest request body, bytes (tens of KB of tools fit many times over).
 pub const BODY_LIMIT: usize = 4 << 20;
@@ -298,6 +308,8 @@ async fn chat_inner(app: Arc<App>, headers: HeaderMap, body: Body) -> Result<Res
         created: now(),
         kind: Kind::Chat,
         logprobs: req.gen.logprobs.is_some(),
+        tools: req.tools.is_some()
+            && req.tool_choice.as_ref().and_then(Value::as_str) != Some("none"),
     };
     if req.stream {
         Ok(meta.stream(rx, req.include_usage))
@@ -361,12 +373,32 @@ async fn completions_inner(
         created: now(),
         kind: Kind::Completion,
         logprobs: req.gen.logprobs.is_some(),
+        tools: false,
     };
     if req.stream {
         Ok(meta.stream(rx, req.include_usage))
     } else {
         meta.whole(rx).await
     }
+}
+
+fn sse(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+/// A streaming response's state between updates.
+struct StreamState {
+    rx: mpsc::Receiver<Update>,
+    queue: std::collections::VecDeque<Bytes>,
+    done: bool,
+    /// Logprob entries not sent yet, and the legacy `text_offset`.
+    pending: Vec<TokenLogprob>,
+    offset: usize,
+    include_usage: bool,
+    /// The answer's tool-call reader, when its calls are shown as such.
+    tools: Option<ToolStream>,
+    /// Tool calls sent.
+    calls: usize,
 }
 
 /// A response being built.
@@ -378,6 +410,9 @@ struct Meta {
     kind: Kind,
     /// Whether the client asked for logprobs.
     logprobs: bool,
+    /// Whether the answer's `<tool_call>` blocks become `tool_calls` (a chat
+    /// request with `tools`, `tool_choice` not `"none"`; see [`tools`]).
+    tools: bool,
 }
 
 /// OpenAI's floor for a logprob JSON cannot write (−∞).
@@ -519,12 +554,15 @@ impl Meta {
         };
         let logprobs = self.logprobs_json(&entries, &mut 0);
         let choice = match self.kind {
-            Kind::Chat => json!({
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": fin.reason,
-            }),
+            Kind::Chat => {
+                let (message, reason) = self.message(text, fin.reason);
+                json!({
+                    "index": 0,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": reason,
+                })
+            }
             Kind::Completion => json!({
                 "index": 0,
                 "text": text,
@@ -552,6 +590,39 @@ impl Meta {
             .into_response();
         self.headers(&mut r);
         Ok(r)
+    }
+
+    /// A whole answer's assistant message and its `finish_reason`:
+    /// `tool_calls` when the answer made calls.
+    fn message(&self, text: String, reason: &'static str) -> (Value, &'static str) {
+        if !self.tools {
+            return (json!({"role": "assistant", "content": text}), reason);
+        }
+        let s = tools::split(&text);
+        self.warn_rejected(&s.rejected);
+        if s.calls.is_empty() {
+            return (json!({"role": "assistant", "content": s.content}), reason);
+        }
+        let calls: Vec<Value> = s
+            .calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| c.to_json(&self.name, i))
+            .collect();
+        (
+            json!({"role": "assistant", "content": s.content, "tool_calls": calls}),
+            "tool_calls",
+        )
+    }
+
+    fn warn_rejected(&self, rejected: &[tools::BadCall]) {
+        for why in rejected {
+            eprintln!(
+                "lmrr serve: {}: warning: a {} block left in the content: {why}",
+                self.name,
+                tools::OPEN
+            );
+        }
     }
 
     fn chunk(&self, choices: Value, include_usage: bool) -> Value {
@@ -585,23 +656,44 @@ impl Meta {
         }
     }
 
+    /// A streamed tool call: its whole entry in one delta, `index` counting
+    /// the answer's calls.
+    fn call_delta(&self, call: &tools::ToolCall, index: usize, logprobs: Value) -> Value {
+        let mut c = call.to_json(&self.name, index);
+        c["index"] = json!(index);
+        json!([{"index": 0, "delta": {"tool_calls": [c]}, "logprobs": logprobs, "finish_reason": null}])
+    }
+
+    /// Queues a chunk for each piece, the logprob entries not sent yet on
+    /// the first.
+    fn pieces(&self, st: &mut StreamState, pieces: Vec<Piece>) {
+        for p in pieces {
+            let lp = self.logprobs_json(&st.pending, &mut st.offset);
+            st.pending.clear();
+            let choices = match p {
+                Piece::Content(text) => self.delta(&text, false, None, lp),
+                Piece::Call(c) => {
+                    let d = self.call_delta(&c, st.calls, lp);
+                    st.calls += 1;
+                    d
+                }
+            };
+            st.queue
+                .push_back(sse(&self.chunk(choices, st.include_usage)));
+        }
+    }
+
     /// A streaming response.
     fn stream(self, rx: mpsc::Receiver<Update>, include_usage: bool) -> Response {
-        let sse = |v: &Value| Bytes::from(format!("data: {v}\n\n"));
-        struct St {
-            rx: mpsc::Receiver<Update>,
-            queue: std::collections::VecDeque<Bytes>,
-            done: bool,
-            /// Logprob entries not sent yet, and the legacy `text_offset`.
-            pending: Vec<TokenLogprob>,
-            offset: usize,
-        }
-        let mut st = St {
+        let mut st = StreamState {
             rx,
             queue: Default::default(),
             done: false,
             pending: Vec::new(),
             offset: 0,
+            include_usage,
+            tools: self.tools.then(ToolStream::new),
+            calls: 0,
         };
         // The role chunk goes out with the headers (chat only).
         if self.kind == Kind::Chat {
@@ -625,21 +717,29 @@ impl Meta {
                         Some(Update::Text { text, logprobs }) => {
                             st.pending.extend(logprobs);
                             if !text.is_empty() {
-                                let lp = meta.logprobs_json(&st.pending, &mut st.offset);
-                                st.pending.clear();
-                                st.queue
-                                    .push_back(sse(&meta
-                                        .chunk(meta.delta(&text, false, None, lp), include_usage)));
+                                let pieces = match &mut st.tools {
+                                    Some(t) => t.push(&text),
+                                    None => vec![Piece::Content(text)],
+                                };
+                                meta.pieces(&mut st, pieces);
                             }
                         }
                         Some(Update::Finished(f)) => {
+                            let mut reason = f.reason;
+                            if let Some(mut t) = st.tools.take() {
+                                meta.pieces(&mut st, t.finish());
+                                meta.warn_rejected(t.rejected());
+                                if t.calls() > 0 {
+                                    reason = "tool_calls";
+                                }
+                            }
                             let lp = if st.pending.is_empty() {
                                 Value::Null
                             } else {
                                 meta.logprobs_json(&st.pending, &mut st.offset)
                             };
-                            let mut last = meta
-                                .chunk(meta.delta("", false, Some(f.reason), lp), include_usage);
+                            let mut last =
+                                meta.chunk(meta.delta("", false, Some(reason), lp), include_usage);
                             last["lmrr"] = meta.lmrr(&f);
                             st.queue.push_back(sse(&last));
                             if include_usage {
@@ -751,3 +851,218 @@ pub fn is_loopback(addr: &SocketAddr) -> bool {
 
 /// How long a shutdown waits for open responses before closing them.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+    use lmrr_engine::SynthSpec;
+
+    const NAME: &str = "chatcmpl-0-7";
+
+    fn meta(tools: bool) -> Meta {
+        let model = Model::synthetic(SynthSpec::embedded_default()).unwrap();
+        let app = App {
+            renderer: Renderer::new(&model).unwrap(),
+            token_bytes: model.tokenizer.byte_table(),
+            model: Arc::new(model),
+            model_name: "tiny".into(),
+            api_key: None,
+            engine: crate::engine::EngineHandle::detached(),
+            body_limit: BODY_LIMIT,
+            fingerprint: "fp".into(),
+            started: 0,
+        };
+        Meta {
+            app: Arc::new(app),
+            name: NAME.into(),
+            bundle: Some("b.lmrr".into()),
+            created: 0,
+            kind: Kind::Chat,
+            logprobs: true,
+            tools,
+        }
+    }
+
+    /// The engine's side of a request: a text update per piece, each with
+    /// one logprob entry (token `10 + i`, logprob `-i/4`), then the end.
+    fn updates(pieces: &[&str], reason: &'static str) -> mpsc::Receiver<Update> {
+        let (tx, rx) = mpsc::channel(pieces.len() + 1);
+        for (i, p) in pieces.iter().enumerate() {
+            tx.try_send(Update::Text {
+                text: p.to_string(),
+                logprobs: vec![TokenLogprob {
+                    token: 10 + i as u32,
+                    logprob: Some(-(i as f32) / 4.0),
+                    top: Vec::new(),
+                }],
+            })
+            .unwrap();
+        }
+        tx.try_send(Update::Finished(Finish {
+            reason,
+            prompt_tokens: 11,
+            completion_tokens: pieces.len(),
+            cached_tokens: 3,
+            digest: "d1g".into(),
+        }))
+        .unwrap();
+        rx
+    }
+
+    async fn body(r: Response) -> String {
+        let b = r.into_body().collect().await.unwrap().to_bytes();
+        String::from_utf8(b.to_vec()).unwrap()
+    }
+
+    /// The entries' tokens (found by their bytes among 10..20) and
+    /// logprobs, as the response shows them.
+    fn entries(table: &[Vec<u8>], lp: &Value) -> Vec<(u32, f64)> {
+        let Some(a) = lp["content"].as_array() else {
+            return Vec::new();
+        };
+        a.iter()
+            .map(|e| {
+                let bytes: Vec<u8> = e["bytes"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_u64().unwrap() as u8)
+                    .collect();
+                let id = (10..20).find(|&t| table[t as usize] == bytes).unwrap();
+                (id, e["logprob"].as_f64().unwrap())
+            })
+            .collect()
+    }
+
+    const PIECES: [&str; 4] = [
+        "I'll look.\n<tool",
+        "_call>\n{\"name\": \"get_weather\", ",
+        "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>{\"name\": \"now\", ",
+        "\"arguments\": \"{}\"}</tool_call>",
+    ];
+
+    fn expected_calls() -> Value {
+        json!([
+            {"id": "call_chatcmpl-0-7_0", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}},
+            {"id": "call_chatcmpl-0-7_1", "type": "function",
+             "function": {"name": "now", "arguments": "{}"}},
+        ])
+    }
+
+    fn expected_entries() -> Vec<(u32, f64)> {
+        vec![(10, 0.0), (11, -0.25), (12, -0.5), (13, -0.75)]
+    }
+
+    #[tokio::test]
+    async fn a_whole_answer_with_tool_calls_is_openai_shaped_and_keeps_the_rest() {
+        let m = meta(true);
+        let table = m.app.token_bytes.clone();
+        let r = m.whole(updates(&PIECES, "stop")).await.unwrap();
+        let v: Value = serde_json::from_str(&body(r).await).unwrap();
+        let c = &v["choices"][0];
+        assert_eq!(c["message"]["content"], json!("I'll look."));
+        assert_eq!(c["message"]["tool_calls"], expected_calls());
+        assert_eq!(c["finish_reason"], json!("tool_calls"));
+        assert_eq!(entries(&table, &c["logprobs"]), expected_entries());
+        assert_eq!(
+            v["usage"],
+            json!({"prompt_tokens": 11, "completion_tokens": 4, "total_tokens": 15,
+                   "prompt_tokens_details": {"cached_tokens": 3}})
+        );
+        assert_eq!(
+            v["lmrr"],
+            json!({"request": NAME, "bundle": "b.lmrr", "digest": "d1g"})
+        );
+        // Only calls: the content is null.
+        let r = meta(true)
+            .whole(updates(
+                &[&PIECES[0][10..], PIECES[1], PIECES[2], PIECES[3]],
+                "stop",
+            ))
+            .await
+            .unwrap();
+        let v: Value = serde_json::from_str(&body(r).await).unwrap();
+        assert_eq!(v["choices"][0]["message"]["content"], Value::Null);
+        assert_eq!(v["choices"][0]["message"]["tool_calls"], expected_calls());
+    }
+
+    #[tokio::test]
+    async fn without_tools_the_answer_is_untouched() {
+        let r = meta(false).whole(updates(&PIECES, "stop")).await.unwrap();
+        let v: Value = serde_json::from_str(&body(r).await).unwrap();
+        let m = &v["choices"][0]["message"];
+        assert_eq!(m["content"], json!(PIECES.concat()));
+        assert!(m.get("tool_calls").is_none(), "{m}");
+        assert_eq!(v["choices"][0]["finish_reason"], json!("stop"));
+    }
+
+    /// A stream's chunks: content joined, tool-call deltas, logprob entries
+    /// joined, the finish reason; checks the framing on the way.
+    async fn streamed(
+        meta: Meta,
+        pieces: &[&str],
+        reason: &'static str,
+    ) -> (String, Vec<Value>, Vec<(u32, f64)>, Value) {
+        let table = meta.app.token_bytes.clone();
+        let text = body(meta.stream(updates(pieces, reason), false)).await;
+        let events: Vec<&str> = text.split_terminator("\n\n").collect();
+        assert_eq!(events.last(), Some(&"data: [DONE]"), "{text}");
+        let mut content = String::new();
+        let mut calls = Vec::new();
+        let mut lps = Vec::new();
+        let mut finish = Value::Null;
+        for e in &events[..events.len() - 1] {
+            let v: Value = serde_json::from_str(e.strip_prefix("data: ").unwrap()).unwrap();
+            assert_eq!(v["id"], json!(NAME));
+            let c = &v["choices"][0];
+            content.push_str(c["delta"]["content"].as_str().unwrap_or(""));
+            if let Some(t) = c["delta"]["tool_calls"].as_array() {
+                assert!(c["delta"].get("content").is_none(), "{v}");
+                calls.extend(t.iter().cloned());
+            }
+            lps.extend(entries(&table, &c["logprobs"]));
+            if !c["finish_reason"].is_null() {
+                finish = c["finish_reason"].clone();
+            }
+        }
+        (content, calls, lps, finish)
+    }
+
+    #[tokio::test]
+    async fn a_streamed_answer_sends_each_call_as_a_delta_once_complete() {
+        let (content, calls, lps, finish) = streamed(meta(true), &PIECES, "stop").await;
+        assert_eq!(content, "I'll look.");
+        let mut want = expected_calls();
+        for (i, c) in want.as_array_mut().unwrap().iter_mut().enumerate() {
+            c["index"] = json!(i);
+        }
+        assert_eq!(Value::Array(calls), want);
+        assert_eq!(lps, expected_entries());
+        assert_eq!(finish, json!("tool_calls"));
+        // Without tools: the text as it came.
+        let (content, calls, lps, finish) = streamed(meta(false), &PIECES, "stop").await;
+        assert_eq!(content, PIECES.concat());
+        assert!(calls.is_empty());
+        assert_eq!(lps, expected_entries());
+        assert_eq!(finish, json!("stop"));
+        // A call, then a block cut by the end of generation: the cut block
+        // is content; a call was sent, so the reason is `tool_calls`.
+        let (content, calls, lps, finish) = streamed(meta(true), &PIECES[..3], "length").await;
+        assert_eq!(content, "I'll look.\n\n<tool_call>{\"name\": \"now\",");
+        assert_eq!(Value::Array(calls), json!([want[0]]));
+        assert_eq!(lps, expected_entries()[..3]);
+        assert_eq!(finish, json!("tool_calls"));
+        // Only a cut block: all content, the engine's reason.
+        let (content, calls, _, finish) = streamed(
+            meta(true),
+            &["Sure: <tool_call>{\"name\"", ": \"now\""],
+            "length",
+        )
+        .await;
+        assert_eq!(content, "Sure: <tool_call>{\"name\": \"now\"");
+        assert!(calls.is_empty());
+        assert_eq!(finish, json!("length"));
+    }
+}

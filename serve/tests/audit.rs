@@ -20,6 +20,11 @@ type Req = (
 );
 
 fn bundle(requests: Vec<Req>) -> traffic::TrafficBundle {
+    typed_bundle(requests, "text/event-stream")
+}
+
+/// [`bundle`] with every response of `content_type`.
+fn typed_bundle(requests: Vec<Req>, content_type: &str) -> traffic::TrafficBundle {
     let m = TrafficManifest::new("http://127.0.0.1:1", "x", 5, "clients", "t", "t");
     let mut w = TrafficWriter::new(Vec::new(), &m, 1).unwrap();
     for (id, (path, body, status, chunks, end)) in requests.into_iter().enumerate() {
@@ -38,7 +43,7 @@ fn bundle(requests: Vec<Req>) -> traffic::TrafficBundle {
                 id,
                 at_us: 0,
                 status,
-                content_type: "text/event-stream".into(),
+                content_type: content_type.into(),
             })
             .unwrap();
         }
@@ -171,6 +176,116 @@ proptest! {
             prop_assert_eq!(r.turns.len(), 1);
         }
     }
+}
+
+/// An answer that is a tool call with text around it, as a server with
+/// `tools` shows it: content only the text outside the call (trimmed), the
+/// call in `tool_calls`, logprob entries for every token sampled.
+#[test]
+fn a_tool_call_turn_is_audited_from_its_logprob_entries() {
+    let m = model();
+    let output = "Checking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\nDone.";
+    let ids = m.tokenizer.encode(output).unwrap();
+    let table = m.tokenizer.byte_table();
+    let body = json!({"model": "m", "temperature": 0,
+        "messages": [{"role": "user", "content": "weather in Paris?"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]})
+    .to_string()
+    .into_bytes();
+    let call = json!({"id": "call_x_0", "type": "function",
+        "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}});
+    // With `bytes` (lmrr serve, OpenAI) or the token's text alone.
+    let entries = |with_bytes: bool| -> Vec<serde_json::Value> {
+        ids.iter()
+            .map(|&t| {
+                let b = &table[t as usize];
+                json!({"token": String::from_utf8_lossy(b), "logprob": -1.0,
+                       "bytes": if with_bytes { json!(b) } else { json!(null) },
+                       "top_logprobs": []})
+            })
+            .collect()
+    };
+    let whole = |with_bytes: bool| -> Vec<Vec<u8>> {
+        vec![json!({"choices": [{"index": 0,
+            "message": {"role": "assistant", "content": "Checking.\n\nDone.", "tool_calls": [call]},
+            "logprobs": {"content": entries(with_bytes)}, "finish_reason": "tool_calls"}]})
+        .to_string()
+        .into_bytes()]
+    };
+    let streamed = |with_bytes: bool| -> Vec<Vec<u8>> {
+        let e = entries(with_bytes);
+        let (a, b) = e.split_at(2);
+        let mut call = call.clone();
+        call["index"] = json!(0);
+        [
+            json!({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]}),
+            json!({"choices": [{"index": 0, "delta": {"content": "Checking."}, "logprobs": {"content": a}, "finish_reason": null}]}),
+            json!({"choices": [{"index": 0, "delta": {"tool_calls": [call]}, "logprobs": {"content": b}, "finish_reason": null}]}),
+            json!({"choices": [{"index": 0, "delta": {"content": "\n\nDone."}, "logprobs": {"content": []}, "finish_reason": null}]}),
+            json!({"choices": [{"index": 0, "delta": {}, "logprobs": null, "finish_reason": "tool_calls"}]}),
+        ]
+        .iter()
+        .map(|v| v.to_string().into_bytes())
+        .chain([b"[DONE]".to_vec()])
+        .collect()
+    };
+    let req = |chunks: Vec<Vec<u8>>| -> Req {
+        let n = chunks.len() as u32;
+        (
+            "/v1/chat/completions".into(),
+            body.clone(),
+            Some(200),
+            chunks,
+            Some((Outcome::Complete, n)),
+        )
+    };
+    let run = |t: traffic::TrafficBundle| {
+        audit(
+            &m,
+            &t,
+            "t",
+            &Threads::new(1).unwrap(),
+            Thresholds::default(),
+        )
+        .unwrap()
+    };
+    let streams = run(bundle(vec![req(streamed(true)), req(streamed(false))]));
+    let wholes = run(typed_bundle(
+        vec![req(whole(true)), req(whole(false))],
+        "application/json",
+    ));
+    for (i, t) in streams.turns.iter().chain(&wholes.turns).enumerate() {
+        assert_ne!(t.verdict, Verdict::Skipped, "turn {i}: {}", t.why);
+        let audited: Vec<u32> = t.tokens.iter().map(|x| x.id).collect();
+        assert_eq!(audited, ids, "turn {i}: {:?}", t.notes);
+        let from = if i % 2 == 0 {
+            "logprob bytes"
+        } else {
+            "logprob tokens"
+        };
+        assert_eq!(t.ids_from, from, "turn {i}");
+        assert_eq!(t.answer, "Checking.\n\nDone.", "turn {i}");
+        assert_eq!(t.finish_reason.as_deref(), Some("tool_calls"), "turn {i}");
+        assert!(
+            t.notes
+                .iter()
+                .any(|n| n.contains("1 tool call(s) (get_weather)")),
+            "turn {i}: {:?}",
+            t.notes
+        );
+    }
+    // No entries: the text outside the call is not the output; skipped.
+    let mut chunks = whole(true);
+    let mut v: serde_json::Value = serde_json::from_slice(&chunks[0]).unwrap();
+    v["choices"][0]["logprobs"] = json!(null);
+    chunks[0] = v.to_string().into_bytes();
+    let r = run(typed_bundle(vec![req(chunks)], "application/json"));
+    assert_eq!(r.turns[0].verdict, Verdict::Skipped);
+    assert!(
+        r.turns[0].why.contains("no logprob entries"),
+        "{}",
+        r.turns[0].why
+    );
 }
 
 /// A turn of `tokens` tokens, `identical` of whose returned logprobs have

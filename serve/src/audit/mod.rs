@@ -5,7 +5,9 @@
 //! builds it (the model's chat template, then its tokenizer); the upstream's
 //! output tokens — recovered from its logprob entries (`bytes`, else the
 //! token's text) looked up in this model's vocabulary, or, with no usable
-//! entries, by tokenizing the text — are teacher-forced through the reference
+//! entries, by tokenizing the text; a turn that answered with `tool_calls`
+//! shows only the text outside its calls, so its tokens come from its entries
+//! alone, and with none it is skipped — are teacher-forced through the reference
 //! engine, and each is scored against the reference row it was drawn from:
 //! its rank (ties to the lower id, as the sampler), its log-probability, the
 //! gap to the reference's top choice, and, where the upstream returned
@@ -586,6 +588,26 @@ pub fn audit(
         t.answer = ans.text.clone();
         t.finish_reason = ans.finish_reason.clone();
         t.upstream_prompt_tokens = ans.prompt_tokens;
+        // A tool-call turn shows only the text outside its calls: the
+        // entries spell more than that text, and the text alone is not the
+        // output.
+        let spelled = if ans.tool_calls.is_empty() {
+            ans.text.as_str()
+        } else {
+            t.notes.push(format!(
+                "the answer carries {} tool call(s) ({}): the answer shown is the text outside them, the tokens are the logprob entries'",
+                ans.tool_calls.len(),
+                shorten(&ans.tool_calls.join(", "), 40)
+            ));
+            if ans.entries.is_empty() {
+                turns.push(skip(
+                    t,
+                    "the answer carries tool calls and no logprob entries: its tokens cannot be recovered from the text outside the calls".into(),
+                ));
+                continue;
+            }
+            ""
+        };
         if let Some(p) = ans.prompt_tokens {
             if p as usize != prompt.len() {
                 t.notes.push(format!(
@@ -620,7 +642,7 @@ pub fn audit(
                 // Exact bytes: the ids are known; the text may be lossy.
                 Some(ans.entries.iter().map(|e| vocab.candidates(e)[0]).collect())
             } else {
-                vocab.align(&ans.entries, &ans.text)
+                vocab.align(&ans.entries, spelled)
             };
             if a.is_none() {
                 t.notes.push(format!(
@@ -696,7 +718,7 @@ pub fn audit(
                         c == out[i] || {
                             let mut alt = out.clone();
                             alt[i] = c;
-                            vocab.spells(&alt, &ans.text)
+                            vocab.spells(&alt, spelled)
                         }
                     })
                     .min_by(|&a, &b| dist(a).total_cmp(&dist(b)).then(a.cmp(&b)));

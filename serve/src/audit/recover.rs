@@ -26,6 +26,10 @@ pub(super) struct Answer {
     pub(super) text: String,
     pub(super) entries: Vec<Entry>,
     pub(super) finish_reason: Option<String>,
+    /// Names of the tool calls shown (`message.tool_calls`, or a stream's
+    /// `delta.tool_calls` entries that name their function): the text is
+    /// then only what the server left outside them, not the whole output.
+    pub(super) tool_calls: Vec<String>,
     pub(super) prompt_tokens: Option<u64>,
     pub(super) notes: Vec<String>,
 }
@@ -137,6 +141,19 @@ pub(super) fn answer(chat: bool, chunks: &[&[u8]], streamed: bool) -> Answer {
             c.get("text").and_then(Value::as_str)
         };
         a.text.push_str(text.unwrap_or(""));
+        if chat {
+            let m = c.get(if streamed { "delta" } else { "message" });
+            if let Some(calls) = m
+                .and_then(|m| m.get("tool_calls"))
+                .and_then(Value::as_array)
+            {
+                a.tool_calls.extend(calls.iter().filter_map(|t| {
+                    t.pointer("/function/name")
+                        .and_then(Value::as_str)
+                        .map(str::to_string)
+                }));
+            }
+        }
         if let Some(lp) = c.get("logprobs").filter(|l| !l.is_null()) {
             a.entries.extend(if chat {
                 chat_entries(lp)
