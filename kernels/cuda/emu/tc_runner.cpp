@@ -77,6 +77,7 @@ static void tc_ldsm(unsigned* r, const unsigned short* p) {
 }
 __device__ void tc_ldsm_x4(unsigned* r, const unsigned short* p) { tc_ldsm<4>(r, p); }
 __device__ void tc_ldsm_x2(unsigned* r, const unsigned short* p) { tc_ldsm<2>(r, p); }
+__device__ void tc_prefetch_l2(const void*) {}
 // Dynamic shared memory: one static buffer as large as the largest instance.
 #define TC_DYNAMIC_SMEM(name) static __attribute__((aligned(16))) unsigned short name[(1 << 17) / 2]
 
@@ -107,10 +108,9 @@ int main() {
     if (kernel == "tc_gemm_64x64") bm = 64, bn = 64, threads = 128, gemm = tc_gemm_64x64;
     else if (kernel == "tc_mm_128x128") bm = 128, bn = 128, threads = 256, mm = tc_mm_128x128;
     else if (kernel == "tc_mm_64x64") bm = 64, bn = 64, threads = 128, mm = tc_mm_64x64;
-    else if (kernel == "tc_mm_64x32") bm = 64, bn = 32, threads = 128, mm = tc_mm_64x32;
-    else if (kernel == "tc_mm_16x32") bm = 16, bn = 32, threads = 128, mm = tc_mm_16x32;
     else if (kernel == "tc_mv_8") bm = 8, bn = 32, threads = 128, mm = tc_mv_8;
     else if (kernel == "tc_mv_16") bm = 16, bn = 32, threads = 128, mm = tc_mv_16;
+    else if (kernel == "tc_mm_32x32") bm = 32, bn = 32, threads = 128, mm = tc_mm_32x32;
     else return 2;
     // tc_mm_*: x rounded to bf16 by tc_round_bf16 first, as tc.rs does.
     std::vector<unsigned short> xb(x.size());

@@ -78,6 +78,10 @@ __device__ __forceinline__ void tc_ldsm_x2(unsigned* r, const unsigned short* p)
                  : "r"(s));
 }
 #define TC_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned short name[]
+// A hint: the line holding p into L2 (no register, no wait).
+__device__ __forceinline__ void tc_prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
 #endif
 
 // X (f32) rounded to bf16 (nearest even) once, for tc_mm_* to stream: the
@@ -170,8 +174,7 @@ __device__ __forceinline__ void tc_mm_body(const unsigned short* __restrict__ Xb
         NAME(const unsigned short* Xb, const unsigned short* W, float* Y, int n, int rows, int K) { \
         tc_mm_body<BM, BN, WM, WN, BK, STAGES>(Xb, W, Y, n, rows, K);                              \
     }
-TC_MM(tc_mm_16x32, 16, 32, 1, 4, 64, 8)
-TC_MM(tc_mm_64x32, 64, 32, 2, 2, 64, 4)
+TC_MM(tc_mm_32x32, 32, 32, 2, 2, 64, 4)
 TC_MM(tc_mm_64x64, 64, 64, 2, 2, 64, 4)
 TC_MM(tc_mm_128x128, 128, 128, 2, 4, 32, 4)
 
@@ -190,7 +193,10 @@ __device__ __forceinline__ uint2 tc_ld8(const unsigned short* p, bool ok) {
     return ok ? *reinterpret_cast<const uint2*>(p) : make_uint2(0u, 0u);
 }
 
-template <int TOK, int U>
+// PF > 0: each group also asks L2 for the weights PF groups ahead (lane t
+// one 128-byte line of its row's 512), so DRAM's latency is paid ahead of
+// the loads that hold registers.
+template <int TOK, int U, int PF>
 __device__ __forceinline__ void tc_mv_body(const unsigned short* __restrict__ Xb,
                                            const unsigned short* __restrict__ W,
                                            float* __restrict__ Y, int n, int rows, int K) {
@@ -205,6 +211,10 @@ __device__ __forceinline__ void tc_mv_body(const unsigned short* __restrict__ Xb
     const int blocks = (K + 15) / 16;
     uint2 wb[2][U], xa[2][U], xc[2][TOK == 16 ? U : 1];
     auto load = [&](int s, int kb0) {
+        if (PF > 0) {
+            const int e = (kb0 + PF * U) * 16 + 64 * t;  // line t of the group's span
+            if (wok && e < K) tc_prefetch_l2(wp - 4 * t + e);
+        }
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int e = (kb0 + u) * 16, in = e + 4 * t < K;
@@ -242,13 +252,13 @@ __device__ __forceinline__ void tc_mv_body(const unsigned short* __restrict__ Xb
 }
 
 // Launch: grid (ceil(rows / 32), ceil(n / TOK)), 128 threads, no shared memory.
-#define TC_MV(NAME, TOK, U)                                                                      \
+#define TC_MV(NAME, TOK, U, PF)                                                                  \
     extern "C" __global__ void __launch_bounds__(128)                                           \
         NAME(const unsigned short* Xb, const unsigned short* W, float* Y, int n, int rows, int K) { \
-        tc_mv_body<TOK, U>(Xb, W, Y, n, rows, K);                                               \
+        tc_mv_body<TOK, U, PF>(Xb, W, Y, n, rows, K);                                           \
     }
-TC_MV(tc_mv_8, 8, 16)
-TC_MV(tc_mv_16, 16, 8)
+TC_MV(tc_mv_8, 8, 16, 2)
+TC_MV(tc_mv_16, 16, 8, 0)
 
 // BM tokens x BN rows a block, WM x WN warps, each warp (BM/WM) x (BN/WN).
 template <int BM, int BN, int WM, int WN>

@@ -14,12 +14,11 @@ use super::Probe;
 /// input rounded to bf16 first): tc_gemm_* read x as f32, tc_mm_* its bf16
 /// rounding from tc_round_bf16 (timed with it), as kernels/src/cuda/tc.rs
 /// launches them.
-const KERNELS: [(&str, usize, usize, u32, u32, bool); 7] = [
+const KERNELS: [(&str, usize, usize, u32, u32, bool); 6] = [
     ("tc_gemm_64x64", 64, 64, 128, 0, false),
     ("tc_mm_128x128", 128, 128, 256, 256 * 40 * 2 * 4, true),
     ("tc_mm_64x64", 64, 64, 128, 128 * 72 * 2 * 4, true),
-    ("tc_mm_64x32", 64, 32, 128, 96 * 72 * 2 * 4, true),
-    ("tc_mm_16x32", 16, 32, 128, 48 * 72 * 2 * 8, true),
+    ("tc_mm_32x32", 32, 32, 128, 64 * 72 * 2 * 4, true),
     ("tc_mv_8", 8, 32, 128, 0, true),
     ("tc_mv_16", 16, 32, 128, 0, true),
 ];

@@ -23,13 +23,18 @@ struct Tile {
 }
 
 /// The pipelined instances of `tc_mm_body` (gemm.cu), by (name, BM, BN,
-/// warps, BK, stages); chosen by tokens a launch.
-const MM: [(&str, usize, usize, u32, usize, usize); 4] = [
-    ("tc_mm_16x32", 16, 32, 4, 64, 8),
-    ("tc_mm_64x32", 64, 32, 4, 64, 4),
+/// warps, BK, stages); chosen by tokens a launch (and rows, see
+/// [`Gpu::tc_mm`]).
+const MM: [(&str, usize, usize, u32, usize, usize); 3] = [
+    ("tc_mm_32x32", 32, 32, 4, 64, 4),
     ("tc_mm_64x64", 64, 64, 4, 64, 4),
     ("tc_mm_128x128", 128, 128, 8, 32, 4),
 ];
+
+/// Rows from which a matrix of 17 to 64 tokens takes 64×64 tiles rather
+/// than 32×32: past it the small tiles are many waves of blocks, each
+/// reading its inputs again (docs/PERFORMANCE.md has the timings).
+const SMALL_TILE_MAX_ROWS: usize = 16_384;
 
 /// The direct-load instances of `tc_mv_body` (gemm.cu), by (name, tokens a
 /// block): four warps of 8 rows each, no shared memory; for decode steps.
@@ -40,7 +45,7 @@ pub(crate) struct TcKernels {
     _module: RawModule,
     round: Func,
     /// `MM`, in its order.
-    mm: [Tile; 4],
+    mm: [Tile; 3],
     /// `MV`, in its order.
     mv: [Tile; 2],
     /// `tc_gemm_64x64` (x as f32, staged to bf16 as it is read): K not a
@@ -70,7 +75,7 @@ impl TcKernels {
                 smem: smem as u32,
             });
         }
-        let mm: [Tile; 4] = mm
+        let mm: [Tile; 3] = mm
             .try_into()
             .map_err(|_| GpuError::Config("the tensor-core tile table".into()))?;
         let mut mvs = Vec::with_capacity(MV.len());
@@ -180,9 +185,9 @@ impl Gpu {
             match n {
                 0..=8 => k.mv[0],
                 9..=16 => k.mv[1],
-                17..=48 => k.mm[1],
-                49..=256 => k.mm[2],
-                _ => k.mm[3],
+                17..=64 if w.rows < SMALL_TILE_MAX_ROWS => k.mm[0],
+                17..=256 => k.mm[1],
+                _ => k.mm[2],
             }
         };
         let (ni, ri, ci) = (
