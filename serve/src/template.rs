@@ -131,7 +131,12 @@ impl Renderer {
                             Value::String(m.content.clone().unwrap_or_default()),
                         );
                         for (k, v) in &m.extra {
-                            o.insert(k.clone(), v.clone());
+                            let v = if k == "tool_calls" {
+                                arguments_as_objects(v)
+                            } else {
+                                v.clone()
+                            };
+                            o.insert(k.clone(), v);
                         }
                         Value::Object(o)
                     })
@@ -164,8 +169,8 @@ fn chatml(messages: &[ChatMessage]) -> String {
         .iter()
         .map(|m| {
             let mut content = m.content.clone().unwrap_or_default();
-            if let Some(Value::Array(calls)) = m.extra.get("tool_calls") {
-                for c in calls {
+            if let Some(Value::Array(calls)) = m.extra.get("tool_calls").map(arguments_as_objects) {
+                for c in &calls {
                     if !content.is_empty() {
                         content.push('\n');
                     }
@@ -186,6 +191,27 @@ fn chatml(messages: &[ChatMessage]) -> String {
             Part::Output(_) => String::new(),
         })
         .collect()
+}
+
+/// An assistant turn's `tool_calls` as templates expect them: OpenAI sends
+/// each call's `function.arguments` as a JSON string, and chat templates
+/// (Qwen's and Hermes', through `tojson`) were trained on the object, so a
+/// string that parses as a JSON object is given as that object, as vLLM and
+/// llama.cpp's server do. Anything else is passed as sent.
+fn arguments_as_objects(calls: &Value) -> Value {
+    let mut calls = calls.clone();
+    if let Value::Array(list) = &mut calls {
+        for c in list {
+            if let Some(Value::Object(f)) = c.get_mut("function") {
+                if let Some(Value::String(a)) = f.get("arguments") {
+                    if let Ok(obj @ Value::Object(_)) = serde_json::from_str::<Value>(a) {
+                        f.insert("arguments".into(), obj);
+                    }
+                }
+            }
+        }
+    }
+    calls
 }
 
 #[cfg(test)]
@@ -252,6 +278,40 @@ mod tests {
         let e = r.render(&[msg("user", "x")], None, None).unwrap_err();
         assert_eq!(e.status, 500);
         assert!(e.message.contains("roles must alternate"), "{e}");
+    }
+
+    #[test]
+    fn a_call_s_string_arguments_reach_the_template_as_the_object_they_hold() {
+        let r = with_template(
+            "{% for m in messages %}{% for c in m.tool_calls or [] %}\
+             {{ c.function.name }} {{ c.function.arguments | tojson }} \
+             {% if c.function.arguments is mapping %}OBJ {{ c.function.arguments.city }}{% else %}STR{% endif %}\n\
+             {% endfor %}{% endfor %}",
+        );
+        let mut a = msg("assistant", "");
+        a.extra.insert(
+            "tool_calls".into(),
+            serde_json::json!([
+                {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}},
+                {"id": "c2", "type": "function", "function": {"name": "raw", "arguments": "not json"}},
+                {"id": "c3", "type": "function", "function": {"name": "list", "arguments": "[1, 2]"}},
+            ]),
+        );
+        let out = r
+            .render(&[msg("user", "x"), a.clone()], None, None)
+            .unwrap();
+        assert!(
+            out.text.contains("weather {\"city\": \"Paris\"} OBJ Paris"),
+            "{}",
+            out.text
+        );
+        // Not an object: passed as sent, a string.
+        assert!(out.text.contains("raw \"not json\" STR"), "{}", out.text);
+        assert!(out.text.contains("list \"[1, 2]\" STR"), "{}", out.text);
+        // The built-in ChatML writes the object too.
+        let text = chatml(&[msg("user", "x"), a]);
+        assert!(text.contains(r#""arguments":{"city":"Paris"}"#), "{text}");
+        assert!(text.contains(r#""arguments":"not json""#), "{text}");
     }
 
     #[test]
