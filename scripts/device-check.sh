@@ -181,6 +181,42 @@ for s in v4-batch v4-agent v4-long-context; do
   printf 'record examples/%s.toml on cuda, replay on cpu: exit %s  %s\n' "$s" "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
   [ $rc = 0 ] || fail=1
 done
+# Sliding-window attention: the conformance fixtures of gemma3_text (sliding
+# and global layers) and mistral, windows of 16 positions, so that a
+# window's first key cuts the tiles of 32 (prompt 206 tokens, 40 more
+# generated). Digests CPU against CUDA at several chunkings and thread
+# counts; the multi-user session recorded on the GPU under other page
+# sizes, step budgets and with the prefix cache off replayed on the CPU
+# (and by the recompute oracle on the GPU); recorded on the CPU, replayed
+# on the GPU.
+for fam in gemma3_text mistral; do
+  model=engine/tests/fixtures/conformance/$fam
+  ref=""
+  for run in "cpu 1 -" "cpu 2 5" "cuda 1 -" "cuda 1 7" "cuda 2 1"; do
+    set -- $run
+    chunk=(); [ "$3" != "-" ] && chunk=(--prefill-chunk "$3")
+    out=$("$bin/lmrr" generate --model "$model" --prompt "$long" --max-tokens 40 --device "$1" --threads "$2" "${chunk[@]}" 2>&1); d=$(echo "$out" | sed -n 's/^digest: //p'); [ -n "$d" ] || echo "$out" | tail -n 2
+    [ -z "$ref" ] && ref=$d
+    same=$([ -n "$d" ] && [ "$d" = "$ref" ] && echo same || echo DIFFERENT)
+    [ "$same" = same ] || fail=1
+    printf '%-22s device %-4s threads %s chunk %-2s  %s  %s\n' "$fam" "$1" "$2" "$3" "${d:-<none>}" "$same"
+  done
+  for cfg in "" "--page-size 1" "--page-size 7 --max-batch-tokens 40" "--no-prefix-cache" "--max-batch-tokens 3"; do
+    rm -f "$tmp/win.lmrr"
+    "$bin/lmrr" run --model "$model" --script examples/multi-user.toml --device cuda $cfg --record "$tmp/win.lmrr" >/dev/null 2>&1 || fail=1
+    out=$("$bin/lmrr" replay "$tmp/win.lmrr" --model "$model" --device cpu 2>&1); rc=$?
+    printf '%s multi-user on cuda %-36s replay on cpu: exit %s  %s\n' "$fam" "$cfg," "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
+    [ $rc = 0 ] || fail=1
+    out=$("$bin/lmrr" replay "$tmp/win.lmrr" --model "$model" --device cuda --oracle recompute 2>&1); rc=$?
+    printf '%s multi-user on cuda %-36s oracle on cuda: exit %s  %s\n' "$fam" "$cfg," "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|mismatch|error')"
+    [ $rc = 0 ] || fail=1
+  done
+  rm -f "$tmp/win.lmrr"
+  "$bin/lmrr" run --model "$model" --script examples/multi-user.toml --device cpu --record "$tmp/win.lmrr" >/dev/null 2>&1 || fail=1
+  out=$("$bin/lmrr" replay "$tmp/win.lmrr" --model "$model" --device cuda 2>&1); rc=$?
+  printf '%s multi-user on cpu, replay on cuda: exit %s  %s\n' "$fam" "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
+  [ $rc = 0 ] || fail=1
+done
 # `lmrr serve --device cuda`: a served session (greedy, sampled, a stream
 # cancelled mid-generation) replays bit-exactly on the GPU and on the CPU.
 "$bin/lmrr" serve --device cuda --record-dir "$tmp/serve" --addr 127.0.0.1:8020 --quiet 2>"$tmp/serve.log" &
@@ -204,7 +240,8 @@ done
 fi  # the core part
 # Every kernel choice left in the table (Tuning in kernels/src/cuda/tuning.rs)
 # gives the same bits: sessions recorded on the GPU under each replay
-# bit-exactly on the CPU, and committed bundles replay under each:
+# bit-exactly on the CPU (gemma3_text's too, for its windowed attention),
+# and committed bundles replay under each:
 # matmul_gemm from 9 tokens (split over chunks where its tiles are few);
 # matmul_rows for every step; attention_paged for every step, and
 # attention_decode for every step; plain launches instead of programmatic
@@ -238,6 +275,12 @@ for tun in "${tuning_list[@]}"; do
     printf '%-72s record examples/%s.toml on cuda, replay on cpu: exit %s  %s\n' "$tun:" "$s" "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
     [ $rc = 0 ] || fail=1
   done
+  rm -f "$tmp/tun.lmrr"
+  win=engine/tests/fixtures/conformance/gemma3_text
+  env $tun "$bin/lmrr" run --model "$win" --script examples/multi-user.toml --device cuda --record "$tmp/tun.lmrr" >/dev/null 2>&1 || fail=1
+  out=$("$bin/lmrr" replay "$tmp/tun.lmrr" --model "$win" --device cpu 2>&1); rc=$?
+  printf '%-72s record gemma3_text multi-user on cuda, replay on cpu: exit %s  %s\n' "$tun:" "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
+  [ $rc = 0 ] || fail=1
   out=$(env $tun "$bin/lmrr" replay replays/long-recall.lmrr --device cuda 2>&1); rc=$?
   printf '%-72s replay replays/long-recall.lmrr on cuda: exit %s  %s\n' "$tun:" "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
   [ $rc = 0 ] || fail=1

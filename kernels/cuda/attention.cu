@@ -3,20 +3,34 @@
 // (attention_paged, attention_decode, attention_decode_rope_qs with rope_kv's
 // work in its prologue) and for prefill (attention_prefill,
 // attention_prefill_hd64).
+//
+// Every kernel takes a sliding window `window` (0: none), the CPU's
+// attention_window (kernels/src/attention.rs): the keys of the query at
+// position pos are [first_key(pos, window), pos], walked in the same
+// absolute tiles of ATTN_TILE positions, the first tile cut at the first
+// key and every later tile whole. Without a window the first key is 0 and
+// each walk is the one it was before windows.
 
 #define ATTN_TILE 32
 #define MAX_HEAD_DIM 256
+
+// The first key the query at `pos` attends to under `window` (0: all):
+// max(0, pos - window + 1).
+__device__ __forceinline__ int first_key(int pos, int window) {
+    return window > 0 ? max(0, pos + 1 - window) : 0;
+}
 
 // Causal attention of one query token per task, one thread per (task, head),
 // in the CPU reference's order (kernels/src/attention.rs): tiles of ATTN_TILE
 // absolute positions; per tile canonical-dot scores times scale, tile max,
 // det_exp, sequential sum and fmaf P·V chains; tiles merged in order.
 // Task t's keys/values are rows kv_off[t] .. kv_off[t] + pos[t] of k and v
-// (row width kv_dim); q and out are (tasks, n_heads * head_dim).
+// (row width kv_dim; the rows below the window's first key are not read);
+// q and out are (tasks, n_heads * head_dim).
 extern "C" __global__ void attention(const float* q, const float* k, const float* v,
                                      const long long* kv_off, const int* pos, float* out,
                                      int tasks, int n_heads, int n_kv_heads, int head_dim,
-                                     float scale) {
+                                     float scale, int window) {
     int item = blockIdx.x * blockDim.x + threadIdx.x;
     if (item >= tasks * n_heads) return;
     int t = item / n_heads, h = item % n_heads;
@@ -31,8 +45,10 @@ extern "C" __global__ void attention(const float* q, const float* k, const float
     for (int d = 0; d < hd; ++d) acc[d] = 0.0f;
     float s[ATTN_TILE];
     int p_end = pos[t];
-    for (int j0 = 0; j0 <= p_end; j0 += ATTN_TILE) {
-        int j1 = min(j0 + ATTN_TILE, p_end + 1);
+    // Tiles of absolute positions: the first from the window's first key
+    // to the end of its tile, then whole tiles.
+    for (int j0 = first_key(p_end, window), j1; j0 <= p_end; j0 = j1) {
+        j1 = min((j0 / ATTN_TILE + 1) * ATTN_TILE, p_end + 1);
         float mt = __int_as_float(0xff800000);
         for (int j = j0; j < j1; ++j) {
             float sj = dot_canon(0, qh, kt + (long long)j * kvd, hd) * scale;
@@ -81,7 +97,7 @@ extern "C" __global__ void attention(const float* q, const float* k, const float
 //     acc[d] = acc[d]*alpha + acc_t[d].
 // Every value is the one the one-thread kernel computes, by the same
 // operations in the same order. Token t reads pages pages[seq_off[t] ..]
-// (page_len positions each) up to pos[t].
+// (page_len positions each) from its window's first key up to pos[t].
 
 // q's head for attention_body, at file scope so that a prologue can leave
 // it there (attention_decode_rope_qs) rather than in global memory for the
@@ -92,7 +108,8 @@ __shared__ float attn_qs[MAX_HEAD_DIM];
 // its position, page slot and page, its sequence's page-list offset, the
 // cos/sin pair of its thread's rotation index (thread i < half rotates q's
 // element pair i, thread 128 + i k's), and the pages of the first batch of
-// K rows its group reads (positions u·32 + group, u < ATTN_BATCH). The host
+// K rows its group reads (positions base0 + u·32 + group, u < ATTN_BATCH,
+// base0 the start of the tile of the window's first key). The host
 // uploads these before a step's first kernel and no kernel writes them (the
 // RoPE tables never change), so they may be loaded before the PDL wait: the
 // same values, two or three dependent round trips off the chain after it.
@@ -107,12 +124,15 @@ struct DecodeIn {
 // (decode_rope_prologue<true>), so the body neither loads it nor waits.
 // EARLY: `ein` holds the block's inputs, loaded before the PDL wait
 // (DecodeIn); its first batch of K rows takes its pages from there.
-template <int BATCH, bool VPRE, bool PRE = false, bool QS = false, bool EARLY = false>
+// Under a window the super-chunks start at the tile of the first key lo
+// and the first tile's positions below lo are skipped at every step (no
+// score, max, p, sum or P·V of them), so each tile is the CPU's.
+template <int BATCH, bool VPRE, bool QS = false, bool EARLY = false>
 __device__ __forceinline__ void attention_body(const float* q, const unsigned long long* pages,
                                                const unsigned long long* seq_off,
                                                const unsigned long long* pos, float* out,
                                                int n_heads, int n_kv_heads, int head_dim, int layer,
-                                               int page_len, int aux, float scale,
+                                               int page_len, int aux, float scale, int window,
                                                const DecodeIn* ein = nullptr) {
     static_assert(!EARLY || BATCH <= 4, "DecodeIn holds four pages of a first batch");
     int t = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
@@ -125,57 +145,24 @@ __device__ __forceinline__ void attention_body(const float* q, const unsigned lo
     __shared__ float at[ACC_T];
     int tiles_per = min(SC_TILES, ACC_T / hd);
     int grp = tid >> 3, lane8 = tid & 7;
-    // Positions below first_new were written by earlier steps (PRE only).
-    int first_new = 0;
-    float kpre[BATCH][CHUNK / LANES], vpre[VPRE ? ATTN_TILE : 1];
-    if (PRE) {
-        unsigned long long so = seq_off[t];
-        int n = gridDim.x / n_heads;
-        first_new = (int)pos[t];
-        for (int u = t - 1; u >= 0 && seq_off[u] == so; --u) first_new = min(first_new, (int)pos[u]);
-        for (int u = t + 1; u < n && seq_off[u] == so; ++u) first_new = min(first_new, (int)pos[u]);
-        const unsigned long long* pt0 = pages + so;
-        int npos0 = min(tiles_per * ATTN_TILE, (int)pos[t] + 1);
-        int cend0 = min(CHUNK, hd);
-        #pragma unroll
-        for (int u = 0; u < BATCH; ++u) {
-            int jj = u * 32 + grp;
-            bool old = jj < npos0 && jj < first_new;
-            const float* kr = old ? kv_row(pt0[jj / page_len], layer, page_len, kvd, aux, jj % page_len, 0) + kvh * hd
-                                  : nullptr;
-            #pragma unroll
-            for (int s2 = 0; s2 < CHUNK / LANES; ++s2) {
-                int i = lane8 + s2 * LANES;
-                kpre[u][s2] = old && i < cend0 ? kr[i] : 0.0f;
-            }
-        }
-        if (VPRE) {
-            int ntiles0 = (npos0 + ATTN_TILE - 1) / ATTN_TILE;
-            int tt = tid / hd, d = tid % hd;
-            int j0 = tt * ATTN_TILE, cnt = tid < ntiles0 * hd ? min(ATTN_TILE, npos0 - j0) : 0;
-            #pragma unroll
-            for (int i = 0; i < (VPRE ? ATTN_TILE : 1); ++i) {
-                int j = j0 + i;
-                vpre[i] = i < cnt && j < first_new
-                              ? kv_row(pt0[j / page_len], layer, page_len, kvd, aux, j % page_len, 1)[kvh * hd + d]
-                              : 0.0f;
-            }
-        }
-        PDL_ENTRY();
-    }
     if (!QS) {
         for (int d = tid; d < hd; d += ATTN_THREADS) qs[d] = q[(long long)t * qd + h * hd + d];
         __syncthreads();
     }
     const unsigned long long* pt = pages + (EARLY ? ein->so : seq_off[t]);
     int p_end = EARLY ? ein->pos : (int)pos[t];
+    // The window's first key and the start of its tile (0 and 0 without one).
+    int lo = first_key(p_end, window), base0 = lo / ATTN_TILE * ATTN_TILE;
     float m = __int_as_float(0xff800000);  // -inf
     float l = 0.0f;
     float acc = 0.0f;  // dimension tid (tid < hd; MAX_HEAD_DIM == ATTN_THREADS)
     int chunks = (hd + CHUNK - 1) / CHUNK;
-    for (int base = 0; base <= p_end; base += tiles_per * ATTN_TILE) {
+    for (int base = base0; base <= p_end; base += tiles_per * ATTN_TILE) {
         int npos = min(tiles_per * ATTN_TILE, p_end + 1 - base);
         int ntiles = (npos + ATTN_TILE - 1) / ATTN_TILE;
+        // The super-chunk's positions below the window: part of its first
+        // tile, in the first super-chunk only.
+        int cut = max(0, lo - base);
         // 1. Scores, BATCH positions per group at a time (their K loads in
         // flight together; each position's dot is the same whichever group
         // computes it). The loop is uniform over the warp
@@ -188,9 +175,10 @@ __device__ __forceinline__ void attention_body(const float* q, const unsigned lo
             for (int u = 0; u < BATCH; ++u) {
                 int jj = jb + u * 32 + grp;
                 int j = base + jj;
+                bool live = jj >= cut && jj < npos;
                 // EARLY: the first batch's pages came before the wait.
-                unsigned long long pg = jj < npos ? (EARLY && base == 0 && jb == 0 ? ein->pg[u] : pt[j / page_len]) : 0;
-                kr[u] = jj < npos ? kv_row(pg, layer, page_len, kvd, aux, j % page_len, 0) + kvh * hd : qs;
+                unsigned long long pg = live ? (EARLY && base == base0 && jb == 0 ? ein->pg[u] : pt[j / page_len]) : 0;
+                kr[u] = live ? kv_row(pg, layer, page_len, kvd, aux, j % page_len, 0) + kvh * hd : qs;
                 total[u] = 0.0f;
             }
             for (int c = 0; c < chunks; ++c) {
@@ -201,11 +189,7 @@ __device__ __forceinline__ void attention_body(const float* q, const unsigned lo
                     int i = c0 + lane8 + s2 * LANES;
                     qv[s2] = i < cend ? qs[i] : 0.0f;
                     #pragma unroll
-                    for (int u = 0; u < BATCH; ++u) {
-                        // Loaded before the wait: base 0, the first batch, chunk 0, an old row.
-                        bool pre = PRE && base == 0 && jb == 0 && c == 0 && u * 32 + grp < first_new;
-                        kv[u][s2] = pre ? kpre[u][s2] : i < cend ? kr[u][i] : 0.0f;
-                    }
+                    for (int u = 0; u < BATCH; ++u) kv[u][s2] = i < cend ? kr[u][i] : 0.0f;
                 }
                 #pragma unroll
                 for (int u = 0; u < BATCH; ++u) {
@@ -223,15 +207,16 @@ __device__ __forceinline__ void attention_body(const float* q, const unsigned lo
             #pragma unroll
             for (int u = 0; u < BATCH; ++u) {
                 int jj = jb + u * 32 + grp;
-                if (jj < npos && lane8 == 0) sc[jj] = total[u] * scale;
+                if (jj >= cut && jj < npos && lane8 == 0) sc[jj] = total[u] * scale;
             }
         }
         __syncthreads();
-        // 2. Tile maxima.
+        // 2. Tile maxima (the first tile's positions below cut skipped).
         if (tid < ntiles) {
             int j0 = tid * ATTN_TILE, j1 = min(j0 + ATTN_TILE, npos);
             float mt = __int_as_float(0xff800000);
             for (int i = j0; i < j1; ++i) {
+                if (i < cut) continue;
                 float sv = sc[i];
                 if (sv > mt) mt = sv;
             }
@@ -251,18 +236,18 @@ __device__ __forceinline__ void attention_body(const float* q, const unsigned lo
         __syncthreads();
         if (tid < ntiles) ta[tid] = det_exp(ta[tid] - tm[tid]);
         // 4. p.
-        for (int i = tid; i < npos; i += ATTN_THREADS) sc[i] = det_exp(sc[i] - tm[i / ATTN_TILE]);
+        for (int i = cut + tid; i < npos; i += ATTN_THREADS) sc[i] = det_exp(sc[i] - tm[i / ATTN_TILE]);
         __syncthreads();
         // 5. Per tile: lt, and acc_t for each dimension.
         if (tid < ntiles) {
-            int j0 = tid * ATTN_TILE, j1 = min(j0 + ATTN_TILE, npos);
+            int j0 = max(tid * ATTN_TILE, cut), j1 = min(tid * ATTN_TILE + ATTN_TILE, npos);
             float lt = 0.0f;
             for (int i = j0; i < j1; ++i) lt = lt + sc[i];
             tl[tid] = lt;
         }
         for (int pi = tid; pi < ntiles * hd; pi += ATTN_THREADS) {
             int tt = pi / hd, d = pi % hd;
-            int j0 = tt * ATTN_TILE, cnt = min(ATTN_TILE, npos - j0);
+            int j0 = max(tt * ATTN_TILE, cut), cnt = min(tt * ATTN_TILE + ATTN_TILE, npos) - j0;
             float a = 0.0f;
             if (VPRE) {
                 // The tile's V values first, all in flight, then the chain.
@@ -270,10 +255,7 @@ __device__ __forceinline__ void attention_body(const float* q, const unsigned lo
                 #pragma unroll
                 for (int i = 0; i < ATTN_TILE; ++i) {
                     int j = base + j0 + i;
-                    // Loaded before the wait: base 0, this thread's first pair, an old row.
-                    bool pre = PRE && base == 0 && pi == tid && j < first_new;
-                    vv[i] = i < cnt ? (pre ? vpre[VPRE ? i : 0]
-                                           : kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 1)[kvh * hd + d])
+                    vv[i] = i < cnt ? kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 1)[kvh * hd + d]
                                     : 0.0f;
                 }
                 #pragma unroll
@@ -310,10 +292,10 @@ extern "C" __global__ void attention_paged(const float* q, const unsigned long l
                                            const unsigned long long* seq_off,
                                            const unsigned long long* pos, float* out,
                                            int n_heads, int n_kv_heads, int head_dim, int layer,
-                                           int page_len, int aux, float scale) {
+                                           int page_len, int aux, float scale, int window) {
     PDL_ENTRY();
     attention_body<1, false>(q, pages, seq_off, pos, out, n_heads, n_kv_heads, head_dim, layer, page_len, aux,
-                             scale);
+                             scale, window);
 }
 
 // The latency form, for steps of fewer blocks than the device has SMs
@@ -324,10 +306,10 @@ extern "C" __global__ void attention_decode(const float* q, const unsigned long 
                                             const unsigned long long* seq_off,
                                             const unsigned long long* pos, float* out,
                                             int n_heads, int n_kv_heads, int head_dim, int layer,
-                                            int page_len, int aux, float scale) {
+                                            int page_len, int aux, float scale, int window) {
     PDL_ENTRY();
     attention_body<ATTN_BATCH, true>(q, pages, seq_off, pos, out, n_heads, n_kv_heads, head_dim, layer, page_len,
-                                     aux, scale);
+                                     aux, scale, window);
 }
 
 // attention_decode with rope_kv's work for its own token done first, so a
@@ -408,7 +390,7 @@ __device__ __forceinline__ DecodeIn decode_inputs(const float* cos_t, const floa
                                                   const unsigned long long* seq_off,
                                                   const unsigned long long* pos, const unsigned long long* dst,
                                                   const unsigned long long* slot, int n_heads, int head_dim,
-                                                  int page_len) {
+                                                  int page_len, int window) {
     int t = blockIdx.x / n_heads, tid = threadIdx.x, half = head_dim / 2;
     DecodeIn in;
     in.pos = (int)pos[t];
@@ -418,10 +400,12 @@ __device__ __forceinline__ DecodeIn decode_inputs(const float* cos_t, const floa
     int i = tid < 128 ? tid : tid - 128;
     in.c = i < half ? cos_t[(long long)in.pos * half + i] : 0.0f;
     in.sn = i < half ? sin_t[(long long)in.pos * half + i] : 0.0f;
+    // The body's first batch: from the tile of the window's first key.
+    int lo = first_key(in.pos, window), base0 = lo / ATTN_TILE * ATTN_TILE;
     #pragma unroll
     for (int u = 0; u < 4; ++u) {
-        int j = u * 32 + (tid >> 3);
-        in.pg[u] = j <= in.pos ? pages[in.so + j / page_len] : 0ull;
+        int j = base0 + u * 32 + (tid >> 3);
+        in.pg[u] = j >= lo && j <= in.pos ? pages[in.so + j / page_len] : 0ull;
     }
     return in;
 }
@@ -437,21 +421,21 @@ extern "C" __global__ void attention_decode_rope_qs(float* q, const float* kraw,
                                                     const unsigned long long* pos, const unsigned long long* dst,
                                                     const unsigned long long* slot, float* out, int n_heads,
                                                     int n_kv_heads, int head_dim, int layer, int page_len, int aux,
-                                                    float scale) {
+                                                    float scale, int window) {
 #if defined(ATTN_EARLY)
     // The step's inputs before the wait (ATTN_EARLY): DecodeIn.
-    DecodeIn in = decode_inputs(cos_t, sin_t, pages, seq_off, pos, dst, slot, n_heads, head_dim, page_len);
+    DecodeIn in = decode_inputs(cos_t, sin_t, pages, seq_off, pos, dst, slot, n_heads, head_dim, page_len, window);
     PDL_ENTRY();
     decode_rope_prologue<true, true>(q, kraw, kout, v, cos_t, sin_t, pos, dst, slot, n_heads, n_kv_heads, head_dim,
                                      layer, page_len, aux, &in);
-    attention_body<ATTN_BATCH, true, false, true, true>(q, pages, seq_off, pos, out, n_heads, n_kv_heads, head_dim,
-                                                        layer, page_len, aux, scale, &in);
+    attention_body<ATTN_BATCH, true, true, true>(q, pages, seq_off, pos, out, n_heads, n_kv_heads, head_dim, layer,
+                                                 page_len, aux, scale, window, &in);
 #else
     PDL_ENTRY();
     decode_rope_prologue<true>(q, kraw, kout, v, cos_t, sin_t, pos, dst, slot, n_heads, n_kv_heads, head_dim,
                                layer, page_len, aux);
-    attention_body<ATTN_BATCH, true, false, true>(q, pages, seq_off, pos, out, n_heads, n_kv_heads, head_dim, layer,
-                                                  page_len, aux, scale);
+    attention_body<ATTN_BATCH, true, true>(q, pages, seq_off, pos, out, n_heads, n_kv_heads, head_dim, layer,
+                                           page_len, aux, scale, window);
 #endif
 }
 
@@ -470,9 +454,14 @@ extern "C" __global__ void attention_decode_rope_qs(float* q, const float* kraw,
 //  4. lt = the sum of the tile's p in index order, l = l * alpha + lt; per
 //     dimension a = the fmaf chain of p_j * v_j[d] in index order,
 //     acc = acc * alpha + a;
-// and out = acc / l. Tiles start at position 0 whatever the group, so the
-// tiles, and so the bits, are those of the one-token kernels (whose
-// super-chunks only batch tiles: each merge is still one tile's).
+// and out = acc / l. Tiles are absolute (ATTN_TILE positions from a
+// multiple of ATTN_TILE) whatever the group, so the tiles, and so the bits,
+// are those of the one-token kernels (whose super-chunks only batch tiles:
+// each merge is still one tile's). Under a window token u's positions are
+// [tok_lo[u], pos]: the tiles are walked from the one of the group's
+// lowest first key, and a token takes of each tile only its positions in
+// its window (none of a tile below it), so its first tile is cut as the
+// CPU's is.
 #define PF_TQ 16
 #define PF_MAXHD 128
 #define PF_ACC (PF_TQ * PF_MAXHD / ATTN_THREADS)
@@ -495,7 +484,7 @@ __device__ __forceinline__ void attention_prefill_body(const float* q, const uns
                                                        const unsigned long long* pos,
                                                        const unsigned long long* groups, float* out, int n_heads,
                                                        int n_kv_heads, int head_dim, int layer, int page_len, int aux,
-                                                       float scale) {
+                                                       float scale, int window) {
     constexpr int MH = HD > 0 ? HD : PF_MAXHD;
     constexpr int KS = HD > 0 ? HD + 4 : PF_MAXHD + 1;  // HD: float4 rows, 8 rows on 32 banks
     constexpr int NACC = PF_TQ * MH / ATTN_THREADS;
@@ -509,7 +498,7 @@ __device__ __forceinline__ void attention_prefill_body(const float* q, const uns
     __shared__ __align__(16) float vs[ATTN_TILE][MH];
     __shared__ __align__(16) float sc[PF_TQ][SCS];
     __shared__ float tok_m[PF_TQ], tok_l[PF_TQ], tok_alpha[PF_TQ];
-    __shared__ int tok_end[PF_TQ];
+    __shared__ int tok_lo[PF_TQ], tok_end[PF_TQ];
     int g = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
     unsigned long long gr = groups[g];
     int t0 = (int)(gr >> 32), cnt = (int)(gr & 0xffffffffu);
@@ -524,12 +513,19 @@ __device__ __forceinline__ void attention_prefill_body(const float* q, const uns
     }
     if (tid < PF_TQ) {
         tok_end[tid] = tid < cnt ? (int)pos[t0 + tid] + 1 : 0;
+        tok_lo[tid] = tid < cnt ? first_key((int)pos[t0 + tid], window) : 0;
         tok_m[tid] = __int_as_float(0xff800000);  // -inf
         tok_l[tid] = 0.0f;
     }
     __syncthreads();
-    int end = 0;
-    for (int u = 0; u < cnt; ++u) end = max(end, tok_end[u]);
+    // The tiles any token of the group reads: from the tile of the lowest
+    // first key (0 without a window) to the highest end.
+    int end = 0, begin = cnt > 0 ? tok_lo[0] : 0;
+    for (int u = 0; u < cnt; ++u) {
+        end = max(end, tok_end[u]);
+        begin = min(begin, tok_lo[u]);
+    }
+    begin = begin / ATTN_TILE * ATTN_TILE;
     // Thread tid owns (token, dimension) pairs tid + r·ATTN_THREADS.
     float acc[NACC];
     #pragma unroll
@@ -557,8 +553,8 @@ __device__ __forceinline__ void attention_prefill_body(const float* q, const uns
             vn[s] = vv;
         }
     };
-    if (HD > 0 && end > 0) fetch(0);
-    for (int j0 = 0; j0 < end; j0 += ATTN_TILE) {
+    if (HD > 0 && end > begin) fetch(begin);
+    for (int j0 = begin; j0 < end; j0 += ATTN_TILE) {
         int jn = min(ATTN_TILE, end - j0);
         if (HD > 0) {
             #pragma unroll
@@ -622,12 +618,14 @@ __device__ __forceinline__ void attention_prefill_body(const float* q, const uns
             // half-warp's. Its tile max by a butterfly over (score,
             // position), the earlier position kept on a tie: the first
             // maximal score, which the in-order walk (`if (sv > mt) mt =
-            // sv`) finds, zero's sign included; NaN and positions past the
-            // token's end never win (the walk skips them).
+            // sv`) finds, zero's sign included; NaN and positions outside
+            // b .. e (the token's positions in the tile: its window's, up
+            // to its own) never win (the walk skips them).
+            const int b = su < cnt ? max(0, tok_lo[su] - j0) : 0;
             const int e = su < cnt ? min(ATTN_TILE, tok_end[su] - j0) : 0;
             const float ninf = __int_as_float(0xff800000);
-            float mv = (sr < e && s0 == s0) ? s0 : ninf, mi = (float)sr;
-            float m1 = (sr + 16 < e && s1 == s1) ? s1 : ninf;
+            float mv = (sr >= b && sr < e && s0 == s0) ? s0 : ninf, mi = (float)sr;
+            float m1 = (sr + 16 >= b && sr + 16 < e && s1 == s1) ? s1 : ninf;
             if (m1 > mv) {
                 mv = m1;
                 mi = (float)(sr + 16);
@@ -644,10 +642,10 @@ __device__ __forceinline__ void attention_prefill_body(const float* q, const uns
             float mp = tok_m[su];
             float mn = mv > mp ? mv : mp;
             float alpha = det_exp(mp - mn);
-            sc[su][sr] = sr < e ? det_exp(s0 - mn) : s0;
-            sc[su][sr + 16] = sr + 16 < e ? det_exp(s1 - mn) : s1;
+            sc[su][sr] = sr >= b && sr < e ? det_exp(s0 - mn) : s0;
+            sc[su][sr + 16] = sr + 16 >= b && sr + 16 < e ? det_exp(s1 - mn) : s1;
             __syncwarp();  // every lane has read tok_m[su]
-            if (sr == 0 && e > 0) {
+            if (sr == 0 && e > b) {
                 tok_alpha[su] = alpha;
                 tok_m[su] = mn;
             }
@@ -679,10 +677,10 @@ __device__ __forceinline__ void attention_prefill_body(const float* q, const uns
         __syncthreads();
         // 2. Each token's tile max, running max and alpha (HD: done above).
         if (HD == 0 && tid < cnt) {
-            int e = min(ATTN_TILE, tok_end[tid] - j0);
-            if (e > 0) {
+            int b = max(0, tok_lo[tid] - j0), e = min(ATTN_TILE, tok_end[tid] - j0);
+            if (e > b) {
                 float mt = __int_as_float(0xff800000);
-                for (int i = 0; i < e; ++i) {
+                for (int i = b; i < e; ++i) {
                     float sv = sc[tid][i];
                     if (sv > mt) mt = sv;
                 }
@@ -694,7 +692,8 @@ __device__ __forceinline__ void attention_prefill_body(const float* q, const uns
         }
         if (HD == 0) {
             __syncthreads();
-            // 3. p.
+            // 3. p (also of the positions below a token's window, which
+            // nothing reads).
             for (int i = tid; i < PF_TQ * ATTN_TILE; i += ATTN_THREADS) {
                 int u = i / ATTN_TILE, r = i % ATTN_TILE;
                 if (u < cnt && j0 + r < tok_end[u]) sc[u][r] = det_exp(sc[u][r] - tok_m[u]);
@@ -703,46 +702,49 @@ __device__ __forceinline__ void attention_prefill_body(const float* q, const uns
         }
         // 4. The tile's sums and the merge.
         if (tid < cnt) {
-            int e = min(ATTN_TILE, tok_end[tid] - j0);
-            if (e > 0) {
+            int b = max(0, tok_lo[tid] - j0), e = min(ATTN_TILE, tok_end[tid] - j0);
+            if (e > b) {
                 float lt = 0.0f;
-                for (int i = 0; i < e; ++i) lt = lt + sc[tid][i];
+                for (int i = b; i < e; ++i) lt = lt + sc[tid][i];
                 tok_l[tid] = tok_l[tid] * tok_alpha[tid] + lt;
             }
         }
         if (HD > 0) {
             // Thread tid's pairs: dimension tid % HD of tokens tid / HD + r·(ATTN_THREADS / HD).
             const int d = tid % MH, u0 = tid / MH;
-            int e[NACC];
+            // Each token's positions b .. e of the tile (its window's).
+            int b[NACC], e[NACC];
             float a[NACC];
-            int emax = 0;
+            int bmin = ATTN_TILE, emax = 0;
             #pragma unroll
             for (int r = 0; r < NACC; ++r) {
                 int u = u0 + r * (ATTN_THREADS / MH);
+                b[r] = u < cnt ? max(0, tok_lo[u] - j0) : 0;
                 e[r] = u < cnt ? min(ATTN_TILE, tok_end[u] - j0) : 0;
                 a[r] = 0.0f;
+                bmin = min(bmin, b[r]);
                 emax = max(emax, e[r]);
             }
-            for (int i = 0; i < emax; ++i) {
+            for (int i = bmin; i < emax; ++i) {
                 float vv = vs[i][d];
                 #pragma unroll
                 for (int r = 0; r < NACC; ++r) {
-                    if (i < e[r]) a[r] = fmaf(sc[u0 + r * (ATTN_THREADS / MH)][i], vv, a[r]);
+                    if (i >= b[r] && i < e[r]) a[r] = fmaf(sc[u0 + r * (ATTN_THREADS / MH)][i], vv, a[r]);
                 }
             }
             #pragma unroll
             for (int r = 0; r < NACC; ++r) {
-                if (e[r] > 0) acc[r] = acc[r] * tok_alpha[u0 + r * (ATTN_THREADS / MH)] + a[r];
+                if (e[r] > b[r]) acc[r] = acc[r] * tok_alpha[u0 + r * (ATTN_THREADS / MH)] + a[r];
             }
         } else {
             #pragma unroll
             for (int r = 0; r < NACC; ++r) {
                 int pr = tid + r * ATTN_THREADS, u = pr / hd, d = pr % hd;
                 if (u < cnt) {
-                    int e = min(ATTN_TILE, tok_end[u] - j0);
-                    if (e > 0) {
+                    int b = max(0, tok_lo[u] - j0), e = min(ATTN_TILE, tok_end[u] - j0);
+                    if (e > b) {
                         float a = 0.0f;
-                        for (int i = 0; i < e; ++i) a = fmaf(sc[u][i], vs[i][d], a);
+                        for (int i = b; i < e; ++i) a = fmaf(sc[u][i], vs[i][d], a);
                         acc[r] = acc[r] * tok_alpha[u] + a;
                     }
                 }
@@ -760,18 +762,18 @@ __device__ __forceinline__ void attention_prefill_body(const float* q, const uns
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_prefill(
     const float* q, const unsigned long long* pages, const unsigned long long* seq_off,
     const unsigned long long* pos, const unsigned long long* groups, float* out, int n_heads, int n_kv_heads,
-    int head_dim, int layer, int page_len, int aux, float scale) {
+    int head_dim, int layer, int page_len, int aux, float scale, int window) {
     PDL_ENTRY();
     attention_prefill_body<0>(q, pages, seq_off, pos, groups, out, n_heads, n_kv_heads, head_dim, layer, page_len,
-                              aux, scale);
+                              aux, scale, window);
 }
 
 // attention_prefill for head_dim 64 (AttnKernel::PrefillHd64).
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_prefill_hd64(
     const float* q, const unsigned long long* pages, const unsigned long long* seq_off,
     const unsigned long long* pos, const unsigned long long* groups, float* out, int n_heads, int n_kv_heads,
-    int head_dim, int layer, int page_len, int aux, float scale) {
+    int head_dim, int layer, int page_len, int aux, float scale, int window) {
     PDL_ENTRY();
     attention_prefill_body<64>(q, pages, seq_off, pos, groups, out, n_heads, n_kv_heads, head_dim, layer, page_len,
-                               aux, scale);
+                               aux, scale, window);
 }

@@ -176,20 +176,20 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
         (
             "attention_prefill softmax sum in reverse",
             "attention_prefill",
-            "for (int i = 0; i < e; ++i) lt = lt + sc[tid][i];",
-            "for (int i = e - 1; i >= 0; --i) lt = lt + sc[tid][i];",
+            "for (int i = b; i < e; ++i) lt = lt + sc[tid][i];",
+            "for (int i = e - 1; i >= b; --i) lt = lt + sc[tid][i];",
         ),
         (
             "attention_prefill P·V as mul + add",
             "attention_prefill",
-            "for (int i = 0; i < e; ++i) a = fmaf(sc[u][i], vs[i][d], a);",
-            "for (int i = 0; i < e; ++i) a = sc[u][i] * vs[i][d] + a;",
+            "for (int i = b; i < e; ++i) a = fmaf(sc[u][i], vs[i][d], a);",
+            "for (int i = b; i < e; ++i) a = sc[u][i] * vs[i][d] + a;",
         ),
         (
             "attention_prefill_hd64 P·V as mul + add",
             "attention_prefill_hd64",
-            "if (i < e[r]) a[r] = fmaf(sc[u0 + r * (ATTN_THREADS / MH)][i], vv, a[r]);",
-            "if (i < e[r]) a[r] = sc[u0 + r * (ATTN_THREADS / MH)][i] * vv + a[r];",
+            "if (i >= b[r] && i < e[r]) a[r] = fmaf(sc[u0 + r * (ATTN_THREADS / MH)][i], vv, a[r]);",
+            "if (i >= b[r] && i < e[r]) a[r] = sc[u0 + r * (ATTN_THREADS / MH)][i] * vv + a[r];",
         ),
         (
             "attention_prefill_hd64 scores: q's second float4 of each 8 read from the first's",

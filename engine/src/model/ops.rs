@@ -126,7 +126,7 @@ impl Ops<'_> {
     }
 
     /// Canonical causal attention of each task over its last `window`
-    /// positions; the CUDA mirror has no windowed kernel.
+    /// positions.
     pub fn attend_window(
         &self,
         tasks: &[AttnTask],
@@ -140,7 +140,9 @@ impl Ops<'_> {
                 k::attention_window(self.threads, tasks, shape, scale, Some(window), out)
             }
             #[cfg(feature = "cuda")]
-            Device::Cuda(_) => return Err(no_device_kernel("sliding-window attention")),
+            Device::Cuda(g) => g
+                .attention_window(tasks, shape, scale, Some(window), out)
+                .map_err(gpu_err)?,
         }
         Ok(())
     }

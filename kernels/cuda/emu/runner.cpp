@@ -140,14 +140,14 @@ int main() {
         write_array(pages);
         write_array(v);
     } else if (job == "decode_rope") {
-        // decode_rope n nh nkv hd page_len scale_bits: q (n·qd), k, v (n·kvd),
+        // decode_rope n nh nkv hd page_len scale_bits [window]: q (n·qd), k, v (n·kvd),
         // cos, sin, store (whole pages of one layer), index (page of each
         // table entry), seq_off, pos, dst_page (u64 each), slot (u64) ->
         // rope_kv then attention_decode: out, q, k, store; then
         // attention_decode_rope_qs on the same inputs: out, q, kout, store.
-        int n, nh, nkv, hd, page_len;
+        int n, nh, nkv, hd, page_len, window = 0;
         unsigned scale_bits;
-        hs >> n >> nh >> nkv >> hd >> page_len >> scale_bits;
+        hs >> n >> nh >> nkv >> hd >> page_len >> scale_bits >> window;
         float scale = __uint_as_float(scale_bits);
         auto q = read_as<float>();
         auto k = read_as<float>();
@@ -184,7 +184,7 @@ int main() {
             std::vector<float> out((size_t)n * qd, std::nanf(""));
             emu::launch((unsigned)(n * nh), ATTN_THREADS, [&] {
                 attention_decode(qa.data(), table.data(), so.data(), ps.data(), out.data(), nh, nkv, hd, 0, page_len, 0,
-                                 scale);
+                                 scale, window);
             });
             write_array(out);
             write_array(qa);
@@ -200,7 +200,7 @@ int main() {
             emu::launch((unsigned)(n * nh), ATTN_THREADS, [&] {
                 attention_decode_rope_qs(qb.data(), k.data(), kout.data(), v.data(), cs.data(), sn.data(),
                                          table.data(), so.data(), ps.data(), dst.data(), sl.data(), out.data(), nh,
-                                         nkv, hd, 0, page_len, 0, scale);
+                                         nkv, hd, 0, page_len, 0, scale, window);
             });
             write_array(out);
             write_array(qb);
@@ -336,12 +336,13 @@ int main() {
     } else if (job == "attention") {
         // attention tasks nh nkv hd page_len scale_bits [decode: 1 attention_decode, 2
         // attention_prefill, 3 attention_prefill_hd64, 5 attention_prefill_hd64
-        // with its groups listed last first]: q, pages (floats,
-        // whole pages of one layer), page index per table entry, seq_off,
-        // pos (u64 each)
-        int tasks, nh, nkv, hd, page_len, decode = 0;
+        // with its groups listed last first, 6 the one-thread attention over
+        // each task's rows gathered from the pages] [window: 0 none]: q,
+        // pages (floats, whole pages of one layer), page index per table
+        // entry, seq_off, pos (u64 each)
+        int tasks, nh, nkv, hd, page_len, decode = 0, window = 0;
         unsigned scale_bits;
-        hs >> tasks >> nh >> nkv >> hd >> page_len >> scale_bits >> decode;
+        hs >> tasks >> nh >> nkv >> hd >> page_len >> scale_bits >> decode >> window;
         float scale = __uint_as_float(scale_bits);
         auto q = read_as<float>();
         auto pages = read_as<float>();
@@ -370,10 +371,35 @@ int main() {
             emu::launch((unsigned)(groups.size() * nh), ATTN_THREADS, [&] {
                 if (decode == 3 || decode == 5)
                     attention_prefill_hd64(q.data(), table.data(), so.data(), ps.data(), groups.data(), out.data(), nh,
-                                           nkv, hd, 0, page_len, 0, scale);
+                                           nkv, hd, 0, page_len, 0, scale, window);
                 else
                     attention_prefill(q.data(), table.data(), so.data(), ps.data(), groups.data(), out.data(), nh, nkv,
-                                      hd, 0, page_len, 0, scale);
+                                      hd, 0, page_len, 0, scale, window);
+            });
+            write_array(out);
+            std::fflush(stdout);
+            return 0;
+        }
+        if (decode == 6) {
+            // The one-thread kernel (the portable mirror's): task t's rows
+            // 0 ..= pos[t] copied out of its pages, one after another.
+            std::vector<float> k, v;
+            std::vector<long long> off(tasks);
+            std::vector<int> p32(tasks);
+            for (int t = 0; t < tasks; ++t) {
+                off[t] = (long long)(k.size() / kvd);
+                p32[t] = (int)ps[t];
+                for (unsigned long long j = 0; j <= ps[t]; ++j) {
+                    const float* pg = (const float*)(uintptr_t)table[so[t] + j / page_len];
+                    const float* kr = pg + (j % page_len) * kvd;
+                    const float* vr = pg + ((size_t)page_len + j % page_len) * kvd;
+                    k.insert(k.end(), kr, kr + kvd);
+                    v.insert(v.end(), vr, vr + kvd);
+                }
+            }
+            emu::launch(blocks_of((long long)tasks * nh, 128), 128, [&] {
+                attention(q.data(), k.data(), v.data(), off.data(), p32.data(), out.data(), tasks, nh, nkv, hd, scale,
+                          window);
             });
             write_array(out);
             std::fflush(stdout);
@@ -382,10 +408,10 @@ int main() {
         emu::launch((unsigned)(tasks * nh), ATTN_THREADS, [&] {
             if (decode)
                 attention_decode(q.data(), table.data(), so.data(), ps.data(), out.data(), nh, nkv, hd, 0, page_len, 0,
-                                 scale);
+                                 scale, window);
             else
                 attention_paged(q.data(), table.data(), so.data(), ps.data(), out.data(), nh, nkv, hd, 0, page_len, 0,
-                                scale);
+                                scale, window);
         });
         write_array(out);
     } else if (job == "add_bias") {

@@ -239,19 +239,31 @@ pub fn norms(gpu: &Gpu, r: &mut Rng, rep: &mut Report) {
 /// A decode step's RoPE, page writes and attention in one launch
 /// (attention_decode_rope_qs) against rope_kv then attention: tokens at
 /// positions inside a first page, on a page edge and past several pages.
-/// The rotated q and K rows of both against the CPU's rope.
+/// The rotated q and K rows of both against the CPU's rope. Then under
+/// sliding windows: one that cuts a tile, one of a whole tile, one of one
+/// position (each token's walk starts elsewhere, and with ATTN_EARLY its
+/// first batch's pages are loaded from there).
 pub fn decode_rope_steps(gpu: &Gpu, r: &mut Rng, rep: &mut Report) {
-    for positions in [&[0usize][..], &[5, 64, 100], &[15, 16, 17, 300]] {
-        let (d, cpu, count) = decode_rope(gpu, r, positions);
+    let cases: [(&[usize], Option<usize>); 6] = [
+        (&[0], None),
+        (&[5, 64, 100], None),
+        (&[15, 16, 17, 300], None),
+        (&[5, 64, 100, 300], Some(20)),
+        (&[31, 32, 200], Some(32)),
+        (&[0, 17, 300], Some(1)),
+    ];
+    for (positions, window) in cases {
+        let (d, cpu, count) = decode_rope(gpu, r, positions, window);
+        let w = window.map_or(String::new(), |w| format!(", window {w}"));
         rep.case(
             format!(
-                "attention_decode_rope_qs at positions {positions:?} against rope_kv + attention"
+                "attention_decode_rope_qs at positions {positions:?}{w} against rope_kv + attention"
             ),
             d,
             count,
         );
         rep.case(
-            format!("rope_kv and attention_decode_rope_qs at positions {positions:?}: q, K rows against the CPU's rope"),
+            format!("rope_kv and attention_decode_rope_qs at positions {positions:?}{w}: q, K rows against the CPU's rope"),
             cpu,
             4 * positions.len() * 12 * 64,
         );
@@ -354,7 +366,7 @@ pub fn attention_gqa(gpu: &Gpu, th: &Threads, r: &mut Rng, rep: &mut Report) {
         for page_len in [1usize, 7, 16, 64] {
             for (label, kernel) in ATTN_KERNELS {
                 let mut paged = vec![f32::NAN; cpu.len()];
-                gpu.attention_resident(&tasks, &shape, 0.125, page_len, kernel, &mut paged)
+                gpu.attention_resident(&tasks, &shape, 0.125, None, page_len, kernel, &mut paged)
                     .expect(label);
                 rep.case(
                     format!("{label} pages of {page_len}, positions {positions:?}"),
@@ -401,13 +413,75 @@ pub fn attention_wide(gpu: &Gpu, th: &Threads, r: &mut Rng, rep: &mut Report) {
                 continue;
             }
             let mut paged = vec![f32::NAN; cpu.len()];
-            gpu.attention_resident(&tasks, &shape, 0.088, 16, kernel, &mut paged)
+            gpu.attention_resident(&tasks, &shape, 0.088, None, 16, kernel, &mut paged)
                 .expect(label);
             rep.case(
                 format!("{label} {nh}/{nkv} heads × {hd}, position {pos}"),
                 diff(&cpu, &paged),
                 cpu.len(),
             );
+        }
+    }
+}
+
+/// Sliding-window attention (`attention_window`) by the one-thread kernel
+/// and every paged kernel: windows that cut the first tile mid-tile, that
+/// are one tile, one position, or wider than the context; one decode token
+/// and a prefill's tokens of one sequence (attention_prefill's groups).
+pub fn attention_window(gpu: &Gpu, th: &Threads, r: &mut Rng, rep: &mut Report) {
+    let shape = smollm2_attn();
+    let prefill: Vec<usize> = (0..40).chain(90..130).collect();
+    for &(positions, window) in &[
+        (&[100usize][..], 20usize),
+        (&[100], 32),
+        (&[100], 1),
+        (&[100], 500),
+        (&prefill[..], 20),
+        (&prefill[..], 64),
+        (&prefill[..], 1),
+    ] {
+        let cap = positions.iter().max().unwrap() + 1;
+        let (kb, vb) = kv_blocks(r, cap, shape.kv_dim());
+        let view = block_view(&kb, &vb);
+        let qs: Vec<Vec<f32>> = positions
+            .iter()
+            .map(|_| r.uniform_vec(shape.q_dim(), 2.0))
+            .collect();
+        let tasks: Vec<AttnTask> = positions
+            .iter()
+            .zip(&qs)
+            .map(|(&pos, q)| AttnTask { q, kv: &view, pos })
+            .collect();
+        let mut cpu = vec![0.0; tasks.len() * shape.q_dim()];
+        lmrr_kernels::attention_window(th, &tasks, &shape, 0.125, Some(window), &mut cpu);
+        let what = format!(
+            "{} tokens to position {}, window {window}",
+            tasks.len(),
+            cap - 1
+        );
+        let mut dev = vec![0.0; cpu.len()];
+        gpu.attention_window(&tasks, &shape, 0.125, Some(window), &mut dev)
+            .expect("gpu attention_window");
+        rep.case(format!("attention, {what}"), diff(&cpu, &dev), cpu.len());
+        for page_len in [7usize, 16] {
+            for (label, kernel) in ATTN_KERNELS {
+                let mut paged = vec![f32::NAN; cpu.len()];
+                gpu.attention_resident(
+                    &tasks,
+                    &shape,
+                    0.125,
+                    Some(window),
+                    page_len,
+                    kernel,
+                    &mut paged,
+                )
+                .expect(label);
+                rep.case(
+                    format!("{label} pages of {page_len}, {what}"),
+                    diff(&cpu, &paged),
+                    cpu.len(),
+                );
+            }
         }
     }
 }

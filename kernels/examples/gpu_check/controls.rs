@@ -149,7 +149,7 @@ fn control(gpu: &Gpu) -> Vec<(&'static str, usize)> {
     let wf = r.uniform_vec(rows * cols, 0.5);
     let mut out = matmuls(gpu, &th, &x, &wf, &q41, (rows, cols, n));
     out.extend(multi(gpu, &th, &mut r, &x, &wf, (rows, cols, n)));
-    let (fused, cpu_rope, _) = decode_rope(gpu, &mut r, &[5, 64, 100]);
+    let (fused, cpu_rope, _) = decode_rope(gpu, &mut r, &[5, 64, 100], None);
     out.push(("attention_decode_rope_qs", fused));
     out.push(("rope_kv", cpu_rope));
     out.extend(norms_and_attention(gpu, &th, &mut r, &x));
@@ -307,7 +307,7 @@ fn norms_and_attention(
         let (mut cpu, mut dev) = (vec![0.0; shape.q_dim()], vec![0.0; shape.q_dim()]);
         attention(th, &tasks, &shape, 0.125, &mut cpu);
         for (label, kernel) in ATTN_KERNELS {
-            gpu.attention_resident(&tasks, &shape, 0.125, 16, kernel, &mut dev)
+            gpu.attention_resident(&tasks, &shape, 0.125, None, 16, kernel, &mut dev)
                 .expect(label);
             out.push((label, diff(&cpu, &dev)));
         }

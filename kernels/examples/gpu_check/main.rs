@@ -51,6 +51,7 @@ fn main() {
     cases::rope_positions(g, r, rep);
     cases::attention_gqa(g, &th, r, rep);
     cases::attention_wide(g, &th, r, rep);
+    cases::attention_window(g, &th, r, rep);
     cases::hyper_mixes(g, r, rep);
     cases::hyper_specials(g, r, rep);
     cases::moe_combines(g, r, rep);

@@ -99,7 +99,7 @@ pub fn attention_prefill(gpu: &Gpu, r: &mut Rng, rep: &mut Report) {
             }
             let mut out = vec![f32::NAN; len * shape.q_dim()];
             let t = gpu
-                .attention_resident_timed(&tasks, &shape, 0.125, 16, kernel, &mut out, 20)
+                .attention_resident_timed(&tasks, &shape, 0.125, None, 16, kernel, &mut out, 20)
                 .unwrap_or_else(|e| panic!("timing {label}: {e}"));
             // The kernels give one set of bits; a timing of wrong output
             // would be no figure at all.
@@ -154,7 +154,7 @@ pub fn attention_decode(gpu: &Gpu, r: &mut Rng, rep: &mut Report) {
             }
             let mut out = vec![f32::NAN; tokens * shape.q_dim()];
             let t = gpu
-                .attention_resident_timed(&tasks, &shape, 0.125, 16, kernel, &mut out, 50)
+                .attention_resident_timed(&tasks, &shape, 0.125, None, 16, kernel, &mut out, 50)
                 .unwrap_or_else(|e| panic!("timing {label}: {e}"));
             match &first {
                 None => first = Some(out),

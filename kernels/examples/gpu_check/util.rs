@@ -76,8 +76,14 @@ pub fn block_view<'a>(kb: &'a [Vec<f32>], vb: &'a [Vec<f32>]) -> KvView<'a> {
 /// differing bits of the two paths' outputs, rotated q, rotated K rows and
 /// pages (the attention kernels are checked against the CPU elsewhere);
 /// and of the rotated q and K rows of `rope_kv` and of the fused kernel
-/// against the CPU's `rope` of the same rows.
-pub fn decode_rope(gpu: &Gpu, r: &mut Rng, positions: &[usize]) -> (usize, usize, usize) {
+/// against the CPU's `rope` of the same rows. Each token attends its last
+/// `window` positions where one is given.
+pub fn decode_rope(
+    gpu: &Gpu,
+    r: &mut Rng,
+    positions: &[usize],
+    window: Option<usize>,
+) -> (usize, usize, usize) {
     let (nh, nkv, hd, page_len) = (9usize, 3usize, 64usize, 16usize);
     let (qd, kvd, n) = (nh * hd, nkv * hd, positions.len());
     let pf = page_len * 2 * kvd;
@@ -126,6 +132,7 @@ pub fn decode_rope(gpu: &Gpu, r: &mut Rng, positions: &[usize]) -> (usize, usize
         seq_off: &seq_off,
         pos: &pos,
         dst_page: &dst_page,
+        window,
     };
     let [a, b] = case.run(gpu).expect("gpu attention_decode_rope_qs");
     let d = a.iter().zip(&b).map(|(x, y)| diff(x, y)).sum();

@@ -39,6 +39,8 @@ pub struct DecodeRopeCase<'a> {
     pub seq_off: &'a [u64],
     pub pos: &'a [u64],
     pub dst_page: &'a [u64],
+    /// Each token's sliding window (`None`: full causal).
+    pub window: Option<usize>,
 }
 
 impl DecodeRopeCase<'_> {
@@ -104,6 +106,7 @@ impl DecodeRopeCase<'_> {
                     layout,
                     0,
                     scale,
+                    self.window,
                     out.ptr,
                 )?;
                 &kout
@@ -120,7 +123,17 @@ impl DecodeRopeCase<'_> {
                     layout,
                     0,
                 )?;
-                gpu.attention_paged(dq.ptr, pt, n, &shape, layout, 0, scale, out.ptr)?;
+                gpu.attention_paged(
+                    dq.ptr,
+                    pt,
+                    n,
+                    &shape,
+                    layout,
+                    0,
+                    scale,
+                    self.window,
+                    out.ptr,
+                )?;
                 &dk
             };
             let mut r = [
@@ -288,22 +301,24 @@ impl Gpu {
         self.dtoh(dout.ptr, out)
     }
 
-    /// [`crate::attention`] by the kernel named: each sequence's keys and
+    /// [`crate::attention_window`] by the kernel named: each sequence's keys and
     /// values are copied into device pages of `page_len` positions (layer 0
     /// of a one-layer layout), in a page order other than the positions'
     /// (the table, not the memory order, must decide). A sequence is a task,
     /// or for `Prefill` a run of consecutive tasks over one `KvView`
     /// (grouped by up to [`PF_TQ`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn attention_resident(
         &self,
         tasks: &[crate::AttnTask],
         shape: &crate::AttnShape,
         scale: f32,
+        window: Option<usize>,
         page_len: usize,
         kernel: AttnKernel,
         out: &mut [f32],
     ) -> Result<(), GpuError> {
-        self.attention_resident_timed(tasks, shape, scale, page_len, kernel, out, 1)
+        self.attention_resident_timed(tasks, shape, scale, window, page_len, kernel, out, 1)
             .map(|_| ())
     }
 
@@ -317,6 +332,7 @@ impl Gpu {
         tasks: &[crate::AttnTask],
         shape: &crate::AttnShape,
         scale: f32,
+        window: Option<usize>,
         page_len: usize,
         kernel: AttnKernel,
         out: &mut [f32],
@@ -415,6 +431,7 @@ impl Gpu {
                 layout,
                 0,
                 scale,
+                window,
                 dout.ptr,
             )?;
         }

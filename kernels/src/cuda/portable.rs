@@ -271,6 +271,21 @@ impl Gpu {
         scale: f32,
         out: &mut [f32],
     ) -> Result<(), GpuError> {
+        self.attention_window(tasks, shape, scale, None, out)
+    }
+
+    /// [`crate::attention_window`] on the device: as [`Gpu::attention`],
+    /// each task attending `first_key(pos, window) ..= pos` (the rows below
+    /// are gathered too, and not read).
+    pub fn attention_window(
+        &self,
+        tasks: &[AttnTask],
+        shape: &AttnShape,
+        scale: f32,
+        window: Option<usize>,
+        out: &mut [f32],
+    ) -> Result<(), GpuError> {
+        let win = crate::cuda::ops::attention::window_arg(window)?;
         let (qd, kvd) = (shape.q_dim(), shape.kv_dim());
         let bad = shape.n_kv_heads == 0
             || shape.n_heads % shape.n_kv_heads != 0
@@ -339,7 +354,8 @@ impl Gpu {
             .arg(&nh)
             .arg(&nkv)
             .arg(&hd)
-            .arg(&scale);
+            .arg(&scale)
+            .arg(&win);
         // SAFETY: matches `attention` in kernels/cuda/; task t reads rows
         // offs[t] ..= offs[t] + pos[t] of k and v, all gathered above.
         unsafe { b.launch(grid(tasks.len() * shape.n_heads)) }.map_err(drv)?;

@@ -10,12 +10,15 @@
 //!
 //! One test binary, split by responsibility: `harness` (building and
 //! running the emulation), `matmul`, `norm`, `attention` (with RoPE, the
-//! page writes and embedding rows), `program_ops` (the step programs' op
+//! page writes and embedding rows), `attention_window` (every attention
+//! kernel under sliding windows, with its own negative controls),
+//! `program_ops` (the step programs' op
 //! kernels), `tc_gemm` (the tensor-core GEMM's tiles and fragment indices,
 //! with an emulated mma) and `controls` (the negative controls: every test
 //! can fail).
 
 mod attention;
+mod attention_window;
 mod controls;
 mod harness;
 mod matmul;

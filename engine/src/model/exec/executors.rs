@@ -27,27 +27,17 @@ pub struct Executors {
 }
 
 impl Executors {
-    /// Moves to `device`: off the CPU a program with an op that has no
-    /// device kernel is refused, naming the op and `family`; on CUDA the
-    /// tables are uploaded for the resident executor.
-    pub fn set_device(
-        &mut self,
-        device: &Device,
-        family: &str,
-        tables: &Tables,
-        prog: &Program,
-    ) -> Result<(), EngineError> {
+    /// Moves to `device`: on CUDA the tables are uploaded for the resident
+    /// executor (every op of a program has a device kernel there; the
+    /// attention patches, which have none, are refused when a step names
+    /// them).
+    pub fn set_device(&mut self, device: &Device, tables: &Tables) -> Result<(), EngineError> {
         #[cfg(feature = "cuda")]
         {
             self.resident = None;
         }
         if matches!(device, Device::Cpu) {
             return Ok(());
-        }
-        if let Some(op) = prog.first_cpu_only_op() {
-            return Err(EngineError::Device(format!(
-                "{family} on {device:?}: the op {op} has no device kernel; run it on the CPU"
-            )));
         }
         #[cfg(feature = "cuda")]
         if let Device::Cuda(g) = device {

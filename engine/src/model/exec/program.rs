@@ -553,20 +553,6 @@ impl Program {
     }
 }
 
-impl Program {
-    /// The first op (by name and variant) that has no kernel on a device
-    /// other than the CPU, `None` when every op of the program has one: a
-    /// family refuses such a device naming it.
-    pub fn first_cpu_only_op(&self) -> Option<String> {
-        self.ops.iter().find_map(|op| match op {
-            Op::RopeKvAttend { spec, .. } if spec.window.is_some() => {
-                Some("rope_kv_attend with a sliding window".into())
-            }
-            _ => None,
-        })
-    }
-}
-
 impl Op {
     /// The buffers the op reads, in operand order.
     pub fn reads(&self) -> Vec<Buf> {

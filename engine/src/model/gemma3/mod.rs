@@ -400,11 +400,11 @@ impl ModelFamily for Gemma3 {
         self.tensors()
     }
 
-    /// The host executor runs on any device whose kernels cover every op of
-    /// the program; the first op without a device kernel is named otherwise.
+    /// On CUDA the resident executor runs the program, its sliding-window
+    /// and global layers alike.
     fn set_device(&mut self, device: Device) -> Result<(), EngineError> {
         let mut exec = std::mem::take(&mut self.exec);
-        let r = exec.set_device(&device, "gemma3_text", &self.tables(), &self.program());
+        let r = exec.set_device(&device, &self.tables());
         self.exec = exec;
         r?;
         self.device = device;

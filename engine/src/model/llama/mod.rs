@@ -499,15 +499,13 @@ impl ModelFamily for Llama {
         self.tensors()
     }
 
-    /// On CUDA every variant runs on the resident executor, and is refused,
-    /// naming the op, where one of its ops has no device kernel.
+    /// On CUDA every variant (mistral's sliding window included) runs on
+    /// the resident executor.
     fn set_device(&mut self, device: Device) -> Result<(), EngineError> {
-        let family = self.variant.family.to_string();
         let mut exec = std::mem::take(&mut self.exec);
         let r = {
-            let (tables, slots) = self.tables();
-            let prog = self.program(&slots, &PatchSet::none());
-            exec.set_device(&device, &family, &tables, &prog)
+            let (tables, _) = self.tables();
+            exec.set_device(&device, &tables)
         };
         self.exec = exec;
         r?;

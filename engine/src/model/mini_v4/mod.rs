@@ -559,8 +559,8 @@ impl ModelFamily for MiniV4 {
     fn set_device(&mut self, device: Device) -> Result<(), EngineError> {
         let mut exec = std::mem::take(&mut self.exec);
         let r = {
-            let (tables, prog) = self.plan(&PatchSet::none());
-            exec.set_device(&device, "mini-v4", &tables, &prog)
+            let (tables, _) = self.plan(&PatchSet::none());
+            exec.set_device(&device, &tables)
         };
         self.exec = exec;
         r?;

@@ -469,12 +469,10 @@ impl ModelFamily for MoeModel {
     /// On CUDA the resident executor runs these programs (the routing on
     /// the host, from the router logits it brings back).
     fn set_device(&mut self, device: Device) -> Result<(), EngineError> {
-        let family = self.family().model_type();
         let mut exec = std::mem::take(&mut self.exec);
         let r = {
-            let (tables, slots) = self.tables();
-            let prog = self.program(&slots, &PatchSet::none());
-            exec.set_device(&device, family, &tables, &prog)
+            let (tables, _) = self.tables();
+            exec.set_device(&device, &tables)
         };
         self.exec = exec;
         r?;

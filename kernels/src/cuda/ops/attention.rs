@@ -6,7 +6,10 @@
 //!
 //! Invariant: every form computes each output by the CPU reference's tile
 //! order, so the choice moves speed only; shapes the kernels cannot hold
-//! are errors, never launches.
+//! are errors, never launches. A sliding window is the CPU's
+//! `attention_window`: each form walks a token's keys from
+//! `first_key(pos, window)` in the same absolute tiles (the argument
+//! `window`, 0 for none).
 
 use cudarc::driver::LaunchConfig;
 
@@ -90,6 +93,20 @@ pub(crate) fn attn_args(
             shared_mem_bytes: 0,
         },
     })
+}
+
+/// The kernels' `window` argument: 0 for none; a window wider than any
+/// position the kernels index is the same walk as none, so it is clamped.
+/// A window of zero positions is refused, as the CPU refuses it.
+pub(crate) fn window_arg(window: Option<usize>) -> Result<i32, GpuError> {
+    match window {
+        None => Ok(0),
+        Some(0) => Err(GpuError::Shape {
+            what: "attention",
+            detail: "a window of zero positions".into(),
+        }),
+        Some(w) => Ok(i32::try_from(w).unwrap_or(i32::MAX)),
+    }
 }
 
 pub(crate) fn layout_args(l: &PageLayout) -> Result<(i32, i32, i32), GpuError> {
@@ -183,7 +200,8 @@ impl Gpu {
     }
 
     /// Paged causal attention of `n` query rows: token t attends positions
-    /// `0..=pos[t]` through page addresses `pages[seq_off[t]..]`; by
+    /// `first_key(pos[t], window) ..= pos[t]` through page addresses
+    /// `pages[seq_off[t]..]`; by
     /// `attention_prefill` (`_hd64` where [`hd64_fits`]) where the table
     /// lists groups, `attention_decode` for steps of at most
     /// [`Tuning::attn_decode_max`] blocks, `attention_paged` otherwise.
@@ -197,6 +215,7 @@ impl Gpu {
         layout: PageLayout,
         layer: usize,
         scale: f32,
+        window: Option<usize>,
         out: u64,
     ) -> Result<(), GpuError> {
         let tun = self.res.tuning;
@@ -211,7 +230,9 @@ impl Gpu {
         } else {
             AttnKernel::Paged
         };
-        self.attention_with(kernel, q, table, n, shape, layout, layer, scale, out)
+        self.attention_with(
+            kernel, q, table, n, shape, layout, layer, scale, window, out,
+        )
     }
 
     /// [`Gpu::attention_paged`] by the kernel named, whatever the step's
@@ -227,11 +248,13 @@ impl Gpu {
         layout: PageLayout,
         layer: usize,
         scale: f32,
+        window: Option<usize>,
         out: u64,
     ) -> Result<(), GpuError> {
         if n == 0 {
             return Ok(());
         }
+        let win = window_arg(window)?;
         if !attn_shape_ok(shape, &layout) {
             return Err(GpuError::Shape {
                 what: "attention",
@@ -292,7 +315,8 @@ impl Gpu {
             .arg(&li)
             .arg(&pl)
             .arg(&aux)
-            .arg(&scale);
+            .arg(&scale)
+            .arg(&win);
         // SAFETY: matches `attention_paged` / `attention_decode` (the same
         // parameters) and `attention_prefill` (groups after pos); token t's
         // page list covers positions 0..=pos[t], each entry the address of a
@@ -309,7 +333,8 @@ impl Gpu {
     /// block reads a row another block writes), with head_dim even and at
     /// most 256: the caller checks the first two, this the shapes.
     /// The kernel is `attention_decode_rope_qs`, which also hands the
-    /// rotated q head to the attention in shared memory.
+    /// rotated q head to the attention in shared memory; under `window`
+    /// each token attends its last `window` positions.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_decode_rope(
         &self,
@@ -324,11 +349,13 @@ impl Gpu {
         layout: PageLayout,
         layer: usize,
         scale: f32,
+        window: Option<usize>,
         out: u64,
     ) -> Result<(), GpuError> {
         if n == 0 {
             return Ok(());
         }
+        let win = window_arg(window)?;
         if !attn_shape_ok(shape, &layout) || shape.head_dim % 2 != 0 || table.n_groups != 0 {
             return Err(GpuError::Shape {
                 what: "attention_decode_rope",
@@ -367,7 +394,8 @@ impl Gpu {
             .arg(&li)
             .arg(&pl)
             .arg(&aux)
-            .arg(&scale);
+            .arg(&scale)
+            .arg(&win);
         // SAFETY: matches `attention_decode_rope_qs`; q holds n·qd floats,
         // kraw, kout and v n·kvd; positions inside the RoPE tables; each
         // token's page list covers 0..=pos[t] and dst[t]/slot[t] is the

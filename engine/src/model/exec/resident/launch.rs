@@ -532,9 +532,10 @@ impl<'a> Runner<'a> {
     }
 
     /// RoPE, the K/V (and indexer-key) page writes and attention of one
-    /// layer: by the fused decode kernel where the step allows it (the K
-    /// rows were made unrotated into [`Loc::KRaw`]; it writes the rotated
-    /// ones to staging), else `rope_kv` then paged attention.
+    /// layer (over the op's sliding window, if it has one): by the fused
+    /// decode kernel where the step allows it (the K rows were made
+    /// unrotated into [`Loc::KRaw`]; it writes the rotated ones to
+    /// staging), else `rope_kv` then paged attention.
     #[allow(clippy::too_many_arguments)]
     fn attend(
         &mut self,
@@ -546,11 +547,12 @@ impl<'a> Runner<'a> {
         spec: &crate::model::exec::AttnSpec,
         ik: Option<Buf>,
     ) -> Result<(), EngineError> {
-        if spec.patched() || spec.window.is_some() {
+        if spec.patched() {
             return Err(EngineError::Device(
-                "an attention patch or a sliding window has no device kernel".into(),
+                "an attention patch has no device kernel".into(),
             ));
         }
+        let window = spec.window.map(|w| w as usize);
         let g = self.r.gpu();
         let tabs = &self.r.dev.ropes[rope];
         let a = self.a;
@@ -577,6 +579,7 @@ impl<'a> Runner<'a> {
                     self.layout,
                     layer,
                     spec.scale(),
+                    window,
                     o,
                 )
                 .map_err(e);
@@ -608,6 +611,7 @@ impl<'a> Runner<'a> {
             self.layout,
             layer,
             spec.scale(),
+            window,
             o,
         )
         .map_err(e)

@@ -74,8 +74,9 @@ pub struct Plan {
     /// whole context (its indexer selects): a step with a token there or
     /// later needs the host executor.
     pub dense_below: Option<usize>,
-    /// Every attention op is plain (no window, no patch, an even head_dim
-    /// of at most 256), so that a decode step may take the fused kernel.
+    /// Every attention op is plain (no patch, an even head_dim of at most
+    /// 256; a sliding window is the fused kernel's too), so that a decode
+    /// step may take the fused kernel.
     pub fusable_attention: bool,
     /// The attention ops' query heads (the first one's).
     pub heads: usize,
@@ -209,10 +210,7 @@ impl Plan {
         let fusable_attention = !attends.is_empty()
             && ops.iter().all(|o| match o {
                 Op::RopeKvAttend { spec, .. } => {
-                    !spec.patched()
-                        && spec.window.is_none()
-                        && spec.shape.head_dim % 2 == 0
-                        && spec.shape.head_dim <= 256
+                    !spec.patched() && spec.shape.head_dim % 2 == 0 && spec.shape.head_dim <= 256
                 }
                 Op::SparseAttend { .. } => false,
                 _ => true,
@@ -380,6 +378,11 @@ mod tests {
     /// A two-layer llama-shaped program: embed, per layer norm → q/k/v →
     /// attention → o + residual, then the wanted rows' norm and head.
     fn program() -> (Program, Vec<usize>) {
+        program_with(AttnSpec::canonical(SHAPE))
+    }
+
+    /// [`program`] with every attention op's spec `spec`.
+    fn program_with(spec: AttnSpec) -> (Program, Vec<usize>) {
         let mut b = Builder::default();
         let x = b.buf("x", Rows::Tokens, D);
         let h = b.buf("h", Rows::Tokens, D);
@@ -416,7 +419,7 @@ mod tests {
                 k,
                 v,
                 out: att,
-                spec: AttnSpec::canonical(SHAPE),
+                spec,
             });
             b.matmul(att, Mat(m0 + 3), o);
             b.op(Op::AddInto { x, y: o });
@@ -500,6 +503,23 @@ mod tests {
                 D.div_ceil(64) * (SHAPE.q_dim() + 2 * SHAPE.kv_dim())
             );
         });
+    }
+
+    /// A sliding window is an argument of every attention kernel, the fused
+    /// decode one included; an attention patch has no device kernel.
+    #[test]
+    fn a_window_keeps_the_fused_decode_attention_and_a_patch_does_not() {
+        let mut windowed = AttnSpec::canonical(SHAPE);
+        windowed.window = Some(16);
+        let mut patched = AttnSpec::canonical(SHAPE);
+        patched.fast_exp = true;
+        for (spec, fusable) in [(windowed, true), (patched, false)] {
+            let (prog, _) = program_with(spec);
+            with_tables(|t| {
+                let plan = Plan::new(&prog, t).expect("plan");
+                assert_eq!(plan.fusable_attention, fusable, "{spec:?}");
+            });
+        }
     }
 
     #[test]
