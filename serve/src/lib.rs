@@ -25,6 +25,7 @@ pub mod probe;
 pub mod proxy;
 pub mod proxy_bench;
 pub mod record;
+mod response;
 pub mod script;
 pub mod server;
 pub mod sse;
