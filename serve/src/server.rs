@@ -1,5 +1,5 @@
-//! HTTP: routes, authentication, body limit, request → submission, and
-//! OpenAI's response and SSE framing. No engine logic: handlers validate
+//! HTTP: routes, authentication, body limit, request → submission. No
+//! engine logic: handlers validate
 //! (`api`), render and tokenize (`template`), then talk to the engine loop
 //! through channels (`engine`).
 //!
