@@ -78,9 +78,10 @@ pub(crate) struct Meta {
     pub(crate) kind: Kind,
     /// Whether the client asked for logprobs.
     pub(crate) logprobs: bool,
-    /// Whether the answer's `<tool_call>` blocks become `tool_calls` (a chat
-    /// request with `tools`, `tool_choice` not `"none"`; see [`tools`]).
-    pub(crate) tools: bool,
+    /// The request's tool names when the answer's calls become `tool_calls`
+    /// (a chat request with `tools`, `tool_choice` not `"none"`; see
+    /// [`tools`]); `None` leaves the answer as text.
+    pub(crate) tools: Option<Vec<String>>,
 }
 
 /// OpenAI's floor for a logprob JSON cannot write (−∞).
@@ -263,10 +264,10 @@ impl Meta {
     /// A whole answer's assistant message and its `finish_reason`:
     /// `tool_calls` when the answer made calls.
     pub(crate) fn message(&self, text: String, reason: &'static str) -> (Value, &'static str) {
-        if !self.tools {
+        let Some(names) = &self.tools else {
             return (json!({"role": "assistant", "content": text}), reason);
-        }
-        let s = tools::split(&text);
+        };
+        let s = tools::split(&text, names);
         self.warn_rejected(&s.rejected);
         if s.calls.is_empty() {
             return (json!({"role": "assistant", "content": s.content}), reason);
@@ -371,7 +372,7 @@ impl Meta {
             pending: Vec::new(),
             offset: 0,
             include_usage,
-            tools: self.tools.then(ToolStream::new),
+            tools: self.tools.clone().map(ToolStream::new),
             calls: 0,
         };
         // The role chunk goes out with the headers (chat only).
@@ -468,6 +469,7 @@ mod tests {
     const NAME: &str = "chatcmpl-0-7";
 
     fn meta(tools: bool) -> Meta {
+        let tools = tools.then(|| vec!["get_weather".to_string()]);
         let model = Model::synthetic(SynthSpec::embedded_default()).unwrap();
         let app = App {
             renderer: Renderer::new(&model).unwrap(),

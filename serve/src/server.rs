@@ -276,8 +276,11 @@ async fn chat_inner(app: Arc<App>, headers: HeaderMap, body: Body) -> Result<Res
         created: now(),
         kind: Kind::Chat,
         logprobs: req.gen.logprobs.is_some(),
-        tools: req.tools.is_some()
-            && req.tool_choice.as_ref().and_then(Value::as_str) != Some("none"),
+        tools: req
+            .tools
+            .as_ref()
+            .filter(|_| req.tool_choice.as_ref().and_then(Value::as_str) != Some("none"))
+            .map(crate::tools::names),
     };
     if req.stream {
         Ok(meta.stream(rx, req.include_usage))
@@ -341,7 +344,7 @@ async fn completions_inner(
         created: now(),
         kind: Kind::Completion,
         logprobs: req.gen.logprobs.is_some(),
-        tools: false,
+        tools: None,
     };
     if req.stream {
         Ok(meta.stream(rx, req.include_usage))

@@ -7,6 +7,13 @@
 //! `usage` never pass through here; this module decides what the client is
 //! shown of the text the engine generated, once the request had `tools`.
 //!
+//! Small models often write the call without the tags: the whole answer one
+//! JSON object, bare or in a ```` ```json ```` fence. Such an answer is a call
+//! when its object parses as a block's body would and its `name` is one of
+//! the request's tools ([`bare_call`]); otherwise it is content, verbatim.
+//! Streamed, an answer that begins like one (`{`, or a prefix of the fence)
+//! is held back to its end, as nothing before the end can tell.
+//!
 //! A *block* is [`OPEN`] up to the first [`CLOSE`] after it (non-greedy, as
 //! vLLM's regex). A block whose body is a JSON object with a non-empty string
 //! `name` and an `arguments` object — or a string holding one, passed on as
@@ -109,6 +116,51 @@ pub fn parse_call(body: &str) -> Result<ToolCall, BadCall> {
     Ok(ToolCall { name, arguments })
 }
 
+/// Opens the fence a bare call may be written in.
+pub const FENCE: &str = "```json";
+
+/// The names of a request's `tools` (`[{"type": "function", "function":
+/// {"name": …}}]`); entries without one are skipped.
+pub fn names(tools: &Value) -> Vec<String> {
+    tools
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|t| t.pointer("/function/name").and_then(Value::as_str))
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A whole answer written as one call without the tags: one JSON object,
+/// bare or fenced in ```` ```json … ``` ````, that [`parse_call`] takes and
+/// whose `name` is one of `names`.
+pub fn bare_call(answer: &str, names: &[String]) -> Option<ToolCall> {
+    let t = answer.trim();
+    let body = match t.strip_prefix(FENCE) {
+        Some(rest) => rest.strip_suffix("```")?,
+        None => t,
+    };
+    let body = body.trim();
+    if !body.starts_with('{') {
+        return None;
+    }
+    parse_call(body)
+        .ok()
+        .filter(|c| names.iter().any(|n| *n == c.name))
+}
+
+/// Whether an answer that begins with `start` (leading whitespace dropped)
+/// may still turn out to be a bare call: it is empty, begins with `{` or
+/// the fence, or is a prefix of the fence.
+fn may_be_bare(start: &str) -> bool {
+    start.is_empty()
+        || start.starts_with('{')
+        || start.starts_with(FENCE)
+        || FENCE.starts_with(start)
+}
+
 /// What the stream lets through, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Piece {
@@ -134,11 +186,22 @@ pub struct ToolStream {
     ws: String,
     calls: usize,
     rejected: Vec<BadCall>,
+    /// The request's tool names, for a bare call.
+    names: Vec<String>,
+    /// Nothing let through yet and the answer may still be a bare call: all
+    /// of it is held in `bare_buf` until it cannot be, or to the end.
+    holding: bool,
+    bare_buf: String,
 }
 
 impl ToolStream {
-    pub fn new() -> Self {
-        Self::default()
+    /// A reader for a request whose tools are named `names`.
+    pub fn new(names: Vec<String>) -> Self {
+        Self {
+            holding: !names.is_empty(),
+            names,
+            ..Self::default()
+        }
     }
 
     /// Calls let through so far.
@@ -153,6 +216,20 @@ impl ToolStream {
 
     /// Adds text; returns what can be let through now.
     pub fn push(&mut self, s: &str) -> Vec<Piece> {
+        if self.holding {
+            self.bare_buf.push_str(s);
+            if may_be_bare(self.bare_buf.trim_start()) {
+                return Vec::new();
+            }
+            self.holding = false;
+            let held = std::mem::take(&mut self.bare_buf);
+            return self.push_tagged(&held);
+        }
+        self.push_tagged(s)
+    }
+
+    /// [`ToolStream::push`] for text that is not a bare call.
+    fn push_tagged(&mut self, s: &str) -> Vec<Piece> {
         self.buf.push_str(s);
         let mut out = Vec::new();
         loop {
@@ -198,6 +275,17 @@ impl ToolStream {
     /// tail that looked like the start of [`OPEN`]) goes out as content;
     /// trailing whitespace is dropped.
     pub fn finish(&mut self) -> Vec<Piece> {
+        if self.holding {
+            self.holding = false;
+            let held = std::mem::take(&mut self.bare_buf);
+            if let Some(c) = bare_call(&held, &self.names) {
+                self.calls += 1;
+                return vec![Piece::Call(c)];
+            }
+            let mut out = self.push_tagged(&held);
+            out.extend(self.finish());
+            return out;
+        }
         let rest = std::mem::take(&mut self.buf);
         self.open = false;
         let mut out = Vec::new();
@@ -236,9 +324,10 @@ pub struct Split {
     pub rejected: Vec<BadCall>,
 }
 
-/// Splits a whole answer ([`ToolStream`] fed it in one piece).
-pub fn split(text: &str) -> Split {
-    let mut s = ToolStream::new();
+/// Splits a whole answer to a request whose tools are named `names`
+/// ([`ToolStream`] fed it in one piece).
+pub fn split(text: &str, names: &[String]) -> Split {
+    let mut s = ToolStream::new(names.to_vec());
     let mut pieces = s.push(text);
     pieces.extend(s.finish());
     let mut content = String::new();
@@ -266,6 +355,16 @@ mod tests {
             name: name.into(),
             arguments: arguments.into(),
         }
+    }
+
+    /// The tools the requests below name: the tagged cases run with a bare
+    /// call possible, so holding for one must not change them.
+    fn names() -> Vec<String> {
+        vec!["get_weather".into(), "now".into()]
+    }
+
+    fn split(text: &str) -> Split {
+        super::split(text, &names())
     }
 
     const WEATHER: &str =
@@ -367,7 +466,7 @@ mod tests {
         assert_eq!(s.content.as_deref(), Some(text));
         assert!(s.calls.is_empty());
         // Streamed: held from the tag on, let through at the end.
-        let mut st = ToolStream::new();
+        let mut st = ToolStream::new(names());
         assert_eq!(st.push("Sure. "), [Piece::Content("Sure.".into())]);
         assert_eq!(st.push("<tool_call>\n{\"name\": "), []);
         assert_eq!(st.push("\"now\", \"arguments\": {}}"), []);
@@ -382,7 +481,7 @@ mod tests {
 
     #[test]
     fn a_tag_prefix_is_held_and_let_go_when_it_turns_out_not_to_be_one() {
-        let mut st = ToolStream::new();
+        let mut st = ToolStream::new(names());
         assert_eq!(st.push("Hello <tool"), [Piece::Content("Hello".into())]);
         assert_eq!(st.push("box> x"), [Piece::Content(" <toolbox> x".into())]);
         assert_eq!(st.push(" <"), []);
@@ -392,7 +491,7 @@ mod tests {
         );
         assert_eq!(st.finish(), []);
         // A prefix of the tag at the very end is content.
-        let mut st = ToolStream::new();
+        let mut st = ToolStream::new(names());
         assert_eq!(st.push("a <tool_ca"), [Piece::Content("a".into())]);
         assert_eq!(st.finish(), [Piece::Content(" <tool_ca".into())]);
     }
@@ -400,7 +499,7 @@ mod tests {
     /// The pieces of `pieces` fed one by one, content joined and calls in
     /// order; also checks that no content piece is empty.
     fn stream(pieces: &[&str]) -> (String, Vec<ToolCall>) {
-        let mut st = ToolStream::new();
+        let mut st = ToolStream::new(names());
         let mut content = String::new();
         let mut calls = Vec::new();
         let mut out: Vec<Piece> = Vec::new();
@@ -461,7 +560,7 @@ mod tests {
 
     #[test]
     fn content_before_a_call_streams_before_the_call_completes() {
-        let mut st = ToolStream::new();
+        let mut st = ToolStream::new(names());
         assert_eq!(st.push("Let me"), [Piece::Content("Let me".into())]);
         assert_eq!(
             st.push(" check.\n<tool_"),
@@ -484,5 +583,73 @@ mod tests {
             json!({"id": "call_chatcmpl-0-7_1", "type": "function",
                    "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}})
         );
+    }
+
+    #[test]
+    fn a_whole_answer_that_is_one_json_call_to_a_named_tool_is_a_call() {
+        let want = call("get_weather", r#"{"city":"Paris"}"#);
+        for text in [
+            "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}",
+            "\n  {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n",
+            "```json\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n```",
+            " ```json\n{\"name\": \"get_weather\", \"arguments\": \"{\\\"city\\\":\\\"Paris\\\"}\"}```\n",
+        ] {
+            let s = split(text);
+            assert_eq!(s.content, None, "{text:?}");
+            assert_eq!(s.calls, vec![want.clone()], "{text:?}");
+        }
+    }
+
+    #[test]
+    fn json_that_is_not_a_call_to_a_named_tool_stays_content_verbatim() {
+        for text in [
+            // A tool the request did not name.
+            "{\"name\": \"rm_rf\", \"arguments\": {}}",
+            // Data, not a call.
+            "{\"city\": \"Paris\"}",
+            "```json\n[1, 2]\n```",
+            // A call followed by more text: not the whole answer.
+            "{\"name\": \"now\", \"arguments\": {}} and then",
+            // An unclosed fence.
+            "```json\n{\"name\": \"now\", \"arguments\": {}}",
+        ] {
+            let s = split(text);
+            assert!(s.calls.is_empty(), "{text:?}");
+            assert_eq!(s.content.as_deref(), Some(text.trim()), "{text:?}");
+        }
+        // Without tool names nothing is a bare call.
+        let s = super::split("{\"name\": \"now\", \"arguments\": {}}", &[]);
+        assert!(s.calls.is_empty());
+    }
+
+    #[test]
+    fn a_bare_call_streamed_cut_anywhere_is_one_call_and_nothing_before_the_end() {
+        let text = "```json\n{\"name\": \"now\", \"arguments\": {}}\n```";
+        for cut in 0..=text.len() {
+            let mut st = ToolStream::new(names());
+            let mut out = st.push(&text[..cut]);
+            out.extend(st.push(&text[cut..]));
+            assert!(
+                out.is_empty(),
+                "cut {cut}: let through before the end: {out:?}"
+            );
+            assert_eq!(
+                st.finish(),
+                vec![Piece::Call(call("now", "{}"))],
+                "cut {cut}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_answer_that_cannot_be_a_bare_call_streams_at_once() {
+        let mut st = ToolStream::new(names());
+        assert!(st.push("``").is_empty(), "a prefix of the fence is held");
+        assert_eq!(
+            st.push("`python\nprint(1)\n"),
+            vec![Piece::Content("```python\nprint(1)".into())]
+        );
+        let mut st = ToolStream::new(names());
+        assert_eq!(st.push("Sure"), vec![Piece::Content("Sure".into())]);
     }
 }
