@@ -146,9 +146,7 @@ pub fn bare_call(answer: &str, names: &[String]) -> Option<ToolCall> {
     if !body.starts_with('{') {
         return None;
     }
-    parse_call(body)
-        .ok()
-        .filter(|c| names.iter().any(|n| *n == c.name))
+    parse_call(body).ok().filter(|c| names.contains(&c.name))
 }
 
 /// Whether an answer that begins with `start` (leading whitespace dropped)
