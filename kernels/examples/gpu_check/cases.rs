@@ -328,6 +328,29 @@ pub fn rope_positions(gpu: &Gpu, r: &mut Rng, rep: &mut Report) {
     }
 }
 
+/// Random K/V in blocks up to the largest of `positions` and a random query
+/// at each position: `f` gets the attention tasks.
+fn with_attn_tasks(
+    r: &mut Rng,
+    shape: &AttnShape,
+    positions: &[usize],
+    f: impl FnOnce(&[AttnTask]),
+) {
+    let cap = positions.iter().max().map_or(1, |m| m + 1);
+    let (kb, vb) = kv_blocks(r, cap, shape.kv_dim());
+    let view = block_view(&kb, &vb);
+    let qs: Vec<Vec<f32>> = positions
+        .iter()
+        .map(|_| r.uniform_vec(shape.q_dim(), 2.0))
+        .collect();
+    let tasks: Vec<AttnTask> = positions
+        .iter()
+        .zip(&qs)
+        .map(|(&pos, q)| AttnTask { q, kv: &view, pos })
+        .collect();
+    f(&tasks)
+}
+
 /// Attention: GQA 9/3 × 64 (SmolLM2), positions across tile boundaries,
 /// KV in paged blocks of 16 positions, several tasks at once.
 pub fn attention_gqa(gpu: &Gpu, th: &Threads, r: &mut Rng, rep: &mut Report) {
@@ -341,40 +364,32 @@ pub fn attention_gqa(gpu: &Gpu, th: &Threads, r: &mut Rng, rep: &mut Report) {
         &[5, 100, 511, 64],
         &prefill[..],
     ] {
-        let cap = positions.iter().max().unwrap() + 1;
-        let (kb, vb) = kv_blocks(r, cap, shape.kv_dim());
-        let view = block_view(&kb, &vb);
-        let qs: Vec<Vec<f32>> = positions
-            .iter()
-            .map(|_| r.uniform_vec(shape.q_dim(), 2.0))
-            .collect();
-        let tasks: Vec<AttnTask> = positions
-            .iter()
-            .zip(&qs)
-            .map(|(&pos, q)| AttnTask { q, kv: &view, pos })
-            .collect();
-        let mut cpu = vec![0.0; tasks.len() * shape.q_dim()];
-        attention(th, &tasks, &shape, 0.125, &mut cpu);
-        let mut dev = vec![0.0; cpu.len()];
-        gpu.attention(&tasks, &shape, 0.125, &mut dev)
-            .expect("gpu attention");
-        rep.case(
-            format!("attention 9/3 heads × 64, positions {positions:?}"),
-            diff(&cpu, &dev),
-            cpu.len(),
-        );
-        for page_len in [1usize, 7, 16, 64] {
-            for (label, kernel) in ATTN_KERNELS {
-                let mut paged = vec![f32::NAN; cpu.len()];
-                gpu.attention_resident(&tasks, &shape, 0.125, None, page_len, kernel, &mut paged)
+        with_attn_tasks(r, &shape, positions, |tasks| {
+            let mut cpu = vec![0.0; tasks.len() * shape.q_dim()];
+            attention(th, tasks, &shape, 0.125, &mut cpu);
+            let mut dev = vec![0.0; cpu.len()];
+            gpu.attention(tasks, &shape, 0.125, &mut dev)
+                .expect("gpu attention");
+            rep.case(
+                format!("attention 9/3 heads × 64, positions {positions:?}"),
+                diff(&cpu, &dev),
+                cpu.len(),
+            );
+            for page_len in [1usize, 7, 16, 64] {
+                for (label, kernel) in ATTN_KERNELS {
+                    let mut paged = vec![f32::NAN; cpu.len()];
+                    gpu.attention_resident(
+                        tasks, &shape, 0.125, None, page_len, kernel, &mut paged,
+                    )
                     .expect(label);
-                rep.case(
-                    format!("{label} pages of {page_len}, positions {positions:?}"),
-                    diff(&cpu, &paged),
-                    cpu.len(),
-                );
+                    rep.case(
+                        format!("{label} pages of {page_len}, positions {positions:?}"),
+                        diff(&cpu, &paged),
+                        cpu.len(),
+                    );
+                }
             }
-        }
+        });
     }
 }
 
@@ -440,49 +455,39 @@ pub fn attention_window(gpu: &Gpu, th: &Threads, r: &mut Rng, rep: &mut Report) 
         (&prefill[..], 64),
         (&prefill[..], 1),
     ] {
-        let cap = positions.iter().max().unwrap() + 1;
-        let (kb, vb) = kv_blocks(r, cap, shape.kv_dim());
-        let view = block_view(&kb, &vb);
-        let qs: Vec<Vec<f32>> = positions
-            .iter()
-            .map(|_| r.uniform_vec(shape.q_dim(), 2.0))
-            .collect();
-        let tasks: Vec<AttnTask> = positions
-            .iter()
-            .zip(&qs)
-            .map(|(&pos, q)| AttnTask { q, kv: &view, pos })
-            .collect();
-        let mut cpu = vec![0.0; tasks.len() * shape.q_dim()];
-        lmrr_kernels::attention_window(th, &tasks, &shape, 0.125, Some(window), &mut cpu);
-        let what = format!(
-            "{} tokens to position {}, window {window}",
-            tasks.len(),
-            cap - 1
-        );
-        let mut dev = vec![0.0; cpu.len()];
-        gpu.attention_window(&tasks, &shape, 0.125, Some(window), &mut dev)
-            .expect("gpu attention_window");
-        rep.case(format!("attention, {what}"), diff(&cpu, &dev), cpu.len());
-        for page_len in [7usize, 16] {
-            for (label, kernel) in ATTN_KERNELS {
-                let mut paged = vec![f32::NAN; cpu.len()];
-                gpu.attention_resident(
-                    &tasks,
-                    &shape,
-                    0.125,
-                    Some(window),
-                    page_len,
-                    kernel,
-                    &mut paged,
-                )
-                .expect(label);
-                rep.case(
-                    format!("{label} pages of {page_len}, {what}"),
-                    diff(&cpu, &paged),
-                    cpu.len(),
-                );
+        with_attn_tasks(r, &shape, positions, |tasks| {
+            let mut cpu = vec![0.0; tasks.len() * shape.q_dim()];
+            lmrr_kernels::attention_window(th, tasks, &shape, 0.125, Some(window), &mut cpu);
+            let what = format!(
+                "{} tokens to position {}, window {window}",
+                tasks.len(),
+                positions.iter().max().unwrap_or(&0)
+            );
+            let mut dev = vec![0.0; cpu.len()];
+            gpu.attention_window(tasks, &shape, 0.125, Some(window), &mut dev)
+                .expect("gpu attention_window");
+            rep.case(format!("attention, {what}"), diff(&cpu, &dev), cpu.len());
+            for page_len in [7usize, 16] {
+                for (label, kernel) in ATTN_KERNELS {
+                    let mut paged = vec![f32::NAN; cpu.len()];
+                    gpu.attention_resident(
+                        tasks,
+                        &shape,
+                        0.125,
+                        Some(window),
+                        page_len,
+                        kernel,
+                        &mut paged,
+                    )
+                    .expect(label);
+                    rep.case(
+                        format!("{label} pages of {page_len}, {what}"),
+                        diff(&cpu, &paged),
+                        cpu.len(),
+                    );
+                }
             }
-        }
+        });
     }
 }
 
