@@ -14,6 +14,7 @@
 //! page hashes cover it.
 
 pub mod chat;
+pub mod deepseek_v3;
 pub(crate) mod device_kv;
 pub mod exec;
 pub mod gemma3;
@@ -48,6 +49,7 @@ pub enum Family {
     Qwen3,
     Mistral,
     Gemma3Text,
+    DeepseekV3,
 }
 
 impl Family {
@@ -62,11 +64,12 @@ impl Family {
             Self::Qwen3 => "qwen3",
             Self::Mistral => "mistral",
             Self::Gemma3Text => "gemma3_text",
+            Self::DeepseekV3 => "deepseek_v3",
         }
     }
 
     /// Every family, in listing order.
-    pub const ALL: [Family; 8] = [
+    pub const ALL: [Family; 9] = [
         Family::Llama,
         Family::MiniV4,
         Family::Mixtral,
@@ -75,6 +78,7 @@ impl Family {
         Family::Qwen3,
         Family::Mistral,
         Family::Gemma3Text,
+        Family::DeepseekV3,
     ];
 }
 
@@ -86,7 +90,9 @@ impl std::fmt::Display for Family {
 
 /// What a family keeps in the KV store per layer and position: a K and a V
 /// row of `kv_dim` floats each (what attention reads), and an auxiliary row
-/// of `aux_dim` floats (0 for none; mini-v4's indexer keys).
+/// of `aux_dim` floats (0 for none; mini-v4's indexer keys). deepseek_v3
+/// keeps no K/V rows (`kv_dim` 0): its auxiliary row is the compressed
+/// latent and the rotated shared key its attention reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvLayout {
     pub layers: usize,
@@ -289,6 +295,7 @@ pub fn load_family(files: &ModelFiles) -> Result<Box<dyn ModelFamily>, EngineErr
         Some("gemma3_text") => Ok(Box::new(gemma3::Gemma3::load(files)?)),
         Some("mini-v4") => Ok(Box::new(mini_v4::MiniV4::load(files)?)),
         Some("mixtral" | "qwen3_moe") => Ok(Box::new(moe::MoeModel::load(files)?)),
+        Some("deepseek_v3") => Ok(Box::new(deepseek_v3::DeepseekV3::load(files)?)),
         Some(other) => Err(EngineError::ConfigValue {
             path: files.config_path.clone(),
             field: "model_type",

@@ -430,6 +430,18 @@ impl Tensor {
         }
     }
 
+    /// An in-memory f32 tensor: a derived copy (e.g. a family's rearranged
+    /// weights). `data` holds `shape`'s element count.
+    pub fn from_f32(name: String, shape: Vec<usize>, data: Vec<f32>) -> Self {
+        debug_assert_eq!(shape.iter().product::<usize>(), data.len());
+        Self {
+            name,
+            shape,
+            dtype: DType::F32,
+            data: Data::F32(data),
+        }
+    }
+
     /// Bytes the kernels stream to read this tensor once.
     pub fn nbytes(&self) -> usize {
         let n: usize = self.shape.iter().product();

@@ -5,7 +5,8 @@
 //! fast: the resident CUDA executor is the fast path).
 //!
 //! Owns the step's host buffers (one `Vec<f32>` per declared buffer, sized
-//! from the step) and the KV store traffic of [`Op::RopeKvAttend`]. Knows no
+//! from the step) and the KV store traffic of [`Op::RopeKvAttend`] (that of
+//! [`Op::MlaAttend`] is [`super::mla`]'s). Knows no
 //! family: everything it reads comes from the program and the [`Tables`].
 
 use lmrr_kernels::{self as k, AttnTask};
@@ -339,6 +340,7 @@ fn exec(
             let (x, out) = pair(bufs, *x, *out);
             hyper::stream_mean(x, w / d, d, out);
         }
+        Op::MlaAttend { .. } => super::mla::exec(op, tables, step, kv, ops, bufs)?,
         Op::SparseAttend { .. } => {
             return Err(EngineError::Device(
                 "sparse_attend runs through the host executor's traced path".into(),

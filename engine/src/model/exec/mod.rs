@@ -9,6 +9,7 @@ pub mod executors;
 pub mod host;
 pub mod hyper;
 pub mod indexer;
+pub mod mla;
 pub mod moe;
 pub mod program;
 pub mod resident;
@@ -16,8 +17,8 @@ pub mod routing_v4;
 
 pub use executors::Executors;
 pub use program::{
-    Act, AttnSpec, Buf, BufDecl, Builder, ExpertMats, Mat, MatJob, Op, Program, RoutingSpec, Rows,
-    Tables, Vector,
+    Act, AttnSpec, Buf, BufDecl, Builder, ExpertMats, Mat, MatJob, MlaShape, Op, Program,
+    RoutingSpec, Rows, Tables, Vector,
 };
 
 use std::sync::{Arc, Mutex};

@@ -144,6 +144,51 @@ impl AttnSpec {
     }
 }
 
+/// The shape of a Multi-head Latent Attention op ([`Op::MlaAttend`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MlaShape {
+    pub heads: usize,
+    /// `qk_nope_head_dim`: a head's query/key part without RoPE.
+    pub nope: usize,
+    /// `qk_rope_head_dim`: the rotated part, its key shared by every head.
+    pub rope: usize,
+    /// `v_head_dim`.
+    pub v: usize,
+    /// `kv_lora_rank`: the compressed latent's width.
+    pub latent: usize,
+    /// RoPE pairs are adjacent elements `(2i, 2i+1)`; they are rotated into
+    /// the halves layout (transformers' `apply_rotary_pos_emb_interleave`).
+    pub interleave: bool,
+}
+
+impl MlaShape {
+    /// A query row: per head `nope` then `rope` values.
+    pub fn q_dim(&self) -> usize {
+        self.heads * (self.nope + self.rope)
+    }
+
+    /// What the KV store keeps per layer and position (its auxiliary row):
+    /// the normalised latent, then the rotated shared key.
+    pub fn row(&self) -> usize {
+        self.latent + self.rope
+    }
+
+    /// The output row: per head `v` values.
+    pub fn out_dim(&self) -> usize {
+        self.heads * self.v
+    }
+
+    /// The attention in latent space: every head against the one stored
+    /// row (keys and values alike), `row()` wide.
+    pub fn attn_shape(&self) -> AttnShape {
+        AttnShape {
+            n_heads: self.heads,
+            n_kv_heads: 1,
+            head_dim: self.row(),
+        }
+    }
+}
+
 /// One fused operation.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Op {
@@ -244,6 +289,28 @@ pub enum Op {
         spec: AttnSpec,
         index: IndexerShape,
         early_exit: bool,
+    },
+
+    /// Multi-head Latent Attention (DeepSeek-V2/V3, [`super::mla`]): per
+    /// token, the latent part of `ckv` RMS-normalised by `kv_norm` and its
+    /// shared key part rotated, stored as the layer's auxiliary KV row; the
+    /// query absorbed into latent space (per head `k_absorb_h · q_nope`,
+    /// `k_absorb` holding `heads` blocks of `latent × nope`, then the rotated
+    /// `q_rope`); causal attention of every head over the stored rows
+    /// ([`MlaShape::attn_shape`]); per head the first `latent` values of its
+    /// output times `v_up_h` (`heads` blocks of `v × latent`) into `out`.
+    MlaAttend {
+        layer: usize,
+        rope: usize,
+        q: Buf,
+        ckv: Buf,
+        kv_norm: Vector,
+        eps_bits: u32,
+        k_absorb: Mat,
+        v_up: Mat,
+        out: Buf,
+        mla: MlaShape,
+        spec: AttnSpec,
     },
 
     /// `router · x`, the row's route ([`RoutingSpec`]), each chosen expert
@@ -546,6 +613,43 @@ impl Program {
                     same("indexer head weights", width(*iw)?, index.heads)?;
                     same("attention output", width(*out)?, spec.shape.q_dim())
                 }
+                Op::MlaAttend {
+                    rope,
+                    q,
+                    ckv,
+                    kv_norm,
+                    k_absorb,
+                    v_up,
+                    out,
+                    mla,
+                    spec,
+                    ..
+                } => {
+                    let t = tables
+                        .ropes
+                        .get(*rope)
+                        .ok_or_else(|| format!("rope table {rope} unknown"))?;
+                    same("rope head_dim", t.head_dim(), mla.rope)?;
+                    same("q", width(*q)?, mla.q_dim())?;
+                    same("compressed kv", width(*ckv)?, mla.row())?;
+                    same("latent norm", vec_len(*kv_norm)?, mla.latent)?;
+                    let (ar, ac) = mat(*k_absorb)?;
+                    same("k absorb rows", ar, mla.heads * mla.latent)?;
+                    same("k absorb cols", ac, mla.nope)?;
+                    let (vr, vc) = mat(*v_up)?;
+                    same("v up rows", vr, mla.heads * mla.v)?;
+                    same("v up cols", vc, mla.latent)?;
+                    same("attention output", width(*out)?, mla.out_dim())?;
+                    if spec.shape != mla.attn_shape() || spec.window.is_some() {
+                        return Err(format!(
+                            "attention {:?} (window {:?}) is not the latent one {:?}",
+                            spec.shape,
+                            spec.window,
+                            mla.attn_shape()
+                        ));
+                    }
+                    Ok(())
+                }
             })();
             r.map_err(|e| format!("op {i} ({}): {e}", op.name()))?;
         }
@@ -568,6 +672,7 @@ impl Op {
             | Op::StreamMean { x, .. }
             | Op::Moe { x, .. } => vec![*x],
             Op::RopeKvAttend { q, k, v, .. } => vec![*q, *k, *v],
+            Op::MlaAttend { q, ckv, .. } => vec![*q, *ckv],
             Op::AddInto { x, y } => vec![*x, *y],
             Op::Glu { gate, up, .. } => vec![*gate, *up],
             Op::HcSinkhorn { raw, .. } => vec![*raw],
@@ -600,7 +705,8 @@ impl Op {
             | Op::HcPre { out, .. }
             | Op::HcPost { out, .. }
             | Op::StreamMean { out, .. }
-            | Op::Moe { out, .. } => vec![*out],
+            | Op::Moe { out, .. }
+            | Op::MlaAttend { out, .. } => vec![*out],
             Op::Matmul { jobs, .. } => jobs.iter().map(|j| j.out).collect(),
             Op::RopeKvAttend { q, k, out, .. } => vec![*q, *k, *out],
             Op::Scale { x, .. } | Op::RoundBf16 { x } | Op::AddInto { x, .. } => vec![*x],
@@ -631,6 +737,7 @@ impl Op {
             Op::StreamMean { .. } => "stream_mean",
             Op::SparseAttend { .. } => "sparse_attend",
             Op::Moe { .. } => "moe",
+            Op::MlaAttend { .. } => "mla_attend",
         }
     }
 }

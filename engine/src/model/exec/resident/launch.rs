@@ -284,6 +284,9 @@ impl<'a> Runner<'a> {
                 self.attend(i, *layer, *rope, [*q, *k, *v], *out, spec, Some(*ik))?;
                 self.copy_kv(*layer, kv_copy)
             }
+            Op::MlaAttend { .. } => Err(EngineError::Device(format!(
+                "op {i}: mla_attend (deepseek_v3's Multi-head Latent Attention) has no resident kernel"
+            ))),
             Op::Scale { x, by_bits } => {
                 let xa = self.read(*x)?;
                 g.scale(xa, f32::from_bits(*by_bits), self.count(*x))

@@ -95,6 +95,12 @@ impl Plan {
         let mut attends = Vec::new();
         let mut layers_seen = std::collections::HashSet::new();
         for (j, op) in ops.iter().enumerate() {
+            if let Op::MlaAttend { .. } = op {
+                return Err(format!(
+                    "op {j}: mla_attend (deepseek_v3's Multi-head Latent Attention) has no \
+                     resident kernel; the family runs it on the host executor"
+                ));
+            }
             let (layer, k, v, ik, geom) = match op {
                 Op::RopeKvAttend {
                     layer, k, v, spec, ..

@@ -1,0 +1,257 @@
+//! The host executor's [`Op::MlaAttend`]: Multi-head Latent Attention
+//! (DeepSeek-V2/V3) in its absorbed form, over the latent rows the KV store
+//! keeps.
+//!
+//! What is stored, per layer and position, is the layer's auxiliary KV row
+//! of [`MlaShape::row`] floats: the compressed latent after its RMSNorm
+//! (`kv_lora_rank`), then the rotated shared key `k_pe`
+//! (`qk_rope_head_dim`). No decompressed K or V is ever stored: the pool,
+//! the radix cache and the cache-state hash see exactly these rows.
+//!
+//! Attention is computed in latent space. A head's key at position `j` is
+//! `[W_k,h · c_j ; k_pe_j]` and its value `W_v,h · c_j` (`W_k,h`, `W_v,h`
+//! the head's rows of `kv_b_proj`), so
+//! `q_h · k_h(j) = (W_k,hᵀ q_nope,h) · c_j + q_rope,h · k_pe_j` and
+//! `Σ p_j v_h(j) = W_v,h (Σ p_j c_j)`. The query is absorbed once per token
+//! (`k_absorb`, `W_k,hᵀ` per head, a canonical matmul), every head attends
+//! over the stored rows with the canonical attention kernel (one K/V head
+//! of `row()` floats; the stored row is both key and value, and the first
+//! `latent` values of each head's output are `Σ p_j c_j`), and the output
+//! is decompressed per head (`v_up`, a canonical matmul).
+//!
+//! Invariant: every value a token's output depends on is a function of that
+//! token's own inputs and the stored rows of its sequence's positions
+//! `0..=pos`, each computed by the canonical kernels (matmul chunks, RMSNorm,
+//! RoPE, attention tiles at absolute positions), never of the step's other
+//! tokens or of how its sequence was chunked: I2, I3 and I4 hold as for
+//! [`super::Op::RopeKvAttend`].
+
+use lmrr_kernels::{self as k, AttnTask, KvView};
+
+use super::program::{MlaShape, Op, Tables};
+use super::Step;
+use crate::kv::KvCache;
+use crate::model::ops::Ops;
+use crate::patches::{Patch, PatchSet};
+use crate::EngineError;
+
+/// Rows `r0..r0 + n` of an f32 or bf16 matrix, as a matrix.
+fn rows_of<'a>(m: &k::Matrix<'a>, r0: usize, n: usize) -> Result<k::Matrix<'a>, EngineError> {
+    let c = m.cols;
+    let w = match m.w {
+        k::Weights::F32(s) => s.get(r0 * c..(r0 + n) * c).map(k::Weights::F32),
+        k::Weights::Bf16(s) => s.get(r0 * c..(r0 + n) * c).map(k::Weights::Bf16),
+        k::Weights::Quant(..) => None,
+    };
+    w.and_then(|w| k::Matrix::new(w, n, c)).ok_or_else(|| {
+        EngineError::Device(format!(
+            "mla_attend: rows {r0}..{} of a {}x{c} matrix are not a f32/bf16 block",
+            r0 + n,
+            m.rows
+        ))
+    })
+}
+
+/// Copies a head's rotated part `src` into `dst` in the halves layout RoPE
+/// rotates: as it is, or with the pairs `(2i, 2i+1)` split into evens then
+/// odds (`interleave`).
+fn rope_layout(src: &[f32], interleave: bool, dst: &mut [f32]) {
+    if !interleave {
+        dst.copy_from_slice(src);
+        return;
+    }
+    let half = src.len() / 2;
+    for i in 0..half {
+        dst[i] = src[2 * i];
+        dst[half + i] = src[2 * i + 1];
+    }
+}
+
+/// Runs one [`Op::MlaAttend`] over the step (module docs).
+pub(super) fn exec(
+    op: &Op,
+    tables: &Tables,
+    step: &Step,
+    kv: &mut dyn KvCache,
+    ops: &Ops,
+    bufs: &mut [Vec<f32>],
+) -> Result<(), EngineError> {
+    let Op::MlaAttend {
+        layer,
+        rope,
+        q,
+        ckv,
+        kv_norm,
+        eps_bits,
+        k_absorb,
+        v_up,
+        out,
+        mla,
+        spec,
+    } = op
+    else {
+        return Err(EngineError::Device(format!(
+            "mla executor given a {} op",
+            op.name()
+        )));
+    };
+    let MlaShape {
+        heads,
+        nope,
+        rope: rd,
+        v: vd,
+        latent: lr,
+        interleave,
+    } = *mla;
+    let n = step.tok.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let (qh, row) = (nope + rd, mla.row());
+    let table = tables.ropes[*rope];
+    let qs = &bufs[q.0 as usize];
+    let cs = &bufs[ckv.0 as usize];
+
+    // The stored rows: normalised latent, rotated shared key.
+    let mut lat_in = vec![0.0f32; n * lr];
+    for i in 0..n {
+        lat_in[i * lr..(i + 1) * lr].copy_from_slice(&cs[i * row..i * row + lr]);
+    }
+    let mut lat = vec![0.0f32; n * lr];
+    ops.norm(
+        &lat_in,
+        tables.vecs[kv_norm.0 as usize],
+        f32::from_bits(*eps_bits),
+        &mut lat,
+    )?;
+    let mut stored = vec![0.0f32; n * row];
+    for (i, &(si, pos)) in step.tok.iter().enumerate() {
+        let dst = &mut stored[i * row..(i + 1) * row];
+        dst[..lr].copy_from_slice(&lat[i * lr..(i + 1) * lr]);
+        rope_layout(&cs[i * row + lr..(i + 1) * row], interleave, &mut dst[lr..]);
+        ops.rope_row(table, &mut dst[lr..], pos)?;
+        kv.write_aux(step.spans[si].seq, *layer, pos, dst);
+    }
+
+    // The queries in latent space: per head [W_kᵀ q_nope ; rotated q_rope].
+    let mut qa = vec![0.0f32; n * heads * row];
+    let absorb = tables.mats[k_absorb.0 as usize].matrix();
+    let mut xh = vec![0.0f32; n * nope];
+    let mut yh = vec![0.0f32; n * lr];
+    for h in 0..heads {
+        for i in 0..n {
+            let src = i * heads * qh + h * qh;
+            xh[i * nope..(i + 1) * nope].copy_from_slice(&qs[src..src + nope]);
+        }
+        let w = rows_of(&absorb, h * lr, lr)?;
+        ops.matmuls(&xh, n, &mut [(&w, &mut yh[..])])?;
+        for i in 0..n {
+            let dst = i * heads * row + h * row;
+            qa[dst..dst + lr].copy_from_slice(&yh[i * lr..(i + 1) * lr]);
+        }
+    }
+    let mut qr = vec![0.0f32; heads * rd];
+    for (i, &(_, pos)) in step.tok.iter().enumerate() {
+        for h in 0..heads {
+            let src = i * heads * qh + h * qh + nope;
+            rope_layout(
+                &qs[src..src + rd],
+                interleave,
+                &mut qr[h * rd..(h + 1) * rd],
+            );
+        }
+        ops.rope_row(table, &mut qr, pos)?;
+        for h in 0..heads {
+            let dst = i * heads * row + h * row + lr;
+            qa[dst..dst + rd].copy_from_slice(&qr[h * rd..(h + 1) * rd]);
+        }
+    }
+
+    // Every head over the stored rows, each both key and value.
+    let mut att = vec![0.0f32; n * heads * row];
+    {
+        let views: Vec<KvView> = step
+            .spans
+            .iter()
+            .map(|s| {
+                let a = kv.aux_view(s.seq, *layer);
+                KvView {
+                    block_len: a.block_len,
+                    k: a.blocks.clone(),
+                    v: a.blocks,
+                }
+            })
+            .collect();
+        let tasks: Vec<AttnTask> = step
+            .tok
+            .iter()
+            .enumerate()
+            .map(|(i, &(si, pos))| AttnTask {
+                q: &qa[i * heads * row..(i + 1) * heads * row],
+                kv: &views[si],
+                pos,
+            })
+            .collect();
+        let patches: PatchSet = [
+            spec.fast_exp.then_some(Patch::FastExp),
+            spec.splitk_decode.then_some(Patch::SplitkDecode),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        ops.attend_patched(
+            &tasks,
+            step.spans,
+            &step.tok,
+            &patches,
+            &spec.shape,
+            spec.scale(),
+            &mut att,
+        )?;
+    }
+
+    // Per head, the latent output decompressed by W_v.
+    let up = tables.mats[v_up.0 as usize].matrix();
+    let mut oh = vec![0.0f32; n * vd];
+    let o = &mut bufs[out.0 as usize];
+    for h in 0..heads {
+        for i in 0..n {
+            let src = i * heads * row + h * row;
+            yh[i * lr..(i + 1) * lr].copy_from_slice(&att[src..src + lr]);
+        }
+        let w = rows_of(&up, h * vd, vd)?;
+        ops.matmuls(&yh, n, &mut [(&w, &mut oh[..])])?;
+        for i in 0..n {
+            let dst = i * heads * vd + h * vd;
+            o[dst..dst + vd].copy_from_slice(&oh[i * vd..(i + 1) * vd]);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The interleaved layout puts pair `i`'s two elements at `i` and
+    /// `half + i`, which is where rotate-half RoPE pairs them.
+    #[test]
+    fn interleaved_pairs_land_where_rotate_half_pairs_them() {
+        let src = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0];
+        let mut dst = [0.0; 6];
+        rope_layout(&src, true, &mut dst);
+        assert_eq!(dst, [0.0, 2.0, 4.0, 1.0, 3.0, 5.0]);
+        rope_layout(&src, false, &mut dst);
+        assert_eq!(dst, src);
+    }
+
+    #[test]
+    fn a_head_block_of_rows_is_those_rows() {
+        let data: Vec<f32> = (0..12).map(|x| x as f32).collect();
+        let m = k::Matrix::new(k::Weights::F32(&data), 4, 3).expect("matrix");
+        let b = rows_of(&m, 2, 2).expect("rows");
+        assert_eq!((b.rows, b.cols), (2, 3));
+        assert!(matches!(b.w, k::Weights::F32(s) if s == &data[6..12]));
+        assert!(rows_of(&m, 3, 2).is_err());
+    }
+}
