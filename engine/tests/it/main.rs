@@ -5,6 +5,7 @@
 //! `tests/fixtures/`; a file added directly under `tests/` is its own binary.
 
 mod conformance;
+mod deepseek_v3;
 mod disagg;
 mod gguf;
 mod gguf_arch;
