@@ -591,8 +591,21 @@ impl ModelFamily for DeepseekV3 {
 
     /// On CUDA the host executor runs the step with the device's portable
     /// kernels (operands copied per call): the resident executor has no MLA
-    /// kernel, so nothing is uploaded for it.
+    /// kernel, so nothing is uploaded for it. A latent row wider than the
+    /// portable attention kernel takes is refused here, naming the op.
     fn set_device(&mut self, device: Device) -> Result<(), EngineError> {
+        #[cfg(feature = "cuda")]
+        if matches!(device, Device::Cuda(_)) && self.mla.row() > lmrr_kernels::cuda::MAX_HEAD_DIM {
+            return Err(EngineError::Device(format!(
+                "deepseek_v3 on CUDA: mla_attend attends over latent rows of {} floats \
+                 (kv_lora_rank {} + qk_rope_head_dim {}), wider than the portable attention \
+                 kernel's {}; run this model on the CPU",
+                self.mla.row(),
+                self.mla.latent,
+                self.mla.rope,
+                lmrr_kernels::cuda::MAX_HEAD_DIM
+            )));
+        }
         let mut exec = std::mem::take(&mut self.exec);
         let r = {
             let (tables, _) = self.tables();
