@@ -295,6 +295,7 @@ int main() {
         long long rb = 0;
         if (kind == 0) rb = 4LL * d;
         else if (kind == 1) rb = 2LL * d;
+        else if (kind >= 5) rb = (long long)(d / 256) * (kind == 5 ? 144 : 210);
         else rb = (long long)(d / 32) * (kind == 2 ? 18 : kind == 3 ? 20 : 34);
         emu::launch(blocks_of((long long)n * d, 128), 128,
                     [&] { embed_rows(kind, w.data(), id.data(), out.data(), n, d, rb); });

@@ -36,6 +36,8 @@ pub fn matmuls(gpu: &Gpu, th: &Threads, r: &mut Rng, rep: &mut Report) {
         let q40 = blocks(r, QuantKind::Q4_0, rows * cols / 32);
         let q41 = blocks(r, QuantKind::Q4_1, rows * cols / 32);
         let q80 = blocks(r, QuantKind::Q8_0, rows * cols / 32);
+        let q4k = blocks(r, QuantKind::Q4K, rows * cols / 256);
+        let q6k = blocks(r, QuantKind::Q6K, rows * cols / 256);
         let mut storages = vec![("f32", Weights::F32(&wf)), ("bf16", Weights::Bf16(&wb))];
         // Quantized rows are whole 32-value blocks: a ragged width (100,
         // 1000: the gemm tiles' edges) is covered by f32 and bf16 only.
@@ -43,6 +45,11 @@ pub fn matmuls(gpu: &Gpu, th: &Threads, r: &mut Rng, rep: &mut Report) {
             storages.push(("Q4_0", Weights::Quant(QuantKind::Q4_0, &q40)));
             storages.push(("Q4_1", Weights::Quant(QuantKind::Q4_1, &q41)));
             storages.push(("Q8_0", Weights::Quant(QuantKind::Q8_0, &q80)));
+        }
+        // Q4_K and Q6_K rows are whole super-blocks of 256.
+        if cols % 256 == 0 {
+            storages.push(("Q4_K", Weights::Quant(QuantKind::Q4K, &q4k)));
+            storages.push(("Q6_K", Weights::Quant(QuantKind::Q6K, &q6k)));
         }
         for (label, w) in storages {
             let m = Matrix::new(w, rows, cols).expect("shape");

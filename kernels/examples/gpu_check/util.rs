@@ -41,8 +41,11 @@ pub fn blocks(r: &mut Rng, kind: QuantKind, n: usize) -> Vec<u8> {
                     | (r.next_u64() as u16 & 0x3ff)
             }
         };
-        b[..2].copy_from_slice(&h.to_le_bytes());
-        if kind == QuantKind::Q4_1 {
+        // The f16 scale: first in every block but Q6_K's, which ends with it;
+        // Q4_1's min and Q4_K's dmin follow it.
+        let at = if kind == QuantKind::Q6K { bb - 2 } else { 0 };
+        b[at..at + 2].copy_from_slice(&h.to_le_bytes());
+        if kind == QuantKind::Q4_1 || kind == QuantKind::Q4K {
             let m: u16 = ((r.next_u64() as u16 & 1) << 15)
                 | ((9 + (r.next_u64() % 3) as u16) << 10)
                 | (r.next_u64() as u16 & 0x3ff);

@@ -248,7 +248,7 @@ impl Gpu {
         let (kind, buf) = match w.w {
             Weights::F32(s) => (0, self.upload(s, what)?),
             Weights::Bf16(s) => (1, self.upload(s, what)?),
-            Weights::Quant(q, s) => (super::quant_code(q)?, self.upload(s, what)?),
+            Weights::Quant(q, s) => (super::quant_code(q), self.upload(s, what)?),
         };
         as_i32("matrix", w.rows)?;
         as_i32("matrix", w.cols)?;

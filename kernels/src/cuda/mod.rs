@@ -103,19 +103,16 @@ pub struct Gpu {
     tc: std::sync::OnceLock<Result<tc::TcKernels, String>>,
 }
 
-/// The kernels' storage code (`weight()` in kernels/cuda/) of a block format,
-/// or an error for one they do not read.
-pub(crate) fn quant_code(q: QuantKind) -> Result<i32, GpuError> {
-    #[allow(unreachable_patterns)]
+/// The kernels' storage code (`weight()` in kernels/cuda/quant.cuh) of a
+/// block format: every format the CPU stores has one, so a model runs on the
+/// device as it is stored.
+pub(crate) fn quant_code(q: QuantKind) -> i32 {
     match q {
-        QuantKind::Q4_0 => Ok(2),
-        QuantKind::Q4_1 => Ok(3),
-        QuantKind::Q8_0 => Ok(4),
-        other => Err(GpuError::Config(format!(
-            "{} weights have no CUDA kernel yet (the device reads f32, bf16, Q4_0, Q4_1, Q8_0; \
-             import with `--dtype f32` or `--dtype bf16` to run this model on CUDA)",
-            other.name()
-        ))),
+        QuantKind::Q4_0 => 2,
+        QuantKind::Q4_1 => 3,
+        QuantKind::Q8_0 => 4,
+        QuantKind::Q4K => 5,
+        QuantKind::Q6K => 6,
     }
 }
 
@@ -276,15 +273,18 @@ impl Gpu {
 mod quant_code_tests {
     use super::*;
 
-    /// A block format the device does not read is named as users know it
-    /// (Q4_K, not the enum's spelling), with what to do instead.
+    /// Every stored format has its own code, and none is f32's (0) or
+    /// bf16's (1): `weight()` must never read one format as another.
     #[test]
-    fn a_format_without_a_device_kernel_is_named_by_its_ggml_name() {
-        for q in [QuantKind::Q4K, QuantKind::Q6K] {
-            let e = quant_code(q).unwrap_err().to_string();
-            assert!(e.contains(q.name()), "{e}");
-            assert!(e.contains("--dtype f32"), "{e}");
+    fn every_block_format_has_its_own_device_code() {
+        let codes: Vec<i32> = QuantKind::ALL.iter().map(|&q| quant_code(q)).collect();
+        for (i, c) in codes.iter().enumerate() {
+            assert!(*c >= 2, "{} has code {c}", QuantKind::ALL[i].name());
+            assert!(
+                !codes[..i].contains(c),
+                "{} shares code {c}",
+                QuantKind::ALL[i].name()
+            );
         }
-        assert_eq!(quant_code(QuantKind::Q8_0).unwrap(), 4);
     }
 }

@@ -79,7 +79,7 @@ impl Gpu {
         let (kind, bytes): (i32, Vec<u8>) = match w.w {
             Weights::F32(s) => (0, s.iter().flat_map(|v| v.to_le_bytes()).collect()),
             Weights::Bf16(s) => (1, s.iter().flat_map(|v| v.to_le_bytes()).collect()),
-            Weights::Quant(q, s) => (quant_code(q)?, s.to_vec()),
+            Weights::Quant(q, s) => (quant_code(q), s.to_vec()),
         };
         let row_bytes = (bytes.len() / w.rows.max(1)) as i64;
         if let MatmulKernel::Gemm

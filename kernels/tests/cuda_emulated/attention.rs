@@ -205,6 +205,20 @@ fn rope_kv_and_embedding_match_the_cpu() {
         );
         assert_eq!(differing(&cpu, &floats(&out[0])), 0, "embed_rows {label}");
     }
+    // And of the super-block formats: rows of two super-blocks.
+    let d = 512usize;
+    for (label, kind, q, raw) in kquant_blocks(&mut r, rows * d) {
+        let m = Matrix::new(Weights::Quant(q, &raw), rows, d).expect("shape");
+        let mut cpu = vec![0.0; ids.len() * d];
+        for (i, &id) in ids.iter().enumerate() {
+            m.row_into(id as usize, &mut cpu[i * d..(i + 1) * d], true);
+        }
+        let out = job(
+            &format!("embed {kind} {} {d}", ids.len()),
+            &[&raw, &bytes64(&ids)],
+        );
+        assert_eq!(differing(&cpu, &floats(&out[0])), 0, "embed_rows {label}");
+    }
 }
 
 /// `rope_kv` reading q, k and v as split matmuls' partials (each or some):

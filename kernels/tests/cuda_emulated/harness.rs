@@ -193,8 +193,11 @@ pub(crate) fn blocks(r: &mut SplitMix64, kind: QuantKind, n: usize) -> Vec<u8> {
         let h = ((r.next_u64() as u16 & 1) << 15)
             | ((7 + (r.next_u64() % 3) as u16) << 10)
             | (r.next_u64() as u16 & 0x3ff);
-        b[..2].copy_from_slice(&h.to_le_bytes());
-        if kind == QuantKind::Q4_1 {
+        // The f16 scale: first in every block but Q6_K's, which ends with it.
+        let at = if kind == QuantKind::Q6K { bb - 2 } else { 0 };
+        b[at..at + 2].copy_from_slice(&h.to_le_bytes());
+        // Q4_1's f16 min and Q4_K's f16 dmin follow the scale.
+        if kind == QuantKind::Q4_1 || kind == QuantKind::Q4K {
             let m = ((r.next_u64() as u16 & 1) << 15)
                 | ((9 + (r.next_u64() % 3) as u16) << 10)
                 | (r.next_u64() as u16 & 0x3ff);
@@ -253,6 +256,30 @@ impl Stored {
             ),
         ]
     }
+}
+
+/// The super-block formats (Q4_K, Q6_K) of `n` weights (a multiple of
+/// 256), as [`Stored::each`] gives the others: `(label, the kernels'
+/// storage kind, the raw bytes)`.
+pub(crate) fn kquant_blocks(
+    r: &mut SplitMix64,
+    n: usize,
+) -> [(&'static str, i32, QuantKind, Vec<u8>); 2] {
+    assert_eq!(n % 256, 0, "K-quant weights come in super-blocks of 256");
+    [
+        (
+            "Q4_K",
+            5,
+            QuantKind::Q4K,
+            blocks(r, QuantKind::Q4K, n / 256),
+        ),
+        (
+            "Q6_K",
+            6,
+            QuantKind::Q6K,
+            blocks(r, QuantKind::Q6K, n / 256),
+        ),
+    ]
 }
 
 /// The CPU's sum of a split matmul's partials (`chunks` × `count`), chunk

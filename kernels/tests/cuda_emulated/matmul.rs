@@ -1,7 +1,7 @@
 //! The matmul kernels (`matmul_warp`, `_tile`, `_rows`, `_rows4`, `_gemm`,
 //! `_gemm_wide`, split or not, `matmul_multi`, `matmul_gemm_multi`) against
-//! the CPU's matmul in every weight storage (f32, bf16, Q4_0, Q4_1, Q8_0),
-//! on shapes with ragged rows, tokens and chunks.
+//! the CPU's matmul in every weight storage (f32, bf16, Q4_0, Q4_1, Q8_0,
+//! Q4_K, Q6_K), on shapes with ragged rows, tokens and chunks.
 
 use crate::harness::*;
 use lmrr_kernels::*;
@@ -49,6 +49,46 @@ fn matmul_kernels_match_the_cpu() {
                 let dev = floats(&out[0]);
                 assert_eq!(
                     differing(&cpu, &dev),
+                    0,
+                    "matmul_{kernel} {label} {n}×{cols}·{cols}×{rows}"
+                );
+            }
+        }
+    }
+}
+
+/// Every matmul kernel on Q4_K and Q6_K rows (super-blocks of 256, so a
+/// chunk of 64 reads a quarter of one and a row several) against the CPU's
+/// matmul of the same blocks: ragged rows and tokens, one to five
+/// super-blocks a row.
+#[test]
+fn matmul_kernels_read_k_quants_as_the_cpu() {
+    if emulator().is_none() {
+        return;
+    }
+    let th = Threads::new(2).expect("threads");
+    let mut r = SplitMix64(17);
+    for &(rows, cols, n) in &[(7usize, 256usize, 3usize), (33, 768, 17), (65, 1280, 40)] {
+        let x = r.uniform_vec(n * cols, 2.0);
+        for (label, kind, q, raw) in kquant_blocks(&mut r, rows * cols) {
+            let m = Matrix::new(Weights::Quant(q, &raw), rows, cols).expect("shape");
+            let mut cpu = vec![0.0; n * rows];
+            matmul(&th, &x, n, &m, &mut cpu);
+            for kernel in [
+                "warp",
+                "tile",
+                "rows",
+                "rows4",
+                "gemm",
+                "gemm_split2",
+                "gemm_wide",
+            ] {
+                let out = job(
+                    &format!("matmul {kernel} {kind} {n} {rows} {cols}"),
+                    &[&bytes(&x), &raw],
+                );
+                assert_eq!(
+                    differing(&cpu, &floats(&out[0])),
                     0,
                     "matmul_{kernel} {label} {n}×{cols}·{cols}×{rows}"
                 );
