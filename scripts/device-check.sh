@@ -15,15 +15,19 @@
 # DEVICE_CHECK_PART=core runs everything but those recordings, =tunings only
 # them: on a machine lent 10 minutes a command the whole check (about 11
 # minutes on an H100) takes two calls, one of each. =tc runs only the
-# tensor-core section (part of core).
+# tensor-core section (part of core), =families the section of the
+# families beyond llama (part of core).
 set -uo pipefail
 bin=${1:-.gpu}
 part=${DEVICE_CHECK_PART:-all}
-case $part in all|core|tunings|tc) ;; *) echo "DEVICE_CHECK_PART must be all, core, tunings or tc, not '$part'"; exit 2 ;; esac
+case $part in all|core|tunings|tc|families) ;; *) echo "DEVICE_CHECK_PART must be all, core, tunings, tc or families, not '$part'"; exit 2 ;; esac
+# The long prompt of the generations below (206 tokens with the embedded
+# tokenizer).
+long="Inference engines keep a cache of keys and values so that each new token attends to every earlier one without recomputing it; a radix tree lets later requests reuse a shared prefix, and a scheduler batches the decode steps of many users with chunked prefill."
 fail=0
 tmp=$(mktemp -d)
 prompt="The quick brown fox jumps over the lazy dog, and then"
-if [ "$part" != tunings ] && [ "$part" != tc ]; then
+if [ "$part" != tunings ] && [ "$part" != tc ] && [ "$part" != families ]; then
 if [ "${DEVICE_CHECK_GPU_CHECK:-1}" = 0 ]; then
   echo "gpu_check: skipped (DEVICE_CHECK_GPU_CHECK=0)"
 else
@@ -33,7 +37,6 @@ fi
 # index_topk blocks (tiny: 4 blocks of 16 = 64 positions): its prompt and
 # generation run well past that, so the sparse path (indexer scores, top-k
 # blocks, gathered K/V) is on the device too.
-long="Inference engines keep a cache of keys and values so that each new token attends to every earlier one without recomputing it; a radix tree lets later requests reuse a shared prefix, and a scheduler batches the decode steps of many users with chunked prefill."
 for model in synthetic:tiny synthetic:small synthetic:mini-v4-tiny synthetic:mini-v4-small; do
   p=$prompt; max=24
   case $model in *mini-v4*) p=$long; max=64 ;; esac
@@ -82,7 +85,7 @@ for cfg in "--page-size 1" "--page-size 7 --max-batch-tokens 40" "--page-size 64
   [ $rc = 0 ] || fail=1
 done
 fi  # the core part, before tensor cores
-if [ "$part" != tunings ]; then
+if [ "$part" != tunings ] && [ "$part" != families ]; then
 # Tensor-core numerics (bf16 mma chains on the GPU, the CPU's model of them):
 # the same contract. tc_probe first (the model against the instruction on
 # 6.3M inner products, the GEMM kernels against the model), then digests on
@@ -127,7 +130,7 @@ out=$("$bin/lmrr" replay "$tmp/tc.lmrr" --device cpu 2>&1); rc=$?
 printf 'incident on cuda, tensor cores, replay on cpu: exit %s  %s\n' "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
 [ $rc = 0 ] || fail=1
 fi  # tensor cores
-if [ "$part" != tunings ] && [ "$part" != tc ]; then
+if [ "$part" != tunings ] && [ "$part" != tc ] && [ "$part" != families ]; then
 rm -f "$tmp/g1.lmrr" "$tmp/g0.lmrr"
 "$bin/lmrr" run --script examples/incident.toml --device cuda --record "$tmp/g1.lmrr" >/dev/null 2>&1 || fail=1
 LMRR_CUDA_GRAPHS=0 "$bin/lmrr" run --script examples/incident.toml --device cuda --record "$tmp/g0.lmrr" >/dev/null 2>&1 || fail=1
@@ -181,16 +184,43 @@ for s in v4-batch v4-agent v4-long-context; do
   printf 'record examples/%s.toml on cuda, replay on cpu: exit %s  %s\n' "$s" "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
   [ $rc = 0 ] || fail=1
 done
-# Sliding-window attention: the conformance fixtures of gemma3_text (sliding
-# and global layers) and mistral, windows of 16 positions, so that a
-# window's first key cuts the tiles of 32 (prompt 206 tokens, 40 more
-# generated). Digests CPU against CUDA at several chunkings and thread
-# counts; the multi-user session recorded on the GPU under other page
-# sizes, step budgets and with the prefix cache off replayed on the CPU
-# (and by the recompute oracle on the GPU); recorded on the CPU, replayed
-# on the GPU.
-for fam in gemma3_text mistral; do
-  model=engine/tests/fixtures/conformance/$fam
+# `lmrr serve --device cuda`: a served session (greedy, sampled, a stream
+# cancelled mid-generation) replays bit-exactly on the GPU and on the CPU.
+"$bin/lmrr" serve --device cuda --record-dir "$tmp/serve" --addr 127.0.0.1:8020 --quiet 2>"$tmp/serve.log" &
+pid=$!
+python3 scripts/serve_device_client.py 8020 >/dev/null || fail=1
+kill -TERM $pid; wait $pid || fail=1
+for b in "$tmp"/serve/*.lmrr; do
+  for dev in cuda cpu; do
+    out=$("$bin/lmrr" replay "$b" --device $dev 2>&1); rc=$?
+    printf 'served on cuda, replay on %-4s: exit %s  %s\n' "$dev" "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
+    [ $rc = 0 ] || fail=1
+  done
+done
+# Negative controls: the patches are still found on the device.
+for case in "incident abort-inserts-partial" "v4-batch mhc-bf16" "v4-agent moe-routed-scaling" "v4-long-context indexer-early-exit"; do
+  set -- $case
+  out=$("$bin/lmrr" replay "replays/$1.lmrr" --device cuda --patches "$2" 2>&1); rc=$?
+  printf 'replay %s on cuda under %s: exit %s  %s\n' "$1" "$2" "$rc" "$(echo "$out" | grep -m1 -E 'DIVERGED|bit-exact|error')"
+  [ $rc = 1 ] || fail=1
+done
+fi  # the core part
+# Families beyond llama, each as a user runs it: the conformance fixtures
+# of gemma3_text (sliding and global layers) and mistral, windows of 16
+# positions, so that a window's first key cuts the tiles of 32; deepseek_v3
+# (latent attention, group-limited routing); and a llama whose matrices are
+# Q4_K and Q6_K blocks (scripts/tiny_kquant_gguf.py, imported keeping the
+# blocks). Prompt 206 tokens, 40 more generated. Digests CPU against CUDA
+# at several chunkings and thread counts; the multi-user session recorded
+# on the GPU under other page sizes, step budgets and with the prefix cache
+# off replayed on the CPU (and by the recompute oracle on the GPU);
+# recorded on the CPU, replayed on the GPU. DEVICE_CHECK_PART=families runs
+# this section alone.
+if [ "$part" = all ] || [ "$part" = core ] || [ "$part" = families ]; then
+kq="$tmp/llama_q4k_q6k"
+python3 scripts/tiny_kquant_gguf.py "$tmp/kq.gguf" && "$bin/lmrr" import-gguf "$tmp/kq.gguf" --out "$kq" >/dev/null || { echo "K-quant model: not built"; fail=1; }
+for model in engine/tests/fixtures/conformance/gemma3_text engine/tests/fixtures/conformance/mistral engine/tests/fixtures/conformance/deepseek_v3 "$kq"; do
+  fam=$(basename "$model")
   ref=""
   for run in "cpu 1 -" "cpu 2 5" "cuda 1 -" "cuda 1 7" "cuda 2 1"; do
     set -- $run
@@ -217,27 +247,7 @@ for fam in gemma3_text mistral; do
   printf '%s multi-user on cpu, replay on cuda: exit %s  %s\n' "$fam" "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
   [ $rc = 0 ] || fail=1
 done
-# `lmrr serve --device cuda`: a served session (greedy, sampled, a stream
-# cancelled mid-generation) replays bit-exactly on the GPU and on the CPU.
-"$bin/lmrr" serve --device cuda --record-dir "$tmp/serve" --addr 127.0.0.1:8020 --quiet 2>"$tmp/serve.log" &
-pid=$!
-python3 scripts/serve_device_client.py 8020 >/dev/null || fail=1
-kill -TERM $pid; wait $pid || fail=1
-for b in "$tmp"/serve/*.lmrr; do
-  for dev in cuda cpu; do
-    out=$("$bin/lmrr" replay "$b" --device $dev 2>&1); rc=$?
-    printf 'served on cuda, replay on %-4s: exit %s  %s\n' "$dev" "$rc" "$(echo "$out" | grep -m1 -E 'bit-exact|DIVERGED|error')"
-    [ $rc = 0 ] || fail=1
-  done
-done
-# Negative controls: the patches are still found on the device.
-for case in "incident abort-inserts-partial" "v4-batch mhc-bf16" "v4-agent moe-routed-scaling" "v4-long-context indexer-early-exit"; do
-  set -- $case
-  out=$("$bin/lmrr" replay "replays/$1.lmrr" --device cuda --patches "$2" 2>&1); rc=$?
-  printf 'replay %s on cuda under %s: exit %s  %s\n' "$1" "$2" "$rc" "$(echo "$out" | grep -m1 -E 'DIVERGED|bit-exact|error')"
-  [ $rc = 1 ] || fail=1
-done
-fi  # the core part
+fi  # families
 # Every kernel choice left in the table (Tuning in kernels/src/cuda/tuning.rs)
 # gives the same bits: sessions recorded on the GPU under each replay
 # bit-exactly on the CPU (gemma3_text's too, for its windowed attention),
@@ -258,11 +268,11 @@ tunings+=";LMRR_CUDA_KV_OVERLAP_MIN=1 LMRR_CUDA_GRAPHS=0"
 tunings+=";LMRR_CUDA_LOADS_FIRST_MIN=1;LMRR_CUDA_LOADS_FIRST_MIN=1 LMRR_CUDA_PDL=0"
 tunings+=";LMRR_CUDA_ROWS4_MIN=1000;LMRR_CUDA_ROWS4_MIN=1000 LMRR_CUDA_GRAPHS=0"
 IFS=';' read -r -a tuning_list <<<"${DEVICE_CHECK_TUNINGS:-$tunings}"
-case $part in core|tc) tuning_list=() ;; esac
+case $part in core|tc|families) tuning_list=() ;; esac
 # gpu_check under plain launches: the resident kernels as a pre-Hopper
 # device compiles them (the default run above has programmatic dependent
 # launch), each against the CPU or its reference.
-if [ "$part" != core ] && [ "$part" != tc ] && [ "${DEVICE_CHECK_GPU_CHECK:-1}" != 0 ]; then
+if [ "$part" != core ] && [ "$part" != tc ] && [ "$part" != families ] && [ "${DEVICE_CHECK_GPU_CHECK:-1}" != 0 ]; then
   out=$(env LMRR_CUDA_PDL=0 GPU_CHECK_CONTROLS=none "$bin/gpu_check" 2>&1); rc=$?
   printf '%-72s gpu_check: exit %s  %s\n' "LMRR_CUDA_PDL=0:" "$rc" "$(echo "$out" | grep -m1 -E 'cases bit-identical|FAIL')"
   [ $rc = 0 ] || fail=1
