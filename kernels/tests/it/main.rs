@@ -6,5 +6,6 @@
 
 mod bitwise;
 mod cuda_algorithms;
+mod partials;
 mod quant;
 mod rope_table;

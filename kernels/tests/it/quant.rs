@@ -45,7 +45,7 @@ fn h(x: f32) -> [u8; 2] {
 
 /// Random blocks whose f16 scales are realistic (|d| ~ 1e-3…1e-1), so the
 /// matmul outputs are ordinary numbers.
-fn realistic(r: &mut Rng, kind: QuantKind, blocks: usize) -> Vec<u8> {
+pub(crate) fn realistic(r: &mut Rng, kind: QuantKind, blocks: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(blocks * kind.block_bytes());
     for _ in 0..blocks {
         let mut b = bytes(r, kind.block_bytes());
