@@ -111,4 +111,6 @@ pub enum EngineError {
     },
     #[error(transparent)]
     Threads(#[from] lmrr_kernels::threads::ThreadsError),
+    #[error("tensor parallelism: {0}")]
+    Tp(#[from] crate::model::exec::tp::TpError),
 }

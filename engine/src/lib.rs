@@ -22,7 +22,9 @@ pub mod sampling;
 pub mod spec;
 
 pub use model::llama::config;
-pub use model::{chat, gguf, hf_config, identity, kv, llama, mini_v4, synth, tokenizer, weights};
+pub use model::{
+    chat, exec, gguf, hf_config, identity, kv, llama, mini_v4, synth, tokenizer, weights,
+};
 pub use runtime::{disagg, generate, pool, radix, scheduler, session};
 
 pub use config::LlamaConfig;

@@ -242,6 +242,25 @@ pub trait ModelFamily: Send + Sync {
         }
     }
 
+    /// Tensor parallelism over `tp.degree` ranks from the next step (on the
+    /// CPU, the rank simulator of [`exec::tp`]); a shape the degree cannot
+    /// split is refused here with the numbers, and tensor parallelism stays
+    /// off. The degree never changes a bit.
+    fn set_tp(&mut self, tp: exec::tp::TpConfig) -> Result<(), EngineError> {
+        if tp == exec::tp::TpConfig::default() {
+            return Ok(());
+        }
+        Err(EngineError::Device(format!(
+            "{} has no tensor-parallel plan",
+            self.family()
+        )))
+    }
+
+    /// The tensor-parallel degree (1 without).
+    fn tp_degree(&self) -> usize {
+        1
+    }
+
     /// Bytes of weights a decode step of one token streams.
     fn weight_bytes_per_step(&self) -> usize;
 

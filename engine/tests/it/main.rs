@@ -17,3 +17,4 @@ mod presets;
 mod scripts;
 mod serving;
 mod smollm2;
+mod tp;

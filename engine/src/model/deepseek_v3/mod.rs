@@ -625,6 +625,24 @@ impl ModelFamily for DeepseekV3 {
     /// parts as the kernels read them), the routers and shared experts,
     /// `num_experts_per_tok` routed experts per MoE layer, the dense MLPs
     /// and the head.
+    fn set_tp(&mut self, tp: exec::tp::TpConfig) -> Result<(), EngineError> {
+        self.exec.set_tp(tp)?;
+        let none = PatchSet::none();
+        let r = {
+            let (tables, slots) = self.tables();
+            let prog = self.exec.program(&none, || self.program(&slots, &none));
+            self.exec.tp_check(&prog, &tables)
+        };
+        if r.is_err() {
+            self.exec.set_tp(exec::tp::TpConfig::default())?;
+        }
+        r
+    }
+
+    fn tp_degree(&self) -> usize {
+        self.exec.tp_degree()
+    }
+
     fn weight_bytes_per_step(&self) -> usize {
         let k = self.cfg.num_experts_per_tok;
         let mlp = |m: &Mlp| m.gate.nbytes() + m.up.nbytes() + m.down.nbytes();

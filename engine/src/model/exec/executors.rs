@@ -18,12 +18,27 @@ use crate::EngineError;
 use lmrr_kernels::tensor_core::Numerics;
 
 /// A family's programs and, on CUDA, its resident executor.
-#[derive(Default)]
 pub struct Executors {
     programs: Programs,
     numerics: Numerics,
+    /// The rank simulator, when tensor parallelism is on (CPU).
+    tp: Option<super::tp::Simulator>,
+    cpu: bool,
     #[cfg(feature = "cuda")]
     resident: Option<super::resident::Resident>,
+}
+
+impl Default for Executors {
+    fn default() -> Self {
+        Self {
+            programs: Programs::default(),
+            numerics: Numerics::default(),
+            tp: None,
+            cpu: true,
+            #[cfg(feature = "cuda")]
+            resident: None,
+        }
+    }
 }
 
 impl Executors {
@@ -32,6 +47,12 @@ impl Executors {
     /// attention patches, which have none, are refused when a step names
     /// them).
     pub fn set_device(&mut self, device: &Device, tables: &Tables) -> Result<(), EngineError> {
+        if let (Some(tp), false) = (&self.tp, matches!(device, Device::Cpu)) {
+            if tp.degree() > 1 {
+                return Err(super::tp::TpError::NeedsNccl(tp.degree()).into());
+            }
+        }
+        self.cpu = matches!(device, Device::Cpu);
         #[cfg(feature = "cuda")]
         {
             self.resident = None;
@@ -59,6 +80,9 @@ impl Executors {
     /// it; on CUDA the resident executor switches its matmul kernels.
     pub fn set_numerics(&mut self, numerics: Numerics, tables: &Tables) -> Result<(), EngineError> {
         if numerics.model().is_some() {
+            if self.tp.is_some() {
+                return Err(super::tp::TpError::Numerics(numerics.to_string()).into());
+            }
             for m in &tables.mats {
                 let m = m.matrix();
                 if !matches!(m.w, lmrr_kernels::Weights::Bf16(_)) {
@@ -72,6 +96,43 @@ impl Executors {
         }
         self.numerics = numerics;
         Ok(())
+    }
+
+    /// Tensor parallelism of `tp.degree` ranks from the next step: on the
+    /// CPU the rank simulator runs every step (degree 1 with an injected
+    /// failure included); on CUDA a degree above 1 is refused (it needs
+    /// NCCL), as are the tensor-core numerics.
+    pub fn set_tp(&mut self, tp: super::tp::TpConfig) -> Result<(), EngineError> {
+        use super::tp::{Simulator, TpError};
+        if tp.degree == 0 || tp.degree > super::tp::MAX_DEGREE {
+            return Err(TpError::Degree(tp.degree).into());
+        }
+        if tp.degree > 1 && !self.cpu {
+            return Err(TpError::NeedsNccl(tp.degree).into());
+        }
+        if self.numerics.model().is_some() && (tp.degree > 1 || tp.fail.is_some()) {
+            return Err(TpError::Numerics(self.numerics.to_string()).into());
+        }
+        self.tp = if tp.degree > 1 || tp.fail.is_some() {
+            Some(Simulator::new(tp)?)
+        } else {
+            None
+        };
+        Ok(())
+    }
+
+    /// The tensor-parallel degree (1 without).
+    pub fn tp_degree(&self) -> usize {
+        self.tp.as_ref().map_or(1, |t| t.degree())
+    }
+
+    /// Plans `prog` for the ranks now, so that a shape the degree cannot
+    /// split is refused before a step runs.
+    pub fn tp_check(&self, prog: &Arc<Program>, tables: &Tables) -> Result<(), EngineError> {
+        match &self.tp {
+            Some(t) => Ok(t.check(prog, tables)?),
+            None => Ok(()),
+        }
     }
 
     /// The program of `patches` (built by `build` the first time).
@@ -93,6 +154,9 @@ impl Executors {
         tables: &Tables,
         extras: Extras,
     ) -> Result<Vec<Vec<f32>>, EngineError> {
+        if let Some(t) = &self.tp {
+            return t.run(ops, kv, spans, vocab, prog, tables, extras);
+        }
         #[cfg(feature = "cuda")]
         if let (Some(r), None) = (&self.resident, &extras.trace) {
             if let Some(out) = r.forward(prog, tables, kv, spans, ops.threads)? {

@@ -46,7 +46,7 @@ pub struct Extras<'e> {
 pub struct Profile(std::sync::Mutex<Vec<(&'static str, f64)>>);
 
 impl Profile {
-    fn add(&self, name: &'static str, secs: f64) {
+    pub(super) fn add(&self, name: &'static str, secs: f64) {
         let mut parts = self.0.lock().unwrap_or_else(|p| p.into_inner());
         match parts.iter_mut().find(|(n, _)| *n == name) {
             Some((_, s)) => *s += secs,
@@ -126,7 +126,7 @@ pub(super) fn pair(bufs: &mut [Vec<f32>], a: Buf, b: Buf) -> (&[f32], &mut [f32]
     }
 }
 
-fn exec(
+pub(super) fn exec(
     op: &Op,
     prog: &Program,
     tables: &Tables,

@@ -14,6 +14,7 @@ pub mod moe;
 pub mod program;
 pub mod resident;
 pub mod routing_v4;
+pub mod tp;
 
 pub use executors::Executors;
 pub use program::{

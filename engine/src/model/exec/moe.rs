@@ -14,7 +14,7 @@ use crate::model::ops::Ops;
 use crate::EngineError;
 
 /// One expert over `rows` rows of `x` (`rows × d`) → `rows × d`.
-fn expert(
+pub(super) fn expert(
     ops: &Ops,
     tables: &Tables,
     e: &ExpertMats,

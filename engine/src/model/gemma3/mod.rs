@@ -415,6 +415,24 @@ impl ModelFamily for Gemma3 {
         &self.device
     }
 
+    fn set_tp(&mut self, tp: exec::tp::TpConfig) -> Result<(), EngineError> {
+        self.exec.set_tp(tp)?;
+        let none = PatchSet::none();
+        let r = {
+            let tables = self.tables();
+            let prog = self.exec.program(&none, || self.program());
+            self.exec.tp_check(&prog, &tables)
+        };
+        if r.is_err() {
+            self.exec.set_tp(exec::tp::TpConfig::default())?;
+        }
+        r
+    }
+
+    fn tp_degree(&self) -> usize {
+        self.exec.tp_degree()
+    }
+
     fn weight_bytes_per_step(&self) -> usize {
         let layers: usize = self
             .layers

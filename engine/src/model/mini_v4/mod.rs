@@ -575,6 +575,24 @@ impl ModelFamily for MiniV4 {
     /// A decode step streams the attention, indexer, mixing and router
     /// weights of every layer, the shared expert and `num_experts_per_tok`
     /// routed experts, and the head.
+    fn set_tp(&mut self, tp: exec::tp::TpConfig) -> Result<(), EngineError> {
+        self.exec.set_tp(tp)?;
+        let none = PatchSet::none();
+        let r = {
+            let (tables, fresh) = self.plan(&none);
+            let prog = self.exec.program(&none, || fresh);
+            self.exec.tp_check(&prog, &tables)
+        };
+        if r.is_err() {
+            self.exec.set_tp(exec::tp::TpConfig::default())?;
+        }
+        r
+    }
+
+    fn tp_degree(&self) -> usize {
+        self.exec.tp_degree()
+    }
+
     fn weight_bytes_per_step(&self) -> usize {
         let k_active = self.cfg.num_experts_per_tok;
         let expert = |e: &Expert| e.gate.nbytes() + e.up.nbytes() + e.down.nbytes();
