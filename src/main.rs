@@ -100,6 +100,11 @@ struct RunArgs {
     /// or their CPU model; bf16 models only). Recorded in the bundle.
     #[arg(long, default_value = "canonical")]
     numerics: String,
+    /// Tensor-parallel ranks: on the CPU, N ranks of the rank simulator
+    /// (each holding its slice of the weights); on CUDA a degree above 1 is
+    /// refused (multi-GPU needs NCCL, not built yet). Never changes a bit.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
     /// Positions per KV page.
     #[arg(long, default_value_t = 16)]
     page_size: usize,
@@ -244,6 +249,11 @@ struct GenerateArgs {
     /// `lmrr run --help`).
     #[arg(long, default_value = "canonical")]
     numerics: String,
+    /// Tensor-parallel ranks: on the CPU, N ranks of the rank simulator
+    /// (each holding its slice of the weights); on CUDA a degree above 1 is
+    /// refused (multi-GPU needs NCCL, not built yet). Never changes a bit.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
 }
 
 impl Default for GenerateArgs {
@@ -262,6 +272,7 @@ impl Default for GenerateArgs {
             chat: false,
             device: "cpu".into(),
             numerics: "canonical".into(),
+            tp: 1,
         }
     }
 }
@@ -293,6 +304,19 @@ pub(crate) fn threads(n: Option<usize>) -> Result<Threads> {
         Some(n) => n,
     };
     Ok(Threads::new(n)?)
+}
+
+/// Runs the model over `--tp` ranks (the CPU's rank simulator);
+/// `LMRR_TP_FAIL=RANK:STEP` makes that rank fail at that step (a test hook).
+pub(crate) fn set_tp(model: &mut Model, degree: usize) -> Result<()> {
+    let fail = match std::env::var("LMRR_TP_FAIL") {
+        Ok(s) => Some(lmrr_engine::exec::tp::TpConfig::parse_fail(&s).context("LMRR_TP_FAIL")?),
+        Err(_) => None,
+    };
+    model
+        .net
+        .set_tp(lmrr_engine::exec::tp::TpConfig { degree, fail })
+        .with_context(|| format!("--tp {degree}"))
 }
 
 /// Puts the model's matmuls under the numerics `--numerics` names.
@@ -328,6 +352,7 @@ fn run_generate(a: &GenerateArgs) -> Result<()> {
     let mut model = load_model(a.model.as_deref())?;
     set_device(&mut model, &a.device)?;
     set_numerics(&mut model, &a.numerics)?;
+    set_tp(&mut model, a.tp)?;
     let th = threads(a.threads)?;
     let shown = if a.chat {
         model.chat_prompt(&a.prompt)?
@@ -377,6 +402,7 @@ fn run_run(a: &RunArgs) -> Result<u8> {
     let mut model = load_model(a.model.as_deref())?;
     set_device(&mut model, &a.device)?;
     set_numerics(&mut model, &a.numerics)?;
+    set_tp(&mut model, a.tp)?;
     let th = threads(a.threads)?;
     let cfg = EngineConfig {
         page_size: a.page_size,

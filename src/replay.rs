@@ -68,6 +68,11 @@ pub struct ReplayArgs {
     /// cuda`). A bundle recorded on one device replays on the other.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Tensor-parallel ranks: on the CPU, N ranks of the rank simulator
+    /// (each holding its slice of the weights); on CUDA a degree above 1 is
+    /// refused (multi-GPU needs NCCL, not built yet). Never changes a bit.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
 }
 
 fn load_model(a: &ReplayArgs, b: &lmrr_recorder::Bundle) -> Result<Model> {
@@ -107,6 +112,7 @@ pub fn run(a: &ReplayArgs) -> Result<u8> {
     let mut model = load_model(a, &b)?;
     crate::set_device(&mut model, &a.device)?;
     let numerics = lmrr_replays::set_recorded_numerics(&mut model, &b)?;
+    crate::set_tp(&mut model, a.tp)?;
     if numerics != Numerics::Canonical {
         let how = match a.device.as_str() {
             "cpu" => "on the CPU by its bit-exact model of the sm_90 tensor core's inner product",

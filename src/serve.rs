@@ -49,6 +49,11 @@ pub struct ServeArgs {
     /// `lmrr run --help`); recorded in the bundle.
     #[arg(long, default_value = "canonical")]
     numerics: String,
+    /// Tensor-parallel ranks: on the CPU, N ranks of the rank simulator
+    /// (each holding its slice of the weights); on CUDA a degree above 1 is
+    /// refused (multi-GPU needs NCCL, not built yet). Never changes a bit.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
     /// Positions per KV page.
     #[arg(long, default_value_t = 16)]
     page_size: usize,
@@ -76,6 +81,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
     let mut model = crate::load_model(a.model.as_deref())?;
     crate::set_device(&mut model, &a.device)?;
     crate::set_numerics(&mut model, &a.numerics)?;
+    crate::set_tp(&mut model, a.tp)?;
     let th = crate::threads(a.threads)?;
     let context = model.net.context();
     let cfg = EngineConfig {

@@ -111,6 +111,13 @@ pub enum EngineError {
     },
     #[error(transparent)]
     Threads(#[from] lmrr_kernels::threads::ThreadsError),
+    /// Not a `#[source]`: the message already holds the reason once.
     #[error("tensor parallelism: {0}")]
-    Tp(#[from] crate::model::exec::tp::TpError),
+    Tp(crate::model::exec::tp::TpError),
+}
+
+impl From<crate::model::exec::tp::TpError> for EngineError {
+    fn from(e: crate::model::exec::tp::TpError) -> Self {
+        Self::Tp(e)
+    }
 }

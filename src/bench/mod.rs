@@ -51,6 +51,11 @@ pub struct BenchArgs {
     /// `lmrr run --help`).
     #[arg(long, default_value = "canonical")]
     numerics: String,
+    /// Tensor-parallel ranks: on the CPU, N ranks of the rank simulator
+    /// (each holding its slice of the weights); on CUDA a degree above 1 is
+    /// refused (multi-GPU needs NCCL, not built yet). Never changes a bit.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
     /// Batch sizes for prefill and decode (default 1,8; with `--speed-only`, 1).
     #[arg(long, value_delimiter = ',')]
     batches: Option<Vec<usize>>,
@@ -113,6 +118,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let t_dev = Instant::now();
     crate::set_device(&mut model, &a.device)?;
     crate::set_numerics(&mut model, &a.numerics)?;
+    crate::set_tp(&mut model, a.tp)?;
     let dev_s = t_dev.elapsed().as_secs_f64();
     let on_gpu = a.device != "cpu";
     let m = model.net();
