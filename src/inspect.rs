@@ -98,6 +98,11 @@ pub fn run(a: &InspectArgs) -> Result<()> {
     writeln!(out, "numerics    {}", m.numerics)?;
     writeln!(
         out,
+        "tp          {} (the degree it was recorded at; any degree replays it bit for bit)",
+        plural(m.tp_degree, "rank")
+    )?;
+    writeln!(
+        out,
         "host        {} {} · {} · {} · {}",
         m.host.os,
         m.host.arch,

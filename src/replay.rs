@@ -113,6 +113,12 @@ pub fn run(a: &ReplayArgs) -> Result<u8> {
     crate::set_device(&mut model, &a.device)?;
     let numerics = lmrr_replays::set_recorded_numerics(&mut model, &b)?;
     crate::set_tp(&mut model, a.tp)?;
+    if b.manifest.tp_degree != 1 || a.tp != 1 {
+        eprintln!(
+            "tp: recorded at degree {}, replayed at degree {} (the degree never changes a bit)",
+            b.manifest.tp_degree, a.tp
+        );
+    }
     if numerics != Numerics::Canonical {
         let how = match a.device.as_str() {
             "cpu" => "on the CPU by its bit-exact model of the sm_90 tensor core's inner product",

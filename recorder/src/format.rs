@@ -104,6 +104,7 @@ impl Kind for Session {
     fn decode_manifest(version: u32, raw: &[u8]) -> Result<Manifest, String> {
         match version {
             ..=3 => codec::decode::<crate::schema::ManifestV3>(raw).map(Manifest::from),
+            4 => codec::decode::<crate::schema::ManifestV4>(raw).map(Manifest::from),
             _ => codec::decode(raw),
         }
     }

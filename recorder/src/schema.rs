@@ -19,11 +19,14 @@ use lmrr_engine::{PdConfig, PdStep};
 /// - 4: [`Manifest::numerics`], the arithmetic of the matmuls
 ///   (`canonical` or `tensor-core-sm90`); a format-2 or -3 manifest reads
 ///   as `canonical`, the only mode those formats had.
-pub const FORMAT_VERSION: u32 = 4;
+/// - 5: [`Manifest::tp_degree`], the tensor-parallel degree the session
+///   ran at (never changes a bit); a manifest of formats 2 to 4 reads as
+///   degree 1, the only degree those formats had.
+pub const FORMAT_VERSION: u32 = 5;
 
-/// The oldest format this lmrr reads (formats 2 to 4 differ by event
+/// The oldest format this lmrr reads (formats 2 to 5 differ by event
 /// variants appended and the manifest's numerics, read as `canonical`
-/// before 4).
+/// before 4, and tensor-parallel degree, read as 1 before 5).
 pub const MIN_READ_VERSION: u32 = 2;
 
 /// What changed after format `version`, for the message that refuses it.
@@ -55,9 +58,13 @@ pub struct Manifest {
     /// The matmuls' arithmetic (`lmrr_kernels::tensor_core::Numerics`'s
     /// name): replay runs under it, on any device that has it.
     pub numerics: String,
+    /// Tensor-parallel ranks the session ran over (never changes a bit:
+    /// replay at any degree gives the same logits; recorded for reports).
+    pub tp_degree: u32,
 }
 
-/// A format-2 or -3 manifest: [`Manifest`] without `numerics`.
+/// A format-2 or -3 manifest: [`Manifest`] without `numerics` and
+/// `tp_degree`.
 #[derive(Debug, Clone, Deserialize)]
 pub(crate) struct ManifestV3 {
     format_version: u32,
@@ -88,6 +95,44 @@ impl From<ManifestV3> for Manifest {
             top_logprobs: m.top_logprobs,
             threads: m.threads,
             numerics: lmrr_kernels::tensor_core::Numerics::Canonical.name().into(),
+            tp_degree: 1,
+        }
+    }
+}
+
+/// A format-4 manifest: [`Manifest`] without `tp_degree`.
+#[derive(Debug, Clone, Deserialize)]
+pub(crate) struct ManifestV4 {
+    format_version: u32,
+    contract_version: u32,
+    tool_version: String,
+    git_revision: String,
+    model: ModelInfo,
+    engine: EngineConfig,
+    patches: Vec<String>,
+    host: HostInfo,
+    source: SessionSource,
+    top_logprobs: u32,
+    threads: u32,
+    numerics: String,
+}
+
+impl From<ManifestV4> for Manifest {
+    fn from(m: ManifestV4) -> Self {
+        Self {
+            format_version: m.format_version,
+            contract_version: m.contract_version,
+            tool_version: m.tool_version,
+            git_revision: m.git_revision,
+            model: m.model,
+            engine: m.engine,
+            patches: m.patches,
+            host: m.host,
+            source: m.source,
+            top_logprobs: m.top_logprobs,
+            threads: m.threads,
+            numerics: m.numerics,
+            tp_degree: 1,
         }
     }
 }
@@ -127,6 +172,7 @@ impl Manifest {
             top_logprobs,
             threads,
             numerics: model.net.numerics().name().into(),
+            tp_degree: u32::try_from(model.net.tp_degree()).unwrap_or(u32::MAX),
         }
     }
 }

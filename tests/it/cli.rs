@@ -874,3 +874,55 @@ fn tensor_core_numerics_are_recorded_and_replayed() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("stored as f32"), "{err}");
 }
+
+/// A session run at `--tp 2` records the degree (inspect says it), replays
+/// bit-exactly at `--tp 1` (replay names both degrees); a rank failure
+/// injected by `LMRR_TP_FAIL` ends the run with exit 2 naming the rank and
+/// step, and leaves a complete bundle that replays bit-exactly.
+#[test]
+fn the_tp_degree_is_recorded_and_a_rank_failure_leaves_a_complete_bundle() {
+    let d = tempfile::tempdir().unwrap();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/multi-user.toml");
+    let run = |out: &std::path::Path, env: &[(&str, &str)]| {
+        let args = ["run", "--script", script, "--tp", "2", "--record"];
+        let mut args = args.to_vec();
+        args.push(out.to_str().unwrap());
+        lmrr(&args, env)
+    };
+    let inspect = |p: &std::path::Path| {
+        let o = lmrr(&["inspect", p.to_str().unwrap()], &[]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let replay_at = |p: &std::path::Path, tp: &str| {
+        let o = lmrr(&["replay", p.to_str().unwrap(), "--tp", tp], &[]);
+        let (out, err) = (
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        );
+        assert_eq!(o.status.code(), Some(0), "{out}{err}");
+        assert!(out.contains("bit-exact"), "{out}");
+        err
+    };
+    let b = d.path().join("tp2.lmrr");
+    let o = run(&b, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = inspect(&b);
+    assert!(out.contains("tp          2 ranks"), "{out}");
+    let err = replay_at(&b, "1");
+    assert!(
+        err.contains("recorded at degree 2, replayed at degree 1"),
+        "{err}"
+    );
+    let f = d.path().join("failed.lmrr");
+    let o = run(&f, &[("LMRR_TP_FAIL", "1:7")]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("rank 1 of 2 failed at step 7"), "{err}");
+    let out = inspect(&f);
+    assert!(
+        out.contains("integrity   complete") && out.contains("· 7 steps"),
+        "{out}"
+    );
+    replay_at(&f, "2");
+}
