@@ -13,3 +13,4 @@ mod replay;
 mod scripts;
 mod smollm2;
 mod snapshots;
+mod tp;
