@@ -18,3 +18,4 @@ mod scripts;
 mod serving;
 mod smollm2;
 mod tp;
+mod tp_wide;

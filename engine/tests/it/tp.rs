@@ -72,7 +72,7 @@ fn tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
 /// Three sequences: prefill in uneven chunks side by side, then decode steps
 /// of all three at once (past mini-v4's first sparse position); every wanted
 /// row's bits in order.
-fn workload(m: &Model) -> Vec<u32> {
+pub(crate) fn workload(m: &Model) -> Vec<u32> {
     let th = Threads::new(2).unwrap();
     let vocab = m.net.vocab_size();
     let seqs: Vec<Vec<u32>> = [(1u64, 84usize), (2, 40), (3, 75)]
