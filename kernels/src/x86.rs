@@ -492,12 +492,28 @@ pub(crate) unsafe fn kchunk<const K: u8>(p: *const u8, c: usize) -> [__m256; 8] 
 
 /// Chunk `cb` of a `Q4_K` super-block at `b`: its sub-blocks `2cb` and
 /// `2cb + 1` are the low and high nibbles of the 32 quant bytes `32cb..`.
-/// Each weight is `(d·sc)·q − (dmin·m)`: a multiply then a subtract, as the
-/// reference (the product is exact; the subtraction rounds once).
+///
+/// The reference value of a weight is `(dl·q) − ml` with `dl = d·sc` and
+/// `ml = dmin·m` (each product rounded to f32). When `d` and `dmin` are finite
+/// the fused `fma(dl, q, −ml)` gives the same bits, one instruction fewer:
+/// - `d` is an f16 widened exactly: at most 11 significant bits, magnitude in
+///   [2⁻²⁴, 65504]; `sc`, `m` ≤ 63 have 6 bits, so `dl` and `ml` have at most
+///   17 significant bits and lie in [2⁻²⁴, 2²²] (or are ±0): both exact in f32.
+/// - `q` ≤ 15 has 4 bits, so `dl·q` has at most 21 significant bits and
+///   magnitude below 2²⁶: exact too, no overflow, no underflow.
+/// - So `dl·q − ml` and `fma(dl, q, −ml)` are one rounding of the same exact
+///   real; signed zeros agree as well (`x − y` is `x + (−y)` in IEEE 754,
+///   and the exact product carries the sign `dl·q` rounds to).
+///
+/// An infinite or NaN `d`/`dmin` (never in a real model, but representable)
+/// takes the reference's multiply-then-subtract, so even the NaN bits agree.
+/// `kernels/tests/it/kquant_fma.rs` checks the identity over every `sc`, `m`,
+/// `q` and many `d`/`dmin`, subnormals and extremes included.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4k_chunk(b: *const u8, cb: usize) -> [__m256; 8] {
-    let hdr = _mm_cvtph_ps(_mm_cvtsi32_si128((b as *const i32).read_unaligned()));
+    let raw = (b as *const u32).read_unaligned();
+    let hdr = _mm_cvtph_ps(_mm_cvtsi32_si128(raw as i32));
     let (d, dmin) = (_mm_cvtss_f32(hdr), _mm_cvtss_f32(_mm_movehdup_ps(hdr)));
     let scales = std::slice::from_raw_parts(b.add(4), 12);
     let (sc0, m0) = crate::kquant::scale_min_k4(scales, 2 * cb);
@@ -513,25 +529,39 @@ unsafe fn q4k_chunk(b: *const u8, cb: usize) -> [__m256; 8] {
     let q = b.add(16 + 32 * cb);
     let (lo_a, hi_a) = nibbles(q);
     let (lo_b, hi_b) = nibbles(q.add(16));
-    let w = |dl: __m256, ml: __m256, v: __m256i| {
-        _mm256_sub_ps(_mm256_mul_ps(dl, _mm256_cvtepi32_ps(v)), ml)
-    };
-    [
-        w(dl0, ml0, lo_a[0]),
-        w(dl0, ml0, lo_a[1]),
-        w(dl0, ml0, lo_b[0]),
-        w(dl0, ml0, lo_b[1]),
-        w(dl1, ml1, hi_a[0]),
-        w(dl1, ml1, hi_a[1]),
-        w(dl1, ml1, hi_b[0]),
-        w(dl1, ml1, hi_b[1]),
-    ]
+    // Spelled out per weight formula so both arms inline fully.
+    macro_rules! all {
+        ($w:expr) => {
+            [
+                $w(dl0, ml0, lo_a[0]),
+                $w(dl0, ml0, lo_a[1]),
+                $w(dl0, ml0, lo_b[0]),
+                $w(dl0, ml0, lo_b[1]),
+                $w(dl1, ml1, hi_a[0]),
+                $w(dl1, ml1, hi_a[1]),
+                $w(dl1, ml1, hi_b[0]),
+                $w(dl1, ml1, hi_b[1]),
+            ]
+        };
+    }
+    // Both f16 exponent fields below all-ones: `d` and `dmin` finite.
+    if raw & 0x7c00 != 0x7c00 && raw & 0x7c00_0000 != 0x7c00_0000 {
+        all!(|dl, ml, v| _mm256_fmsub_ps(dl, _mm256_cvtepi32_ps(v), ml))
+    } else {
+        all!(|dl, ml, v| _mm256_sub_ps(_mm256_mul_ps(dl, _mm256_cvtepi32_ps(v)), ml))
+    }
 }
 
 /// Chunk `cb` of a `Q6_K` super-block at `b` (layout in
 /// [`crate::kquant::q6`]): half `cb / 2`, the low (even `cb`) or high (odd)
 /// nibbles of its 64 `ql` bytes, and the bit pairs `4·(cb % 2) + 2·(l / 32)`
-/// of its 32 `qh` bytes. Each weight is `(d·s)·q`, exact.
+/// of its 32 `qh` bytes. Each weight is `(d·s)·q`: `d·s` is exact (11 × 8
+/// significant bits) but the product with `q` rounds, so it stays a multiply
+/// of the rounded `dl`, as the reference.
+///
+/// The 6-bit quants of 32 weights are assembled in bytes with 256-bit
+/// operations (one nibble shift and mask, one bit-pair shift and mask, or,
+/// −32) and only then widened 8 at a time for the conversion to f32.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q6k_chunk(b: *const u8, cb: usize) -> [__m256; 8] {
@@ -540,25 +570,36 @@ unsafe fn q6k_chunk(b: *const u8, cb: usize) -> [__m256; 8] {
     let ql = b.add(64 * half);
     let qh = b.add(128 + 32 * half);
     let scales = b.add(192 + 4 * cb) as *const i8;
-    let lo_shift = _mm_cvtsi32_si128(4 * odd);
-    let (m4, m2, off) = (
-        _mm256_set1_epi32(0x0f),
-        _mm256_set1_epi32(0x03),
-        _mm256_set1_epi32(32),
+    let shift = _mm_cvtsi32_si128(4 * odd);
+    let (m4, m30, off) = (
+        _mm256_set1_epi8(0x0f),
+        _mm256_set1_epi8(0x30),
+        _mm256_set1_epi8(32),
     );
+    // Bit pairs 4·odd (weights 0–31) and 4·odd + 2 (32–63) moved to bits 0–3;
+    // 16-bit shifts are fine since the masks drop what crosses bytes.
+    let h = _mm256_srl_epi16(_mm256_loadu_si256(qh as *const __m256i), shift);
+    let hi = [
+        _mm256_and_si256(_mm256_slli_epi16(h, 4), m30),
+        _mm256_and_si256(_mm256_slli_epi16(h, 2), m30),
+    ];
     let mut out = [_mm256_setzero_ps(); 8];
-    for v in 0..4 {
-        let h = _mm256_cvtepu8_epi32(_mm_loadl_epi64(qh.add(8 * v) as *const __m128i));
-        for g in 0..2 {
-            // Weights l = 8v + 32g .. +8 of the chunk.
-            let l = 8 * v + 32 * g;
-            let lq = _mm256_cvtepu8_epi32(_mm_loadl_epi64(ql.add(l) as *const __m128i));
-            let lo = _mm256_and_si256(_mm256_srl_epi32(lq, lo_shift), m4);
-            let hs = _mm_cvtsi32_si128(4 * odd + 2 * g as i32);
-            let hi = _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(h, hs), m2), 4);
-            let q = _mm256_sub_epi32(_mm256_or_si256(lo, hi), off);
-            let dl = d * *scales.add(l / 16) as f32;
-            out[v + 4 * g] = _mm256_mul_ps(_mm256_set1_ps(dl), _mm256_cvtepi32_ps(q));
+    for g in 0..2 {
+        // Weights l = 32g .. 32g + 32 of the chunk, as i8 in [−32, 31].
+        let lq = _mm256_loadu_si256(ql.add(32 * g) as *const __m256i);
+        let lo = _mm256_and_si256(_mm256_srl_epi16(lq, shift), m4);
+        let q = _mm256_sub_epi8(_mm256_or_si256(lo, hi[g]), off);
+        let (q0, q1) = (_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        let parts = [
+            q0,
+            _mm_unpackhi_epi64(q0, q0),
+            q1,
+            _mm_unpackhi_epi64(q1, q1),
+        ];
+        for (v, &p) in parts.iter().enumerate() {
+            let dl = d * *scales.add(2 * g + v / 2) as f32;
+            let qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(p));
+            out[4 * g + v] = _mm256_mul_ps(_mm256_set1_ps(dl), qf);
         }
     }
     out

@@ -1,0 +1,85 @@
+//! Timing of the K-quant matmuls on Qwen2.5-Coder-1.5B's shapes, one thread:
+//! decode (one token) and a prefill block (64 tokens). Ignored by default;
+//! run with `cargo test --release -p lmrr-kernels --test kquant_speed --
+//! --ignored --nocapture`. Prints the best of several repeats per case (the
+//! least disturbed by other work on the machine), and checks the outputs
+//! against the f32 matmul over the dequantized copy so a faster kernel is
+//! never a wrong one.
+
+use lmrr_kernels::quant::{dequant_ref, QuantKind};
+use lmrr_kernels::threads::Threads;
+use lmrr_kernels::*;
+use std::time::Instant;
+
+/// Random super-blocks with f16 scales of a trained model's magnitude.
+fn blocks(r: &mut SplitMix64, kind: QuantKind, n: usize) -> Vec<u8> {
+    let bb = kind.block_bytes();
+    let mut out: Vec<u8> = (0..n * bb).map(|_| r.next_u64() as u8).collect();
+    for b in out.chunks_exact_mut(bb) {
+        let (offs, d): (&[usize], f32) = match kind {
+            QuantKind::Q4K => (&[0, 2], 0.002),
+            _ => (&[208], 0.0005),
+        };
+        for &o in offs {
+            let h = half_bits(r.uniform(d));
+            b[o..o + 2].copy_from_slice(&h.to_le_bytes());
+        }
+    }
+    out
+}
+
+/// f16 bits of a normal value near `x` (exponent and top mantissa bits).
+fn half_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let e = ((b >> 23) & 0xff) as i32 - 127 + 15;
+    let sign = ((b >> 16) & 0x8000) as u16;
+    if e <= 0 {
+        return sign;
+    }
+    sign | ((e.min(30) as u16) << 10) | ((b >> 13) & 0x3ff) as u16
+}
+
+#[test]
+#[ignore]
+fn kquant_matmul_speed() {
+    let mut r = SplitMix64(7);
+    let th = Threads::new(1).expect("one thread");
+    // (kind, rows, cols): ffn gate/up, ffn down, attention q, lm head slice.
+    let cases = [
+        (QuantKind::Q4K, 8960usize, 1536usize),
+        (QuantKind::Q6K, 1536, 8960),
+        (QuantKind::Q4K, 1536, 1536),
+        (QuantKind::Q6K, 8192, 1536),
+    ];
+    for &(kind, rows, cols) in &cases {
+        let q = blocks(&mut r, kind, rows * cols / 256);
+        let m = Matrix::new(Weights::Quant(kind, &q), rows, cols).expect("shape");
+        let mut deq = vec![0.0f32; rows * cols];
+        dequant_ref(kind, &q, &mut deq);
+        let mf = Matrix::new(Weights::F32(&deq), rows, cols).expect("shape");
+        for &n in &[1usize, 64] {
+            let x = r.uniform_vec(n * cols, 1.0);
+            let mut y = vec![0.0f32; n * rows];
+            let reps = if n == 1 { 15 } else { 3 };
+            let mut best = f64::INFINITY;
+            for _ in 0..reps {
+                let t = Instant::now();
+                matmul(&th, &x, n, &m, &mut y);
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            let mut want = vec![0.0f32; n * rows];
+            matmul(&th, &x, n, &mf, &mut want);
+            let same = y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{kind:?} {rows}x{cols} n={n}: differs from the f32 matmul"
+            );
+            let gw = (rows * cols * n) as f64 / best / 1e9;
+            println!(
+                "{:?} {rows}x{cols} n={n}: best {:.3} ms ({gw:.2} G weight·tokens/s)",
+                kind,
+                best * 1e3
+            );
+        }
+    }
+}
