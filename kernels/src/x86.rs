@@ -483,10 +483,68 @@ pub(crate) unsafe fn dot8q<const K: u8>(
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn kchunk<const K: u8>(p: *const u8, c: usize) -> [__m256; 8] {
     let b = p.add(c / 4 * kind_of::<K>().block_bytes());
+    kchunk_in::<K>(b, c % 4, &kscales::<K>(b))
+}
+
+/// The f32 scales of one K-quant super-block, decoded once for its four
+/// chunks: `Q4_K` sub-block `j`'s `dl[j] = d·sc` and `ml[j] = dmin·m`; `Q6_K`
+/// 16-weight group `i`'s `dl[i] = d·s`. Each is the reference's product.
+pub(crate) struct KScales {
+    dl: [f32; 16],
+    ml: [f32; 8],
+    /// `Q4_K`: `d` and `dmin` finite, so the fused form is exact (see
+    /// [`q4k_chunk`]).
+    fused: bool,
+}
+
+/// [`KScales`] of the super-block at `b`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn kscales<const K: u8>(b: *const u8) -> KScales {
+    let mut s = KScales {
+        dl: [0.0; 16],
+        ml: [0.0; 8],
+        fused: false,
+    };
     if K == Q4K {
-        q4k_chunk(b, c % 4)
+        let raw = (b as *const u32).read_unaligned();
+        let hdr = _mm_cvtph_ps(_mm_cvtsi32_si128(raw as i32));
+        let d = _mm256_broadcastss_ps(hdr);
+        let dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(hdr));
+        // ggml's `get_scale_min_k4` for all eight sub-blocks at once, four
+        // bytes per word: scales 0–3, 4–7 and mins 0–3, 4–7.
+        let u = |i: usize| (b.add(4 + 4 * i) as *const u32).read_unaligned();
+        let (u0, u1, u2) = (u(0), u(1), u(2));
+        let (k1, k2, k3) = (0x3f3f_3f3fu32, 0x0f0f_0f0fu32, 0x0303_0303u32);
+        let sc = [u0 & k1, (u2 & k2) | (((u0 >> 6) & k3) << 4)];
+        let m = [u1 & k1, ((u2 >> 4) & k2) | (((u1 >> 6) & k3) << 4)];
+        let widen = |w: [u32; 2]| {
+            let v = _mm_cvtsi64_si128((w[0] as u64 | (w[1] as u64) << 32) as i64);
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))
+        };
+        _mm256_storeu_ps(s.dl.as_mut_ptr(), _mm256_mul_ps(d, widen(sc)));
+        _mm256_storeu_ps(s.ml.as_mut_ptr(), _mm256_mul_ps(dmin, widen(m)));
+        s.fused = raw & 0x7c00 != 0x7c00 && raw & 0x7c00_0000 != 0x7c00_0000;
     } else {
-        q6k_chunk(b, c % 4)
+        let h = (b.add(208) as *const u16).read_unaligned();
+        let d = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)));
+        let sc = _mm_loadu_si128(b.add(192) as *const __m128i);
+        let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc));
+        let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc, sc)));
+        _mm256_storeu_ps(s.dl.as_mut_ptr(), _mm256_mul_ps(d, lo));
+        _mm256_storeu_ps(s.dl.as_mut_ptr().add(8), _mm256_mul_ps(d, hi));
+    }
+    s
+}
+
+/// Chunk `cb` (0..4) of the K-quant super-block at `b`, whose scales are `s`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn kchunk_in<const K: u8>(b: *const u8, cb: usize, s: &KScales) -> [__m256; 8] {
+    if K == Q4K {
+        q4k_chunk(b, cb, s)
+    } else {
+        q6k_chunk(b, cb, s)
     }
 }
 
@@ -511,20 +569,14 @@ pub(crate) unsafe fn kchunk<const K: u8>(p: *const u8, c: usize) -> [__m256; 8] 
 /// `q` and many `d`/`dmin`, subnormals and extremes included.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4k_chunk(b: *const u8, cb: usize) -> [__m256; 8] {
-    let raw = (b as *const u32).read_unaligned();
-    let hdr = _mm_cvtph_ps(_mm_cvtsi32_si128(raw as i32));
-    let (d, dmin) = (_mm_cvtss_f32(hdr), _mm_cvtss_f32(_mm_movehdup_ps(hdr)));
-    let scales = std::slice::from_raw_parts(b.add(4), 12);
-    let (sc0, m0) = crate::kquant::scale_min_k4(scales, 2 * cb);
-    let (sc1, m1) = crate::kquant::scale_min_k4(scales, 2 * cb + 1);
+unsafe fn q4k_chunk(b: *const u8, cb: usize, s: &KScales) -> [__m256; 8] {
     let (dl0, ml0) = (
-        _mm256_set1_ps(d * sc0 as f32),
-        _mm256_set1_ps(dmin * m0 as f32),
+        _mm256_broadcast_ss(&s.dl[2 * cb]),
+        _mm256_broadcast_ss(&s.ml[2 * cb]),
     );
     let (dl1, ml1) = (
-        _mm256_set1_ps(d * sc1 as f32),
-        _mm256_set1_ps(dmin * m1 as f32),
+        _mm256_broadcast_ss(&s.dl[2 * cb + 1]),
+        _mm256_broadcast_ss(&s.ml[2 * cb + 1]),
     );
     let q = b.add(16 + 32 * cb);
     let (lo_a, hi_a) = nibbles(q);
@@ -544,8 +596,7 @@ unsafe fn q4k_chunk(b: *const u8, cb: usize) -> [__m256; 8] {
             ]
         };
     }
-    // Both f16 exponent fields below all-ones: `d` and `dmin` finite.
-    if raw & 0x7c00 != 0x7c00 && raw & 0x7c00_0000 != 0x7c00_0000 {
+    if s.fused {
         all!(|dl, ml, v| _mm256_fmsub_ps(dl, _mm256_cvtepi32_ps(v), ml))
     } else {
         all!(|dl, ml, v| _mm256_sub_ps(_mm256_mul_ps(dl, _mm256_cvtepi32_ps(v)), ml))
@@ -564,12 +615,10 @@ unsafe fn q4k_chunk(b: *const u8, cb: usize) -> [__m256; 8] {
 /// −32) and only then widened 8 at a time for the conversion to f32.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6k_chunk(b: *const u8, cb: usize) -> [__m256; 8] {
+unsafe fn q6k_chunk(b: *const u8, cb: usize, s: &KScales) -> [__m256; 8] {
     let (half, odd) = (cb / 2, (cb % 2) as i32);
-    let d = crate::quant::f16_to_f32(u16::from_le_bytes([*b.add(208), *b.add(209)]));
     let ql = b.add(64 * half);
     let qh = b.add(128 + 32 * half);
-    let scales = b.add(192 + 4 * cb) as *const i8;
     let shift = _mm_cvtsi32_si128(4 * odd);
     let (m4, m30, off) = (
         _mm256_set1_epi8(0x0f),
@@ -597,9 +646,9 @@ unsafe fn q6k_chunk(b: *const u8, cb: usize) -> [__m256; 8] {
             _mm_unpackhi_epi64(q1, q1),
         ];
         for (v, &p) in parts.iter().enumerate() {
-            let dl = d * *scales.add(2 * g + v / 2) as f32;
+            let dl = _mm256_broadcast_ss(&s.dl[4 * cb + 2 * g + v / 2]);
             let qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(p));
-            out[4 * g + v] = _mm256_mul_ps(_mm256_set1_ps(dl), qf);
+            out[4 * g + v] = _mm256_mul_ps(dl, qf);
         }
     }
     out
@@ -610,7 +659,9 @@ unsafe fn q6k_chunk(b: *const u8, cb: usize) -> [__m256; 8] {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot8k<const K: u8>(x: *const f32, ws: &[*const u8; 8], k: usize, ahead: usize) -> __m256 {
-    let chunk_bytes = kind_of::<K>().block_bytes() / 4;
+    let block_bytes = kind_of::<K>().block_bytes();
+    let chunk_bytes = block_bytes / 4;
+    const { assert!(WINDOW % 4 == 0) };
     // Every slot read below is written first (rows 0..8 × chunks w0..w1).
     let mut parked = std::mem::MaybeUninit::<[[__m256; 8]; WINDOW]>::uninit();
     let slots = parked.as_mut_ptr() as *mut [__m256; 8];
@@ -620,22 +671,30 @@ unsafe fn dot8k<const K: u8>(x: *const f32, ws: &[*const u8; 8], k: usize, ahead
     while w0 < chunks {
         let w1 = (w0 + WINDOW).min(chunks);
         for r in (0..8).step_by(2) {
-            for c in w0..w1 {
-                // The same chunk of the rows 8 further on: a hint only.
-                let pf = c * chunk_bytes + ahead;
-                _mm_prefetch::<_MM_HINT_T0>(ws[r].wrapping_add(pf) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(ws[r + 1].wrapping_add(pf) as *const i8);
-                let wa = kchunk::<K>(ws[r], c);
-                let wb = kchunk::<K>(ws[r + 1], c);
-                let xc = x.add(c * CHUNK);
-                let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-                for j in 0..8 {
-                    let xv = _mm256_loadu_ps(xc.add(8 * j));
-                    a0 = _mm256_fmadd_ps(xv, wa[j], a0);
-                    a1 = _mm256_fmadd_ps(xv, wb[j], a1);
+            // Windows start on super-block boundaries (`WINDOW` and the
+            // chunks of a row are multiples of 4): each super-block's scales
+            // are decoded once for its four chunks.
+            for sb in (w0 / 4)..(w1 / 4) {
+                let (pa, pb) = (ws[r].add(sb * block_bytes), ws[r + 1].add(sb * block_bytes));
+                let (sa, sb_) = (kscales::<K>(pa), kscales::<K>(pb));
+                for cb in 0..4 {
+                    let c = 4 * sb + cb;
+                    // The same chunk of the rows 8 further on: a hint only.
+                    let pf = c * chunk_bytes + ahead;
+                    _mm_prefetch::<_MM_HINT_T0>(ws[r].wrapping_add(pf) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(ws[r + 1].wrapping_add(pf) as *const i8);
+                    let wa = kchunk_in::<K>(pa, cb, &sa);
+                    let wb = kchunk_in::<K>(pb, cb, &sb_);
+                    let xc = x.add(c * CHUNK);
+                    let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                    for j in 0..8 {
+                        let xv = _mm256_loadu_ps(xc.add(8 * j));
+                        a0 = _mm256_fmadd_ps(xv, wa[j], a0);
+                        a1 = _mm256_fmadd_ps(xv, wb[j], a1);
+                    }
+                    (*slots.add(c - w0))[r] = a0;
+                    (*slots.add(c - w0))[r + 1] = a1;
                 }
-                (*slots.add(c - w0))[r] = a0;
-                (*slots.add(c - w0))[r + 1] = a1;
             }
         }
         for c in 0..w1 - w0 {
