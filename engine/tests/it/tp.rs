@@ -26,8 +26,9 @@ use Want::*;
 
 /// Every model under test and its outcome at degrees 2, 4, 8. The fixtures
 /// are 4 heads (2 KV heads) of 16: at degree 2 a rank's slice of `o_proj`'s
-/// 64 inputs starts at 32, off the chunk of 64; deepseek_v3's MLA runs whole
-/// on every rank, and its dense MLP's 128 inputs split on chunks only in two.
+/// 64 inputs starts at 32, off the chunk of 64; deepseek_v3's MLA splits its
+/// 4 heads at 2 and 4 (and runs once on rank 0 at 8), and its dense MLP's
+/// 128 inputs split on chunks only in two.
 const CASES: &[(&str, [Want; 3])] = &[
     ("synthetic:tiny", [Same, Heads, Heads]),
     ("synthetic:mini-v4-tiny", [Same, Same, Same]),

@@ -6,8 +6,9 @@
 //! divide by each) and a dense FFN width of 512 (64·8), and the tensors those
 //! shapes change get seeded random values; every other tensor (embeddings,
 //! norms, routers, experts, MLA's projections, the lm head) is the fixture's
-//! own. deepseek_v3 keeps its attention (MLA runs once, on rank 0) and
-//! widens only its dense FFN. Nothing is skipped: a fixture without a wide
+//! own. deepseek_v3's Multi-head Latent Attention gets 8 heads (its
+//! `q_b_proj`, `kv_b_proj` and `o_proj` widened), so it splits by heads at
+//! every degree, and its dense FFN widens as the others'. Nothing is skipped: a fixture without a wide
 //! case fails the test, and so does a widened model that is refused.
 
 use std::collections::BTreeMap;
@@ -29,18 +30,38 @@ const HEAD_DIM: usize = 64;
 /// over 8 ranks.
 const FFN: usize = 512;
 
-/// Each fixture, and whether its attention is widened (not MLA's).
-const WIDE: &[(&str, bool)] = &[
-    ("llama", true),
-    ("llama_rope_llama3", true),
-    ("qwen2", true),
-    ("qwen3", true),
-    ("mistral", true),
-    ("gemma3_text", true),
-    ("mixtral", true),
-    ("qwen3_moe", true),
-    ("deepseek_v3", false),
+/// MLA's heads when widened: one a rank at degree 8.
+const MLA_HEADS: usize = 8;
+
+/// How a fixture's attention widens.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Attn {
+    /// Query, key and value heads ([`HEADS`], [`KV_HEADS`], [`HEAD_DIM`]).
+    Heads,
+    /// Multi-head Latent Attention's heads ([`MLA_HEADS`]; their widths as
+    /// the fixture has them).
+    Mla,
+}
+
+/// Each fixture and its attention.
+const WIDE: &[(&str, Attn)] = &[
+    ("llama", Attn::Heads),
+    ("llama_rope_llama3", Attn::Heads),
+    ("qwen2", Attn::Heads),
+    ("qwen3", Attn::Heads),
+    ("mistral", Attn::Heads),
+    ("gemma3_text", Attn::Heads),
+    ("mixtral", Attn::Heads),
+    ("qwen3_moe", Attn::Heads),
+    ("deepseek_v3", Attn::Mla),
 ];
+
+/// A config's unsigned field.
+fn field(config: &Value, name: &str) -> usize {
+    config[name]
+        .as_u64()
+        .unwrap_or_else(|| panic!("config field `{name}`")) as usize
+}
 
 fn fixture_dir(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -64,19 +85,35 @@ fn random_f32(seed: u64, n: usize, center: f32, half: f32) -> Vec<u8> {
 }
 
 /// The widened shape of tensor `name` (`None`: the fixture's own), given
-/// the model's hidden size and whether attention and the dense FFN widen.
-fn wide_shape(name: &str, hidden: usize, attention: bool, ffn: bool) -> Option<Vec<usize>> {
+/// the fixture's config, how its attention widens and whether its dense FFN
+/// does.
+fn wide_shape(name: &str, config: &Value, attn: Option<Attn>, ffn: bool) -> Option<Vec<usize>> {
+    let hidden = field(config, "hidden_size");
     let (q, kv) = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM);
-    let attn = |suffix: &str| attention && name.ends_with(&format!("self_attn.{suffix}"));
+    let at =
+        |a: Attn, suffix: &str| attn == Some(a) && name.ends_with(&format!("self_attn.{suffix}"));
     let dense =
         |suffix: &str| ffn && !name.contains("expert") && name.ends_with(&format!("mlp.{suffix}"));
+    let mla = |f: &str| MLA_HEADS * field(config, f);
     Some(match () {
-        _ if attn("q_proj.weight") => vec![q, hidden],
-        _ if attn("q_proj.bias") => vec![q],
-        _ if attn("k_proj.weight") || attn("v_proj.weight") => vec![kv, hidden],
-        _ if attn("k_proj.bias") || attn("v_proj.bias") => vec![kv],
-        _ if attn("o_proj.weight") => vec![hidden, q],
-        _ if attn("q_norm.weight") || attn("k_norm.weight") => vec![HEAD_DIM],
+        _ if at(Attn::Heads, "q_proj.weight") => vec![q, hidden],
+        _ if at(Attn::Heads, "q_proj.bias") => vec![q],
+        _ if at(Attn::Heads, "k_proj.weight") || at(Attn::Heads, "v_proj.weight") => {
+            vec![kv, hidden]
+        }
+        _ if at(Attn::Heads, "k_proj.bias") || at(Attn::Heads, "v_proj.bias") => vec![kv],
+        _ if at(Attn::Heads, "o_proj.weight") => vec![hidden, q],
+        _ if at(Attn::Heads, "q_norm.weight") || at(Attn::Heads, "k_norm.weight") => {
+            vec![HEAD_DIM]
+        }
+        _ if at(Attn::Mla, "q_b_proj.weight") => {
+            vec![mla("qk_head_dim"), field(config, "q_lora_rank")]
+        }
+        _ if at(Attn::Mla, "kv_b_proj.weight") => vec![
+            MLA_HEADS * (field(config, "qk_nope_head_dim") + field(config, "v_head_dim")),
+            field(config, "kv_lora_rank"),
+        ],
+        _ if at(Attn::Mla, "o_proj.weight") => vec![hidden, mla("v_head_dim")],
         _ if dense("gate_proj.weight") || dense("up_proj.weight") => vec![FFN, hidden],
         _ if dense("down_proj.weight") => vec![hidden, FFN],
         _ => return None,
@@ -85,11 +122,10 @@ fn wide_shape(name: &str, hidden: usize, attention: bool, ffn: bool) -> Option<V
 
 /// The fixture `name` widened (module header), as a model in memory; also
 /// how many of its tensors were replaced.
-fn widened(name: &str, attention: bool) -> (Model, usize) {
+fn widened(name: &str, attn: Attn) -> (Model, usize) {
     let dir = fixture_dir(name);
     let mut config: Value =
         serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
-    let hidden = config["hidden_size"].as_u64().unwrap() as usize;
     let mut shards: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -107,10 +143,10 @@ fn widened(name: &str, attention: bool) -> (Model, usize) {
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let ffn = tensors
         .iter()
-        .any(|t| wide_shape(&t.0, hidden, false, true).is_some());
+        .any(|t| wide_shape(&t.0, &config, None, true).is_some());
     let mut replaced = 0;
     for (i, (n, dtype, shape, data)) in tensors.iter_mut().enumerate() {
-        if let Some(s) = wide_shape(n, hidden, attention, ffn) {
+        if let Some(s) = wide_shape(n, &config, Some(attn), ffn) {
             let count = s.iter().product::<usize>();
             *data = if n.ends_with("norm.weight") {
                 random_f32(i as u64 + 1, count, 1.0, 0.25)
@@ -127,10 +163,16 @@ fn widened(name: &str, attention: bool) -> (Model, usize) {
             replaced += 1;
         }
     }
-    if attention {
-        config["num_attention_heads"] = HEADS.into();
-        config["num_key_value_heads"] = KV_HEADS.into();
-        config["head_dim"] = HEAD_DIM.into();
+    match attn {
+        Attn::Heads => {
+            config["num_attention_heads"] = HEADS.into();
+            config["num_key_value_heads"] = KV_HEADS.into();
+            config["head_dim"] = HEAD_DIM.into();
+        }
+        Attn::Mla => {
+            config["num_attention_heads"] = MLA_HEADS.into();
+            config["num_key_value_heads"] = MLA_HEADS.into();
+        }
     }
     if ffn {
         config["intermediate_size"] = FFN.into();
@@ -157,14 +199,14 @@ fn every_family_widened_gives_the_degree_one_bits_at_degrees_2_4_and_8() {
             );
         }
     }
-    for &(name, attention) in WIDE {
-        let (m, replaced) = widened(name, attention);
+    for &(name, attn) in WIDE {
+        let (m, replaced) = widened(name, attn);
         // Attention widens in every layer (q, k, v, o at least), the dense
         // FFN in each dense layer: the model really changed shape.
         assert!(replaced >= 3, "{name}: {replaced} tensors widened");
         let base = workload(&m);
         for degree in [2usize, 4, 8] {
-            let (mut m, _) = widened(name, attention);
+            let (mut m, _) = widened(name, attn);
             m.net
                 .set_tp(TpConfig::degree(degree))
                 .unwrap_or_else(|e| panic!("wide {name} at degree {degree}: {e}"));

@@ -25,6 +25,11 @@
 //! RoPE, attention tiles at absolute positions), never of the step's other
 //! tokens or of how its sequence was chunked: I2, I3 and I4 hold as for
 //! [`super::Op::RopeKvAttend`].
+//!
+//! [`attend`] runs any consecutive heads given their blocks of the absorb
+//! and decompression tables: a head reads only its own query columns and
+//! table blocks besides the shared stored rows, which is what lets tensor
+//! parallelism (`tp/`) split the op by heads without changing a bit.
 
 use lmrr_kernels::{self as k, AttnTask, KvView};
 
@@ -76,18 +81,84 @@ pub(super) fn exec(
     ops: &Ops,
     bufs: &mut [Vec<f32>],
 ) -> Result<(), EngineError> {
+    let (q, ckv, out, k_absorb, v_up, heads) = match op {
+        Op::MlaAttend {
+            q,
+            ckv,
+            out,
+            k_absorb,
+            v_up,
+            mla,
+            ..
+        } => (*q, *ckv, *out, *k_absorb, *v_up, mla.heads),
+        _ => {
+            return Err(EngineError::Device(format!(
+                "mla executor given a {} op",
+                op.name()
+            )))
+        }
+    };
+    let mut o = std::mem::take(&mut bufs[out.0 as usize]);
+    let part = Heads {
+        count: heads,
+        absorb: tables.mats[k_absorb.0 as usize].matrix(),
+        up: tables.mats[v_up.0 as usize].matrix(),
+        write: true,
+    };
+    let r = attend(
+        op,
+        tables,
+        step,
+        kv,
+        ops,
+        &part,
+        &bufs[q.0 as usize],
+        &bufs[ckv.0 as usize],
+        &mut o,
+    );
+    bufs[out.0 as usize] = o;
+    r
+}
+
+/// The heads one call of [`attend`] computes: all of them on one device,
+/// a rank's consecutive heads under tensor parallelism.
+pub(crate) struct Heads<'a> {
+    pub count: usize,
+    /// Their `count` blocks of `k_absorb` (`latent × nope` each) and of
+    /// `v_up` (`v × latent` each), in head order.
+    pub absorb: k::Matrix<'a>,
+    pub up: k::Matrix<'a>,
+    /// Whether this call stores the step's latent rows (the first call of
+    /// a step does; the others attend over what it stored).
+    pub write: bool,
+}
+
+/// [`Op::MlaAttend`] for the heads `part` names: `qs` holds those heads'
+/// query columns (`n × count·(nope + rope)`), `cs` the whole compressed
+/// KV rows, and `o` receives those heads' output columns
+/// (`n × count·v`). Each head's values are computed exactly as on one
+/// device: the stored rows are per token, shared by every head, and a
+/// head's absorb, attention and decompression read only its own columns.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attend(
+    op: &Op,
+    tables: &Tables,
+    step: &Step,
+    kv: &mut dyn KvCache,
+    ops: &Ops,
+    part: &Heads,
+    qs: &[f32],
+    cs: &[f32],
+    o: &mut [f32],
+) -> Result<(), EngineError> {
     let Op::MlaAttend {
         layer,
         rope,
-        q,
-        ckv,
         kv_norm,
         eps_bits,
-        k_absorb,
-        v_up,
-        out,
         mla,
         spec,
+        ..
     } = op
     else {
         return Err(EngineError::Device(format!(
@@ -96,46 +167,40 @@ pub(super) fn exec(
         )));
     };
     let MlaShape {
-        heads,
         nope,
         rope: rd,
         v: vd,
         latent: lr,
         interleave,
+        ..
     } = *mla;
+    let heads = part.count;
     let n = step.tok.len();
     if n == 0 {
         return Ok(());
     }
     let (qh, row) = (nope + rd, mla.row());
+    let want = (n * heads * qh, n * mla.row(), n * heads * vd);
+    if (qs.len(), cs.len(), o.len()) != want {
+        return Err(EngineError::Device(format!(
+            "mla_attend over {heads} heads of {n} tokens: q, kv and out hold {} {} {} floats, not {want:?}",
+            qs.len(),
+            cs.len(),
+            o.len()
+        )));
+    }
     let table = tables.ropes[*rope];
-    let qs = &bufs[q.0 as usize];
-    let cs = &bufs[ckv.0 as usize];
 
     // The stored rows: normalised latent, rotated shared key.
-    let mut lat_in = vec![0.0f32; n * lr];
-    for i in 0..n {
-        lat_in[i * lr..(i + 1) * lr].copy_from_slice(&cs[i * row..i * row + lr]);
-    }
-    let mut lat = vec![0.0f32; n * lr];
-    ops.norm(
-        &lat_in,
-        tables.vecs[kv_norm.0 as usize],
-        f32::from_bits(*eps_bits),
-        &mut lat,
-    )?;
-    let mut stored = vec![0.0f32; n * row];
-    for (i, &(si, pos)) in step.tok.iter().enumerate() {
-        let dst = &mut stored[i * row..(i + 1) * row];
-        dst[..lr].copy_from_slice(&lat[i * lr..(i + 1) * lr]);
-        rope_layout(&cs[i * row + lr..(i + 1) * row], interleave, &mut dst[lr..]);
-        ops.rope_row(table, &mut dst[lr..], pos)?;
-        kv.write_aux(step.spans[si].seq, *layer, pos, dst);
+    if part.write {
+        store(
+            step, kv, ops, tables, *layer, table, mla, *kv_norm, *eps_bits, cs,
+        )?;
     }
 
     // The queries in latent space: per head [W_kᵀ q_nope ; rotated q_rope].
     let mut qa = vec![0.0f32; n * heads * row];
-    let absorb = tables.mats[k_absorb.0 as usize].matrix();
+    let absorb = &part.absorb;
     let mut xh = vec![0.0f32; n * nope];
     let mut yh = vec![0.0f32; n * lr];
     for h in 0..heads {
@@ -143,7 +208,7 @@ pub(super) fn exec(
             let src = i * heads * qh + h * qh;
             xh[i * nope..(i + 1) * nope].copy_from_slice(&qs[src..src + nope]);
         }
-        let w = rows_of(&absorb, h * lr, lr)?;
+        let w = rows_of(absorb, h * lr, lr)?;
         ops.matmuls(&xh, n, &mut [(&w, &mut yh[..])])?;
         for i in 0..n {
             let dst = i * heads * row + h * row;
@@ -204,27 +269,71 @@ pub(super) fn exec(
             step.spans,
             &step.tok,
             &patches,
-            &spec.shape,
+            &k::AttnShape {
+                n_heads: heads,
+                ..spec.shape
+            },
             spec.scale(),
             &mut att,
         )?;
     }
 
     // Per head, the latent output decompressed by W_v.
-    let up = tables.mats[v_up.0 as usize].matrix();
+    let up = &part.up;
     let mut oh = vec![0.0f32; n * vd];
-    let o = &mut bufs[out.0 as usize];
     for h in 0..heads {
         for i in 0..n {
             let src = i * heads * row + h * row;
             yh[i * lr..(i + 1) * lr].copy_from_slice(&att[src..src + lr]);
         }
-        let w = rows_of(&up, h * vd, vd)?;
+        let w = rows_of(up, h * vd, vd)?;
         ops.matmuls(&yh, n, &mut [(&w, &mut oh[..])])?;
         for i in 0..n {
             let dst = i * heads * vd + h * vd;
             o[dst..dst + vd].copy_from_slice(&oh[i * vd..(i + 1) * vd]);
         }
+    }
+    Ok(())
+}
+
+/// Stores the step's latent rows (module docs): per token, the latent part
+/// of `cs` RMS-normalised by `kv_norm`, then its shared key part rotated.
+#[allow(clippy::too_many_arguments)]
+fn store(
+    step: &Step,
+    kv: &mut dyn KvCache,
+    ops: &Ops,
+    tables: &Tables,
+    layer: usize,
+    table: &k::RopeTable,
+    mla: &MlaShape,
+    kv_norm: super::program::Vector,
+    eps_bits: u32,
+    cs: &[f32],
+) -> Result<(), EngineError> {
+    let (n, lr, row) = (step.tok.len(), mla.latent, mla.row());
+    let mut lat_in = vec![0.0f32; n * lr];
+    for i in 0..n {
+        lat_in[i * lr..(i + 1) * lr].copy_from_slice(&cs[i * row..i * row + lr]);
+    }
+    let mut lat = vec![0.0f32; n * lr];
+    ops.norm(
+        &lat_in,
+        tables.vecs[kv_norm.0 as usize],
+        f32::from_bits(eps_bits),
+        &mut lat,
+    )?;
+    let mut stored = vec![0.0f32; n * row];
+    for (i, &(si, pos)) in step.tok.iter().enumerate() {
+        let dst = &mut stored[i * row..(i + 1) * row];
+        dst[..lr].copy_from_slice(&lat[i * lr..(i + 1) * lr]);
+        rope_layout(
+            &cs[i * row + lr..(i + 1) * row],
+            mla.interleave,
+            &mut dst[lr..],
+        );
+        ops.rope_row(table, &mut dst[lr..], pos)?;
+        kv.write_aux(step.spans[si].seq, layer, pos, dst);
     }
     Ok(())
 }

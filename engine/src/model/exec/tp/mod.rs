@@ -14,9 +14,13 @@
 //! not split so, or heads that do not divide by the degree, is refused with
 //! the numbers ([`TpError`]). Attention runs per rank over its heads; MoE
 //! experts are placed whole on ranks and combined in the canonical order on
-//! every rank. Every other op runs on every rank over whole operands
-//! (gathered first where they were split); an op that writes the KV store
-//! outside attention (MLA, sparse attention) runs once, on rank 0, and its
+//! every rank. Multi-head Latent Attention runs by heads too where its heads
+//! divide by the degree: rank 0 stores the step's latent rows (one per
+//! token, shared by every head), each rank absorbs, attends and
+//! decompresses its heads, and the output columns are gathered. Every other
+//! op runs on every rank over whole operands (gathered first where they
+//! were split); an op that writes the KV store outside attention (sparse
+//! attention, MLA whose heads do not divide) runs once, on rank 0, and its
 //! outputs are broadcast.
 //!
 //! Invariant: every value a rank computes is computed by the same canonical

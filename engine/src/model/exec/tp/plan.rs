@@ -58,6 +58,12 @@ pub enum Action {
     /// Routed expert `e` runs on rank `owner[e]`, the shared expert on rank
     /// 0; their outputs are gathered and every rank combines them.
     ExpertMoe { owner: Vec<usize> },
+    /// Multi-head Latent Attention by heads: rank 0 stores the step's
+    /// latent rows (per token, shared by every head), then each rank runs
+    /// its heads (`heads[rank]`, head indices) over them with its blocks of
+    /// the absorb and decompression tables; the output columns are
+    /// gathered, so every rank holds the whole output.
+    MlaHeads { heads: Vec<Range<usize>> },
 }
 
 /// One op of the plan.
@@ -134,6 +140,9 @@ impl Plan {
                     if let Some(h) = heads.get(out).copied() {
                         heads.insert(*x, h);
                     }
+                }
+                Op::MlaAttend { q, mla, .. } if mla.heads % degree == 0 => {
+                    heads.insert(*q, (mla.heads, mla.nope + mla.rope, "MLA query"));
                 }
                 _ => {}
             }
@@ -280,6 +289,32 @@ impl Plan {
                             owner: (0..e).map(|i| i * degree / e.max(1)).collect(),
                         },
                         after: full(vec![*out]),
+                    }
+                }
+                Op::MlaAttend {
+                    q,
+                    ckv,
+                    out,
+                    k_absorb,
+                    v_up,
+                    mla,
+                    ..
+                } if mla.heads % degree == 0 => {
+                    let per = mla.heads / degree;
+                    let hs: Vec<Range<usize>> =
+                        (0..degree).map(|r| r * per..(r + 1) * per).collect();
+                    let rows = |w: usize| hs.iter().map(move |h| Cut::Rows(h.start * w, h.end * w));
+                    cut(*k_absorb, rows(mla.latent).collect());
+                    cut(*v_up, rows(mla.v).collect());
+                    let qr = by_heads("MLA query", mla.heads, mla.nope + mla.rope, degree)?;
+                    Stage {
+                        need: vec![
+                            (*q, Layout::Split(qr)),
+                            (*ckv, Layout::Full),
+                            (*out, Layout::Full),
+                        ],
+                        action: Action::MlaHeads { heads: hs },
+                        after: vec![(*out, Layout::Full)],
                     }
                 }
                 Op::MlaAttend { .. } | Op::SparseAttend { .. } => Stage {

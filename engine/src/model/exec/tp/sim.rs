@@ -158,6 +158,17 @@ impl Simulator {
                 Action::ExpertMoe { owner } => {
                     super::sim_ops::expert_moe(&mut ranks, op, owner, tables, &step, ops)?
                 }
+                Action::MlaHeads { heads } => super::sim_ops::mla_heads(
+                    &mut ranks,
+                    &sh.weights,
+                    op,
+                    heads,
+                    tables,
+                    &step,
+                    kv,
+                    ops,
+                    i,
+                )?,
             }
             for (b, l) in &stage.after {
                 ranks.lay[b.0 as usize] = l.clone();

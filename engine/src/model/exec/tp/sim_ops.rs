@@ -12,6 +12,7 @@ use super::shard::RankWeights;
 use super::sim::{add_bias, attend_heads, expert, route, slice, ExpertOuts, Ranks};
 use super::TpError;
 use crate::kv::KvCache;
+use crate::model::exec::mla;
 use crate::model::exec::program::{Op, Rows, Tables};
 use crate::model::exec::Step;
 use crate::model::ops::Ops;
@@ -289,6 +290,74 @@ pub(super) fn expert_moe(
 
 /// A rank's shared-expert output (rank 0) and its routed experts' outputs.
 type RankOuts = (Option<Vec<f32>>, Vec<(usize, Vec<f32>)>);
+
+/// Multi-head Latent Attention by heads ([`super::plan::Action::MlaHeads`]):
+/// rank 0 stores the step's latent rows before any rank attends; each rank
+/// runs its heads with its blocks of `k_absorb` and `v_up`; the output
+/// columns are gathered (copies) into the whole output on every rank.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn mla_heads(
+    ranks: &mut Ranks,
+    weights: &[RankWeights],
+    op: &Op,
+    heads: &[Range<usize>],
+    tables: &Tables,
+    step: &Step,
+    kv: &mut dyn KvCache,
+    ops: &Ops,
+    i: usize,
+) -> Result<(), EngineError> {
+    let Op::MlaAttend {
+        q,
+        ckv,
+        out,
+        k_absorb,
+        v_up,
+        mla,
+        ..
+    } = op
+    else {
+        return Err(not(op, i, "mla_attend"));
+    };
+    let n = ranks.rows(*out);
+    let vd = mla.v;
+    let mut parts: Vec<Vec<f32>> = Vec::with_capacity(heads.len());
+    for (r, (w, h)) in weights.iter().zip(heads).enumerate() {
+        let rows = |per: usize| Cut::Rows(h.start * per, h.end * per);
+        let part = mla::Heads {
+            count: h.len(),
+            absorb: slice(w, r, *k_absorb, rows(mla.latent), tables, i)?,
+            up: slice(w, r, *v_up, rows(vd), tables, i)?,
+            write: r == 0,
+        };
+        let mut o = vec![0.0; n * h.len() * vd];
+        mla::attend(
+            op,
+            tables,
+            step,
+            kv,
+            ops,
+            &part,
+            &ranks.bufs[r][q.0 as usize],
+            &ranks.bufs[r][ckv.0 as usize],
+            &mut o,
+        )?;
+        parts.push(o);
+    }
+    // The gather: every rank receives every rank's output columns.
+    let width = mla.heads * vd;
+    let mut full = vec![0.0; n * width];
+    for (h, p) in heads.iter().zip(&parts) {
+        let (a, len) = (h.start * vd, h.len() * vd);
+        for t in 0..n {
+            full[t * width + a..t * width + a + len].copy_from_slice(&p[t * len..(t + 1) * len]);
+        }
+    }
+    for bufs in ranks.bufs.iter_mut() {
+        bufs[out.0 as usize] = full.clone();
+    }
+    Ok(())
+}
 
 fn not(op: &Op, i: usize, want: &str) -> EngineError {
     TpError::Program {
