@@ -327,7 +327,7 @@ pub(crate) unsafe fn qblock<const K: u8>(p: *const u8) -> [__m256; 4] {
                 _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(hi[1]), m),
             ]
         }
-        QuantKind::Q4K | QuantKind::Q6K => unreachable!("K-quants are read by `kchunk`"),
+        QuantKind::Q4K | QuantKind::Q6K => unreachable!("K-quants are read by `kchunk_in`"),
     }
 }
 
@@ -393,10 +393,15 @@ pub(crate) unsafe fn dequant_row(kind: QuantKind, p: *const u8, out: &mut [f32])
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dequant_row_k<const K: u8>(p: *const u8, out: &mut [f32]) {
     if is_k::<K>() {
-        for (c, o) in out.chunks_exact_mut(CHUNK).enumerate() {
-            let v = kchunk::<K>(p, c);
-            for (j, x) in v.iter().enumerate() {
-                _mm256_storeu_ps(o.as_mut_ptr().add(8 * j), *x);
+        let bb = kind_of::<K>().block_bytes();
+        for (sb, o) in out.chunks_exact_mut(4 * CHUNK).enumerate() {
+            let b = p.add(sb * bb);
+            let scales = kscales::<K>(b);
+            for (cb, oc) in o.chunks_exact_mut(CHUNK).enumerate() {
+                let v = kchunk_in::<K>(b, cb, &scales);
+                for (j, x) in v.iter().enumerate() {
+                    _mm256_storeu_ps(oc.as_mut_ptr().add(8 * j), *x);
+                }
             }
         }
         return;
@@ -476,16 +481,6 @@ pub(crate) unsafe fn dot8q<const K: u8>(
     tot
 }
 
-/// Canonical chunk `c` (weights `64c..64c + 64`) of a K-quant row starting at
-/// `p`, as 8 × 8 f32 lanes equal bit for bit to
-/// [`crate::quant::dequant_block_ref`]. A super-block is four chunks.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn kchunk<const K: u8>(p: *const u8, c: usize) -> [__m256; 8] {
-    let b = p.add(c / 4 * kind_of::<K>().block_bytes());
-    kchunk_in::<K>(b, c % 4, &kscales::<K>(b))
-}
-
 /// The f32 scales of one K-quant super-block, decoded once for its four
 /// chunks: `Q4_K` sub-block `j`'s `dl[j] = d·sc` and `ml[j] = dmin·m`; `Q6_K`
 /// 16-weight group `i`'s `dl[i] = d·s`. Each is the reference's product.
@@ -537,7 +532,9 @@ pub(crate) unsafe fn kscales<const K: u8>(b: *const u8) -> KScales {
     s
 }
 
-/// Chunk `cb` (0..4) of the K-quant super-block at `b`, whose scales are `s`.
+/// Chunk `cb` (0..4), weights `64cb..64cb + 64`, of the K-quant super-block
+/// at `b` whose scales are `s`, as 8 × 8 f32 lanes equal bit for bit to
+/// [`crate::quant::dequant_block_ref`].
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn kchunk_in<const K: u8>(b: *const u8, cb: usize, s: &KScales) -> [__m256; 8] {

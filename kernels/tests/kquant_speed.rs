@@ -83,3 +83,48 @@ fn kquant_matmul_speed() {
         }
     }
 }
+
+/// The CPU's f32 FMA peak on one core: 12 independent 8-lane FMA chains (more
+/// than latency × throughput), best of several runs. The bound every f32
+/// matmul here is under, prefill included.
+#[test]
+#[ignore]
+#[cfg(target_arch = "x86_64")]
+fn fma_peak() {
+    use std::arch::x86_64::*;
+    if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+        return;
+    }
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run(iters: usize) -> f32 {
+        let mut acc = [_mm256_set1_ps(1.0); 12];
+        let (a, b) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
+        for _ in 0..iters {
+            for v in acc.iter_mut() {
+                *v = _mm256_fmadd_ps(*v, a, b);
+            }
+        }
+        let mut s = 0.0;
+        for v in acc {
+            let mut o = [0.0f32; 8];
+            _mm256_storeu_ps(o.as_mut_ptr(), v);
+            s += o.iter().sum::<f32>();
+        }
+        s
+    }
+    let iters = 20_000_000;
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let t = Instant::now();
+        // SAFETY: AVX2 and FMA detected above.
+        let s = unsafe { run(iters) };
+        best = best.min(t.elapsed().as_secs_f64());
+        assert!(s.is_finite());
+    }
+    let fmas = (iters * 12 * 8) as f64;
+    println!(
+        "f32 FMA peak, one core: {:.1} G FMA/s ({:.1} GFLOP/s)",
+        fmas / best / 1e9,
+        2.0 * fmas / best / 1e9
+    );
+}
