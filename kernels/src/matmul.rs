@@ -266,7 +266,9 @@ mod avx2 {
             return;
         }
         // Several tokens: dequantize GROUP rows once per token block, then run
-        // the f32 micro-kernels on the buffer.
+        // the f32 micro-kernels on the buffer, 4 rows × 2 tokens per call: the
+        // four buffered rows stay in L1 while x streams from L2, two loads of
+        // x per 8 FMAs instead of the 2 × 4 shape's four.
         const GROUP: usize = 8;
         let mut buf = vec![0.0f32; GROUP * k];
         let mut t0 = 0;
@@ -280,7 +282,12 @@ mod avx2 {
                     dequant_row(kind, wp.add(o * rb), dst);
                 }
                 let bp = buf.as_ptr();
-                tokens(x, k, rows, t0, t1, g0..g1, |o| bp.add((o - g0) * k), y);
+                let row = |o: usize| bp.add((o - g0) * k);
+                if t1 - t0 >= 2 {
+                    block::<f32, 4, 2>(x.as_ptr(), &row, k, rows, t0, t1, g0..g1, y);
+                } else {
+                    tokens(x, k, rows, t0, t1, g0..g1, row, y);
+                }
                 g0 = g1;
             }
             t0 = t1;
