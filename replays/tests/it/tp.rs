@@ -4,9 +4,6 @@
 //! leaves a complete, readable bundle of every step before the failure,
 //! which itself replays bit-exactly.
 
-#[path = "../common/mod.rs"]
-mod common;
-
 use lmrr_engine::exec::tp::{TpConfig, TpError};
 use lmrr_engine::{run_session, EngineConfig, EngineError, Model, Preset, Scheduler, Script};
 use lmrr_engine::{PatchSet, SynthSpec};
@@ -29,6 +26,18 @@ fn cfg() -> EngineConfig {
         max_batch_tokens: 64,
         ..EngineConfig::default()
     }
+}
+
+/// Records `src` on `m` (reference engine, 2 threads, top-5 logprobs).
+fn record(m: &Model, src: &str) -> Bundle {
+    let script = Script::parse(src, "s.toml").unwrap();
+    let none = PatchSet::none();
+    let manifest = Manifest::for_session(m, cfg(), &none, "s.toml", src, 5, 2, "t", "t");
+    let mut sch = Scheduler::new(m.net(), cfg(), Threads::new(2).unwrap()).unwrap();
+    sch.set_top_logprobs(5);
+    let mut rec = Recorder::new(Vec::new(), &manifest).unwrap();
+    run_session(m, &script, &mut sch, |e| rec.observe(e)).unwrap();
+    read(&rec.finish().unwrap()).unwrap()
 }
 
 /// `p`'s synthetic model over `degree` ranks.
@@ -72,7 +81,7 @@ fn a_multi_user_session_recorded_at_tp2_replays_bit_exactly_at_every_degree_the_
         (Preset::MiniV4Tiny, &[1, 2, 4][..]),
     ] {
         let m2 = at(p, 2);
-        let b = common::record(&m2, &src, cfg(), PatchSet::none());
+        let b = record(&m2, &src);
         assert_eq!(b.manifest.tp_degree, 2, "{p:?}: the manifest's degree");
         let n = steps(&b);
         assert!(n > 40, "{p:?}: {n} steps");
@@ -84,7 +93,7 @@ fn a_multi_user_session_recorded_at_tp2_replays_bit_exactly_at_every_degree_the_
             );
         }
         // The same session recorded at degree 1 has the same events.
-        let b1 = common::record(&at(p, 1), &src, cfg(), PatchSet::none());
+        let b1 = record(&at(p, 1), &src);
         assert_eq!(b1.manifest.tp_degree, 1);
         assert_eq!(b1.events, b.events, "{p:?}: events at degree 1 and 2");
     }
@@ -128,7 +137,7 @@ fn a_rank_failure_leaves_a_complete_bundle_of_every_step_before_it() {
     const FAIL_AT: u64 = 9;
     let src = multi_user_src();
     let script = Script::parse(&src, "s.toml").unwrap();
-    let full = common::record(&at(Preset::Tiny, 2), &src, cfg(), PatchSet::none());
+    let full = record(&at(Preset::Tiny, 2), &src);
     let mut m = Model::synthetic(SynthSpec::new(Preset::Tiny, 0)).unwrap();
     m.net
         .set_tp(TpConfig {
