@@ -621,10 +621,6 @@ impl ModelFamily for DeepseekV3 {
         &self.device
     }
 
-    /// A decode step streams the attention matrices (the derived `kv_b`
-    /// parts as the kernels read them), the routers and shared experts,
-    /// `num_experts_per_tok` routed experts per MoE layer, the dense MLPs
-    /// and the head.
     fn set_tp(&mut self, tp: exec::tp::TpConfig) -> Result<(), EngineError> {
         self.exec.set_tp(tp)?;
         let none = PatchSet::none();
@@ -643,6 +639,10 @@ impl ModelFamily for DeepseekV3 {
         self.exec.tp_degree()
     }
 
+    /// A decode step streams the attention matrices (the derived `kv_b`
+    /// parts as the kernels read them), the routers and shared experts,
+    /// `num_experts_per_tok` routed experts per MoE layer, the dense MLPs
+    /// and the head.
     fn weight_bytes_per_step(&self) -> usize {
         let k = self.cfg.num_experts_per_tok;
         let mlp = |m: &Mlp| m.gate.nbytes() + m.up.nbytes() + m.down.nbytes();

@@ -572,9 +572,6 @@ impl ModelFamily for MiniV4 {
         &self.device
     }
 
-    /// A decode step streams the attention, indexer, mixing and router
-    /// weights of every layer, the shared expert and `num_experts_per_tok`
-    /// routed experts, and the head.
     fn set_tp(&mut self, tp: exec::tp::TpConfig) -> Result<(), EngineError> {
         self.exec.set_tp(tp)?;
         let none = PatchSet::none();
@@ -593,6 +590,9 @@ impl ModelFamily for MiniV4 {
         self.exec.tp_degree()
     }
 
+    /// A decode step streams the attention, indexer, mixing and router
+    /// weights of every layer, the shared expert and `num_experts_per_tok`
+    /// routed experts, and the head.
     fn weight_bytes_per_step(&self) -> usize {
         let k_active = self.cfg.num_experts_per_tok;
         let expert = |e: &Expert| e.gate.nbytes() + e.up.nbytes() + e.down.nbytes();

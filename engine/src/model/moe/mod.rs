@@ -484,8 +484,6 @@ impl ModelFamily for MoeModel {
         &self.device
     }
 
-    /// A decode step streams the attention matrices, the routers, the dense
-    /// MLPs, `num_experts_per_tok` experts per MoE layer, and the head.
     fn set_tp(&mut self, tp: exec::tp::TpConfig) -> Result<(), EngineError> {
         self.exec.set_tp(tp)?;
         let none = PatchSet::none();
@@ -504,6 +502,8 @@ impl ModelFamily for MoeModel {
         self.exec.tp_degree()
     }
 
+    /// A decode step streams the attention matrices, the routers, the dense
+    /// MLPs, `num_experts_per_tok` experts per MoE layer, and the head.
     fn weight_bytes_per_step(&self) -> usize {
         let k = self.cfg.num_experts_per_tok;
         let layers: usize = self
