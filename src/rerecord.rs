@@ -67,8 +67,11 @@ pub fn run(a: &RerecordArgs) -> Result<()> {
             m.model.origin
         ),
     };
-    // The session is re-run in the arithmetic it was recorded in.
+    // The session is re-run in the arithmetic it was recorded in, at the
+    // tensor-parallel degree it was recorded at (a deployment fact the new
+    // bundle keeps; it changes no bit).
     lmrr_replays::set_recorded_numerics(&mut model, &old)?;
+    crate::set_tp(&mut model, m.tp_degree as usize)?;
     let mut out = std::io::stdout().lock();
     if model.identity() != m.model.identity {
         writeln!(

@@ -914,6 +914,20 @@ fn the_tp_degree_is_recorded_and_a_rank_failure_leaves_a_complete_bundle() {
         err.contains("recorded at degree 2, replayed at degree 1"),
         "{err}"
     );
+    // Re-recorded, the session keeps the degree it was recorded at.
+    let rr = d.path().join("rerecorded.lmrr");
+    let o = lmrr(
+        &[
+            "rerecord",
+            b.to_str().unwrap(),
+            "--out",
+            rr.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = inspect(&rr);
+    assert!(out.contains("tp          2 ranks"), "{out}");
     let f = d.path().join("failed.lmrr");
     let o = run(&f, &[("LMRR_TP_FAIL", "1:7")]);
     let err = String::from_utf8_lossy(&o.stderr);
