@@ -562,8 +562,9 @@ pub(crate) unsafe fn kchunk_in<const K: u8>(b: *const u8, cb: usize, s: &KScales
 ///
 /// An infinite or NaN `d`/`dmin` (never in a real model, but representable)
 /// takes the reference's multiply-then-subtract, so even the NaN bits agree.
-/// `kernels/tests/it/kquant_fma.rs` checks the identity over every `sc`, `m`,
-/// `q` and many `d`/`dmin`, subnormals and extremes included.
+/// `kernels/tests/kquant_fma.rs` checks the identity over every `sc`, `m`,
+/// `q` and many `d`/`dmin` (subnormals and extremes included), and over every
+/// finite `d`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4k_chunk(b: *const u8, cb: usize, s: &KScales) -> [__m256; 8] {
