@@ -928,6 +928,20 @@ fn the_tp_degree_is_recorded_and_a_rank_failure_leaves_a_complete_bundle() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let out = inspect(&rr);
     assert!(out.contains("tp          2 ranks"), "{out}");
+    // The HTML page names the degree too (a degree-1 page is unchanged).
+    let page = d.path().join("tp2.html");
+    let o = lmrr(
+        &[
+            "inspect",
+            b.to_str().unwrap(),
+            "--html",
+            page.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let html = std::fs::read_to_string(&page).unwrap();
+    assert!(html.contains("at tensor-parallel degree 2"), "{html}");
     let f = d.path().join("failed.lmrr");
     let o = run(&f, &[("LMRR_TP_FAIL", "1:7")]);
     let err = String::from_utf8_lossy(&o.stderr);

@@ -78,10 +78,18 @@ pub struct BundleFacts {
     pub model: String,
     /// The recording's patch set (`none` for the reference engine).
     pub recorded_patches: String,
+    /// The tensor-parallel degree the session was recorded at (shown, and
+    /// serialized, only above 1: it never changes a bit).
+    #[serde(skip_serializing_if = "degree_one")]
+    pub tp_degree: u32,
     pub steps: u64,
     pub requests: usize,
     pub bytes: u64,
     pub integrity: IntegrityFacts,
+}
+
+fn degree_one(d: &u32) -> bool {
+    *d == 1
 }
 
 /// Complete, or truncated and where.
@@ -203,6 +211,7 @@ impl ReportData {
                 } else {
                     m.patches.join(",")
                 },
+                tp_degree: m.tp_degree,
                 steps,
                 requests: cat.order.len(),
                 bytes: bundle.size,

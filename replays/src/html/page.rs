@@ -58,11 +58,16 @@ pub(super) fn render(r: &ReportData) -> Result<String, HtmlError> {
     let _ = writeln!(
         h,
         "<header><h1>lmrr {title} · <code>{}</code></h1><p class=\"cmd\"><code>{}</code></p>\
-         <p class=\"facts\">model {} · recorded under <code>{}</code>{} · {} requests · {} steps · {} bytes</p></header>",
+         <p class=\"facts\">model {} · recorded under <code>{}</code>{}{} · {} requests · {} steps · {} bytes</p></header>",
         esc(&b.path),
         esc(&r.command),
         esc(&b.model),
         esc(&b.recorded_patches),
+        if b.tp_degree > 1 {
+            format!(" at tensor-parallel degree {}", b.tp_degree)
+        } else {
+            String::new()
+        },
         r.under
             .as_ref()
             .map(|u| format!(" · {} <code>{}</code>", if r.kind == Kind::Bisect { "culprit set" } else { "replayed under" }, esc(u)))
