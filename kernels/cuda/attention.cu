@@ -13,6 +13,10 @@
 
 #define ATTN_TILE 32
 #define MAX_HEAD_DIM 256
+// The one-thread kernel's per-thread arrays: wide enough for a latent
+// attention row (DeepSeek-V2/V3 class: a 512-float latent and a 64-float
+// rotated key) and more.
+#define ONE_THREAD_MAX_HEAD_DIM 640
 
 // The first key the query at `pos` attends to under `window` (0: all):
 // max(0, pos - window + 1).
@@ -41,7 +45,7 @@ extern "C" __global__ void attention(const float* q, const float* k, const float
     const float* vt = v + kv_off[t] * kvd + kvh * hd;
     float m = __int_as_float(0xff800000);  // -inf
     float l = 0.0f;
-    float acc[MAX_HEAD_DIM], acc_t[MAX_HEAD_DIM];
+    float acc[ONE_THREAD_MAX_HEAD_DIM], acc_t[ONE_THREAD_MAX_HEAD_DIM];
     for (int d = 0; d < hd; ++d) acc[d] = 0.0f;
     float s[ATTN_TILE];
     int p_end = pos[t];

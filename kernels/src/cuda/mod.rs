@@ -36,8 +36,13 @@ pub mod split;
 pub mod tc;
 pub mod tuning;
 
-/// Largest head dimension the attention kernel's per-thread arrays hold.
+/// Largest head dimension the resident attention kernels hold.
 pub const MAX_HEAD_DIM: usize = 256;
+
+/// Largest head dimension the one-thread attention kernel of the portable
+/// mirror holds (its per-thread arrays): a latent attention row of the
+/// DeepSeek-V2/V3 class (576 floats) fits.
+pub const ONE_THREAD_MAX_HEAD_DIM: usize = 640;
 
 pub use crate::cuda_source::{negative_controls, Control, ANY_CASE, CONTROL_CASES, SOURCE};
 

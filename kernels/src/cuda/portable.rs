@@ -8,7 +8,9 @@
 
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 
-use super::{as_i32, drv, grid, launch, quant_code, resident, Gpu, GpuError, MAX_HEAD_DIM};
+use super::{
+    as_i32, drv, grid, launch, quant_code, resident, Gpu, GpuError, ONE_THREAD_MAX_HEAD_DIM,
+};
 use crate::matmul::{Matrix, Weights};
 use crate::{AttnShape, AttnTask, RopeTable};
 
@@ -289,7 +291,7 @@ impl Gpu {
         let (qd, kvd) = (shape.q_dim(), shape.kv_dim());
         let bad = shape.n_kv_heads == 0
             || shape.n_heads % shape.n_kv_heads != 0
-            || shape.head_dim > MAX_HEAD_DIM
+            || shape.head_dim > ONE_THREAD_MAX_HEAD_DIM
             || out.len() != tasks.len() * qd
             || tasks
                 .iter()
@@ -298,7 +300,7 @@ impl Gpu {
             return Err(GpuError::Shape {
                 what: "attention",
                 detail: format!(
-                    "{} tasks, out {}, heads {}/{} × {} (head_dim ≤ {MAX_HEAD_DIM})",
+                    "{} tasks, out {}, heads {}/{} × {} (head_dim ≤ {ONE_THREAD_MAX_HEAD_DIM})",
                     tasks.len(),
                     out.len(),
                     shape.n_heads,

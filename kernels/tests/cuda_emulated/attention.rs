@@ -40,6 +40,9 @@ fn paged_attention_matches_the_cpu() {
             16,
         ),
         (2, 1, 128, &[3, 90, 91, 92, 200], 32),
+        // A latent attention row (512 + 64 floats, one K/V head shared by
+        // every head): the one-thread kernel alone holds it.
+        (4, 1, 576, &[0, 31, 33, 70], 16),
     ];
     for &(nh, nkv, hd, positions, page_len) in cases {
         let shape = AttnShape {
@@ -90,11 +93,17 @@ fn paged_attention_matches_the_cpu() {
             // The groups listed last first (LMRR_CUDA_PF_LONGEST_FIRST
             // reorders them): which block serves which group moves no bit.
             ("attention_prefill_hd64, groups reversed", 5, emulator()),
+            // The portable mirror's one-thread kernel over gathered rows.
+            ("attention (one thread)", 6, emulator()),
         ] {
             let Some(bin) = bin else { continue };
-            // attention_prefill holds head dims up to PF_MAXHD (128);
-            // the _hd64 kernels are for head_dim 64 alone.
-            if (decode == 2 && hd > 128) || (decode >= 3 && hd != 64) {
+            // The paged kernels hold head dims up to MAX_HEAD_DIM (256),
+            // attention_prefill up to PF_MAXHD (128); the _hd64 kernels are
+            // for head_dim 64 alone.
+            if (decode <= 1 && hd > 256)
+                || (decode == 2 && hd > 128)
+                || ((3..=5).contains(&decode) && hd != 64)
+            {
                 continue;
             }
             // One span of every task (the positions below the first are

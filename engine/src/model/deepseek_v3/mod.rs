@@ -595,7 +595,9 @@ impl ModelFamily for DeepseekV3 {
     /// portable attention kernel takes is refused here, naming the op.
     fn set_device(&mut self, device: Device) -> Result<(), EngineError> {
         #[cfg(feature = "cuda")]
-        if matches!(device, Device::Cuda(_)) && self.mla.row() > lmrr_kernels::cuda::MAX_HEAD_DIM {
+        if matches!(device, Device::Cuda(_))
+            && self.mla.row() > lmrr_kernels::cuda::ONE_THREAD_MAX_HEAD_DIM
+        {
             return Err(EngineError::Device(format!(
                 "deepseek_v3 on CUDA: mla_attend attends over latent rows of {} floats \
                  (kv_lora_rank {} + qk_rope_head_dim {}), wider than the portable attention \
@@ -603,7 +605,7 @@ impl ModelFamily for DeepseekV3 {
                 self.mla.row(),
                 self.mla.latent,
                 self.mla.rope,
-                lmrr_kernels::cuda::MAX_HEAD_DIM
+                lmrr_kernels::cuda::ONE_THREAD_MAX_HEAD_DIM
             )));
         }
         let mut exec = std::mem::take(&mut self.exec);
