@@ -225,7 +225,7 @@ for model in engine/tests/fixtures/conformance/gemma3_text engine/tests/fixtures
   for run in "cpu 1 -" "cpu 2 5" "cuda 1 -" "cuda 1 7" "cuda 2 1"; do
     set -- $run
     chunk=(); [ "$3" != "-" ] && chunk=(--prefill-chunk "$3")
-    out=$("$bin/lmrr" generate --model "$model" --prompt "$long" --max-tokens 40 --device "$1" --threads "$2" "${chunk[@]}" 2>&1); d=$(echo "$out" | sed -n 's/^digest: //p'); [ -n "$d" ] || echo "$out" | tail -n 2
+    out=$("$bin/lmrr" generate --model "$model" --prompt "$long" --max-tokens 40 --device "$1" --threads "$2" "${chunk[@]}" 2>&1 | tr -d '\000'); d=$(echo "$out" | sed -n 's/^digest: //p'); [ -n "$d" ] || echo "$out" | tail -n 2
     [ -z "$ref" ] && ref=$d
     same=$([ -n "$d" ] && [ "$d" = "$ref" ] && echo same || echo DIFFERENT)
     [ "$same" = same ] || fail=1

@@ -73,8 +73,12 @@ def main():
         ("llama.attention.head_count", meta_u32(HEADS)),
         ("llama.attention.head_count_kv", meta_u32(KV_HEADS)),
         ("llama.block_count", meta_u32(LAYERS)),
-        ("llama.context_length", meta_u32(256)),
+        ("llama.context_length", meta_u32(1024)),
         ("tokenizer.ggml.tokens", meta_strs(tokens)),
+        # A plain-text template, so chat scripts (examples/multi-user.toml) run.
+        ("tokenizer.chat_template", meta_str(
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")),
     ]
     norm = b"".join(struct.pack("<f", 1.0 + i / 256) for i in range(HIDDEN))
     # (name, ggml dims: columns first, type, data); both block types in
