@@ -2,7 +2,7 @@
 // one-thread reference (attention), the paged resident forms for decode
 // (attention_paged, attention_decode, attention_decode_rope_qs with rope_kv's
 // work in its prologue) and for prefill (attention_prefill,
-// attention_prefill_hd64).
+// attention_prefill_hd64, attention_prefill_hd128).
 //
 // Every kernel takes a sliding window `window` (0: none), the CPU's
 // attention_window (kernels/src/attention.rs): the keys of the query at
@@ -780,4 +780,15 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_prefill_hd6
     PDL_ENTRY();
     attention_prefill_body<64>(q, pages, seq_off, pos, groups, out, n_heads, n_kv_heads, head_dim, layer, page_len,
                                aux, scale, window);
+}
+
+// attention_prefill for head_dim 128 (AttnKernel::PrefillHd128: Llama 3,
+// Qwen, Mistral): static shared memory 43.7 KB of the 48 KB.
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_prefill_hd128(
+    const float* q, const unsigned long long* pages, const unsigned long long* seq_off,
+    const unsigned long long* pos, const unsigned long long* groups, float* out, int n_heads, int n_kv_heads,
+    int head_dim, int layer, int page_len, int aux, float scale, int window) {
+    PDL_ENTRY();
+    attention_prefill_body<128>(q, pages, seq_off, pos, groups, out, n_heads, n_kv_heads, head_dim, layer, page_len,
+                                aux, scale, window);
 }

@@ -57,7 +57,7 @@ pub const ANY_CASE: &str = "any";
 /// The cases `gpu_check` runs on each control's module, by name, in its
 /// order: one per kernel a control can target (`gpu_check` asserts it
 /// reports exactly these).
-pub const CONTROL_CASES: [&str; 25] = [
+pub const CONTROL_CASES: [&str; 26] = [
     "matmul",
     "matmul_warp",
     "matmul_tile",
@@ -77,6 +77,7 @@ pub const CONTROL_CASES: [&str; 25] = [
     "attention_decode",
     "attention_prefill",
     "attention_prefill_hd64",
+    "attention_prefill_hd128",
     "rope",
     "hc_coeffs",
     "hc_pre",
@@ -194,6 +195,12 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
         (
             "attention_prefill_hd64 scores: q's second float4 of each 8 read from the first's",
             "attention_prefill_hd64",
+            "qb = *(const float4*)&qs[su][i + 4];",
+            "qb = *(const float4*)&qs[su][i];",
+        ),
+        (
+            "attention_prefill_hd128 scores: q's second float4 of each 8 read from the first's",
+            "attention_prefill_hd128",
             "qb = *(const float4*)&qs[su][i + 4];",
             "qb = *(const float4*)&qs[su][i];",
         ),

@@ -29,7 +29,7 @@ fn nvrtc() -> bool {
 
 /// Every kernel the source defines: the resident path's, the one-thread
 /// references gpu_check holds them to, and the bench's FMA probe.
-const KERNELS: [&str; 44] = [
+const KERNELS: [&str; 45] = [
     "matmul",
     "matmul_warp",
     "rms_norm",
@@ -65,6 +65,7 @@ const KERNELS: [&str; 44] = [
     "attention_decode_rope_qs",
     "attention_prefill",
     "attention_prefill_hd64",
+    "attention_prefill_hd128",
     "fma_peak",
     "add_bias",
     "scale_elems",

@@ -336,7 +336,7 @@ int main() {
         write_array(x);
     } else if (job == "attention") {
         // attention tasks nh nkv hd page_len scale_bits [decode: 1 attention_decode, 2
-        // attention_prefill, 3 attention_prefill_hd64, 5 attention_prefill_hd64
+        // attention_prefill, 3 attention_prefill_hd64 or _hd128 (by hd), 5 the same
         // with its groups listed last first, 6 the one-thread attention over
         // each task's rows gathered from the pages] [window: 0 none]: q,
         // pages (floats, whole pages of one layer), page index per table
@@ -358,8 +358,8 @@ int main() {
         std::vector<unsigned long long> so(seq_off.begin(), seq_off.end()), ps(pos.begin(), pos.end());
         std::vector<float> out((size_t)tasks * nh * hd, std::nanf(""));
         if (decode == 2 || decode == 3 || decode == 5) {
-            // attention_prefill (3: attention_prefill_hd64; 5: the same with
-            // the groups listed last first): groups of up to PF_TQ
+            // attention_prefill (3: attention_prefill_hd64 or _hd128; 5: the
+            // same with the groups listed last first): groups of up to PF_TQ
             // consecutive tasks of one sequence (equal seq_off).
             std::vector<unsigned long long> groups;
             for (int t = 0; t < tasks;) {
@@ -370,7 +370,10 @@ int main() {
             }
             if (decode == 5) std::reverse(groups.begin(), groups.end());
             emu::launch((unsigned)(groups.size() * nh), ATTN_THREADS, [&] {
-                if (decode == 3 || decode == 5)
+                if ((decode == 3 || decode == 5) && hd == 128)
+                    attention_prefill_hd128(q.data(), table.data(), so.data(), ps.data(), groups.data(), out.data(),
+                                            nh, nkv, hd, 0, page_len, 0, scale, window);
+                else if (decode == 3 || decode == 5)
                     attention_prefill_hd64(q.data(), table.data(), so.data(), ps.data(), groups.data(), out.data(), nh,
                                            nkv, hd, 0, page_len, 0, scale, window);
                 else

@@ -176,7 +176,7 @@ __device__ __forceinline__ void tc_mm_body(const unsigned short* __restrict__ Xb
     }
 TC_MM(tc_mm_32x32, 32, 32, 2, 2, 64, 4)
 TC_MM(tc_mm_64x64, 64, 64, 2, 2, 64, 4)
-TC_MM(tc_mm_128x128, 128, 128, 2, 4, 32, 4)
+TC_MM(tc_mm_128x128, 128, 128, 2, 4, 64, 3)
 
 // Few tokens (decode): no shared memory and no barrier. A warp owns 8 rows
 // and a tile of TOK tokens (8 or 16) and loads its fragments straight from

@@ -383,7 +383,7 @@ pub fn attention_gqa(gpu: &Gpu, th: &Threads, r: &mut Rng, rep: &mut Report) {
                 cpu.len(),
             );
             for page_len in [1usize, 7, 16, 64] {
-                for (label, kernel) in ATTN_KERNELS {
+                for (label, kernel) in attn_kernels(&shape) {
                     let mut paged = vec![f32::NAN; cpu.len()];
                     gpu.attention_resident(
                         tasks, &shape, 0.125, None, page_len, kernel, &mut paged,
@@ -428,10 +428,8 @@ pub fn attention_wide(gpu: &Gpu, th: &Threads, r: &mut Rng, rep: &mut Report) {
         }];
         let mut cpu = vec![0.0; shape.q_dim()];
         attention(th, &tasks, &shape, 0.088, &mut cpu);
-        for (label, kernel) in ATTN_KERNELS {
-            if (kernel == AttnKernel::Prefill && hd > lmrr_kernels::cuda::resident::PF_MAXHD)
-                || (kernel == AttnKernel::PrefillHd64 && hd != 64)
-            {
+        for (label, kernel) in attn_kernels(&shape) {
+            if kernel == AttnKernel::Prefill && hd > lmrr_kernels::cuda::resident::PF_MAXHD {
                 continue;
             }
             let mut paged = vec![f32::NAN; cpu.len()];
@@ -475,7 +473,7 @@ pub fn attention_window(gpu: &Gpu, th: &Threads, r: &mut Rng, rep: &mut Report) 
                 .expect("gpu attention_window");
             rep.case(format!("attention, {what}"), diff(&cpu, &dev), cpu.len());
             for page_len in [7usize, 16] {
-                for (label, kernel) in ATTN_KERNELS {
+                for (label, kernel) in attn_kernels(&shape) {
                     let mut paged = vec![f32::NAN; cpu.len()];
                     gpu.attention_resident(
                         tasks,

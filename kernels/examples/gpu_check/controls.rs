@@ -285,11 +285,12 @@ fn norms_and_attention(
             .expect(label);
         out.push((label, diff(&cpu, &dev)));
     }
-    {
+    // Every attention kernel at head_dim 64, then the one compiled for 128.
+    for hd in [64, 128] {
         let shape = AttnShape {
             n_heads: 4,
             n_kv_heads: 2,
-            head_dim: 64,
+            head_dim: hd,
         };
         let kb = r.uniform_vec(80 * shape.kv_dim(), 3.0);
         let vb = r.uniform_vec(80 * shape.kv_dim(), 1.0);
@@ -306,7 +307,9 @@ fn norms_and_attention(
         }];
         let (mut cpu, mut dev) = (vec![0.0; shape.q_dim()], vec![0.0; shape.q_dim()]);
         attention(th, &tasks, &shape, 0.125, &mut cpu);
-        for (label, kernel) in ATTN_KERNELS {
+        for (label, kernel) in
+            attn_kernels(&shape).filter(|(_, k)| hd == 64 || k.fixed_head_dim().is_some())
+        {
             gpu.attention_resident(&tasks, &shape, 0.125, None, 16, kernel, &mut dev)
                 .expect(label);
             out.push((label, diff(&cpu, &dev)));

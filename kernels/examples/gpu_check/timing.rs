@@ -75,11 +75,32 @@ pub fn matmuls(gpu: &Gpu, r: &mut Rng) {
 }
 
 /// Attention kernel time for a prefill of one sequence (the `small`
-/// preset's 9/3 heads × 64, pages of 16): each kernel that serves it,
-/// per launch (one layer) and over the preset's 30 layers.
+/// preset's 9/3 heads × 64 and the `8b` preset's 32/8 × 128, pages of 16):
+/// each kernel that serves it, per launch (one layer) and over the
+/// preset's layers.
 pub fn attention_prefill(gpu: &Gpu, r: &mut Rng, rep: &mut Report) {
-    let shape = smollm2_attn();
-    println!("attention kernel time per launch (one layer of a prefill, 9/3 heads × 64, pages of 16, 20 launches):");
+    let big = AttnShape {
+        n_heads: 32,
+        n_kv_heads: 8,
+        head_dim: 128,
+    };
+    for (shape, layers) in [(smollm2_attn(), 30usize), (big, 32)] {
+        attention_prefill_shape(gpu, r, rep, &shape, layers);
+    }
+}
+
+fn attention_prefill_shape(
+    gpu: &Gpu,
+    r: &mut Rng,
+    rep: &mut Report,
+    shape: &AttnShape,
+    layers: usize,
+) {
+    let shape = *shape;
+    println!(
+        "attention kernel time per launch (one layer of a prefill, {}/{} heads × {}, pages of 16, 20 launches):",
+        shape.n_heads, shape.n_kv_heads, shape.head_dim
+    );
     for &len in &[512usize, 2048] {
         let (kb, vb) = kv_blocks(r, len, shape.kv_dim());
         let view = block_view(&kb, &vb);
@@ -93,7 +114,7 @@ pub fn attention_prefill(gpu: &Gpu, r: &mut Rng, rep: &mut Report) {
             .collect();
         let mut first: Option<Vec<f32>> = None;
         let mut line = format!("  prefill {len:>4} tokens:");
-        for (label, kernel) in ATTN_KERNELS {
+        for (label, kernel) in attn_kernels(&shape) {
             if kernel == AttnKernel::Decode {
                 continue;
             }
@@ -106,15 +127,18 @@ pub fn attention_prefill(gpu: &Gpu, r: &mut Rng, rep: &mut Report) {
             match &first {
                 None => first = Some(out),
                 Some(f) => rep.case(
-                    format!("{label} prefill {len} tokens (timed) against attention_paged"),
+                    format!(
+                        "{label} prefill {len} tokens, head_dim {} (timed) against attention_paged",
+                        shape.head_dim
+                    ),
                     diff(f, &out),
                     f.len(),
                 ),
             }
             line += &format!(
-                " {label} {:>8.1} µs ({:>6.2} ms for 30 layers);",
+                " {label} {:>8.1} µs ({:>6.2} ms for {layers} layers);",
                 t * 1e6,
-                30.0 * t * 1e3
+                layers as f64 * t * 1e3
             );
         }
         println!("{line}");
@@ -148,7 +172,7 @@ pub fn attention_decode(gpu: &Gpu, r: &mut Rng, rep: &mut Report) {
             .collect();
         let mut first: Option<Vec<f32>> = None;
         let mut line = format!("  batch {tokens}, {len:>3} positions:");
-        for (label, kernel) in ATTN_KERNELS {
+        for (label, kernel) in attn_kernels(&shape) {
             if kernel.is_prefill() {
                 continue;
             }

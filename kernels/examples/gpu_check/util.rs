@@ -8,12 +8,22 @@ use lmrr_kernels::cuda::Gpu;
 use lmrr_kernels::*;
 
 /// The paged attention kernels, each held to the CPU.
-pub const ATTN_KERNELS: [(&str, AttnKernel); 4] = [
+pub const ATTN_KERNELS: [(&str, AttnKernel); 5] = [
     ("attention_paged", AttnKernel::Paged),
     ("attention_decode", AttnKernel::Decode),
     ("attention_prefill", AttnKernel::Prefill),
     ("attention_prefill_hd64", AttnKernel::PrefillHd64),
+    ("attention_prefill_hd128", AttnKernel::PrefillHd128),
 ];
+
+/// [`ATTN_KERNELS`] that serve `shape`'s head_dim (a kernel compiled for
+/// one head_dim serves no other).
+pub fn attn_kernels(shape: &AttnShape) -> impl Iterator<Item = (&'static str, AttnKernel)> {
+    let hd = shape.head_dim;
+    ATTN_KERNELS
+        .into_iter()
+        .filter(move |(_, k)| k.fixed_head_dim().is_none_or(|f| f == hd))
+}
 
 pub type Rng = SplitMix64;
 

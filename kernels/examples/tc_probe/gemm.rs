@@ -16,7 +16,7 @@ use super::Probe;
 /// launches them.
 const KERNELS: [(&str, usize, usize, u32, u32, bool); 6] = [
     ("tc_gemm_64x64", 64, 64, 128, 0, false),
-    ("tc_mm_128x128", 128, 128, 256, 256 * 40 * 2 * 4, true),
+    ("tc_mm_128x128", 128, 128, 256, 256 * 72 * 2 * 3, true),
     ("tc_mm_64x64", 64, 64, 128, 128 * 72 * 2 * 4, true),
     ("tc_mm_32x32", 32, 32, 128, 64 * 72 * 2 * 4, true),
     ("tc_mv_8", 8, 32, 128, 0, true),

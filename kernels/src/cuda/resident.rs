@@ -32,7 +32,7 @@ pub use super::launch::{
     GM_ROWS, GM_TOKS, GW_ROWS, GW_TOKS, MM_TOKENS, MR4_MAX_CHUNKS, MR4_ROWS, MR_MAX_CHUNKS,
     MR_THREADS, NR_MAX_CHUNKS, PF_MAXHD, PF_TQ,
 };
-pub use super::ops::attention::{hd64_fits, AttnKernel, PageTable};
+pub use super::ops::attention::{prefill_fixed, AttnKernel, PageTable};
 pub use super::ops::matmul::GemmTiles;
 pub use super::ops::norm::NormKernel;
 pub use super::split::MmOut;

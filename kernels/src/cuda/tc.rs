@@ -28,7 +28,7 @@ struct Tile {
 const MM: [(&str, usize, usize, u32, usize, usize); 3] = [
     ("tc_mm_32x32", 32, 32, 4, 64, 4),
     ("tc_mm_64x64", 64, 64, 4, 64, 4),
-    ("tc_mm_128x128", 128, 128, 8, 32, 4),
+    ("tc_mm_128x128", 128, 128, 8, 64, 3),
 ];
 
 /// Rows from which a matrix of 17 to 64 tokens takes 64×64 tiles rather

@@ -1,5 +1,5 @@
 //! Attention and what feeds it: `attention_paged`, `attention_decode` (also
-//! with its loads before the wait), `attention_prefill` and its hd64 form
+//! with its loads before the wait), `attention_prefill` and its hd64 and hd128 forms
 //! against the CPU's attention over paged K/V; `rope_kv` (RoPE and the page
 //! writes, from whole rows or split partials) and `embed_rows` against the
 //! CPU's RoPE, page layout and row widening; `attention_decode_rope_qs`
@@ -89,20 +89,24 @@ fn paged_attention_matches_the_cpu() {
             ("attention_decode", 1, emulator()),
             ("attention_decode, ATTN_PREFETCH", 1, emulator_prefetch()),
             ("attention_prefill", 2, emulator()),
-            ("attention_prefill_hd64", 3, emulator()),
+            ("attention_prefill_hd64 or _hd128", 3, emulator()),
             // The groups listed last first (LMRR_CUDA_PF_LONGEST_FIRST
             // reorders them): which block serves which group moves no bit.
-            ("attention_prefill_hd64, groups reversed", 5, emulator()),
+            (
+                "attention_prefill_hd64 or _hd128, groups reversed",
+                5,
+                emulator(),
+            ),
             // The portable mirror's one-thread kernel over gathered rows.
             ("attention (one thread)", 6, emulator()),
         ] {
             let Some(bin) = bin else { continue };
             // The paged kernels hold head dims up to MAX_HEAD_DIM (256),
-            // attention_prefill up to PF_MAXHD (128); the _hd64 kernels are
-            // for head_dim 64 alone.
+            // attention_prefill up to PF_MAXHD (128); the _hd64 and _hd128
+            // kernels for head_dim 64 and 128 alone.
             if (decode <= 1 && hd > 256)
                 || (decode == 2 && hd > 128)
-                || ((3..=5).contains(&decode) && hd != 64)
+                || ((3..=5).contains(&decode) && hd != 64 && hd != 128)
             {
                 continue;
             }

@@ -1,6 +1,6 @@
 //! Sliding-window attention on the emulation: every attention kernel (the
 //! one-thread `attention`; `attention_paged`, `attention_decode`,
-//! `attention_prefill`, `attention_prefill_hd64`; `attention_decode_rope_qs`
+//! `attention_prefill`, `attention_prefill_hd64` and `_hd128`; `attention_decode_rope_qs`
 //! with its RoPE and page writes, as compiled by default and with
 //! `ATTN_EARLY`) against the CPU's `attention_window`, bit for bit. Windows
 //! cut the first tile mid-tile, start it on a tile boundary, are one tile,
@@ -48,9 +48,11 @@ fn paged_cases() -> Vec<Case> {
         case(4, 2, 64, vec![100], 16, &[20, 37, 32, 1, 101, 500]),
         case(9, 3, 64, vec![40], 7, &[9, 8, 1, 64]),
         case(3, 3, 80, vec![95], 7, &[10, 64]),
-        case(3, 1, 64, prefill, 16, &[20, 32, 17, 1, 1000]),
-        // attention_prefill's run-time head_dim form.
+        case(3, 1, 64, prefill.clone(), 16, &[20, 32, 17, 1, 1000]),
+        // head_dim 128 (attention_prefill_hd128; 80 above is the run-time
+        // form's): a few tokens, and the prefill's groups.
         case(2, 1, 128, vec![3, 90, 91, 92, 200], 32, &[50, 1, 96]),
+        case(4, 2, 128, prefill, 16, &[20, 17]),
         // Past a super-chunk (2,048 positions at head_dim 64, 512 at 256):
         // the window's first tile in the first super-chunk or in the last.
         case(2, 2, 64, vec![2100], 32, &[100, 2080, 2048]),
@@ -64,14 +66,14 @@ const PAGED: [(&str, u32); 6] = [
     ("attention_paged", 0),
     ("attention_decode", 1),
     ("attention_prefill", 2),
-    ("attention_prefill_hd64", 3),
-    ("attention_prefill_hd64, groups reversed", 5),
+    ("attention_prefill_hd64 or _hd128", 3),
+    ("attention_prefill_hd64 or _hd128, groups reversed", 5),
 ];
 
 fn holds(code: u32, hd: usize) -> bool {
     match code {
         2 => hd <= 128,
-        3 | 5 => hd == 64,
+        3 | 5 => hd == 64 || hd == 128,
         _ => true,
     }
 }
@@ -269,8 +271,8 @@ const KERNELS: [&str; 10] = [
     "attention_paged",
     "attention_decode",
     "attention_prefill",
-    "attention_prefill_hd64",
-    "attention_prefill_hd64, groups reversed",
+    "attention_prefill_hd64 or _hd128",
+    "attention_prefill_hd64 or _hd128, groups reversed",
     "attention_decode after rope_kv",
     "attention_decode_rope_qs",
     "attention_decode after rope_kv, ATTN_EARLY",
@@ -316,7 +318,7 @@ fn the_window_check_sees_a_wrong_first_key_or_tile() {
                 // attention_paged, attention_decode, attention_decode_rope_qs
                 // (its body, and its first batch's pages under ATTN_EARLY).
                 ("base0 = lo / ATTN_TILE * ATTN_TILE;", "base0 = lo;"),
-                // attention_prefill and its hd64 form.
+                // attention_prefill and its hd64 and hd128 forms.
                 (
                     "begin = begin / ATTN_TILE * ATTN_TILE;",
                     "begin = begin + 0;",

@@ -1,7 +1,7 @@
 //! RoPE with the K/V page writes (`rope_kv`) and paged attention on the
 //! device: the decode forms (`attention_paged`, `attention_decode`, the
 //! fused `attention_decode_rope_qs`) and the prefill forms
-//! (`attention_prefill`, `_hd64`), chosen by [`AttnKernel`]; the step's
+//! (`attention_prefill`, `_hd64`, `_hd128`), chosen by [`AttnKernel`]; the step's
 //! page table ([`PageTable`]).
 //!
 //! Invariant: every form computes each output by the CPU reference's tile
@@ -33,23 +33,41 @@ pub enum AttnKernel {
     Prefill,
     /// `attention_prefill_hd64`: `attention_prefill` for head_dim 64, its
     /// tiles loaded as float4 rows with the next in flight (the same
-    /// operations; [`hd64_fits`] says where it may run).
+    /// operations; [`AttnKernel::fixed_head_dim`] and [`prefill_fixed`]
+    /// say where it may run).
     PrefillHd64,
+    /// `attention_prefill_hd128`: the same for head_dim 128.
+    PrefillHd128,
 }
 
 impl AttnKernel {
     /// Whether the kernel walks the table's prefill groups.
     pub fn is_prefill(self) -> bool {
-        matches!(self, Self::Prefill | Self::PrefillHd64)
+        matches!(self, Self::Prefill | Self::PrefillHd64 | Self::PrefillHd128)
+    }
+
+    /// The head_dim a kernel compiled for one serves (`None`: any).
+    pub fn fixed_head_dim(self) -> Option<usize> {
+        match self {
+            Self::PrefillHd64 => Some(64),
+            Self::PrefillHd128 => Some(128),
+            _ => None,
+        }
     }
 }
 
-/// Whether `attention_prefill_hd64` may serve `shape` over pages of
-/// `layout`: head_dim 64, and every K/V row 16-byte aligned (kv_dim and
-/// page_len · aux_dim multiples of 4, so every page and layer starts on
-/// one).
-pub fn hd64_fits(shape: &crate::AttnShape, layout: &PageLayout) -> bool {
-    shape.head_dim == 64 && layout.kv_dim % 4 == 0 && (layout.page_len * layout.aux_dim) % 4 == 0
+/// The prefill kernel compiled for `shape`'s head_dim (64 or 128) where it
+/// may serve `shape` over pages of `layout`: every K/V row 16-byte aligned
+/// (kv_dim and page_len · aux_dim multiples of 4, so every page and layer
+/// starts on one). `None`: `attention_prefill` (any head_dim up to
+/// [`PF_MAXHD`]).
+pub fn prefill_fixed(shape: &crate::AttnShape, layout: &PageLayout) -> Option<AttnKernel> {
+    let aligned = layout.kv_dim % 4 == 0 && (layout.page_len * layout.aux_dim) % 4 == 0;
+    match shape.head_dim {
+        64 if aligned => Some(AttnKernel::PrefillHd64),
+        128 if aligned => Some(AttnKernel::PrefillHd128),
+        _ => None,
+    }
 }
 
 /// Whether the attention kernels hold `shape` over pages of `layout`:
@@ -202,7 +220,7 @@ impl Gpu {
     /// Paged causal attention of `n` query rows: token t attends positions
     /// `first_key(pos[t], window) ..= pos[t]` through page addresses
     /// `pages[seq_off[t]..]`; by
-    /// `attention_prefill` (`_hd64` where [`hd64_fits`]) where the table
+    /// `attention_prefill` (`_hd64`, `_hd128` where [`prefill_fixed`]) where the table
     /// lists groups, `attention_decode` for steps of at most
     /// [`Tuning::attn_decode_max`] blocks, `attention_paged` otherwise.
     #[allow(clippy::too_many_arguments)]
@@ -220,11 +238,7 @@ impl Gpu {
     ) -> Result<(), GpuError> {
         let tun = self.res.tuning;
         let kernel = if table.n_groups > 0 && shape.head_dim <= PF_MAXHD {
-            if hd64_fits(shape, &layout) {
-                AttnKernel::PrefillHd64
-            } else {
-                AttnKernel::Prefill
-            }
+            prefill_fixed(shape, &layout).unwrap_or(AttnKernel::Prefill)
         } else if n * shape.n_heads <= tun.attn_decode_max {
             AttnKernel::Decode
         } else {
@@ -265,15 +279,16 @@ impl Gpu {
             });
         }
         let prefill = kernel.is_prefill();
-        let hd64 = kernel == AttnKernel::PrefillHd64;
-        if hd64 && !hd64_fits(shape, &layout) {
-            return Err(GpuError::Shape {
-                what: "attention (_hd64)",
-                detail: format!(
-                    "head_dim {} (64), kv_dim {} and page_len {} × aux_dim {} (multiples of 4)",
-                    shape.head_dim, layout.kv_dim, layout.page_len, layout.aux_dim
-                ),
-            });
+        if let Some(fixed) = kernel.fixed_head_dim() {
+            if prefill_fixed(shape, &layout) != Some(kernel) {
+                return Err(GpuError::Shape {
+                    what: "attention (_hd64, _hd128)",
+                    detail: format!(
+                        "head_dim {} ({fixed}), kv_dim {} and page_len {} × aux_dim {} (multiples of 4)",
+                        shape.head_dim, layout.kv_dim, layout.page_len, layout.aux_dim
+                    ),
+                });
+            }
         }
         if prefill && (shape.head_dim > PF_MAXHD || table.n_groups == 0) {
             return Err(GpuError::Shape {
@@ -299,6 +314,7 @@ impl Gpu {
             AttnKernel::Decode => &self.res.attention_decode,
             AttnKernel::Prefill => &self.res.attention_prefill,
             AttnKernel::PrefillHd64 => &self.res.attention_prefill_hd64,
+            AttnKernel::PrefillHd128 => &self.res.attention_prefill_hd128,
         };
         let mut b = self.kernel(f)?;
         b.arg(&q)
