@@ -209,7 +209,12 @@ __device__ __forceinline__ void mm_rows_block(int kind, const float* x, const un
 // every token of the tile; then thread tt adds token tt's chunk partials in
 // chunk order from +0.0. The same bits as matmul_warp with the chunks of a
 // row in flight at once (decode latency), for k up to 64 * MR_MAX_CHUNKS.
-extern "C" __global__ void matmul_rows(int kind, const float* x, const unsigned char* w, float* y,
+// At most 32 registers a thread (16 blocks of 128 threads an SM: full
+// occupancy, the loads in flight that a decode matvec lives on): the
+// K-quant decode in weight() would otherwise raise the count for every
+// storage, f32 and bf16 included.
+#define MR_MIN_BLOCKS 16
+extern "C" __global__ void __launch_bounds__(MR_GROUPS * 8, MR_MIN_BLOCKS) matmul_rows(int kind, const float* x, const unsigned char* w, float* y,
                                        int n, int rows, int k, long long row_bytes) {
     PDL_ENTRY_EARLY();
     mm_rows_block(kind, x, w, y, n, rows, k, row_bytes, blockIdx.x % rows, (blockIdx.x / rows) * MM_TOKENS);
@@ -296,7 +301,7 @@ extern "C" __global__ void matmul_rows4(int kind, const float* x, const unsigned
 // Up to three matmuls of one input in one launch (q, k, v; gate, up): blocks
 // 0 .. rows0·tiles are matrix 0's, then matrix 1's, then matrix 2's; each
 // output as matmul_rows computes it.
-extern "C" __global__ void matmul_multi(int kind, const float* x, int n, int k,
+extern "C" __global__ void __launch_bounds__(MR_GROUPS * 8, MR_MIN_BLOCKS) matmul_multi(int kind, const float* x, int n, int k,
                                         const unsigned char* w0, float* y0, int rows0, long long rb0,
                                         const unsigned char* w1, float* y1, int rows1, long long rb1,
                                         const unsigned char* w2, float* y2, int rows2, long long rb2) {
