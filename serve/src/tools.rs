@@ -8,9 +8,11 @@
 //! shown of the text the engine generated, once the request had `tools`.
 //!
 //! Small models often write the call without the tags: the whole answer one
-//! JSON object, bare or in a ```` ```json ```` fence. Such an answer is a call
-//! when its object parses as a block's body would and its `name` is one of
-//! the request's tools ([`bare_call`]); otherwise it is content, verbatim.
+//! JSON object, bare or in a ```` ```json ```` fence, sometimes with every
+//! brace doubled as a format string escapes it (`{{"name": …}}`). Such an
+//! answer is a call when its object (undoubled, where only that parses)
+//! parses as a block's body would and its `name` is one of the request's
+//! tools ([`bare_call`]); otherwise it is content, verbatim.
 //! Streamed, an answer that begins like one (`{`, or a prefix of the fence)
 //! is held back to its end, as nothing before the end can tell.
 //!
@@ -146,7 +148,29 @@ pub fn bare_call(answer: &str, names: &[String]) -> Option<ToolCall> {
     if !body.starts_with('{') {
         return None;
     }
-    parse_call(body).ok().filter(|c| names.contains(&c.name))
+    let named = |c: ToolCall| names.contains(&c.name).then_some(c);
+    match parse_call(body) {
+        Ok(c) => named(c),
+        // The object written with a format string's doubled braces
+        // (`{{"name": …, "arguments": {…}}}`, as str.format escapes them):
+        // a call only if undoubling every `{{` and `}}` gives one.
+        Err(_) if body.starts_with("{{") => parse_call(&undouble_braces(body)).ok().and_then(named),
+        Err(_) => None,
+    }
+}
+
+/// `text` with each `{{` made `{` and each `}}` made `}`, read left to right
+/// (str.format's unescaping; a lone brace stays as it is).
+fn undouble_braces(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        out.push(c);
+        if (c == '{' || c == '}') && chars.peek() == Some(&c) {
+            chars.next();
+        }
+    }
+    out
 }
 
 /// Whether an answer that begins with `start` (leading whitespace dropped)
@@ -591,6 +615,10 @@ mod tests {
             "\n  {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n",
             "```json\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n```",
             " ```json\n{\"name\": \"get_weather\", \"arguments\": \"{\\\"city\\\":\\\"Paris\\\"}\"}```\n",
+            // Braces doubled as str.format escapes them (Qwen2.5-Coder-1.5B
+            // answering opencode wrote its call so).
+            "{{\"name\": \"get_weather\", \"arguments\": {{\"city\": \"Paris\"}}}}",
+            "{{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}}}",
         ] {
             let s = split(text);
             assert_eq!(s.content, None, "{text:?}");
@@ -610,6 +638,11 @@ mod tests {
             "{\"name\": \"now\", \"arguments\": {}} and then",
             // An unclosed fence.
             "```json\n{\"name\": \"now\", \"arguments\": {}}",
+            // Doubled braces that undouble to no call, or to a tool the
+            // request did not name.
+            "{{\"city\": \"Paris\"}}",
+            "{{\"name\": \"rm_rf\", \"arguments\": {{}}}}",
+            "{{\"name\": \"now\", \"arguments\": {}}",
         ] {
             let s = split(text);
             assert!(s.calls.is_empty(), "{text:?}");
