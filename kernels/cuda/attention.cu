@@ -763,32 +763,19 @@ __device__ __forceinline__ void attention_prefill_body(const float* q, const uns
     }
 }
 
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_prefill(
-    const float* q, const unsigned long long* pages, const unsigned long long* seq_off,
-    const unsigned long long* pos, const unsigned long long* groups, float* out, int n_heads, int n_kv_heads,
-    int head_dim, int layer, int page_len, int aux, float scale, int window) {
-    PDL_ENTRY();
-    attention_prefill_body<0>(q, pages, seq_off, pos, groups, out, n_heads, n_kv_heads, head_dim, layer, page_len,
-                              aux, scale, window);
-}
-
-// attention_prefill for head_dim 64 (AttnKernel::PrefillHd64).
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_prefill_hd64(
-    const float* q, const unsigned long long* pages, const unsigned long long* seq_off,
-    const unsigned long long* pos, const unsigned long long* groups, float* out, int n_heads, int n_kv_heads,
-    int head_dim, int layer, int page_len, int aux, float scale, int window) {
-    PDL_ENTRY();
-    attention_prefill_body<64>(q, pages, seq_off, pos, groups, out, n_heads, n_kv_heads, head_dim, layer, page_len,
-                               aux, scale, window);
-}
-
-// attention_prefill for head_dim 128 (AttnKernel::PrefillHd128: Llama 3,
-// Qwen, Mistral): static shared memory 43.7 KB of the 48 KB.
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attention_prefill_hd128(
-    const float* q, const unsigned long long* pages, const unsigned long long* seq_off,
-    const unsigned long long* pos, const unsigned long long* groups, float* out, int n_heads, int n_kv_heads,
-    int head_dim, int layer, int page_len, int aux, float scale, int window) {
-    PDL_ENTRY();
-    attention_prefill_body<128>(q, pages, seq_off, pos, groups, out, n_heads, n_kv_heads, head_dim, layer, page_len,
-                                aux, scale, window);
-}
+// The prefill kernels: the body for any head_dim up to PF_MAXHD (HD 0), and
+// compiled for head_dim 64 (AttnKernel::PrefillHd64) and 128
+// (AttnKernel::PrefillHd128: Llama 3, Qwen, Mistral; static shared memory
+// 43.7 KB of the 48 KB).
+#define ATTN_PREFILL(NAME, HD)                                                                               \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                                                \
+        NAME(const float* q, const unsigned long long* pages, const unsigned long long* seq_off,             \
+             const unsigned long long* pos, const unsigned long long* groups, float* out, int n_heads,       \
+             int n_kv_heads, int head_dim, int layer, int page_len, int aux, float scale, int window) {      \
+        PDL_ENTRY();                                                                                          \
+        attention_prefill_body<HD>(q, pages, seq_off, pos, groups, out, n_heads, n_kv_heads, head_dim, layer, \
+                                   page_len, aux, scale, window);                                             \
+    }
+ATTN_PREFILL(attention_prefill, 0)
+ATTN_PREFILL(attention_prefill_hd64, 64)
+ATTN_PREFILL(attention_prefill_hd128, 128)
