@@ -4,6 +4,9 @@
 //! runs the real binary (`CARGO_BIN_EXE_lmrr`) in its own temp dir or on
 //! its own loopback port, so they share one process safely.
 
+#[path = "../common/listening.rs"]
+mod listening;
+
 mod cli;
 mod cli_snapshots;
 mod probe;

@@ -10,8 +10,7 @@ use std::process::Command;
 
 use serde_json::Value;
 
-#[path = "../common/listening.rs"]
-mod listening;
+use crate::listening;
 
 fn lmrr(args: &[&str], cwd: &Path) -> (i32, String, String) {
     let o = Command::new(env!("CARGO_BIN_EXE_lmrr"))

@@ -16,8 +16,7 @@ use std::time::{Duration, Instant};
 use lmrr_recorder::traffic::{self, Outcome, TrafficEvent, TrafficManifest, TrafficWriter};
 use serde_json::{json, Value};
 
-#[path = "../common/listening.rs"]
-mod listening;
+use crate::listening;
 
 const MODEL: &str = "synthetic:tiny:seed0";
 

@@ -10,8 +10,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-#[path = "../common/listening.rs"]
-mod listening;
+use crate::listening;
 
 const MODEL: &str = "synthetic:tiny:seed0";
 
