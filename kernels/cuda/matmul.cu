@@ -407,23 +407,36 @@ __device__ __forceinline__ int gm_at(int e) { return gm_row(e / CHUNK) + gm_pos(
 // Floats of a staged tile of `r` rows (the cells' offsets included).
 #define GM_STAGE(r) ((r) * CHUNK + (r) / 8 * 2)
 
+// Whether a block's chunk at c0 takes gm_fetch's fast path: an interior
+// tile (every staged element in the matrix) of f32 or bf16 weights.
+template <int R, int T>
+__device__ __forceinline__ bool gm_fast(int kind, int n, int rows, int k, int o0, int t0, int c0) {
+    return (kind == 0 || kind == 1) && o0 + R <= rows && t0 + T <= n && c0 + CHUNK <= k;
+}
+
 // A thread's share of a chunk's staging, into registers: staged element
-// tid + q·THREADS of the weights (wreg) and of the inputs (xreg). On an
-// interior tile of f32 weights over a whole chunk (fast), every element
-// is in the matrix and the address of element q is a stride from the
-// first one: one load each, no storage switch and no bounds; otherwise
-// gm_weight and gm_input, element by element. The values are the same.
+// tid + q·THREADS of the weights (wreg) and of the inputs (xreg). On the
+// fast path (gm_fast) the address of element q is a stride from the
+// first one: one load each (a bf16 widened as weight() widens it), no
+// storage switch and no bounds; otherwise gm_weight and gm_input, element
+// by element. The values are the same.
 template <int R, int T, int THREADS>
 __device__ __forceinline__ void gm_fetch(int kind, const float* x, const unsigned char* w, int n, int rows, int k,
                                          long long row_bytes, int o0, int t0, int c0, float* wreg, float* xreg) {
     const int WPT = R * CHUNK / THREADS, XPT = T * CHUNK / THREADS, RPQ = THREADS / CHUNK;
     int tid = threadIdx.x, cend = min(c0 + CHUNK, k);
-    bool fast = kind == 0 && o0 + R <= rows && t0 + T <= n && c0 + CHUNK <= k;
-    if (fast) {
-        long long rs = row_bytes / 4;
-        const float* wp = (const float*)w + (long long)(o0 + tid / CHUNK) * rs + c0 + tid % CHUNK;
-        #pragma unroll
-        for (int q = 0; q < WPT; ++q) wreg[q] = wp[(long long)q * RPQ * rs];
+    if (gm_fast<R, T>(kind, n, rows, k, o0, t0, c0)) {
+        if (kind == 0) {
+            long long rs = row_bytes / 4;
+            const float* wp = (const float*)w + (long long)(o0 + tid / CHUNK) * rs + c0 + tid % CHUNK;
+            #pragma unroll
+            for (int q = 0; q < WPT; ++q) wreg[q] = wp[(long long)q * RPQ * rs];
+        } else {
+            long long rs = row_bytes / 2;
+            const unsigned short* wp = (const unsigned short*)w + (long long)(o0 + tid / CHUNK) * rs + c0 + tid % CHUNK;
+            #pragma unroll
+            for (int q = 0; q < WPT; ++q) wreg[q] = __uint_as_float((unsigned)wp[(long long)q * RPQ * rs] << 16);
+        }
         const float* xp = x + (long long)(t0 + tid / CHUNK) * k + c0 + tid % CHUNK;
         #pragma unroll
         for (int q = 0; q < XPT; ++q) xreg[q] = xp[(long long)q * RPQ * k];
@@ -443,7 +456,7 @@ __device__ __forceinline__ void gm_stage(int kind, const float* x, const unsigne
                                          long long row_bytes, int o0, int t0, int c0, float* ws, float* xs) {
     const int WPT = R * CHUNK / THREADS, XPT = T * CHUNK / THREADS;
     int tid = threadIdx.x, cend = min(c0 + CHUNK, k);
-    if (kind == 0 && o0 + R <= rows && t0 + T <= n && c0 + CHUNK <= k) {
+    if (gm_fast<R, T>(kind, n, rows, k, o0, t0, c0)) {
         float wreg[WPT], xreg[XPT];
         gm_fetch<R, T, THREADS>(kind, x, w, n, rows, k, row_bytes, o0, t0, c0, wreg, xreg);
         #pragma unroll
@@ -569,6 +582,18 @@ extern "C" __global__ void __launch_bounds__(GW_THREADS, 2) matmul_gemm_wide(int
     __shared__ __align__(16) float ws[GM_STAGE(GW_ROWS)];
     __shared__ __align__(16) float xs[GM_STAGE(GW_TOKS)];
     gemm_tiles<GW_GR, GW_GT, false>(kind, x, w, y, n, rows, k, row_bytes, part, cpb, ws, xs, blockIdx.x);
+}
+
+// matmul_gemm_wide with the next chunk's staged values loaded into
+// registers while the block computes on the current one (PF): one block
+// an SM, so that the held values do not spill. The same staged values,
+// the same operations per output.
+extern "C" __global__ void __launch_bounds__(GW_THREADS, 1) matmul_gemm_wide_pf(int kind, const float* x, const unsigned char* w, float* y,
+                                            int n, int rows, int k, long long row_bytes, float* part, int cpb) {
+    PDL_ENTRY();
+    __shared__ __align__(16) float ws[GM_STAGE(GW_ROWS)];
+    __shared__ __align__(16) float xs[GM_STAGE(GW_TOKS)];
+    gemm_tiles<GW_GR, GW_GT, true>(kind, x, w, y, n, rows, k, row_bytes, part, cpb, ws, xs, blockIdx.x);
 }
 
 // Up to three matmul_gemm_wide passes over one input x (n, k) in one

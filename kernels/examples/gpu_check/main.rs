@@ -25,6 +25,11 @@ use lmrr_kernels::*;
 use report::Report;
 
 fn main() {
+    // `gpu_check timing`: the kernel figures alone (no checks but the
+    // timed kernels' agreement), for a device call short of time.
+    if std::env::args().nth(1).as_deref() == Some("timing") {
+        timing_only();
+    }
     // Negative controls first: a check that cannot see a broken mirror
     // proves nothing.
     let blind = controls::run();
@@ -60,5 +65,22 @@ fn main() {
     timing::matmuls(g, r);
     timing::attention_prefill(g, r, rep);
     timing::attention_decode(g, r, rep);
+    timing::gemm_8b(g, r, rep);
     std::process::exit(rep.finish(isa(), &gpu.name(), &blind));
+}
+
+fn timing_only() -> ! {
+    let gpu = match Gpu::open(0) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("SKIPPED: no device: {e}");
+            std::process::exit(2);
+        }
+    };
+    println!("device: {}", gpu.name());
+    let mut r = SplitMix64(2026);
+    let mut rep = Report::default();
+    timing::gemm_8b(&gpu, &mut r, &mut rep);
+    timing::attention_prefill(&gpu, &mut r, &mut rep);
+    std::process::exit(rep.finish(isa(), &gpu.name(), &[]));
 }
