@@ -584,18 +584,6 @@ extern "C" __global__ void __launch_bounds__(GW_THREADS, 2) matmul_gemm_wide(int
     gemm_tiles<GW_GR, GW_GT, false>(kind, x, w, y, n, rows, k, row_bytes, part, cpb, ws, xs, blockIdx.x);
 }
 
-// matmul_gemm_wide with the next chunk's staged values loaded into
-// registers while the block computes on the current one (PF): one block
-// an SM, so that the held values do not spill. The same staged values,
-// the same operations per output.
-extern "C" __global__ void __launch_bounds__(GW_THREADS, 1) matmul_gemm_wide_pf(int kind, const float* x, const unsigned char* w, float* y,
-                                            int n, int rows, int k, long long row_bytes, float* part, int cpb) {
-    PDL_ENTRY();
-    __shared__ __align__(16) float ws[GM_STAGE(GW_ROWS)];
-    __shared__ __align__(16) float xs[GM_STAGE(GW_TOKS)];
-    gemm_tiles<GW_GR, GW_GT, true>(kind, x, w, y, n, rows, k, row_bytes, part, cpb, ws, xs, blockIdx.x);
-}
-
 // Up to three matmul_gemm_wide passes over one input x (n, k) in one
 // launch: matrix m takes blocks [b_m, b_m + blocks_m) in order, each block
 // exactly the block it is in its own launch (split when part_m is non-null,

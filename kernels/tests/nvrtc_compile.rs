@@ -29,7 +29,7 @@ fn nvrtc() -> bool {
 
 /// Every kernel the source defines: the resident path's, the one-thread
 /// references gpu_check holds them to, and the bench's FMA probe.
-const KERNELS: [&str; 46] = [
+const KERNELS: [&str; 45] = [
     "matmul",
     "matmul_warp",
     "rms_norm",
@@ -53,7 +53,6 @@ const KERNELS: [&str; 46] = [
     "norm_reg_lf",
     "matmul_gemm",
     "matmul_gemm_wide",
-    "matmul_gemm_wide_pf",
     "matmul_gemm_multi",
     "sum_chunks",
     "rms_norm_warp",

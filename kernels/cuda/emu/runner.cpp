@@ -64,9 +64,6 @@ int main() {
         } else if (kernel == "gemm_wide") {
             unsigned b = (unsigned)(((rows + GW_ROWS - 1) / GW_ROWS) * ((n + GW_TOKS - 1) / GW_TOKS));
             emu::launch(b, GW_THREADS, [&] { matmul_gemm_wide(kind, xp, wp, yp, n, rows, k, row_bytes, nullptr, 0); });
-        } else if (kernel == "gemm_wide_pf") {
-            unsigned b = (unsigned)(((rows + GW_ROWS - 1) / GW_ROWS) * ((n + GW_TOKS - 1) / GW_TOKS));
-            emu::launch(b, GW_THREADS, [&] { matmul_gemm_wide_pf(kind, xp, wp, yp, n, rows, k, row_bytes, nullptr, 0); });
         } else if (kernel.rfind("gemm_split", 0) == 0 || kernel.rfind("gemm_wide_split", 0) == 0) {
             // gemm[_wide]_splitC: blocks of C chunks writing partials, then sum_chunks.
             bool wide = kernel.rfind("gemm_wide_split", 0) == 0;

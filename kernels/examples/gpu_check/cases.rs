@@ -109,7 +109,6 @@ pub fn matmuls(gpu: &Gpu, th: &Threads, r: &mut Rng, rep: &mut Report) {
                 ("matmul_gemm split 1", MatmulKernel::GemmSplit(1)),
                 ("matmul_gemm split 3", MatmulKernel::GemmSplit(3)),
                 ("matmul_gemm_wide", MatmulKernel::GemmWide),
-                ("matmul_gemm_wide_pf", MatmulKernel::GemmWidePf),
                 ("matmul_gemm_wide split 2", MatmulKernel::GemmWideSplit(2)),
             ] {
                 let mut gs = vec![f32::NAN; n * rows];

@@ -65,7 +65,7 @@ fn main() {
     timing::matmuls(g, r);
     timing::attention_prefill(g, r, rep);
     timing::attention_decode(g, r, rep);
-    timing::gemm_8b(g, r, rep);
+    timing::gemm_8b(g, r);
     std::process::exit(rep.finish(isa(), &gpu.name(), &blind));
 }
 
@@ -80,7 +80,7 @@ fn timing_only() -> ! {
     println!("device: {}", gpu.name());
     let mut r = SplitMix64(2026);
     let mut rep = Report::default();
-    timing::gemm_8b(&gpu, &mut r, &mut rep);
+    timing::gemm_8b(&gpu, &mut r);
     timing::attention_prefill(&gpu, &mut r, &mut rep);
     std::process::exit(rep.finish(isa(), &gpu.name(), &[]));
 }

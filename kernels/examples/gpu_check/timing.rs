@@ -195,10 +195,9 @@ pub fn attention_decode(gpu: &Gpu, r: &mut Rng, rep: &mut Report) {
 }
 
 /// The canonical FP32 GEMM at the `8b` preset's shapes (bf16 weights, a
-/// prefill of 512 tokens): each many-token kernel's time per launch, its
-/// rate and its share of the device's FP32 FMA rate (`fma_peak`, same
-/// run); the kernels' outputs held to one another's bits.
-pub fn gemm_8b(gpu: &Gpu, r: &mut Rng, rep: &mut Report) {
+/// prefill of 512 tokens): `matmul_gemm_wide`'s time per launch, its rate
+/// and its share of the device's FP32 FMA rate (`fma_peak`, same run).
+pub fn gemm_8b(gpu: &Gpu, r: &mut Rng) {
     let peak = gpu.fma_peak(5).unwrap_or_else(|e| panic!("fma_peak: {e}"));
     println!(
         "canonical gemm at the 8b shapes (bf16 weights, 512 tokens, median of 5 × 3 launches; FP32 FMA rate {:.1} TFLOP/s):",
@@ -217,38 +216,21 @@ pub fn gemm_8b(gpu: &Gpu, r: &mut Rng, rep: &mut Report) {
             .map(|v| (v.to_bits() >> 16) as u16)
             .collect();
         let m = Matrix::new(Weights::Bf16(&w), rows, cols).expect("shape");
-        let mut first: Option<Vec<f32>> = None;
-        let mut line = format!("  {what:<8} {rows:>5} × {cols:>5}:");
-        for (label, k) in [
-            ("wide", MatmulKernel::GemmWide),
-            ("wide_pf", MatmulKernel::GemmWidePf),
-        ] {
-            let mut y = vec![f32::NAN; n * rows];
-            let mut t: Vec<f64> = (0..5)
-                .map(|_| {
-                    gpu.matmul_with(k, &x, n, &m, &mut y, 3)
-                        .unwrap_or_else(|e| panic!("timing {label}: {e}"))
-                        / 3.0
-                })
-                .collect();
-            t.sort_by(f64::total_cmp);
-            let secs = t[2];
-            let rate = 2.0 * (n * rows * cols) as f64 / secs;
-            match &first {
-                None => first = Some(y),
-                Some(f) => rep.case(
-                    format!("matmul_gemm_{label} 8b {what} (timed) against matmul_gemm_wide"),
-                    diff(f, &y),
-                    f.len(),
-                ),
-            }
-            line += &format!(
-                " {label} {:>8.1} µs ({:>5.2} TFLOP/s, {:>4.1}% of FMA);",
-                secs * 1e6,
-                rate / 1e12,
-                100.0 * rate / peak
-            );
-        }
-        println!("{line}");
+        let mut y = vec![f32::NAN; n * rows];
+        let mut t: Vec<f64> = (0..5)
+            .map(|_| {
+                gpu.matmul_with(MatmulKernel::GemmWide, &x, n, &m, &mut y, 3)
+                    .unwrap_or_else(|e| panic!("timing matmul_gemm_wide: {e}"))
+                    / 3.0
+            })
+            .collect();
+        t.sort_by(f64::total_cmp);
+        let rate = 2.0 * (n * rows * cols) as f64 / t[2];
+        println!(
+            "  {what:<8} {rows:>5} × {cols:>5}: matmul_gemm_wide {:>8.1} µs ({:>5.2} TFLOP/s, {:>4.1}% of the FMA rate)",
+            t[2] * 1e6,
+            rate / 1e12,
+            100.0 * rate / peak
+        );
     }
 }

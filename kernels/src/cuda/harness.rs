@@ -223,7 +223,6 @@ impl Gpu {
         use super::MatmulKernel as K;
         let tiles = match kernel {
             K::GemmWide | K::GemmWideSplit(_) => GemmTiles::Wide,
-            K::GemmWidePf => GemmTiles::WidePf,
             _ => GemmTiles::Narrow,
         };
         if kernel == K::Rows4 {

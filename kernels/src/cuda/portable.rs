@@ -35,8 +35,6 @@ pub enum MatmulKernel {
     GemmSplit(usize),
     /// `matmul_gemm_wide`: tiles of 64 rows × 32 tokens (256 threads).
     GemmWide,
-    /// `matmul_gemm_wide_pf`: `GemmWide` pipelined over chunks.
-    GemmWidePf,
     /// `matmul_gemm_wide` split over chunks, this many per block.
     GemmWideSplit(usize),
     /// `matmul_rows4`: `Rows` with four rows a block (wide matrices,
@@ -89,7 +87,6 @@ impl Gpu {
         if let MatmulKernel::Gemm
         | MatmulKernel::GemmSplit(_)
         | MatmulKernel::GemmWide
-        | MatmulKernel::GemmWidePf
         | MatmulKernel::GemmWideSplit(_)
         | MatmulKernel::Rows4 = kernel
         {
@@ -114,7 +111,6 @@ impl Gpu {
             MatmulKernel::Gemm
             | MatmulKernel::GemmSplit(_)
             | MatmulKernel::GemmWide
-            | MatmulKernel::GemmWidePf
             | MatmulKernel::GemmWideSplit(_)
             | MatmulKernel::Rows4 => {
                 return Err(GpuError::Shape {

@@ -1,5 +1,5 @@
 //! The matmul kernels (`matmul_warp`, `_tile`, `_rows`, `_rows4`, `_gemm`,
-//! `_gemm_wide` (and `_pf`), split or not, `matmul_multi`, `matmul_gemm_multi`) against
+//! `_gemm_wide`, split or not, `matmul_multi`, `matmul_gemm_multi`) against
 //! the CPU's matmul in every weight storage (f32, bf16, Q4_0, Q4_1, Q8_0,
 //! Q4_K, Q6_K), on shapes with ragged rows, tokens and chunks.
 
@@ -40,7 +40,6 @@ fn matmul_kernels_match_the_cpu() {
                 "gemm_split2",
                 "gemm_split5",
                 "gemm_wide",
-                "gemm_wide_pf",
                 "gemm_wide_split3",
             ] {
                 let out = job(

@@ -19,9 +19,6 @@ pub enum GemmTiles {
     Narrow,
     /// `matmul_gemm_wide`: 64 rows × 32 tokens, 256 threads.
     Wide,
-    /// `matmul_gemm_wide_pf`: `Wide` with the next chunk loaded during
-    /// the current one's FMAs, one block an SM.
-    WidePf,
 }
 
 /// Blocks of one `matmul_gemm` (or `_wide`) pass over `rows` × `n`.
@@ -194,7 +191,6 @@ impl Gpu {
         let f = match kind {
             GemmTiles::Narrow => &self.res.matmul_gemm,
             GemmTiles::Wide => &self.res.matmul_gemm_wide,
-            GemmTiles::WidePf => &self.res.matmul_gemm_wide_pf,
         };
         let mut b = self.kernel(f)?;
         b.matmul_args(w, &x, &y, &dims).arg(&part).arg(&cpbi);
