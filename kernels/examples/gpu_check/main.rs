@@ -33,14 +33,7 @@ fn main() {
     // Negative controls first: a check that cannot see a broken mirror
     // proves nothing.
     let blind = controls::run();
-    let gpu = match Gpu::open(0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("SKIPPED: no device: {e}");
-            std::process::exit(2);
-        }
-    };
-    println!("device: {}", gpu.name());
+    let gpu = open_device();
     let th = Threads::new(2).expect("threads");
     // One random stream for every case, in this order.
     let mut r = SplitMix64(2026);
@@ -69,15 +62,22 @@ fn main() {
     std::process::exit(rep.finish(isa(), &gpu.name(), &blind));
 }
 
-fn timing_only() -> ! {
-    let gpu = match Gpu::open(0) {
-        Ok(g) => g,
+/// Device 0, named on stdout; exit 2 when none can be opened.
+fn open_device() -> Gpu {
+    match Gpu::open(0) {
+        Ok(g) => {
+            println!("device: {}", g.name());
+            g
+        }
         Err(e) => {
             eprintln!("SKIPPED: no device: {e}");
             std::process::exit(2);
         }
-    };
-    println!("device: {}", gpu.name());
+    }
+}
+
+fn timing_only() -> ! {
+    let gpu = open_device();
     let mut r = SplitMix64(2026);
     let mut rep = Report::default();
     timing::gemm_8b(&gpu, &mut r);
