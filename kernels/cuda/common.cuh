@@ -5,7 +5,7 @@
 //
 // The kernels' files are not compiled on their own: kernels/src/cuda_source.rs
 // joins them in a fixed order (common.cuh, quant.cuh, dot.cuh, matmul.cu,
-// norm.cu, elementwise.cu, rope.cu, attention.cu, hyper.cu) into the one
+// norm.cu, elementwise.cu, rope.cu, attention.cu, attention_split.cu, hyper.cu) into the one
 // source NVRTC compiles, the g++ emulation includes and the negative
 // controls mutate; a file may use what the files before it define.
 //

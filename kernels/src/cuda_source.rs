@@ -18,6 +18,7 @@ pub const SOURCE: &str = concat!(
     include_str!("../cuda/elementwise.cu"),
     include_str!("../cuda/rope.cu"),
     include_str!("../cuda/attention.cu"),
+    include_str!("../cuda/attention_split.cu"),
     include_str!("../cuda/hyper.cu"),
 );
 

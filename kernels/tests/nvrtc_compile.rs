@@ -29,7 +29,7 @@ fn nvrtc() -> bool {
 
 /// Every kernel the source defines: the resident path's, the one-thread
 /// references gpu_check holds them to, and the bench's FMA probe.
-const KERNELS: [&str; 45] = [
+const KERNELS: [&str; 48] = [
     "matmul",
     "matmul_warp",
     "rms_norm",
@@ -66,6 +66,9 @@ const KERNELS: [&str; 45] = [
     "attention_prefill",
     "attention_prefill_hd64",
     "attention_prefill_hd128",
+    "attention_split_scores",
+    "attention_split_pv",
+    "attention_split_merge",
     "fma_peak",
     "add_bias",
     "scale_elems",

@@ -338,7 +338,8 @@ int main() {
         // attention tasks nh nkv hd page_len scale_bits [decode: 1 attention_decode, 2
         // attention_prefill, 3 attention_prefill_hd64 or _hd128 (by hd), 5 the same
         // with its groups listed last first, 6 the one-thread attention over
-        // each task's rows gathered from the pages] [window: 0 none]: q,
+        // each task's rows gathered from the pages, 7 the split decode
+        // attention] [window: 0 none]: q,
         // pages (floats, whole pages of one layer), page index per table
         // entry, seq_off, pos (u64 each)
         int tasks, nh, nkv, hd, page_len, decode = 0, window = 0;
@@ -379,6 +380,36 @@ int main() {
                 else
                     attention_prefill(q.data(), table.data(), so.data(), ps.data(), groups.data(), out.data(), nh, nkv,
                                       hd, 0, page_len, 0, scale, window);
+            });
+            write_array(out);
+            std::fflush(stdout);
+            return 0;
+        }
+        if (decode == 7) {
+            // The split decode attention: scores, then p and the tiles'
+            // partials, then the merge, over scratch for the most tiles any
+            // task has, in segments of SPLIT_TILES.
+            int cap = 0;
+            for (int t = 0; t < tasks; ++t) {
+                int lo = first_key((int)ps[t], window), base0 = lo / ATTN_TILE * ATTN_TILE;
+                cap = std::max(cap, ((int)ps[t] - base0) / ATTN_TILE + 1);
+            }
+            int segs = (cap + SPLIT_TILES - 1) / SPLIT_TILES;
+            size_t rows_n = (size_t)tasks * nh;
+            std::vector<float> sc(rows_n * cap * ATTN_TILE, std::nanf("")), tm(rows_n * cap, std::nanf("")),
+                ta(rows_n * cap, std::nanf("")), tl(rows_n * cap, std::nanf("")),
+                at(rows_n * cap * hd, std::nanf(""));
+            unsigned blocks = (unsigned)(rows_n * segs);
+            emu::launch(blocks, ATTN_THREADS, [&] {
+                attention_split_scores(q.data(), table.data(), so.data(), ps.data(), nh, nkv, hd, 0, page_len, 0,
+                                       scale, window, segs, cap, sc.data(), tm.data());
+            });
+            emu::launch(blocks, ATTN_THREADS, [&] {
+                attention_split_pv(table.data(), so.data(), ps.data(), nh, nkv, hd, 0, page_len, 0, window, segs, cap,
+                                   sc.data(), tm.data(), ta.data(), tl.data(), at.data());
+            });
+            emu::launch((unsigned)rows_n, ATTN_THREADS, [&] {
+                attention_split_merge(ps.data(), nh, hd, window, cap, ta.data(), tl.data(), at.data(), out.data());
             });
             write_array(out);
             std::fflush(stdout);

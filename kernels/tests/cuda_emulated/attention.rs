@@ -1,5 +1,6 @@
 //! Attention and what feeds it: `attention_paged`, `attention_decode` (also
-//! with its loads before the wait), `attention_prefill` and its hd64 and hd128 forms
+//! with its loads before the wait), the decode split over the KV length
+//! (`attention_split_*`), `attention_prefill` and its hd64 and hd128 forms
 //! against the CPU's attention over paged K/V; `rope_kv` (RoPE and the page
 //! writes, from whole rows or split partials) and `embed_rows` against the
 //! CPU's RoPE, page layout and row widening; `attention_decode_rope_qs`
@@ -99,12 +100,14 @@ fn paged_attention_matches_the_cpu() {
             ),
             // The portable mirror's one-thread kernel over gathered rows.
             ("attention (one thread)", 6, emulator()),
+            // Decode split over the KV length (segments of 16 tiles).
+            ("attention_split_*", 7, emulator()),
         ] {
             let Some(bin) = bin else { continue };
             // The paged kernels hold head dims up to MAX_HEAD_DIM (256),
             // attention_prefill up to PF_MAXHD (128); the _hd64 and _hd128
             // kernels for head_dim 64 and 128 alone.
-            if (decode <= 1 && hd > 256)
+            if ((decode <= 1 || decode == 7) && hd > 256)
                 || (decode == 2 && hd > 128)
                 || ((3..=5).contains(&decode) && hd != 64 && hd != 128)
             {

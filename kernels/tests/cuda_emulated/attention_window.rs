@@ -1,6 +1,7 @@
 //! Sliding-window attention on the emulation: every attention kernel (the
 //! one-thread `attention`; `attention_paged`, `attention_decode`,
-//! `attention_prefill`, `attention_prefill_hd64` and `_hd128`; `attention_decode_rope_qs`
+//! `attention_prefill`, `attention_prefill_hd64` and `_hd128`; the split
+//! decode (`attention_split_*`); `attention_decode_rope_qs`
 //! with its RoPE and page writes, as compiled by default and with
 //! `ATTN_EARLY`) against the CPU's `attention_window`, bit for bit. Windows
 //! cut the first tile mid-tile, start it on a tile boundary, are one tile,
@@ -61,13 +62,14 @@ fn paged_cases() -> Vec<Case> {
 }
 
 /// The paged kernels by the runner's code, and which head dims each holds.
-const PAGED: [(&str, u32); 6] = [
+const PAGED: [(&str, u32); 7] = [
     ("attention", 6),
     ("attention_paged", 0),
     ("attention_decode", 1),
     ("attention_prefill", 2),
     ("attention_prefill_hd64 or _hd128", 3),
     ("attention_prefill_hd64 or _hd128, groups reversed", 5),
+    ("attention_split_*", 7),
 ];
 
 fn holds(code: u32, hd: usize) -> bool {
@@ -266,13 +268,14 @@ fn decode_rope_cpu(
 }
 
 /// The kernels every windowed check covers (the tally's names).
-const KERNELS: [&str; 10] = [
+const KERNELS: [&str; 11] = [
     "attention",
     "attention_paged",
     "attention_decode",
     "attention_prefill",
     "attention_prefill_hd64 or _hd128",
     "attention_prefill_hd64 or _hd128, groups reversed",
+    "attention_split_*",
     "attention_decode after rope_kv",
     "attention_decode_rope_qs",
     "attention_decode after rope_kv, ATTN_EARLY",

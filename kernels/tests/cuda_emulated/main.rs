@@ -10,7 +10,8 @@
 //!
 //! One test binary, split by responsibility: `harness` (building and
 //! running the emulation), `matmul`, `norm`, `attention` (with RoPE, the
-//! page writes and embedding rows), `attention_window` (every attention
+//! page writes and embedding rows), `attention_split` (the decode split
+//! over the KV length, with its own negative controls), `attention_window` (every attention
 //! kernel under sliding windows, with its own negative controls),
 //! `program_ops` (the step programs' op
 //! kernels), `tc_gemm` (the tensor-core GEMM's tiles and fragment indices,
@@ -18,6 +19,7 @@
 //! can fail).
 
 mod attention;
+mod attention_split;
 mod attention_window;
 mod controls;
 mod harness;
