@@ -2,8 +2,9 @@
 // of few (token, head) rows and long contexts, in three launches that give
 // attention_body's bits:
 //
-//  1. attention_split_scores, a block per (row, segment of SPLIT_TILES
-//     tiles): every score s_j = dot(q, k_j) · scale (lane j's FMA chain of
+//  1. attention_split_scores, `segs` blocks per row, block b taking the
+//     segments of SPLIT_TILES tiles b, b + segs, … (so that one launch
+//     shape serves any context: a graph replays it): every score s_j = dot(q, k_j) · scale (lane j's FMA chain of
 //     each chunk, the xor tree 4, 2, 1, chunk partials in order from +0.0)
 //     into sc, and each tile's maximum (sequential over its positions from
 //     -inf, a position replacing it only when greater) into tm;
@@ -26,8 +27,9 @@
 // positions from the window's first key's tile, the positions below that
 // key skipped.
 //
-// Scratch, per row r = token · n_heads + head, for `cap` tiles a row (the
-// most any row of the step has): sc[r · cap · ATTN_TILE + j - base0],
+// Scratch, per row r = token · n_heads + head, for `cap` tiles a row (at
+// least any row of the step has; a row with more gets NaN, nothing written
+// past the scratch): sc[r · cap · ATTN_TILE + j - base0],
 // tm, ta, tl [r · cap + tile], at [(r · cap + tile) · head_dim + d].
 
 #define SPLIT_TILES 16
@@ -56,59 +58,62 @@ extern "C" __global__ void attention_split_scores(const float* q, const unsigned
                                                   int head_dim, int layer, int page_len, int aux, float scale,
                                                   int window, int segs, int cap, float* sc, float* tm) {
     PDL_ENTRY();
-    int seg = blockIdx.x % segs, r = blockIdx.x / segs;
+    int r = blockIdx.x / segs;
     int t = r / n_heads, h = r % n_heads;
     int tid = threadIdx.x, grp = tid >> 3, lane8 = tid & 7;
     int hd = head_dim, kvd = n_kv_heads * head_dim, qd = n_heads * head_dim;
     int kvh = h / (n_heads / n_kv_heads);
     SplitRow w = split_row(pos, t, window);
-    int i0 = seg * SPLIT_TILES, i1 = min(i0 + SPLIT_TILES, w.tiles);
-    if (i0 >= i1) return;  // uniform over the block
+    // A walk past the scratch is the host's error: the merge writes NaN.
+    if (w.tiles > cap || blockIdx.x % segs * SPLIT_TILES >= w.tiles) return;  // uniform over the block
     __shared__ float qs[MAX_HEAD_DIM];
     __shared__ float ss[SPLIT_POS];
     for (int d = tid; d < hd; d += ATTN_THREADS) qs[d] = q[(long long)t * qd + h * hd + d];
-    __syncthreads();
     const unsigned long long* pt = pages + seq_off[t];
-    // Positions of the segment relative to base0: [jb0, jb1); those below
-    // cut (the window's first key) are not keys.
-    int jb0 = i0 * ATTN_TILE, jb1 = min(i1 * ATTN_TILE, w.p_end + 1 - w.base0), cut = w.lo - w.base0;
-    int chunks = (hd + CHUNK - 1) / CHUNK;
-    // One position per group of 8 at a time; the loop is uniform over the
-    // warp (shuffles need all lanes): dead groups compute on q.
-    for (int jj0 = jb0; jj0 < jb1; jj0 += ATTN_THREADS / 8) {
-        int jj = jj0 + grp;
-        bool live = jj >= cut && jj < jb1;
-        int j = w.base0 + jj;
-        const float* kr = live ? kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 0) + kvh * hd : qs;
-        float total = 0.0f;
-        for (int c = 0; c < chunks; ++c) {
-            int c0 = c * CHUNK, cend = min(c0 + CHUNK, hd);
-            float lv = 0.0f;
-            #pragma unroll
-            for (int s2 = 0; s2 < CHUNK / LANES; ++s2) {
-                int i = c0 + lane8 + s2 * LANES;
-                if (i < cend) lv = fmaf(qs[i], kr[i], lv);
+    for (int seg = blockIdx.x % segs; seg * SPLIT_TILES < w.tiles; seg += segs) {
+        __syncthreads();  // qs written; the last segment's ss read
+        int i0 = seg * SPLIT_TILES, i1 = min(i0 + SPLIT_TILES, w.tiles);
+        // Positions of the segment relative to base0: [jb0, jb1); those below
+        // cut (the window's first key) are not keys.
+        int jb0 = i0 * ATTN_TILE, jb1 = min(i1 * ATTN_TILE, w.p_end + 1 - w.base0), cut = w.lo - w.base0;
+        int chunks = (hd + CHUNK - 1) / CHUNK;
+        // One position per group of 8 at a time; the loop is uniform over the
+        // warp (shuffles need all lanes): dead groups compute on q.
+        for (int jj0 = jb0; jj0 < jb1; jj0 += ATTN_THREADS / 8) {
+            int jj = jj0 + grp;
+            bool live = jj >= cut && jj < jb1;
+            int j = w.base0 + jj;
+            const float* kr = live ? kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 0) + kvh * hd : qs;
+            float total = 0.0f;
+            for (int c = 0; c < chunks; ++c) {
+                int c0 = c * CHUNK, cend = min(c0 + CHUNK, hd);
+                float lv = 0.0f;
+                #pragma unroll
+                for (int s2 = 0; s2 < CHUNK / LANES; ++s2) {
+                    int i = c0 + lane8 + s2 * LANES;
+                    if (i < cend) lv = fmaf(qs[i], kr[i], lv);
+                }
+                lv = lv + __shfl_xor_sync(0xffffffffu, lv, 4);
+                lv = lv + __shfl_xor_sync(0xffffffffu, lv, 2);
+                lv = lv + __shfl_xor_sync(0xffffffffu, lv, 1);
+                total = total + lv;
             }
-            lv = lv + __shfl_xor_sync(0xffffffffu, lv, 4);
-            lv = lv + __shfl_xor_sync(0xffffffffu, lv, 2);
-            lv = lv + __shfl_xor_sync(0xffffffffu, lv, 1);
-            total = total + lv;
+            if (live && lane8 == 0) {
+                float s = total * scale;
+                ss[jj - jb0] = s;
+                sc[(long long)r * cap * ATTN_TILE + jj] = s;
+            }
         }
-        if (live && lane8 == 0) {
-            float s = total * scale;
-            ss[jj - jb0] = s;
-            sc[(long long)r * cap * ATTN_TILE + jj] = s;
+        __syncthreads();
+        if (tid < i1 - i0) {
+            int j0 = (i0 + tid) * ATTN_TILE, j1 = min(j0 + ATTN_TILE, jb1);
+            float mt = __int_as_float(0xff800000);  // -inf
+            for (int i = max(j0, cut); i < j1; ++i) {
+                float sv = ss[i - jb0];
+                if (sv > mt) mt = sv;
+            }
+            tm[(long long)r * cap + i0 + tid] = mt;
         }
-    }
-    __syncthreads();
-    if (tid < i1 - i0) {
-        int j0 = (i0 + tid) * ATTN_TILE, j1 = min(j0 + ATTN_TILE, jb1);
-        float mt = __int_as_float(0xff800000);  // -inf
-        for (int i = max(j0, cut); i < j1; ++i) {
-            float sv = ss[i - jb0];
-            if (sv > mt) mt = sv;
-        }
-        tm[(long long)r * cap + i0 + tid] = mt;
     }
 }
 
@@ -127,78 +132,81 @@ extern "C" __global__ void attention_split_pv(const unsigned long long* pages, c
                                               int cap, const float* sc, const float* tm, float* ta, float* tl,
                                               float* at) {
     PDL_ENTRY();
-    int seg = blockIdx.x % segs, r = blockIdx.x / segs;
+    int r = blockIdx.x / segs;
     int t = r / n_heads, h = r % n_heads;
     int tid = threadIdx.x;
     int hd = head_dim, kvd = n_kv_heads * head_dim;
     int kvh = h / (n_heads / n_kv_heads);
     SplitRow w = split_row(pos, t, window);
-    int i0 = seg * SPLIT_TILES, i1 = min(i0 + SPLIT_TILES, w.tiles), nt = i1 - i0;
-    if (nt <= 0) return;  // uniform over the block
+    if (w.tiles > cap) return;  // uniform over the block
     __shared__ float ps[SPLIT_POS];
     __shared__ float mb[SPLIT_TILES], ma[SPLIT_TILES];
     __shared__ float rv[ATTN_THREADS / 32];
     __shared__ int ri[ATTN_THREADS / 32];
     const float* tmr = tm + (long long)r * cap;
-    // The running max before tile i0: the fold over tiles 0 .. i0.
-    float v = __int_as_float(0xff800000);
-    int vi = 0x7fffffff;
-    for (int i = tid; i < i0; i += ATTN_THREADS) {
-        float x = tmr[i];
-        if (x > v) {
-            v = x;
-            vi = i;
-        }
-    }
-    #pragma unroll
-    for (int m = 16; m >= 1; m >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, v, m);
-        int oi = __shfl_xor_sync(0xffffffffu, vi, m);
-        split_pick(v, vi, ov, oi);
-    }
-    if ((tid & 31) == 0) {
-        rv[tid >> 5] = v;
-        ri[tid >> 5] = vi;
-    }
-    __syncthreads();
-    if (tid == 0) {
-        for (int wi = 1; wi < ATTN_THREADS / 32; ++wi) split_pick(v, vi, rv[wi], ri[wi]);
-        // The segment's tiles, in order: the max before and after each.
-        float mr = v;
-        for (int k = 0; k < nt; ++k) {
-            float x = tmr[i0 + k];
-            float mn = x > mr ? x : mr;
-            mb[k] = mr;
-            ma[k] = mn;
-            mr = mn;
-        }
-    }
-    __syncthreads();
-    long long row_t = (long long)r * cap;
-    if (tid < nt) ta[row_t + i0 + tid] = det_exp(mb[tid] - ma[tid]);
-    int jb0 = i0 * ATTN_TILE, jb1 = min(i1 * ATTN_TILE, w.p_end + 1 - w.base0), cut = w.lo - w.base0;
-    const float* scr = sc + row_t * ATTN_TILE;
-    for (int jj = max(jb0, cut) + tid; jj < jb1; jj += ATTN_THREADS)
-        ps[jj - jb0] = det_exp(scr[jj] - ma[(jj - jb0) / ATTN_TILE]);
-    __syncthreads();
-    if (tid < nt) {
-        int j0 = max((i0 + tid) * ATTN_TILE, cut), j1 = min((i0 + tid) * ATTN_TILE + ATTN_TILE, jb1);
-        float lt = 0.0f;
-        for (int i = j0; i < j1; ++i) lt = lt + ps[i - jb0];
-        tl[row_t + i0 + tid] = lt;
-    }
     const unsigned long long* pt = pages + seq_off[t];
-    for (int pi = tid; pi < nt * hd; pi += ATTN_THREADS) {
-        int k = pi / hd, d = pi % hd;
-        int j0 = max((i0 + k) * ATTN_TILE, cut), j1 = min((i0 + k) * ATTN_TILE + ATTN_TILE, jb1);
-        float a = 0.0f;
-        #pragma unroll 8
-        for (int i = j0; i < j1; ++i) {
-            int j = w.base0 + i;
-            float vv = kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 1)[kvh * hd + d];
-            a = fmaf(ps[i - jb0], vv, a);
+    for (int seg = blockIdx.x % segs; seg * SPLIT_TILES < w.tiles; seg += segs) {
+        int i0 = seg * SPLIT_TILES, i1 = min(i0 + SPLIT_TILES, w.tiles), nt = i1 - i0;
+        __syncthreads();  // the last segment's rv, ri, ma and ps read
+        // The running max before tile i0: the fold over tiles 0 .. i0.
+        float v = __int_as_float(0xff800000);
+        int vi = 0x7fffffff;
+        for (int i = tid; i < i0; i += ATTN_THREADS) {
+            float x = tmr[i];
+            if (x > v) {
+                v = x;
+                vi = i;
+            }
         }
-        at[(row_t + i0 + k) * hd + d] = a;
+        #pragma unroll
+        for (int m = 16; m >= 1; m >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, v, m);
+            int oi = __shfl_xor_sync(0xffffffffu, vi, m);
+            split_pick(v, vi, ov, oi);
+        }
+        if ((tid & 31) == 0) {
+            rv[tid >> 5] = v;
+            ri[tid >> 5] = vi;
+        }
+        __syncthreads();
+        if (tid == 0) {
+            for (int wi = 1; wi < ATTN_THREADS / 32; ++wi) split_pick(v, vi, rv[wi], ri[wi]);
+            // The segment's tiles, in order: the max before and after each.
+            float mr = v;
+            for (int k = 0; k < nt; ++k) {
+                float x = tmr[i0 + k];
+                float mn = x > mr ? x : mr;
+                mb[k] = mr;
+                ma[k] = mn;
+                mr = mn;
+            }
+        }
+        __syncthreads();
+        long long row_t = (long long)r * cap;
+        if (tid < nt) ta[row_t + i0 + tid] = det_exp(mb[tid] - ma[tid]);
+        int jb0 = i0 * ATTN_TILE, jb1 = min(i1 * ATTN_TILE, w.p_end + 1 - w.base0), cut = w.lo - w.base0;
+        const float* scr = sc + row_t * ATTN_TILE;
+        for (int jj = max(jb0, cut) + tid; jj < jb1; jj += ATTN_THREADS)
+            ps[jj - jb0] = det_exp(scr[jj] - ma[(jj - jb0) / ATTN_TILE]);
+        __syncthreads();
+        if (tid < nt) {
+            int j0 = max((i0 + tid) * ATTN_TILE, cut), j1 = min((i0 + tid) * ATTN_TILE + ATTN_TILE, jb1);
+            float lt = 0.0f;
+            for (int i = j0; i < j1; ++i) lt = lt + ps[i - jb0];
+            tl[row_t + i0 + tid] = lt;
+        }
+        for (int pi = tid; pi < nt * hd; pi += ATTN_THREADS) {
+            int k = pi / hd, d = pi % hd;
+            int j0 = max((i0 + k) * ATTN_TILE, cut), j1 = min((i0 + k) * ATTN_TILE + ATTN_TILE, jb1);
+            float a = 0.0f;
+            #pragma unroll 8
+            for (int i = j0; i < j1; ++i) {
+                int j = w.base0 + i;
+                float vv = kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 1)[kvh * hd + d];
+                a = fmaf(ps[i - jb0], vv, a);
+            }
+            at[(row_t + i0 + k) * hd + d] = a;
+        }
     }
 }
 
@@ -210,6 +218,10 @@ extern "C" __global__ void attention_split_merge(const unsigned long long* pos, 
     int d = threadIdx.x, hd = head_dim;
     SplitRow w = split_row(pos, t, window);
     long long row_t = (long long)r * cap;
+    if (w.tiles > cap) {
+        if (d < hd) out[(long long)t * n_heads * hd + h * hd + d] = __int_as_float(0x7fc00000);
+        return;
+    }
     float l = 0.0f, acc = 0.0f;
     for (int k = 0; k < w.tiles; ++k) {
         float alpha = ta[row_t + k];

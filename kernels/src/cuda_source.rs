@@ -58,7 +58,7 @@ pub const ANY_CASE: &str = "any";
 /// The cases `gpu_check` runs on each control's module, by name, in its
 /// order: one per kernel a control can target (`gpu_check` asserts it
 /// reports exactly these).
-pub const CONTROL_CASES: [&str; 26] = [
+pub const CONTROL_CASES: [&str; 27] = [
     "matmul",
     "matmul_warp",
     "matmul_tile",
@@ -78,6 +78,7 @@ pub const CONTROL_CASES: [&str; 26] = [
     "attention_decode",
     "attention_prefill",
     "attention_prefill_hd64",
+    "attention_split",
     "attention_prefill_hd128",
     "rope",
     "hc_coeffs",
@@ -236,6 +237,12 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
             "float mn = tm[tt];",
         ),
         (
+            "attention_split merge over the tiles in reverse",
+            "attention_split",
+            "for (int k = 0; k < w.tiles; ++k) {",
+            "for (int k = w.tiles - 1; k >= 0; --k) {",
+        ),
+        (
             "sigmoid through expf",
             "hc_coeffs",
             "return 1.0f / (1.0f + det_exp(-x));",
@@ -322,8 +329,10 @@ mod tests {
                 c.kernel
             );
             let name = c.kernel.split(' ').next().unwrap_or(c.kernel);
-            // Defined as `… name(` or by a macro instance `MACRO(name, …)`
-            // at the start of a line (attention.cu's ATTN_PREFILL).
+            // Defined as `… name(`, as a family of kernels `… name_*(`
+            // (attention_split.cu's three launches), or by a macro
+            // instance `MACRO(name, …)` at the start of a line
+            // (attention.cu's ATTN_PREFILL).
             let by_macro = SOURCE.lines().any(|l| {
                 l.split_once('(').is_some_and(|(m, rest)| {
                     !m.is_empty()
@@ -332,7 +341,9 @@ mod tests {
                 })
             });
             assert!(
-                SOURCE.contains(&format!(" {name}(")) || by_macro,
+                SOURCE.contains(&format!(" {name}("))
+                    || SOURCE.contains(&format!(" {name}_"))
+                    || by_macro,
                 "control `{}`: no kernel {name} in the source",
                 c.label
             );

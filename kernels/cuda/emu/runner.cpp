@@ -339,7 +339,7 @@ int main() {
         // attention_prefill, 3 attention_prefill_hd64 or _hd128 (by hd), 5 the same
         // with its groups listed last first, 6 the one-thread attention over
         // each task's rows gathered from the pages, 7 the split decode
-        // attention] [window: 0 none]: q,
+        // attention, 8 the same in two blocks a row] [window: 0 none]: q,
         // pages (floats, whole pages of one layer), page index per table
         // entry, seq_off, pos (u64 each)
         int tasks, nh, nkv, hd, page_len, decode = 0, window = 0;
@@ -385,16 +385,17 @@ int main() {
             std::fflush(stdout);
             return 0;
         }
-        if (decode == 7) {
+        if (decode == 7 || decode == 8) {
             // The split decode attention: scores, then p and the tiles'
             // partials, then the merge, over scratch for the most tiles any
-            // task has, in segments of SPLIT_TILES.
+            // task has, in segments of SPLIT_TILES: a block per segment (7),
+            // or two blocks per row each taking every other segment (8).
             int cap = 0;
             for (int t = 0; t < tasks; ++t) {
                 int lo = first_key((int)ps[t], window), base0 = lo / ATTN_TILE * ATTN_TILE;
                 cap = std::max(cap, ((int)ps[t] - base0) / ATTN_TILE + 1);
             }
-            int segs = (cap + SPLIT_TILES - 1) / SPLIT_TILES;
+            int segs = decode == 8 ? 2 : (cap + SPLIT_TILES - 1) / SPLIT_TILES;
             size_t rows_n = (size_t)tasks * nh;
             std::vector<float> sc(rows_n * cap * ATTN_TILE, std::nanf("")), tm(rows_n * cap, std::nanf("")),
                 ta(rows_n * cap, std::nanf("")), tl(rows_n * cap, std::nanf("")),

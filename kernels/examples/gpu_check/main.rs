@@ -59,6 +59,7 @@ fn main() {
     timing::attention_prefill(g, r, rep);
     timing::attention_decode(g, r, rep);
     timing::gemm_8b(g, r);
+    timing::attention_long(g, r, rep);
     std::process::exit(rep.finish(isa(), &gpu.name(), &blind));
 }
 
@@ -81,6 +82,7 @@ fn timing_only() -> ! {
     let mut r = SplitMix64(2026);
     let mut rep = Report::default();
     timing::gemm_8b(&gpu, &mut r);
+    timing::attention_long(&gpu, &mut r, &mut rep);
     timing::attention_prefill(&gpu, &mut r, &mut rep);
     std::process::exit(rep.finish(isa(), &gpu.name(), &[]));
 }

@@ -115,7 +115,7 @@ fn attention_prefill_shape(
         let mut first: Option<Vec<f32>> = None;
         let mut line = format!("  prefill {len:>4} tokens:");
         for (label, kernel) in attn_kernels(&shape) {
-            if kernel == AttnKernel::Decode {
+            if kernel == AttnKernel::Decode || kernel == AttnKernel::Split {
                 continue;
             }
             let mut out = vec![f32::NAN; len * shape.q_dim()];
@@ -154,33 +154,18 @@ pub fn attention_decode(gpu: &Gpu, r: &mut Rng, rep: &mut Report) {
         "attention kernel time per launch (decode, 9/3 heads × 64, pages of 16, 50 launches):"
     );
     for &(tokens, len) in &[(1usize, 64usize), (8, 64), (1, 512), (8, 512)] {
-        let blocks: Vec<_> = (0..tokens)
-            .map(|_| kv_blocks(r, len, shape.kv_dim()))
-            .collect();
-        let views: Vec<KvView> = blocks.iter().map(|(k, v)| block_view(k, v)).collect();
-        let qs: Vec<Vec<f32>> = (0..tokens)
-            .map(|_| r.uniform_vec(shape.q_dim(), 2.0))
-            .collect();
-        let tasks: Vec<AttnTask> = qs
-            .iter()
-            .zip(&views)
-            .map(|(q, kv)| AttnTask {
-                q,
-                kv,
-                pos: len - 1,
-            })
-            .collect();
-        let mut first: Option<Vec<f32>> = None;
-        let mut line = format!("  batch {tokens}, {len:>3} positions:");
-        for (label, kernel) in attn_kernels(&shape) {
-            if kernel.is_prefill() {
-                continue;
-            }
-            let mut out = vec![f32::NAN; tokens * shape.q_dim()];
-            let t = gpu
-                .attention_resident_timed(&tasks, &shape, 0.125, None, 16, kernel, &mut out, 50)
-                .unwrap_or_else(|e| panic!("timing {label}: {e}"));
-            match &first {
+        with_decode_tasks(r, &shape, tokens, len, |tasks| {
+            let mut first: Option<Vec<f32>> = None;
+            let mut line = format!("  batch {tokens}, {len:>3} positions:");
+            for (label, kernel) in attn_kernels(&shape) {
+                if kernel.is_prefill() {
+                    continue;
+                }
+                let mut out = vec![f32::NAN; tokens * shape.q_dim()];
+                let t = gpu
+                    .attention_resident_timed(tasks, &shape, 0.125, None, 16, kernel, &mut out, 50)
+                    .unwrap_or_else(|e| panic!("timing {label}: {e}"));
+                match &first {
                 None => first = Some(out),
                 Some(f) => rep.case(
                     format!("{label} decode, batch {tokens}, {len} positions (timed) against attention_paged"),
@@ -188,9 +173,10 @@ pub fn attention_decode(gpu: &Gpu, r: &mut Rng, rep: &mut Report) {
                     f.len(),
                 ),
             }
-            line += &format!(" {label} {:>6.1} µs;", t * 1e6);
-        }
-        println!("{line}");
+                line += &format!(" {label} {:>6.1} µs;", t * 1e6);
+            }
+            println!("{line}");
+        });
     }
 }
 
@@ -232,5 +218,59 @@ pub fn gemm_8b(gpu: &Gpu, r: &mut Rng) {
             rate / 1e12,
             100.0 * rate / peak
         );
+    }
+}
+
+/// Decode attention at long contexts on the `8b` preset's shape (32/8
+/// heads × 128, pages of 16), one layer: `attention_decode` (a block per
+/// (token, head)) against the split over the KV length, batch 1 and 4 at
+/// 4,096 and 32,768 positions, beside the floor of reading the K/V rows
+/// once at the device's copy bandwidth (same run); the two kernels' outputs
+/// held to each other's bits.
+pub fn attention_long(gpu: &Gpu, r: &mut Rng, rep: &mut Report) {
+    let shape = AttnShape {
+        n_heads: 32,
+        n_kv_heads: 8,
+        head_dim: 128,
+    };
+    let bw = gpu
+        .copy_bandwidth(1 << 30, 5)
+        .unwrap_or_else(|e| panic!("copy_bandwidth: {e}"));
+    println!(
+        "decode attention at long contexts (32/8 heads × 128, pages of 16, one layer, 10 launches; copy bandwidth {:.0} GB/s):",
+        bw / 1e9
+    );
+    for &(tokens, len) in &[(1usize, 4096usize), (4, 4096), (1, 32768), (4, 32768)] {
+        with_decode_tasks(r, &shape, tokens, len, |tasks| {
+            let floor = (tokens * len * 2 * shape.kv_dim() * 4) as f64 / bw;
+            let mut first: Option<Vec<f32>> = None;
+            let mut line = format!(
+                "  batch {tokens}, {len:>5} positions (K/V read floor {:>7.1} µs):",
+                floor * 1e6
+            );
+            for (label, kernel) in [
+                ("attention_decode", AttnKernel::Decode),
+                ("attention_split", AttnKernel::Split),
+            ] {
+                let mut out = vec![f32::NAN; tokens * shape.q_dim()];
+                let t = gpu
+                    .attention_resident_timed(tasks, &shape, 0.088, None, 16, kernel, &mut out, 10)
+                    .unwrap_or_else(|e| panic!("timing {label}: {e}"));
+                match &first {
+                None => first = Some(out),
+                Some(f) => rep.case(
+                    format!("{label} decode, batch {tokens}, {len} positions, 32/8 × 128 (timed) against attention_decode"),
+                    diff(f, &out),
+                    f.len(),
+                ),
+            }
+                line += &format!(
+                    " {label} {:>8.1} µs ({:>5.2}× the floor);",
+                    t * 1e6,
+                    t / floor
+                );
+            }
+            println!("{line}");
+        });
     }
 }

@@ -8,12 +8,13 @@ use lmrr_kernels::cuda::Gpu;
 use lmrr_kernels::*;
 
 /// The paged attention kernels, each held to the CPU.
-pub const ATTN_KERNELS: [(&str, AttnKernel); 5] = [
+pub const ATTN_KERNELS: [(&str, AttnKernel); 6] = [
     ("attention_paged", AttnKernel::Paged),
     ("attention_decode", AttnKernel::Decode),
     ("attention_prefill", AttnKernel::Prefill),
     ("attention_prefill_hd64", AttnKernel::PrefillHd64),
     ("attention_prefill_hd128", AttnKernel::PrefillHd128),
+    ("attention_split", AttnKernel::Split),
 ];
 
 /// [`ATTN_KERNELS`] that serve `shape`'s head_dim (a kernel compiled for
@@ -71,6 +72,34 @@ pub fn kv_blocks(r: &mut Rng, len: usize, kvd: usize) -> (Vec<Vec<f32>>, Vec<Vec
     let kb = (0..blocks).map(|_| r.uniform_vec(16 * kvd, 3.0)).collect();
     let vb = (0..blocks).map(|_| r.uniform_vec(16 * kvd, 1.0)).collect();
     (kb, vb)
+}
+
+/// `tokens` decode tasks at position `len - 1`, each over its own random
+/// K/V blocks (of [`kv_blocks`]) and query, handed to `f`.
+pub fn with_decode_tasks(
+    r: &mut Rng,
+    shape: &AttnShape,
+    tokens: usize,
+    len: usize,
+    f: impl FnOnce(&[AttnTask]),
+) {
+    let blocks: Vec<_> = (0..tokens)
+        .map(|_| kv_blocks(r, len, shape.kv_dim()))
+        .collect();
+    let views: Vec<KvView> = blocks.iter().map(|(k, v)| block_view(k, v)).collect();
+    let qs: Vec<Vec<f32>> = (0..tokens)
+        .map(|_| r.uniform_vec(shape.q_dim(), 2.0))
+        .collect();
+    let tasks: Vec<AttnTask> = qs
+        .iter()
+        .zip(&views)
+        .map(|(q, kv)| AttnTask {
+            q,
+            kv,
+            pos: len - 1,
+        })
+        .collect();
+    f(&tasks)
 }
 
 /// The blocks of [`kv_blocks`] as a KV view.

@@ -76,6 +76,11 @@ mod tests {
             ("MR4_ROWS", MR4_ROWS),
             ("MR4_MAX_CHUNKS", MR4_MAX_CHUNKS),
             ("NR_MAX_CHUNKS", NR_MAX_CHUNKS),
+            ("ATTN_TILE", crate::cuda::ops::attention_split::ATTN_TILE),
+            (
+                "SPLIT_TILES",
+                crate::cuda::ops::attention_split::SPLIT_TILES,
+            ),
         ] {
             let line = format!("#define {name} {value}\n");
             assert!(
@@ -131,6 +136,9 @@ pub(crate) struct Kernels {
     pub(crate) attention_prefill: Func,
     pub(crate) attention_prefill_hd64: Func,
     pub(crate) attention_prefill_hd128: Func,
+    pub(crate) attention_split_scores: Func,
+    pub(crate) attention_split_pv: Func,
+    pub(crate) attention_split_merge: Func,
     pub(crate) swiglu: Func,
     pub(crate) swiglu_split: Func,
     pub(crate) fma_peak: Func,
@@ -191,6 +199,9 @@ impl Kernels {
             attention_prefill: f("attention_prefill")?,
             attention_prefill_hd64: f("attention_prefill_hd64")?,
             attention_prefill_hd128: f("attention_prefill_hd128")?,
+            attention_split_scores: f("attention_split_scores")?,
+            attention_split_pv: f("attention_split_pv")?,
+            attention_split_merge: f("attention_split_merge")?,
             swiglu: f("swiglu")?,
             swiglu_split: f("swiglu_split")?,
             fma_peak: f("fma_peak")?,

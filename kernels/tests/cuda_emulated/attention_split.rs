@@ -103,12 +103,17 @@ fn split_decode_attention_matches_the_cpu() {
         (gqa(3, 3, 80), vec![95, 600], 7),
     ] {
         let (line, arrays, cpu) = batch(&mut r, &th, shape, &positions, page_len);
-        let dev = run(bin, &line, &arrays);
-        assert_eq!(
-            differing(&cpu, &dev),
-            0,
-            "attention_split_* {shape:?}, positions {positions:?}, pages of {page_len}"
-        );
+        // A block per segment, then two blocks a row taking every other
+        // segment (one launch shape for any context).
+        for (code, how) in [("7", "a block per segment"), ("8", "two blocks a row")] {
+            let line = format!("{} {code}", line.trim_end_matches(" 7"));
+            let dev = run(bin, &line, &arrays);
+            assert_eq!(
+                differing(&cpu, &dev),
+                0,
+                "attention_split_* ({how}) {shape:?}, positions {positions:?}, pages of {page_len}"
+            );
+        }
     }
 }
 
@@ -140,8 +145,8 @@ fn the_split_check_sees_each_broken_step() {
         ),
         (
             "a score's lane tree xor 1 first",
-            "lv = lv + __shfl_xor_sync(0xffffffffu, lv, 4);\n            lv = lv + __shfl_xor_sync(0xffffffffu, lv, 2);\n            lv = lv + __shfl_xor_sync(0xffffffffu, lv, 1);",
-            "lv = lv + __shfl_xor_sync(0xffffffffu, lv, 1);\n            lv = lv + __shfl_xor_sync(0xffffffffu, lv, 2);\n            lv = lv + __shfl_xor_sync(0xffffffffu, lv, 4);",
+            "lv = lv + __shfl_xor_sync(0xffffffffu, lv, 4);\n                lv = lv + __shfl_xor_sync(0xffffffffu, lv, 2);\n                lv = lv + __shfl_xor_sync(0xffffffffu, lv, 1);",
+            "lv = lv + __shfl_xor_sync(0xffffffffu, lv, 1);\n                lv = lv + __shfl_xor_sync(0xffffffffu, lv, 2);\n                lv = lv + __shfl_xor_sync(0xffffffffu, lv, 4);",
         ),
         (
             "a tile's P·V chain from its last position",

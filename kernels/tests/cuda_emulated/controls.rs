@@ -103,6 +103,7 @@ fn the_emulation_sees_each_broken_kernel() {
             "attention_decode",
             "attention_prefill",
             "attention_decode_rope_qs",
+            "attention_split",
             "norm_block",
             "norm_reg",
             "fmad",
@@ -160,7 +161,7 @@ fn the_emulation_sees_each_broken_kernel() {
             );
             d += differing(&mm_cpu, &floats(&out[0])) + differing(&multi_cpu, &floats(&out[1]));
         }
-        for decode in [0, 1, 2, 3] {
+        for decode in [0, 1, 2, 3, 7] {
             let out = job_on(
                 &bin,
                 &format!(

@@ -38,6 +38,10 @@ pub enum AttnKernel {
     PrefillHd64,
     /// `attention_prefill_hd128`: the same for head_dim 128.
     PrefillHd128,
+    /// `attention_split_*`: decode split over the KV length, three
+    /// launches over scratch ([`Gpu::attention_split`]; `attention_with`
+    /// refuses it, having none).
+    Split,
 }
 
 impl AttnKernel {
@@ -315,6 +319,12 @@ impl Gpu {
             AttnKernel::Prefill => &self.res.attention_prefill,
             AttnKernel::PrefillHd64 => &self.res.attention_prefill_hd64,
             AttnKernel::PrefillHd128 => &self.res.attention_prefill_hd128,
+            AttnKernel::Split => {
+                return Err(GpuError::Shape {
+                    what: "attention_split",
+                    detail: "launched with its scratch by Gpu::attention_split".into(),
+                })
+            }
         };
         let mut b = self.kernel(f)?;
         b.arg(&q)

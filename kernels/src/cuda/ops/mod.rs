@@ -6,6 +6,7 @@
 //! imply.
 
 pub mod attention;
+pub mod attention_split;
 pub mod elementwise;
 pub mod matmul;
 pub mod norm;
