@@ -77,6 +77,13 @@ pub const LANES: usize = 8;
 /// Attention key tile, in absolute positions.
 pub const ATTN_TILE: usize = 32;
 
+/// Floats of scratch the device's decode attention split over the KV length
+/// needs for `rows` (token, head) rows of `tiles` tiles each at `head_dim`:
+/// each tile's scores, its max, alpha and sum, and its P·V partials.
+pub const fn split_kv_floats(rows: usize, tiles: usize, head_dim: usize) -> usize {
+    rows * tiles * (ATTN_TILE + 3 + head_dim)
+}
+
 /// Which implementation the fast entry points run on this machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {

@@ -7,9 +7,7 @@
 //! every step and nothing is held at the end. Then each stage's abort and
 //! each disaggregation patch, by construction.
 
-#[macro_use]
-#[path = "../common/families.rs"]
-mod families;
+use crate::families;
 
 use std::collections::BTreeSet;
 

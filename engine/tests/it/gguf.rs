@@ -7,8 +7,7 @@
 use lmrr_engine::gguf::{dequantize, unpermute_rope_rows, GgmlType, Gguf, Value};
 use lmrr_kernels::BlockFormat;
 
-#[path = "../fixtures/tiny_gguf.rs"]
-mod tiny_gguf;
+use crate::tiny_gguf;
 use tiny_gguf::{gguf, tiny_quantized_llama};
 
 fn parse(b: &[u8]) -> Result<Gguf, String> {

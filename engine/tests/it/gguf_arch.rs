@@ -11,8 +11,7 @@ use std::path::Path;
 
 use lmrr_engine::gguf::{import, vocab::GgufVocab, ImportDtype};
 
-#[path = "../fixtures/tiny_gguf.rs"]
-mod tiny_gguf;
+use crate::tiny_gguf;
 use tiny_gguf::{gguf, meta_str, meta_strs, meta_u32};
 
 fn meta_f32(v: f32) -> (u32, Vec<u8>) {

@@ -5,9 +5,7 @@
 //! its keys in the KV store's auxiliary rows and the sparse gather are under
 //! test; chunk and page sizes are chosen not to line up with its index blocks.
 
-#[macro_use]
-#[path = "../common/families.rs"]
-mod families;
+use crate::families;
 
 use families::{assert_reaches_sparse, model};
 use lmrr_engine::mini_v4::indexer::Selection;

@@ -4,6 +4,12 @@
 //! Helpers shared with other crates' tests stay in `tests/common/` and
 //! `tests/fixtures/`; a file added directly under `tests/` is its own binary.
 
+#[macro_use]
+#[path = "../common/families.rs"]
+mod families;
+#[path = "../fixtures/tiny_gguf.rs"]
+mod tiny_gguf;
+
 mod conformance;
 mod deepseek_v3;
 mod disagg;

@@ -3,9 +3,7 @@
 //! malformed scripts are refused before anything runs, naming the line or the
 //! request.
 
-#[macro_use]
-#[path = "../common/families.rs"]
-mod families;
+use crate::families;
 
 use families::assert_reaches_sparse;
 use lmrr_engine::session::SessionEvent;

@@ -5,9 +5,7 @@
 //! sizes that cut mini-v4's index blocks anywhere and token budgets from 1
 //! up; plus pool accounting, and page hashes over every row a family keeps.
 
-#[macro_use]
-#[path = "../common/families.rs"]
-mod families;
+use crate::families;
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};

@@ -78,6 +78,12 @@ pub struct Tuning {
     /// (one full token tile; at batch 1 `matmul_rows4` is no faster). Not
     /// a variable.
     pub rows4_tokens: usize,
+    /// `LMRR_CUDA_SPLIT_KV_MIN` (positions, default 0: never): decode steps
+    /// of at most [`Tuning::attn_decode_max`] blocks whose longest context
+    /// reaches this many positions take the attention split over the KV
+    /// length (`attention_split_*`, the same bits) instead of one block per
+    /// (token, head). Off until a device has measured where it pays.
+    pub split_kv_min: usize,
 }
 
 impl Default for Tuning {
@@ -95,19 +101,21 @@ impl Default for Tuning {
             loads_first_min: 128,
             rows4_min: 32_768,
             rows4_tokens: MM_TOKENS,
+            split_kv_min: 0,
         }
     }
 }
 
 /// The environment variables [`Tuning::from_vars`] reads (with
 /// [`OTHER_VARIABLES`], the whole set of `LMRR_CUDA_*` knobs).
-pub const VARIABLES: [&str; 6] = [
+pub const VARIABLES: [&str; 7] = [
     "LMRR_CUDA_PDL",
     "LMRR_CUDA_GEMM_MIN",
     "LMRR_CUDA_ATTN_DECODE_MAX",
     "LMRR_CUDA_KV_OVERLAP_MIN",
     "LMRR_CUDA_LOADS_FIRST_MIN",
     "LMRR_CUDA_ROWS4_MIN",
+    "LMRR_CUDA_SPLIT_KV_MIN",
 ];
 
 /// The `LMRR_CUDA_*` variables that choose no kernel, each with why it
@@ -196,6 +204,7 @@ impl Tuning {
             ("LMRR_CUDA_KV_OVERLAP_MIN", &mut t.kv_overlap_min),
             ("LMRR_CUDA_LOADS_FIRST_MIN", &mut t.loads_first_min),
             ("LMRR_CUDA_ROWS4_MIN", &mut t.rows4_min),
+            ("LMRR_CUDA_SPLIT_KV_MIN", &mut t.split_kv_min),
         ] {
             if let Some(v) = get(var) {
                 *slot = v.trim().parse().map_err(|_| {
@@ -228,7 +237,8 @@ impl Tuning {
              attention_decode to {} blocks (LMRR_CUDA_ATTN_DECODE_MAX); norm_reg_lf from {} rows \
              (LMRR_CUDA_LOADS_FIRST_MIN); matmul_rows4 for matrices of {} rows or more \
              (LMRR_CUDA_ROWS4_MIN) in steps of {} tokens or more; K/V copied back layer by layer \
-             from {} tokens (LMRR_CUDA_KV_OVERLAP_MIN), during the head from {}",
+             from {} tokens (LMRR_CUDA_KV_OVERLAP_MIN), during the head from {}; decode attention \
+             split over the KV length from {} positions (LMRR_CUDA_SPLIT_KV_MIN, 0: never)",
             yes(self.pdl),
             self.gemm_min,
             self.gemm_wide_min,
@@ -239,6 +249,7 @@ impl Tuning {
             self.rows4_tokens,
             self.kv_overlap_min,
             self.kv_early_min,
+            self.split_kv_min,
         )
     }
 }
@@ -312,6 +323,7 @@ mod tests {
             ("LMRR_CUDA_KV_OVERLAP_MIN", "512"),
             ("LMRR_CUDA_LOADS_FIRST_MIN", "1"),
             ("LMRR_CUDA_ROWS4_MIN", "1000"),
+            ("LMRR_CUDA_SPLIT_KV_MIN", "4096"),
         ])
         .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
@@ -327,6 +339,7 @@ mod tests {
                 loads_first_min: 1,
                 rows4_min: 1000,
                 rows4_tokens: MM_TOKENS,
+                split_kv_min: 4096,
             }
         );
         assert_eq!(with(&[]).ok(), Some(Tuning::default()));
@@ -338,9 +351,10 @@ mod tests {
 
     #[test]
     fn about_eight_variables_remain_and_none_is_retired() {
-        // Six kernel choices, graphs, profiling and the module cache.
+        // Seven kernel choices (the split decode attention's until a device
+        // has measured where it pays), graphs, profiling and the module cache.
         assert!(
-            VARIABLES.len() + OTHER_VARIABLES.len() <= 9,
+            VARIABLES.len() + OTHER_VARIABLES.len() <= 10,
             "{VARIABLES:?} and {OTHER_VARIABLES:?}"
         );
         for v in VARIABLES.into_iter().chain(OTHER_VARIABLES.map(|(v, _)| v)) {

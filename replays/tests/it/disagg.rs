@@ -9,9 +9,7 @@
 //! 0–2), one page per step on the link (transfers in steps 2–6, the request
 //! transferred at the boundary before step 7, decoding from step 7).
 
-#[macro_use]
-#[path = "../common/mod.rs"]
-mod common;
+use crate::common;
 
 use common::families;
 use common::{record, record_pd};

@@ -5,9 +5,7 @@
 //! never a panic, on a seed bundle of each family's tiny model (colocated,
 //! and disaggregated with orphaned transfers).
 
-#[macro_use]
-#[path = "../../../engine/tests/common/families.rs"]
-mod families;
+use crate::common::families;
 #[path = "../mutator/mod.rs"]
 mod mutator;
 

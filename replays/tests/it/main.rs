@@ -4,6 +4,10 @@
 //! shared helpers (`common/`, the fuzz target's `mutator/`) stay beside
 //! this folder; insta snapshots stay in the repository's `snapshots/`.
 
+#[macro_use]
+#[path = "../common/mod.rs"]
+mod common;
+
 mod disagg;
 mod hostile;
 mod html;

@@ -6,8 +6,7 @@
 //! reference engine (or a bisect) shows them. A cache patch, by contrast, is
 //! caught by the oracle on mini-v4 as on llama.
 
-#[path = "../common/mod.rs"]
-mod common;
+use crate::common;
 
 use lmrr_engine::{EngineConfig, Model, PatchSet, Preset, SynthSpec};
 use lmrr_kernels::Threads;

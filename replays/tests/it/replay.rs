@@ -2,9 +2,7 @@
 //! every family's tiny model (the incident runs past mini-v4's first sparse
 //! position in both turns).
 
-#[macro_use]
-#[path = "../common/mod.rs"]
-mod common;
+use crate::common;
 
 use common::families::{self, sparse_from};
 use common::record;

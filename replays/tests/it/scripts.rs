@@ -3,9 +3,7 @@
 //! recorded and replays bit-exactly on every family, and today's script
 //! driver still produces every committed bundle's session event for event.
 
-#[macro_use]
-#[path = "../common/mod.rs"]
-mod common;
+use crate::common;
 
 use common::families;
 use common::model;

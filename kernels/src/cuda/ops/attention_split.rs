@@ -18,8 +18,7 @@ use crate::cuda::ops::attention::{attn_args, attn_shape_ok, window_arg, AttnArgs
 use crate::cuda::{as_i32, Gpu, GpuError};
 use crate::paged::PageLayout;
 
-/// Positions per attention tile (`ATTN_TILE` in attention.cu).
-pub const ATTN_TILE: usize = 32;
+pub use crate::ATTN_TILE;
 
 /// Tiles per segment of the split (`SPLIT_TILES` in attention_split.cu).
 pub const SPLIT_TILES: usize = 16;
@@ -36,10 +35,9 @@ pub struct SplitKv {
 
 impl SplitKv {
     /// Floats of scratch `rows` rows of `cap_tiles` tiles need at
-    /// `head_dim`: the scores (a tile's positions each), the tile maxima,
-    /// alphas and sums, and the tiles' P·V partials.
+    /// `head_dim` ([`crate::split_kv_floats`]).
     pub fn floats(rows: usize, cap_tiles: usize, head_dim: usize) -> usize {
-        rows * cap_tiles * (ATTN_TILE + 3 + head_dim)
+        crate::split_kv_floats(rows, cap_tiles, head_dim)
     }
 
     /// Tiles the longest walk of positions up to `max_pos` has (a window

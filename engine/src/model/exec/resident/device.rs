@@ -11,7 +11,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use lmrr_kernels::cuda::overlap::Overlap;
-use lmrr_kernels::cuda::resident::{DevBuf, DevMatrix, Graph, Mark, PageLayout, PageTable, Pinned};
+use lmrr_kernels::cuda::resident::{
+    DevBuf, DevMatrix, Graph, Mark, PageLayout, PageTable, Pinned, SplitKv,
+};
 use lmrr_kernels::cuda::Gpu;
 use lmrr_kernels::tensor_core::Numerics;
 use lmrr_kernels::Threads;
@@ -31,13 +33,20 @@ const SPLIT_MAX_TOKENS: usize = 256;
 /// Graphs kept at most (one per program and decode shape).
 const MAX_GRAPHS: usize = 64;
 
+/// Blocks a split decode attention aims for (segments per row times rows):
+/// several an SM on the devices measured.
+const SPLIT_KV_BLOCKS: usize = 1024;
+
 /// A graph's key: the program (by its address; [`State::plans`] keeps it
-/// alive) and the step's token and wanted-row counts.
+/// alive), the step's token and wanted-row counts, and the tiles a row of
+/// the split decode attention's scratch holds (0: not split; a power of
+/// two, so that one graph serves a context growing up to it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Shape {
     prog: usize,
     n: usize,
     m: usize,
+    split: usize,
 }
 
 /// What staging the step's inputs left in `State::host_in`: where the page
@@ -342,10 +351,11 @@ impl Resident {
     ) -> Result<Vec<Vec<f32>>, EngineError> {
         let entered = std::time::Instant::now();
         let (n, w) = (tok.len(), rows.len());
-        let shape = Shape {
+        let mut shape = Shape {
             prog: Arc::as_ptr(prog) as usize,
             n,
             m: w,
+            split: 0,
         };
         let geom = plan.kv;
         let block_len = spans
@@ -358,8 +368,9 @@ impl Resident {
             aux_dim: geom.aux_dim,
         };
         let staged = self.stage_inputs(st, kv, spans, tok, rows, layout)?;
-        let (a, growth) = self.place(st, prog, plan, n, w, &staged)?;
-        let c = self.choose(st, plan, spans, rows, n, w, &staged);
+        shape.split = self.split_tiles(st, plan, spans, n);
+        let (a, growth) = self.place(st, prog, plan, n, w, &staged, shape.split)?;
+        let c = self.choose(st, plan, spans, rows, n, w, &staged, shape.split);
         // The ops up to the last attention, then the rest.
         let cut = plan.attends.last().map_or(0, |&(j, _)| j + 1);
         let runner = || {
@@ -473,6 +484,7 @@ impl Resident {
     /// Grows the step's device buffers (dropping the graphs that name the
     /// old ones), uploads its inputs, and lays out its addresses; returns
     /// them and the seconds spent growing.
+    #[allow(clippy::too_many_arguments)]
     fn place(
         &self,
         st: &mut State,
@@ -481,6 +493,7 @@ impl Resident {
         n: usize,
         w: usize,
         staged: &Staged,
+        split_tiles: usize,
     ) -> Result<(Addrs, f64), EngineError> {
         let gpu = &*self.gpu;
         let (kvd, adim, layers) = (plan.kv.kv_dim, plan.kv.aux_dim, plan.kv.layers);
@@ -510,6 +523,7 @@ impl Resident {
             stage,
             layers * n * adim,
             xb_floats,
+            n * split_tiles * plan.split_per_tile,
         ];
         let bytes: usize = regions.iter().map(|&f| (f * 4).div_ceil(256) * 256).sum();
         if st.scratch.as_ref().is_none_or(|(_, b)| *b < bytes) {
@@ -528,7 +542,7 @@ impl Resident {
             gpu.htod(&st.host_in, inb).map_err(gpu_err)
         })?;
         let at = |i: usize| inb + 8 * (i as u64);
-        let mut region = [0u64; 7];
+        let mut region = [0u64; 8];
         let mut off = sb;
         for (r, &f) in region.iter_mut().zip(&regions) {
             *r = off;
@@ -554,9 +568,45 @@ impl Resident {
             dst: at(3 * n),
             slot: at(4 * n),
             rows: at(5 * n),
+            split: (split_tiles > 0).then(|| {
+                let rows = (n * plan.heads).max(1);
+                SplitKv {
+                    addr: region[7],
+                    cap_tiles: split_tiles,
+                    segs: split_tiles
+                        .div_ceil(lmrr_kernels::cuda::resident::SPLIT_TILES)
+                        .min((SPLIT_KV_BLOCKS / rows).max(1)),
+                }
+            }),
         };
 
         Ok((a, growth))
+    }
+
+    /// The tiles a row of the split decode attention's scratch holds for
+    /// this step (the longest walk's, rounded up to a power of two), or 0
+    /// where the step does not take it: only a decode step of plain
+    /// attention ops, of at most [`Tuning::attn_decode_max`] blocks, whose
+    /// longest context reaches [`Tuning::split_kv_min`] (0: never).
+    ///
+    /// [`Tuning::attn_decode_max`]: lmrr_kernels::cuda::resident::Tuning::attn_decode_max
+    /// [`Tuning::split_kv_min`]: lmrr_kernels::cuda::resident::Tuning::split_kv_min
+    fn split_tiles(&self, st: &State, plan: &Plan, spans: &[SeqSpan], n: usize) -> usize {
+        let t = self.gpu.tuning();
+        let decode = spans.iter().all(|s| s.tokens.len() == 1);
+        if t.split_kv_min == 0
+            || !decode
+            || !plan.fusable_attention
+            || n * plan.heads > t.attn_decode_max
+        {
+            return 0;
+        }
+        // The step's positions (stage_inputs packs them after the ids).
+        let longest = st.host_in[n..2 * n].iter().copied().max().unwrap_or(0) as usize;
+        if longest + 1 < t.split_kv_min {
+            return 0;
+        }
+        SplitKv::tiles_for(longest).next_power_of_two()
     }
 
     /// The step's kernel choices.
@@ -570,6 +620,7 @@ impl Resident {
         n: usize,
         w: usize,
         staged: &Staged,
+        split_tiles: usize,
     ) -> Choice {
         let gpu = &*self.gpu;
         let adim = plan.kv.aux_dim;
@@ -596,6 +647,7 @@ impl Resident {
         let rope_attn = {
             let t = gpu.tuning();
             decode
+                && split_tiles == 0
                 && !crossed
                 && staged.n_groups == 0
                 && plan.fusable_attention

@@ -12,7 +12,7 @@
 use std::ops::Range;
 
 use lmrr_kernels::cuda::overlap::Overlap;
-use lmrr_kernels::cuda::resident::{DevBuf, MmOut, PageLayout, PageTable, SplitScratch};
+use lmrr_kernels::cuda::resident::{DevBuf, MmOut, PageLayout, PageTable, SplitKv, SplitScratch};
 
 use super::device::Resident;
 use super::plan::{Loc, Plan};
@@ -39,6 +39,9 @@ pub(super) struct Addrs {
     pub dst: u64,
     pub slot: u64,
     pub rows: u64,
+    /// The split decode attention's scratch and spread, where the step
+    /// takes it (no fused RoPE attention then).
+    pub split: Option<SplitKv>,
 }
 
 /// Runs a program's ops in order, keeping where each buffer's value is and
@@ -606,17 +609,31 @@ impl<'a> Runner<'a> {
                 .map_err(e)?;
         }
         let qa = self.at(self.cur[q.0 as usize]);
-        g.attention_paged(
-            qa,
-            a.table,
-            self.n,
-            &spec.shape,
-            self.layout,
-            layer,
-            spec.scale(),
-            window,
-            o,
-        )
+        match a.split {
+            Some(split) => g.attention_split(
+                qa,
+                a.table,
+                self.n,
+                &spec.shape,
+                self.layout,
+                layer,
+                spec.scale(),
+                window,
+                o,
+                split,
+            ),
+            None => g.attention_paged(
+                qa,
+                a.table,
+                self.n,
+                &spec.shape,
+                self.layout,
+                layer,
+                spec.scale(),
+                window,
+                o,
+            ),
+        }
         .map_err(e)
     }
 

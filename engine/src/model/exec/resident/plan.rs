@@ -80,6 +80,10 @@ pub struct Plan {
     pub fusable_attention: bool,
     /// The attention ops' query heads (the first one's).
     pub heads: usize,
+    /// Per token, the most scratch floats per tile of context any plain
+    /// attention op's split form needs ([`lmrr_kernels::split_kv_floats`]
+    /// of its heads).
+    pub split_per_tile: usize,
     /// The gather ops (by index) whose output may stand for its input when
     /// every row is wanted in order: no later op writes either.
     pub gather_alias: Vec<usize>,
@@ -230,6 +234,16 @@ impl Plan {
                 _ => None,
             })
             .unwrap_or(0);
+        let split_per_tile = ops
+            .iter()
+            .map(|o| match o {
+                Op::RopeKvAttend { spec, .. } => {
+                    lmrr_kernels::split_kv_floats(spec.shape.n_heads, 1, spec.shape.head_dim)
+                }
+                _ => 0,
+            })
+            .max()
+            .unwrap_or(0);
         let gather_alias = ops
             .iter()
             .enumerate()
@@ -256,6 +270,7 @@ impl Plan {
             dense_below,
             fusable_attention,
             heads,
+            split_per_tile,
             gather_alias,
             kv: kv.unwrap_or(KvGeom {
                 layers: 0,
