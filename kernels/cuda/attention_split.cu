@@ -2,13 +2,15 @@
 // of few (token, head) rows and long contexts, in three launches that give
 // attention_body's bits:
 //
-//  1. attention_split_scores, `segs` blocks per row, block b taking the
-//     segments of SPLIT_TILES tiles b, b + segs, … (so that one launch
-//     shape serves any context: a graph replays it): every score s_j = dot(q, k_j) · scale (lane j's FMA chain of
+//  1. attention_split_scores, `segs` blocks per (token, K/V head), each
+//     serving the query heads of that K/V head (K and V rows read once for
+//     all of them), block b taking the segments of SPLIT_TILES tiles b,
+//     b + segs, … (so that one launch shape serves any context: a graph
+//     replays it): every score s_j = dot(q, k_j) · scale (lane j's FMA chain of
 //     each chunk, the xor tree 4, 2, 1, chunk partials in order from +0.0)
 //     into sc, and each tile's maximum (sequential over its positions from
 //     -inf, a position replacing it only when greater) into tm;
-//  2. attention_split_pv, the same blocks: the running max before the
+//  2. attention_split_pv, the same blocks, per query head: the running max before the
 //     segment, then per tile of it the running max m after it, alpha =
 //     det_exp(m before - m after), p_j = det_exp(s_j - m after), lt (the
 //     sum of its p in index order from +0.0) and acc_t[d] (the fmaf chain
@@ -34,6 +36,9 @@
 
 #define SPLIT_TILES 16
 #define SPLIT_POS (SPLIT_TILES * ATTN_TILE)
+// Query heads of one K/V head a block of steps 1 and 2 serves (each K and V
+// row read once for all of them); a model with more takes the other forms.
+#define SPLIT_MAX_GROUP 8
 
 // A row's walk: its query position, the window's first key and that key's
 // tile start, and how many tiles it has.
@@ -52,67 +57,90 @@ __device__ __forceinline__ SplitRow split_row(const unsigned long long* pos, int
     return s;
 }
 
+// Steps 1 and 2 run a block per (token, K/V head, …): its query heads are
+// h0 .. h0 + G, whose rows are t · n_heads + h0 + g.
 extern "C" __global__ void attention_split_scores(const float* q, const unsigned long long* pages,
                                                   const unsigned long long* seq_off,
                                                   const unsigned long long* pos, int n_heads, int n_kv_heads,
                                                   int head_dim, int layer, int page_len, int aux, float scale,
                                                   int window, int segs, int cap, float* sc, float* tm) {
     PDL_ENTRY();
-    int r = blockIdx.x / segs;
-    int t = r / n_heads, h = r % n_heads;
+    int rk = blockIdx.x / segs;
+    int t = rk / n_kv_heads, kvh = rk % n_kv_heads;
+    int G = n_heads / n_kv_heads, h0 = kvh * G;
     int tid = threadIdx.x, grp = tid >> 3, lane8 = tid & 7;
     int hd = head_dim, kvd = n_kv_heads * head_dim, qd = n_heads * head_dim;
-    int kvh = h / (n_heads / n_kv_heads);
     SplitRow w = split_row(pos, t, window);
     // A walk past the scratch is the host's error: the merge writes NaN.
-    if (w.tiles > cap || blockIdx.x % segs * SPLIT_TILES >= w.tiles) return;  // uniform over the block
-    __shared__ float qs[MAX_HEAD_DIM];
-    __shared__ float ss[SPLIT_POS];
-    for (int d = tid; d < hd; d += ATTN_THREADS) qs[d] = q[(long long)t * qd + h * hd + d];
+    if (w.tiles > cap || G > SPLIT_MAX_GROUP || blockIdx.x % segs * SPLIT_TILES >= w.tiles) return;  // uniform
+    __shared__ float qs[SPLIT_MAX_GROUP * MAX_HEAD_DIM];
+    __shared__ float ss[SPLIT_MAX_GROUP * SPLIT_POS];
+    for (int e = tid; e < G * hd; e += ATTN_THREADS) qs[e] = q[(long long)t * qd + h0 * hd + e];
     const unsigned long long* pt = pages + seq_off[t];
+    long long row0 = (long long)t * n_heads + h0;
     for (int seg = blockIdx.x % segs; seg * SPLIT_TILES < w.tiles; seg += segs) {
         __syncthreads();  // qs written; the last segment's ss read
-        int i0 = seg * SPLIT_TILES, i1 = min(i0 + SPLIT_TILES, w.tiles);
+        int i0 = seg * SPLIT_TILES, i1 = min(i0 + SPLIT_TILES, w.tiles), nt = i1 - i0;
         // Positions of the segment relative to base0: [jb0, jb1); those below
         // cut (the window's first key) are not keys.
         int jb0 = i0 * ATTN_TILE, jb1 = min(i1 * ATTN_TILE, w.p_end + 1 - w.base0), cut = w.lo - w.base0;
         int chunks = (hd + CHUNK - 1) / CHUNK;
-        // One position per group of 8 at a time; the loop is uniform over the
-        // warp (shuffles need all lanes): dead groups compute on q.
+        // One position per group of 8 at a time, its K row against every
+        // head of the block; the loop is uniform over the warp (shuffles
+        // need all lanes): dead groups compute on q.
         for (int jj0 = jb0; jj0 < jb1; jj0 += ATTN_THREADS / 8) {
             int jj = jj0 + grp;
             bool live = jj >= cut && jj < jb1;
             int j = w.base0 + jj;
             const float* kr = live ? kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 0) + kvh * hd : qs;
-            float total = 0.0f;
+            float total[SPLIT_MAX_GROUP];
+            #pragma unroll
+            for (int g = 0; g < SPLIT_MAX_GROUP; ++g) total[g] = 0.0f;
             for (int c = 0; c < chunks; ++c) {
                 int c0 = c * CHUNK, cend = min(c0 + CHUNK, hd);
-                float lv = 0.0f;
+                float kv[CHUNK / LANES];
                 #pragma unroll
                 for (int s2 = 0; s2 < CHUNK / LANES; ++s2) {
                     int i = c0 + lane8 + s2 * LANES;
-                    if (i < cend) lv = fmaf(qs[i], kr[i], lv);
+                    kv[s2] = i < cend ? kr[i] : 0.0f;
                 }
-                lv = lv + __shfl_xor_sync(0xffffffffu, lv, 4);
-                lv = lv + __shfl_xor_sync(0xffffffffu, lv, 2);
-                lv = lv + __shfl_xor_sync(0xffffffffu, lv, 1);
-                total = total + lv;
+                #pragma unroll
+                for (int g = 0; g < SPLIT_MAX_GROUP; ++g) {
+                    if (g < G) {  // uniform over the block
+                        float lv = 0.0f;
+                        #pragma unroll
+                        for (int s2 = 0; s2 < CHUNK / LANES; ++s2) {
+                            int i = c0 + lane8 + s2 * LANES;
+                            if (i < cend) lv = fmaf(qs[g * hd + i], kv[s2], lv);
+                        }
+                        lv = lv + __shfl_xor_sync(0xffffffffu, lv, 4);
+                        lv = lv + __shfl_xor_sync(0xffffffffu, lv, 2);
+                        lv = lv + __shfl_xor_sync(0xffffffffu, lv, 1);
+                        total[g] = total[g] + lv;
+                    }
+                }
             }
             if (live && lane8 == 0) {
-                float s = total * scale;
-                ss[jj - jb0] = s;
-                sc[(long long)r * cap * ATTN_TILE + jj] = s;
+                #pragma unroll
+                for (int g = 0; g < SPLIT_MAX_GROUP; ++g) {
+                    if (g < G) {
+                        float s = total[g] * scale;
+                        ss[g * SPLIT_POS + jj - jb0] = s;
+                        sc[(row0 + g) * cap * ATTN_TILE + jj] = s;
+                    }
+                }
             }
         }
         __syncthreads();
-        if (tid < i1 - i0) {
-            int j0 = (i0 + tid) * ATTN_TILE, j1 = min(j0 + ATTN_TILE, jb1);
+        for (int e = tid; e < G * nt; e += ATTN_THREADS) {
+            int g = e / nt, k = e % nt;
+            int j0 = (i0 + k) * ATTN_TILE, j1 = min(j0 + ATTN_TILE, jb1);
             float mt = __int_as_float(0xff800000);  // -inf
             for (int i = max(j0, cut); i < j1; ++i) {
-                float sv = ss[i - jb0];
+                float sv = ss[g * SPLIT_POS + i - jb0];
                 if (sv > mt) mt = sv;
             }
-            tm[(long long)r * cap + i0 + tid] = mt;
+            tm[(row0 + g) * cap + i0 + k] = mt;
         }
     }
 }
@@ -132,80 +160,97 @@ extern "C" __global__ void attention_split_pv(const unsigned long long* pages, c
                                               int cap, const float* sc, const float* tm, float* ta, float* tl,
                                               float* at) {
     PDL_ENTRY();
-    int r = blockIdx.x / segs;
-    int t = r / n_heads, h = r % n_heads;
+    int rk = blockIdx.x / segs;
+    int t = rk / n_kv_heads, kvh = rk % n_kv_heads;
+    int G = n_heads / n_kv_heads, h0 = kvh * G;
     int tid = threadIdx.x;
     int hd = head_dim, kvd = n_kv_heads * head_dim;
-    int kvh = h / (n_heads / n_kv_heads);
     SplitRow w = split_row(pos, t, window);
-    if (w.tiles > cap) return;  // uniform over the block
-    __shared__ float ps[SPLIT_POS];
-    __shared__ float mb[SPLIT_TILES], ma[SPLIT_TILES];
+    if (w.tiles > cap || G > SPLIT_MAX_GROUP) return;  // uniform over the block
+    __shared__ float ps[SPLIT_MAX_GROUP * SPLIT_POS];
+    __shared__ float mb[SPLIT_MAX_GROUP * SPLIT_TILES], ma[SPLIT_MAX_GROUP * SPLIT_TILES];
     __shared__ float rv[ATTN_THREADS / 32];
     __shared__ int ri[ATTN_THREADS / 32];
-    const float* tmr = tm + (long long)r * cap;
     const unsigned long long* pt = pages + seq_off[t];
+    long long row0 = (long long)t * n_heads + h0;
     for (int seg = blockIdx.x % segs; seg * SPLIT_TILES < w.tiles; seg += segs) {
         int i0 = seg * SPLIT_TILES, i1 = min(i0 + SPLIT_TILES, w.tiles), nt = i1 - i0;
-        __syncthreads();  // the last segment's rv, ri, ma and ps read
-        // The running max before tile i0: the fold over tiles 0 .. i0.
-        float v = __int_as_float(0xff800000);
-        int vi = 0x7fffffff;
-        for (int i = tid; i < i0; i += ATTN_THREADS) {
-            float x = tmr[i];
-            if (x > v) {
-                v = x;
-                vi = i;
+        for (int g = 0; g < G; ++g) {
+            const float* tmr = tm + (row0 + g) * cap;
+            __syncthreads();  // rv and ri read; the last segment's ma and ps read
+            // The running max before tile i0: the fold over tiles 0 .. i0.
+            float v = __int_as_float(0xff800000);
+            int vi = 0x7fffffff;
+            for (int i = tid; i < i0; i += ATTN_THREADS) {
+                float x = tmr[i];
+                if (x > v) {
+                    v = x;
+                    vi = i;
+                }
+            }
+            #pragma unroll
+            for (int m = 16; m >= 1; m >>= 1) {
+                float ov = __shfl_xor_sync(0xffffffffu, v, m);
+                int oi = __shfl_xor_sync(0xffffffffu, vi, m);
+                split_pick(v, vi, ov, oi);
+            }
+            if ((tid & 31) == 0) {
+                rv[tid >> 5] = v;
+                ri[tid >> 5] = vi;
+            }
+            __syncthreads();
+            if (tid == 0) {
+                for (int wi = 1; wi < ATTN_THREADS / 32; ++wi) split_pick(v, vi, rv[wi], ri[wi]);
+                // The segment's tiles, in order: the max before and after each.
+                float mr = v;
+                for (int k = 0; k < nt; ++k) {
+                    float x = tmr[i0 + k];
+                    float mn = x > mr ? x : mr;
+                    mb[g * SPLIT_TILES + k] = mr;
+                    ma[g * SPLIT_TILES + k] = mn;
+                    mr = mn;
+                }
             }
         }
-        #pragma unroll
-        for (int m = 16; m >= 1; m >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, v, m);
-            int oi = __shfl_xor_sync(0xffffffffu, vi, m);
-            split_pick(v, vi, ov, oi);
-        }
-        if ((tid & 31) == 0) {
-            rv[tid >> 5] = v;
-            ri[tid >> 5] = vi;
-        }
         __syncthreads();
-        if (tid == 0) {
-            for (int wi = 1; wi < ATTN_THREADS / 32; ++wi) split_pick(v, vi, rv[wi], ri[wi]);
-            // The segment's tiles, in order: the max before and after each.
-            float mr = v;
-            for (int k = 0; k < nt; ++k) {
-                float x = tmr[i0 + k];
-                float mn = x > mr ? x : mr;
-                mb[k] = mr;
-                ma[k] = mn;
-                mr = mn;
-            }
+        for (int e = tid; e < G * nt; e += ATTN_THREADS) {
+            int g = e / nt, k = e % nt;
+            ta[(row0 + g) * cap + i0 + k] = det_exp(mb[g * SPLIT_TILES + k] - ma[g * SPLIT_TILES + k]);
         }
-        __syncthreads();
-        long long row_t = (long long)r * cap;
-        if (tid < nt) ta[row_t + i0 + tid] = det_exp(mb[tid] - ma[tid]);
         int jb0 = i0 * ATTN_TILE, jb1 = min(i1 * ATTN_TILE, w.p_end + 1 - w.base0), cut = w.lo - w.base0;
-        const float* scr = sc + row_t * ATTN_TILE;
-        for (int jj = max(jb0, cut) + tid; jj < jb1; jj += ATTN_THREADS)
-            ps[jj - jb0] = det_exp(scr[jj] - ma[(jj - jb0) / ATTN_TILE]);
-        __syncthreads();
-        if (tid < nt) {
-            int j0 = max((i0 + tid) * ATTN_TILE, cut), j1 = min((i0 + tid) * ATTN_TILE + ATTN_TILE, jb1);
-            float lt = 0.0f;
-            for (int i = j0; i < j1; ++i) lt = lt + ps[i - jb0];
-            tl[row_t + i0 + tid] = lt;
+        for (int g = 0; g < G; ++g) {
+            const float* scr = sc + (row0 + g) * cap * ATTN_TILE;
+            for (int jj = max(jb0, cut) + tid; jj < jb1; jj += ATTN_THREADS)
+                ps[g * SPLIT_POS + jj - jb0] = det_exp(scr[jj] - ma[g * SPLIT_TILES + (jj - jb0) / ATTN_TILE]);
         }
+        __syncthreads();
+        for (int e = tid; e < G * nt; e += ATTN_THREADS) {
+            int g = e / nt, k = e % nt;
+            int j0 = max((i0 + k) * ATTN_TILE, cut), j1 = min((i0 + k) * ATTN_TILE + ATTN_TILE, jb1);
+            float lt = 0.0f;
+            for (int i = j0; i < j1; ++i) lt = lt + ps[g * SPLIT_POS + i - jb0];
+            tl[(row0 + g) * cap + i0 + k] = lt;
+        }
+        // Each V value read once for every head of the block.
         for (int pi = tid; pi < nt * hd; pi += ATTN_THREADS) {
             int k = pi / hd, d = pi % hd;
             int j0 = max((i0 + k) * ATTN_TILE, cut), j1 = min((i0 + k) * ATTN_TILE + ATTN_TILE, jb1);
-            float a = 0.0f;
-            #pragma unroll 8
+            float a[SPLIT_MAX_GROUP];
+            #pragma unroll
+            for (int g = 0; g < SPLIT_MAX_GROUP; ++g) a[g] = 0.0f;
+            #pragma unroll 4
             for (int i = j0; i < j1; ++i) {
                 int j = w.base0 + i;
                 float vv = kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 1)[kvh * hd + d];
-                a = fmaf(ps[i - jb0], vv, a);
+                #pragma unroll
+                for (int g = 0; g < SPLIT_MAX_GROUP; ++g) {
+                    if (g < G) a[g] = fmaf(ps[g * SPLIT_POS + i - jb0], vv, a[g]);
+                }
             }
-            at[(row_t + i0 + k) * hd + d] = a;
+            #pragma unroll
+            for (int g = 0; g < SPLIT_MAX_GROUP; ++g) {
+                if (g < G) at[((row0 + g) * cap + i0 + k) * hd + d] = a[g];
+            }
         }
     }
 }

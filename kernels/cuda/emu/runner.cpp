@@ -400,7 +400,7 @@ int main() {
             std::vector<float> sc(rows_n * cap * ATTN_TILE, std::nanf("")), tm(rows_n * cap, std::nanf("")),
                 ta(rows_n * cap, std::nanf("")), tl(rows_n * cap, std::nanf("")),
                 at(rows_n * cap * hd, std::nanf(""));
-            unsigned blocks = (unsigned)(rows_n * segs);
+            unsigned blocks = (unsigned)((size_t)tasks * nkv * segs);
             emu::launch(blocks, ATTN_THREADS, [&] {
                 attention_split_scores(q.data(), table.data(), so.data(), ps.data(), nh, nkv, hd, 0, page_len, 0,
                                        scale, window, segs, cap, sc.data(), tm.data());

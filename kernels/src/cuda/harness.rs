@@ -9,7 +9,7 @@ use cudarc::driver::LaunchConfig;
 
 use crate::cuda::launch::*;
 use crate::cuda::ops::attention::{AttnKernel, PageTable};
-use crate::cuda::ops::attention_split::{SplitKv, SPLIT_TILES};
+use crate::cuda::ops::attention_split::SplitKv;
 use crate::cuda::ops::matmul::GemmTiles;
 use crate::cuda::ops::norm::NormKernel;
 use crate::cuda::split::MmOut;
@@ -420,8 +420,7 @@ impl Gpu {
             groups: at(pages_len + 2 * tasks.len()),
             n_groups: if kernel.is_prefill() { groups.len() } else { 0 },
         };
-        // The split form's scratch: every task's walk in a segment of its
-        // own block (up to 64 a row), the rest taken in turn.
+        // The split form's scratch, for the longest task's walk.
         let cap_tiles = SplitKv::tiles_for(tasks.iter().map(|t| t.pos).max().unwrap_or(0));
         let scratch = if kernel == AttnKernel::Split {
             let floats = SplitKv::floats(tasks.len() * shape.n_heads, cap_tiles, shape.head_dim);
@@ -446,7 +445,6 @@ impl Gpu {
                     SplitKv {
                         addr: s.ptr,
                         cap_tiles,
-                        segs: cap_tiles.div_ceil(SPLIT_TILES).min(64),
                     },
                 )?,
                 None => self.attention_with(

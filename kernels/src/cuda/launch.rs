@@ -81,6 +81,10 @@ mod tests {
                 "SPLIT_TILES",
                 crate::cuda::ops::attention_split::SPLIT_TILES,
             ),
+            (
+                "SPLIT_MAX_GROUP",
+                crate::cuda::ops::attention_split::SPLIT_MAX_GROUP,
+            ),
         ] {
             let line = format!("#define {name} {value}\n");
             assert!(

@@ -33,7 +33,7 @@ pub use super::launch::{
     MR_THREADS, NR_MAX_CHUNKS, PF_MAXHD, PF_TQ,
 };
 pub use super::ops::attention::{prefill_fixed, AttnKernel, PageTable};
-pub use super::ops::attention_split::{SplitKv, SPLIT_TILES};
+pub use super::ops::attention_split::SplitKv;
 pub use super::ops::matmul::GemmTiles;
 pub use super::ops::norm::NormKernel;
 pub use super::split::MmOut;

@@ -135,8 +135,8 @@ fn the_split_check_sees_each_broken_step() {
     let mutations: &[(&str, &str, &str)] = &[
         (
             "p taken from the max before its tile",
-            "det_exp(scr[jj] - ma[(jj - jb0) / ATTN_TILE])",
-            "det_exp(scr[jj] - mb[(jj - jb0) / ATTN_TILE])",
+            "det_exp(scr[jj] - ma[g * SPLIT_TILES + (jj - jb0) / ATTN_TILE])",
+            "det_exp(scr[jj] - mb[g * SPLIT_TILES + (jj - jb0) / ATTN_TILE])",
         ),
         (
             "the merge over the tiles in reverse",
@@ -145,13 +145,13 @@ fn the_split_check_sees_each_broken_step() {
         ),
         (
             "a score's lane tree xor 1 first",
-            "lv = lv + __shfl_xor_sync(0xffffffffu, lv, 4);\n                lv = lv + __shfl_xor_sync(0xffffffffu, lv, 2);\n                lv = lv + __shfl_xor_sync(0xffffffffu, lv, 1);",
-            "lv = lv + __shfl_xor_sync(0xffffffffu, lv, 1);\n                lv = lv + __shfl_xor_sync(0xffffffffu, lv, 2);\n                lv = lv + __shfl_xor_sync(0xffffffffu, lv, 4);",
+            "lv = lv + __shfl_xor_sync(0xffffffffu, lv, 4);\n                        lv = lv + __shfl_xor_sync(0xffffffffu, lv, 2);\n                        lv = lv + __shfl_xor_sync(0xffffffffu, lv, 1);",
+            "lv = lv + __shfl_xor_sync(0xffffffffu, lv, 1);\n                        lv = lv + __shfl_xor_sync(0xffffffffu, lv, 2);\n                        lv = lv + __shfl_xor_sync(0xffffffffu, lv, 4);",
         ),
         (
             "a tile's P·V chain from its last position",
-            "a = fmaf(ps[i - jb0], vv, a);",
-            "a = fmaf(ps[j0 + j1 - 1 - i - jb0], kv_row(pt[(w.base0 + j0 + j1 - 1 - i) / page_len], layer, page_len, kvd, aux, (w.base0 + j0 + j1 - 1 - i) % page_len, 1)[kvh * hd + d], a + 0.0f * vv);",
+            "for (int i = j0; i < j1; ++i) {\n                int j = w.base0 + i;",
+            "for (int i = j1 - 1; i >= j0; --i) {\n                int j = w.base0 + i;",
         ),
     ];
     let source = cuda_source::SOURCE;

@@ -23,14 +23,20 @@ pub use crate::ATTN_TILE;
 /// Tiles per segment of the split (`SPLIT_TILES` in attention_split.cu).
 pub const SPLIT_TILES: usize = 16;
 
-/// Where a split launch keeps its partials and how it spreads: `segs`
-/// blocks per row (block b taking segments b, b + segs, …), scratch for
-/// `cap_tiles` tiles a row at `addr` ([`SplitKv::floats`] floats).
+/// Query heads per K/V head the split serves (`SPLIT_MAX_GROUP`); a shape
+/// with more takes [`Gpu::attention_paged`] (the same bits).
+pub const SPLIT_MAX_GROUP: usize = 8;
+
+/// Blocks a split launch aims for (segments per (token, K/V head) times
+/// those): several an SM on the devices measured.
+const SPLIT_BLOCKS: usize = 1024;
+
+/// Where a split launch keeps its partials: scratch for `cap_tiles` tiles
+/// a row at `addr` ([`SplitKv::floats`] floats).
 #[derive(Debug, Clone, Copy)]
 pub struct SplitKv {
     pub addr: u64,
     pub cap_tiles: usize,
-    pub segs: usize,
 }
 
 impl SplitKv {
@@ -52,7 +58,10 @@ impl Gpu {
     /// [`Gpu::attention_paged`] of `n` decode rows by the split kernels:
     /// `out` gets `attention_decode`'s bits. Every row's walk must have at
     /// most `split.cap_tiles` tiles (the caller sizes the scratch by
-    /// [`SplitKv::tiles_for`] of its longest position).
+    /// [`SplitKv::tiles_for`] of its longest position). A block of steps 1
+    /// and 2 serves one (token, K/V head) and its query heads, taking every
+    /// `segs`-th segment, `segs` a function of `n`, the shape and
+    /// `cap_tiles` only (so a graph replays the launch for any context).
     #[allow(clippy::too_many_arguments)]
     pub fn attention_split(
         &self,
@@ -70,27 +79,30 @@ impl Gpu {
         if n == 0 {
             return Ok(());
         }
+        if attn_shape_ok(shape, &layout) && shape.n_heads / shape.n_kv_heads > SPLIT_MAX_GROUP {
+            return self.attention_paged(q, table, n, shape, layout, layer, scale, window, out);
+        }
         let win = window_arg(window)?;
-        if !attn_shape_ok(shape, &layout) || split.segs == 0 || split.cap_tiles == 0 {
+        if !attn_shape_ok(shape, &layout) || split.cap_tiles == 0 {
             return Err(GpuError::Shape {
                 what: "attention_split",
                 detail: format!(
-                    "heads {}/{} × {}, pages of kv_dim {}, {} segments a row, scratch of {} tiles a row",
-                    shape.n_heads,
-                    shape.n_kv_heads,
-                    shape.head_dim,
-                    layout.kv_dim,
-                    split.segs,
-                    split.cap_tiles
+                    "heads {}/{} × {}, pages of kv_dim {}, scratch of {} tiles a row",
+                    shape.n_heads, shape.n_kv_heads, shape.head_dim, layout.kv_dim, split.cap_tiles
                 ),
             });
         }
         let rows = n * shape.n_heads;
+        let groups = n * shape.n_kv_heads;
+        let segs = split
+            .cap_tiles
+            .div_ceil(SPLIT_TILES)
+            .min((SPLIT_BLOCKS / groups).max(1));
         // Every index the kernels form inside the scratch fits 32 bits per
         // factor and 64 in all; the block count fits the grid.
-        as_i32("attention_split", rows * split.segs)?;
-        let (segs, cap) = (
-            as_i32("attention_split", split.segs)?,
+        as_i32("attention_split", groups * segs)?;
+        let (segs_i, cap) = (
+            as_i32("attention_split", segs)?,
             as_i32("attention_split", split.cap_tiles)?,
         );
         let per = rows * split.cap_tiles;
@@ -106,7 +118,7 @@ impl Gpu {
             pl,
             aux,
             cfg,
-        } = attn_args(shape, &layout, layer, rows * split.segs)?;
+        } = attn_args(shape, &layout, layer, groups * segs)?;
         let mut b = self.kernel(&self.res.attention_split_scores)?;
         b.arg(&q)
             .arg(&table.pages)
@@ -120,7 +132,7 @@ impl Gpu {
             .arg(&aux)
             .arg(&scale)
             .arg(&win)
-            .arg(&segs)
+            .arg(&segs_i)
             .arg(&cap)
             .arg(&sc)
             .arg(&tm);
@@ -140,7 +152,7 @@ impl Gpu {
             .arg(&pl)
             .arg(&aux)
             .arg(&win)
-            .arg(&segs)
+            .arg(&segs_i)
             .arg(&cap)
             .arg(&sc)
             .arg(&tm)

@@ -36,10 +36,6 @@ const SPLIT_MAX_TOKENS: usize = 256;
 /// Graphs kept at most (one per program and decode shape).
 const MAX_GRAPHS: usize = 64;
 
-/// Blocks a split decode attention aims for (segments per row times rows):
-/// several an SM on the devices measured.
-const SPLIT_KV_BLOCKS: usize = 1024;
-
 /// A graph's key: the program (by its address; [`State::plans`] keeps it
 /// alive), the step's token and wanted-row counts, and the tiles a row of
 /// the split decode attention's scratch holds (0: not split; a power of
@@ -556,15 +552,9 @@ impl Resident {
             dst: at(3 * n),
             slot: at(4 * n),
             rows: at(5 * n),
-            split: (split_tiles > 0).then(|| {
-                let rows = (n * plan.heads).max(1);
-                SplitKv {
-                    addr: region[7],
-                    cap_tiles: split_tiles,
-                    segs: split_tiles
-                        .div_ceil(lmrr_kernels::cuda::resident::SPLIT_TILES)
-                        .min((SPLIT_KV_BLOCKS / rows).max(1)),
-                }
+            split: (split_tiles > 0).then_some(SplitKv {
+                addr: region[7],
+                cap_tiles: split_tiles,
             }),
         };
 
