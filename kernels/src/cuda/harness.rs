@@ -134,6 +134,7 @@ impl DecodeRopeCase<'_> {
                     scale,
                     self.window,
                     out.ptr,
+                    None,
                 )?;
                 &dk
             };

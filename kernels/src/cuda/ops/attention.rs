@@ -225,8 +225,10 @@ impl Gpu {
     /// `first_key(pos[t], window) ..= pos[t]` through page addresses
     /// `pages[seq_off[t]..]`; by
     /// `attention_prefill` (`_hd64`, `_hd128` where [`prefill_fixed`]) where the table
-    /// lists groups, `attention_decode` for steps of at most
-    /// [`Tuning::attn_decode_max`] blocks, `attention_paged` otherwise.
+    /// lists groups, the split over the KV length where the caller gives
+    /// its scratch (`split`, [`Gpu::attention_split`]), `attention_decode`
+    /// for steps of at most [`Tuning::attn_decode_max`] blocks,
+    /// `attention_paged` otherwise.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_paged(
         &self,
@@ -239,7 +241,12 @@ impl Gpu {
         scale: f32,
         window: Option<usize>,
         out: u64,
+        split: Option<crate::cuda::ops::attention_split::SplitKv>,
     ) -> Result<(), GpuError> {
+        if let Some(split) = split {
+            return self
+                .attention_split(q, table, n, shape, layout, layer, scale, window, out, split);
+        }
         let tun = self.res.tuning;
         let kernel = if table.n_groups > 0 && shape.head_dim <= PF_MAXHD {
             prefill_fixed(shape, &layout).unwrap_or(AttnKernel::Prefill)

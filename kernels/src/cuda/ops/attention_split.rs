@@ -80,7 +80,8 @@ impl Gpu {
             return Ok(());
         }
         if attn_shape_ok(shape, &layout) && shape.n_heads / shape.n_kv_heads > SPLIT_MAX_GROUP {
-            return self.attention_paged(q, table, n, shape, layout, layer, scale, window, out);
+            return self
+                .attention_paged(q, table, n, shape, layout, layer, scale, window, out, None);
         }
         let win = window_arg(window)?;
         if !attn_shape_ok(shape, &layout) || split.cap_tiles == 0 {

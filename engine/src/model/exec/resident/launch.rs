@@ -609,31 +609,18 @@ impl<'a> Runner<'a> {
                 .map_err(e)?;
         }
         let qa = self.at(self.cur[q.0 as usize]);
-        match a.split {
-            Some(split) => g.attention_split(
-                qa,
-                a.table,
-                self.n,
-                &spec.shape,
-                self.layout,
-                layer,
-                spec.scale(),
-                window,
-                o,
-                split,
-            ),
-            None => g.attention_paged(
-                qa,
-                a.table,
-                self.n,
-                &spec.shape,
-                self.layout,
-                layer,
-                spec.scale(),
-                window,
-                o,
-            ),
-        }
+        g.attention_paged(
+            qa,
+            a.table,
+            self.n,
+            &spec.shape,
+            self.layout,
+            layer,
+            spec.scale(),
+            window,
+            o,
+            a.split,
+        )
         .map_err(e)
     }
 
