@@ -34,11 +34,13 @@
 // past the scratch): sc[r · cap · ATTN_TILE + j - base0],
 // tm, ta, tl [r · cap + tile], at [(r · cap + tile) · head_dim + d].
 
-#define SPLIT_TILES 16
+#define SPLIT_TILES 4
 #define SPLIT_POS (SPLIT_TILES * ATTN_TILE)
 // Query heads of one K/V head a block of steps 1 and 2 serves (each K and V
 // row read once for all of them); a model with more takes the other forms.
 #define SPLIT_MAX_GROUP 8
+// Tiles whose partials the merge loads before folding them.
+#define SPLIT_MERGE_AHEAD 16
 
 // A row's walk: its query position, the window's first key and that key's
 // tile start, and how many tiles it has.
@@ -238,13 +240,22 @@ extern "C" __global__ void attention_split_pv(const unsigned long long* pages, c
             float a[SPLIT_MAX_GROUP];
             #pragma unroll
             for (int g = 0; g < SPLIT_MAX_GROUP; ++g) a[g] = 0.0f;
-            #pragma unroll 4
-            for (int i = j0; i < j1; ++i) {
-                int j = w.base0 + i;
-                float vv = kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 1)[kvh * hd + d];
-                #pragma unroll
-                for (int g = 0; g < SPLIT_MAX_GROUP; ++g) {
-                    if (g < G) a[g] = fmaf(ps[g * SPLIT_POS + i - jb0], vv, a[g]);
+            // The tile's V values first, all in flight, then the chains.
+            int cnt = j1 - j0;
+            float vv[ATTN_TILE];
+            #pragma unroll
+            for (int i = 0; i < ATTN_TILE; ++i) {
+                int j = w.base0 + j0 + i;
+                vv[i] = i < cnt ? kv_row(pt[j / page_len], layer, page_len, kvd, aux, j % page_len, 1)[kvh * hd + d]
+                                : 0.0f;
+            }
+            #pragma unroll
+            for (int i = 0; i < ATTN_TILE; ++i) {
+                if (i < cnt) {
+                    #pragma unroll
+                    for (int g = 0; g < SPLIT_MAX_GROUP; ++g) {
+                        if (g < G) a[g] = fmaf(ps[g * SPLIT_POS + j0 + i - jb0], vv[i], a[g]);
+                    }
                 }
             }
             #pragma unroll
@@ -267,11 +278,26 @@ extern "C" __global__ void attention_split_merge(const unsigned long long* pos, 
         if (d < hd) out[(long long)t * n_heads * hd + h * hd + d] = __int_as_float(0x7fc00000);
         return;
     }
+    // The fold is a chain over the tiles; the loads of SPLIT_MERGE_AHEAD
+    // tiles are issued before their steps, so the chain waits on arithmetic,
+    // not on one load per tile.
     float l = 0.0f, acc = 0.0f;
-    for (int k = 0; k < w.tiles; ++k) {
-        float alpha = ta[row_t + k];
-        l = l * alpha + tl[row_t + k];
-        if (d < hd) acc = acc * alpha + at[(row_t + k) * hd + d];
+    for (int k = 0; k < w.tiles; k += SPLIT_MERGE_AHEAD) {
+        float al[SPLIT_MERGE_AHEAD], lt[SPLIT_MERGE_AHEAD], av[SPLIT_MERGE_AHEAD];
+        #pragma unroll
+        for (int u = 0; u < SPLIT_MERGE_AHEAD; ++u) {
+            bool in = k + u < w.tiles;
+            al[u] = in ? ta[row_t + k + u] : 0.0f;
+            lt[u] = in ? tl[row_t + k + u] : 0.0f;
+            av[u] = in && d < hd ? at[(row_t + k + u) * hd + d] : 0.0f;
+        }
+        #pragma unroll
+        for (int u = 0; u < SPLIT_MERGE_AHEAD; ++u) {
+            if (k + u < w.tiles) {
+                l = l * al[u] + lt[u];
+                acc = acc * al[u] + av[u];
+            }
+        }
     }
     if (d < hd) out[(long long)t * n_heads * hd + h * hd + d] = acc / l;
 }

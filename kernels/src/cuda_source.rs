@@ -239,8 +239,8 @@ pub fn negative_controls() -> Result<Vec<Control>, String> {
         (
             "attention_split merge over the tiles in reverse",
             "attention_split",
-            "for (int k = 0; k < w.tiles; ++k) {",
-            "for (int k = w.tiles - 1; k >= 0; --k) {",
+            "for (int u = 0; u < SPLIT_MERGE_AHEAD; ++u) {\n            if (k + u < w.tiles) {",
+            "for (int u = SPLIT_MERGE_AHEAD - 1; u >= 0; --u) {\n            if (k + u < w.tiles) {",
         ),
         (
             "sigmoid through expf",

@@ -27,8 +27,9 @@ use report::Report;
 fn main() {
     // `gpu_check timing`: the kernel figures alone (no checks but the
     // timed kernels' agreement), for a device call short of time.
+    // `gpu_check timing attention`: the long-context decode attention alone.
     if std::env::args().nth(1).as_deref() == Some("timing") {
-        timing_only();
+        timing_only(std::env::args().nth(2).as_deref() == Some("attention"));
     }
     // Negative controls first: a check that cannot see a broken mirror
     // proves nothing.
@@ -77,12 +78,16 @@ fn open_device() -> Gpu {
     }
 }
 
-fn timing_only() -> ! {
+fn timing_only(attention_only: bool) -> ! {
     let gpu = open_device();
     let mut r = SplitMix64(2026);
     let mut rep = Report::default();
-    timing::gemm_8b(&gpu, &mut r);
+    if !attention_only {
+        timing::gemm_8b(&gpu, &mut r);
+    }
     timing::attention_long(&gpu, &mut r, &mut rep);
-    timing::attention_prefill(&gpu, &mut r, &mut rep);
+    if !attention_only {
+        timing::attention_prefill(&gpu, &mut r, &mut rep);
+    }
     std::process::exit(rep.finish(isa(), &gpu.name(), &[]));
 }

@@ -240,7 +240,15 @@ pub fn attention_long(gpu: &Gpu, r: &mut Rng, rep: &mut Report) {
         "decode attention at long contexts (32/8 heads × 128, pages of 16, one layer, 10 launches; copy bandwidth {:.0} GB/s):",
         bw / 1e9
     );
-    for &(tokens, len) in &[(1usize, 4096usize), (4, 4096), (1, 32768), (4, 32768)] {
+    for &(tokens, len) in &[
+        (1usize, 512usize),
+        (1, 1024),
+        (1, 2048),
+        (1, 4096),
+        (4, 4096),
+        (1, 32768),
+        (4, 32768),
+    ] {
         with_decode_tasks(r, &shape, tokens, len, |tasks| {
             let floor = (tokens * len * 2 * shape.kv_dim() * 4) as f64 / bw;
             let mut first: Option<Vec<f32>> = None;

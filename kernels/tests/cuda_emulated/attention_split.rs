@@ -1,7 +1,7 @@
 //! The decode attention split over the KV length (`attention_split_scores`,
 //! `_pv`, `_merge`) against the CPU's attention: a batch of decode tokens
 //! of different context lengths (one tile, segment edges, many segments of
-//! 16 tiles), GQA at head_dim 64 and 128, pages of several sizes; and its
+//! SPLIT_TILES tiles), GQA at head_dim 64 and 128, pages of several sizes; and its
 //! own negative controls (each mutation of the split source must change
 //! bits on the same case).
 
@@ -95,10 +95,15 @@ fn split_decode_attention_matches_the_cpu() {
         n_kv_heads,
         head_dim,
     };
-    // Positions: one tile (0, 31), a segment's last and first tile (511,
-    // 512), several segments (1100, 2100), within one batch.
+    // Positions: one tile (0, 31), a segment's last and first tile (127,
+    // 128 at 4 tiles a segment), more tiles than the merge loads ahead (511,
+    // 512 and on), many segments (1100, 2100), within one batch.
     for (shape, positions, page_len) in [
-        (gqa(4, 2, 64), vec![0usize, 31, 32, 511, 512, 1100], 16usize),
+        (
+            gqa(4, 2, 64),
+            vec![0usize, 31, 32, 127, 128, 511, 512, 1100],
+            16usize,
+        ),
         (gqa(4, 1, 128), vec![2100, 5, 700], 32),
         (gqa(3, 3, 80), vec![95, 600], 7),
     ] {
@@ -140,8 +145,8 @@ fn the_split_check_sees_each_broken_step() {
         ),
         (
             "the merge over the tiles in reverse",
-            "for (int k = 0; k < w.tiles; ++k) {",
-            "for (int k = w.tiles - 1; k >= 0; --k) {",
+            "for (int u = 0; u < SPLIT_MERGE_AHEAD; ++u) {\n            if (k + u < w.tiles) {",
+            "for (int u = SPLIT_MERGE_AHEAD - 1; u >= 0; --u) {\n            if (k + u < w.tiles) {",
         ),
         (
             "a score's lane tree xor 1 first",
@@ -150,8 +155,8 @@ fn the_split_check_sees_each_broken_step() {
         ),
         (
             "a tile's P·V chain from its last position",
-            "for (int i = j0; i < j1; ++i) {\n                int j = w.base0 + i;",
-            "for (int i = j1 - 1; i >= j0; --i) {\n                int j = w.base0 + i;",
+            "for (int i = 0; i < ATTN_TILE; ++i) {\n                if (i < cnt) {",
+            "for (int i = ATTN_TILE - 1; i >= 0; --i) {\n                if (i < cnt) {",
         ),
     ];
     let source = cuda_source::SOURCE;

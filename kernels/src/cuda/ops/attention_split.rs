@@ -21,7 +21,7 @@ use crate::paged::PageLayout;
 pub use crate::ATTN_TILE;
 
 /// Tiles per segment of the split (`SPLIT_TILES` in attention_split.cu).
-pub const SPLIT_TILES: usize = 16;
+pub const SPLIT_TILES: usize = 4;
 
 /// Query heads per K/V head the split serves (`SPLIT_MAX_GROUP`); a shape
 /// with more takes [`Gpu::attention_paged`] (the same bits).
