@@ -13,3 +13,4 @@ mod probe;
 mod proxy;
 mod serve;
 mod serve_ends;
+mod serve_logprobs;
