@@ -222,63 +222,84 @@ pub fn gemm_8b(gpu: &Gpu, r: &mut Rng) {
 }
 
 /// Decode attention at long contexts on the `8b` preset's shape (32/8
-/// heads × 128, pages of 16), one layer: `attention_decode` (a block per
-/// (token, head)) against the split over the KV length, batch 1 and 4 at
-/// 4,096 and 32,768 positions, beside the floor of reading the K/V rows
+/// heads × 128, and `small`'s 9/3 × 64; pages of 16), one layer:
+/// `attention_decode` (a block per (token, head)) against the split over
+/// the KV length, from 512 to 32,768 positions, beside the floor of reading the K/V rows
 /// once at the device's copy bandwidth (same run); the two kernels' outputs
 /// held to each other's bits.
 pub fn attention_long(gpu: &Gpu, r: &mut Rng, rep: &mut Report) {
-    let shape = AttnShape {
-        n_heads: 32,
-        n_kv_heads: 8,
-        head_dim: 128,
+    let shape = |n_heads, n_kv_heads, head_dim| AttnShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
     };
     let bw = gpu
         .copy_bandwidth(1 << 30, 5)
         .unwrap_or_else(|e| panic!("copy_bandwidth: {e}"));
     println!(
-        "decode attention at long contexts (32/8 heads × 128, pages of 16, one layer, 10 launches; copy bandwidth {:.0} GB/s):",
+        "decode attention at long contexts (pages of 16, one layer, 10 launches; copy bandwidth {:.0} GB/s):",
         bw / 1e9
     );
-    for &(tokens, len) in &[
-        (1usize, 512usize),
-        (1, 1024),
-        (1, 2048),
-        (1, 4096),
-        (4, 4096),
-        (1, 32768),
-        (4, 32768),
-    ] {
-        with_decode_tasks(r, &shape, tokens, len, |tasks| {
-            let floor = (tokens * len * 2 * shape.kv_dim() * 4) as f64 / bw;
-            let mut first: Option<Vec<f32>> = None;
-            let mut line = format!(
-                "  batch {tokens}, {len:>5} positions (K/V read floor {:>7.1} µs):",
-                floor * 1e6
-            );
-            for (label, kernel) in [
-                ("attention_decode", AttnKernel::Decode),
-                ("attention_split", AttnKernel::Split),
-            ] {
-                let mut out = vec![f32::NAN; tokens * shape.q_dim()];
-                let t = gpu
-                    .attention_resident_timed(tasks, &shape, 0.088, None, 16, kernel, &mut out, 10)
-                    .unwrap_or_else(|e| panic!("timing {label}: {e}"));
-                match &first {
-                None => first = Some(out),
-                Some(f) => rep.case(
-                    format!("{label} decode, batch {tokens}, {len} positions, 32/8 × 128 (timed) against attention_decode"),
-                    diff(f, &out),
-                    f.len(),
-                ),
-            }
-                line += &format!(
-                    " {label} {:>8.1} µs ({:>5.2}× the floor);",
-                    t * 1e6,
-                    t / floor
+    // The 8B shape from 512 positions (where the split starts to pay) to
+    // 32k; `small`'s (9/3 heads × 64) at the batches its resident steps
+    // take the split at (up to attn_decode_max = 132 blocks: 14 tokens).
+    let runs: [(AttnShape, &[(usize, usize)]); 2] = [
+        (
+            shape(32, 8, 128),
+            &[
+                (1, 512),
+                (1, 1024),
+                (1, 2048),
+                (1, 4096),
+                (4, 4096),
+                (1, 32768),
+                (4, 32768),
+            ],
+        ),
+        (
+            shape(9, 3, 64),
+            &[(1, 1024), (1, 4096), (8, 1024), (8, 4096)],
+        ),
+    ];
+    for (shape, lens) in runs {
+        let name = format!(
+            "{}/{} × {}",
+            shape.n_heads, shape.n_kv_heads, shape.head_dim
+        );
+        for &(tokens, len) in lens {
+            with_decode_tasks(r, &shape, tokens, len, |tasks| {
+                let floor = (tokens * len * 2 * shape.kv_dim() * 4) as f64 / bw;
+                let mut first: Option<Vec<f32>> = None;
+                let mut line = format!(
+                    "  {name}, batch {tokens}, {len:>5} positions (K/V read floor {:>7.1} µs):",
+                    floor * 1e6
                 );
-            }
-            println!("{line}");
-        });
+                for (label, kernel) in [
+                    ("attention_decode", AttnKernel::Decode),
+                    ("attention_split", AttnKernel::Split),
+                ] {
+                    let mut out = vec![f32::NAN; tokens * shape.q_dim()];
+                    let t = gpu
+                        .attention_resident_timed(
+                            tasks, &shape, 0.088, None, 16, kernel, &mut out, 10,
+                        )
+                        .unwrap_or_else(|e| panic!("timing {label}: {e}"));
+                    match &first {
+                        None => first = Some(out),
+                        Some(f) => rep.case(
+                            format!("{label} decode, batch {tokens}, {len} positions, {name} (timed) against attention_decode"),
+                            diff(f, &out),
+                            f.len(),
+                        ),
+                    }
+                    line += &format!(
+                        " {label} {:>8.1} µs ({:>5.2}× the floor);",
+                        t * 1e6,
+                        t / floor
+                    );
+                }
+                println!("{line}");
+            });
+        }
     }
 }
