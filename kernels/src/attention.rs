@@ -213,25 +213,36 @@ pub fn attention_window(
 ) {
     check(tasks, shape, out);
     check_window(window);
-    let (hd, nh) = (shape.head_dim, shape.n_heads);
-    let items = tasks.len() * nh;
+    let (hd, nh, nkv) = (shape.head_dim, shape.n_heads, shape.n_kv_heads);
+    // One item per (token, K/V head): its query heads walk the tiles
+    // together, so each K and V tile is read from memory once for all of
+    // them (the others find it in L1). Every head's arithmetic is its own,
+    // in its own order: the grouping moves no bit.
+    let group = nh / nkv;
+    let items = tasks.len() * nkv;
     let op = SendPtr(out.as_mut_ptr());
     let avx = crate::use_avx2();
     threads.for_ranges(items, threads.grain(items, 1), |range| {
         for item in range {
-            let (ti, h) = (item / nh, item % nh);
-            // SAFETY: item `(ti, h)` owns `out[item·hd .. (item+1)·hd]`
-            // exclusively, and `out` outlives `for_ranges`.
-            let o = unsafe { std::slice::from_raw_parts_mut(op.get().add(item * hd), hd) };
+            let (ti, kvh) = (item / nkv, item % nkv);
+            let h0 = kvh * group;
+            // SAFETY: item `(ti, kvh)` owns the rows of its heads,
+            // `out[(ti·nh + h0)·hd .. (ti·nh + h0 + group)·hd]`, exclusively,
+            // and `out` outlives `for_ranges`.
+            let o = unsafe {
+                std::slice::from_raw_parts_mut(op.get().add((ti * nh + h0) * hd), group * hd)
+            };
             let lo = first_key(tasks[ti].pos, window);
             #[cfg(target_arch = "x86_64")]
             if avx {
                 // SAFETY: AVX2+FMA detected; shapes checked by `check`.
-                unsafe { avx2::head(&tasks[ti], h, shape, scale, lo, o) };
+                unsafe { avx2::heads(&tasks[ti], h0, group, shape, scale, lo, o) };
                 continue;
             }
             let _ = avx;
-            head_ref(&tasks[ti], h, shape, scale, lo, o);
+            for (g, oh) in o.chunks_exact_mut(hd).enumerate() {
+                head_ref(&tasks[ti], h0 + g, shape, scale, lo, oh);
+            }
         }
     });
 }
@@ -244,30 +255,77 @@ mod avx2 {
     use crate::ATTN_TILE;
     use std::arch::x86_64::*;
 
+    /// Heads `h0 .. h0 + n` (one K/V head's) of `task` into `out` (`n`
+    /// rows of `head_dim`): tile by tile, every head's step on a tile before
+    /// the next tile, so the tile's K and V rows stay in L1 for the heads
+    /// after the first.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn head(
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn heads(
         task: &AttnTask,
-        h: usize,
+        h0: usize,
+        n: usize,
         shape: &AttnShape,
         scale: f32,
         lo: usize,
         out: &mut [f32],
     ) {
-        let (hd, kvd) = (shape.head_dim, shape.kv_dim());
-        let kvh = h / (shape.n_heads / shape.n_kv_heads);
-        let q = task.q.as_ptr().add(h * hd);
-        let kptr = |j: usize| task.kv.key(j, kvd).as_ptr().add(kvh * hd);
-        let vptr = |j: usize| task.kv.value(j, kvd).as_ptr().add(kvh * hd);
-        let mut m = f32::NEG_INFINITY;
-        let mut l = 0.0f32;
-        let mut acc = vec![0.0f32; hd];
+        let hd = shape.head_dim;
+        let mut st: Vec<Head> = (h0..h0 + n).map(|h| Head::new(task, h, shape)).collect();
         let mut acc_t = vec![0.0f32; hd];
-        let mut s = [0.0f32; ATTN_TILE];
-        let mut p = [0.0f32; ATTN_TILE];
-        let vd = hd / 8 * 8;
         let mut j0 = lo;
         while j0 <= task.pos {
             let j1 = tile_end(j0, task.pos);
+            for h in st.iter_mut() {
+                h.tile(task, shape, scale, j0, j1, &mut acc_t);
+            }
+            j0 = j1;
+        }
+        for (h, o) in st.iter().zip(out.chunks_exact_mut(hd)) {
+            h.finish(o);
+        }
+    }
+
+    /// One head's running state: max, sum, output accumulator.
+    struct Head {
+        q: *const f32,
+        kvh: usize,
+        m: f32,
+        l: f32,
+        acc: Vec<f32>,
+    }
+
+    impl Head {
+        fn new(task: &AttnTask, h: usize, shape: &AttnShape) -> Self {
+            let hd = shape.head_dim;
+            Self {
+                // SAFETY: `check` holds q to n_heads · head_dim floats.
+                q: unsafe { task.q.as_ptr().add(h * hd) },
+                kvh: h / (shape.n_heads / shape.n_kv_heads),
+                m: f32::NEG_INFINITY,
+                l: 0.0,
+                acc: vec![0.0; hd],
+            }
+        }
+
+        /// The tile of keys `j0..j1`: its scores, its max, p, lt and P·V
+        /// (into `acc_t`, scratch), then the running state rescaled.
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn tile(
+            &mut self,
+            task: &AttnTask,
+            shape: &AttnShape,
+            scale: f32,
+            j0: usize,
+            j1: usize,
+            acc_t: &mut [f32],
+        ) {
+            let (hd, kvd, q) = (shape.head_dim, shape.kv_dim(), self.q);
+            let kptr = |j: usize| task.kv.key(j, kvd).as_ptr().add(self.kvh * hd);
+            let vptr = |j: usize| task.kv.value(j, kvd).as_ptr().add(self.kvh * hd);
+            let mut s = [0.0f32; ATTN_TILE];
+            let mut p = [0.0f32; ATTN_TILE];
+            let vd = hd / 8 * 8;
             let nt = j1 - j0;
             // Scores, 8 keys per micro-kernel call.
             let mut j = 0;
@@ -289,32 +347,47 @@ mod avx2 {
                     mt = v;
                 }
             }
-            let m_new = if mt > m { mt } else { m };
-            let alpha = det_exp(m - m_new);
+            let m_new = if mt > self.m { mt } else { self.m };
+            let alpha = det_exp(self.m - m_new);
             let mn = _mm256_set1_ps(m_new);
             crate::x86::map8(&s[..nt], &mut p[..nt], |v| exp8(_mm256_sub_ps(v, mn)));
             let mut lt = 0.0f32;
             for &v in &p[..nt] {
                 lt += v;
             }
-            acc_t.iter_mut().for_each(|a| *a = 0.0);
-            for jj in 0..nt {
-                let pj = p[jj];
-                let pv = _mm256_set1_ps(pj);
-                let vr = vptr(j0 + jj);
-                let mut d = 0;
-                while d < vd {
-                    let a = _mm256_loadu_ps(acc_t.as_ptr().add(d));
-                    let a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr.add(d)), a);
-                    _mm256_storeu_ps(acc_t.as_mut_ptr().add(d), a);
-                    d += 8;
+            // P·V: per block of up to 64 dimensions, its accumulators in
+            // registers across the tile's positions (each element's chain
+            // still p_j·v_j in position order from +0.0).
+            let mut d0 = 0;
+            while d0 < vd {
+                let nv = ((vd - d0) / 8).min(8);
+                let mut a = [_mm256_setzero_ps(); 8];
+                for (jj, &pj) in p[..nt].iter().enumerate() {
+                    let pv = _mm256_set1_ps(pj);
+                    let vr = vptr(j0 + jj).add(d0);
+                    for (u, au) in a.iter_mut().enumerate() {
+                        if u < nv {
+                            *au = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr.add(8 * u)), *au);
+                        }
+                    }
                 }
+                for (u, au) in a.iter().enumerate().take(nv) {
+                    _mm256_storeu_ps(acc_t.as_mut_ptr().add(d0 + 8 * u), *au);
+                }
+                d0 += 8 * nv;
+            }
+            for d in vd..hd {
+                acc_t[d] = 0.0;
+            }
+            for (jj, &pj) in p[..nt].iter().enumerate() {
+                let vr = vptr(j0 + jj);
                 for d in vd..hd {
                     acc_t[d] = pj.mul_add(*vr.add(d), acc_t[d]);
                 }
             }
-            l = l * alpha + lt;
+            self.l = self.l * alpha + lt;
             let av = _mm256_set1_ps(alpha);
+            let acc = &mut self.acc;
             let mut d = 0;
             while d < vd {
                 let a = _mm256_loadu_ps(acc.as_ptr().add(d));
@@ -328,18 +401,24 @@ mod avx2 {
             for d in vd..hd {
                 acc[d] = acc[d] * alpha + acc_t[d];
             }
-            m = m_new;
-            j0 = j1;
+            self.m = m_new;
         }
-        let lv = _mm256_set1_ps(l);
-        let mut d = 0;
-        while d < vd {
-            let a = _mm256_loadu_ps(acc.as_ptr().add(d));
-            _mm256_storeu_ps(out.as_mut_ptr().add(d), _mm256_div_ps(a, lv));
-            d += 8;
-        }
-        for d in vd..hd {
-            out[d] = acc[d] / l;
+
+        /// `out = acc / l`.
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn finish(&self, out: &mut [f32]) {
+            let (acc, hd) = (&self.acc, self.acc.len());
+            let vd = hd / 8 * 8;
+            let lv = _mm256_set1_ps(self.l);
+            let mut d = 0;
+            while d < vd {
+                let a = _mm256_loadu_ps(acc.as_ptr().add(d));
+                _mm256_storeu_ps(out.as_mut_ptr().add(d), _mm256_div_ps(a, lv));
+                d += 8;
+            }
+            for d in vd..hd {
+                out[d] = acc[d] / self.l;
+            }
         }
     }
 }
