@@ -218,25 +218,33 @@ pub fn attention_window(
     // together, so each K and V tile is read from memory once for all of
     // them (the others find it in L1). Every head's arithmetic is its own,
     // in its own order: the grouping moves no bit.
+    // Where there are fewer groups than threads (a decode step of few
+    // sequences, few K/V heads), a group's heads are cut into parts of
+    // `sub` heads so that every thread has one.
     let group = nh / nkv;
-    let items = tasks.len() * nkv;
+    let groups = tasks.len() * nkv;
+    let sub = group.div_ceil(threads.count().div_ceil(groups).clamp(1, group));
+    let parts = group.div_ceil(sub);
+    let items = groups * parts;
     let op = SendPtr(out.as_mut_ptr());
     let avx = crate::use_avx2();
     threads.for_ranges(items, threads.grain(items, 1), |range| {
         for item in range {
-            let (ti, kvh) = (item / nkv, item % nkv);
-            let h0 = kvh * group;
-            // SAFETY: item `(ti, kvh)` owns the rows of its heads,
-            // `out[(ti·nh + h0)·hd .. (ti·nh + h0 + group)·hd]`, exclusively,
+            let (gi, part) = (item / parts, item % parts);
+            let (ti, kvh) = (gi / nkv, gi % nkv);
+            let h0 = kvh * group + part * sub;
+            let n = sub.min((kvh + 1) * group - h0);
+            // SAFETY: item `(ti, kvh, part)` owns the rows of its heads,
+            // `out[(ti·nh + h0)·hd .. (ti·nh + h0 + n)·hd]`, exclusively,
             // and `out` outlives `for_ranges`.
             let o = unsafe {
-                std::slice::from_raw_parts_mut(op.get().add((ti * nh + h0) * hd), group * hd)
+                std::slice::from_raw_parts_mut(op.get().add((ti * nh + h0) * hd), n * hd)
             };
             let lo = first_key(tasks[ti].pos, window);
             #[cfg(target_arch = "x86_64")]
             if avx {
                 // SAFETY: AVX2+FMA detected; shapes checked by `check`.
-                unsafe { avx2::heads(&tasks[ti], h0, group, shape, scale, lo, o) };
+                unsafe { avx2::heads(&tasks[ti], h0, n, shape, scale, lo, o) };
                 continue;
             }
             let _ = avx;

@@ -325,6 +325,48 @@ fn attention_matches_reference_across_layouts_and_threads() {
     }
 }
 
+/// A lone decode token whose K/V heads are fewer than the threads: the
+/// heads of a group are cut into parts, one a thread, and every cut gives
+/// the reference's bits (1 K/V head of 7 query heads over 1–8 threads).
+#[test]
+fn attention_of_one_token_cut_into_head_parts_matches_reference() {
+    let mut r = SplitMix64(12);
+    for &(nh, nkv, hd) in &[(7usize, 1usize, 16usize), (8, 2, 64), (4, 1, 9)] {
+        let shape = AttnShape {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+        };
+        let len = 70;
+        let k = r.uniform_vec(len * shape.kv_dim(), 1.5);
+        let v = r.uniform_vec(len * shape.kv_dim(), 1.0);
+        let (kb, vb) = (
+            blocks(&k, shape.kv_dim(), 16),
+            blocks(&v, shape.kv_dim(), 16),
+        );
+        let view = KvView {
+            block_len: 16,
+            k: kb.iter().map(|b| b.as_slice()).collect(),
+            v: vb.iter().map(|b| b.as_slice()).collect(),
+        };
+        let q = r.uniform_vec(shape.q_dim(), 1.0);
+        let tasks = [AttnTask {
+            q: &q,
+            kv: &view,
+            pos: len - 1,
+        }];
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut want = vec![0.0; shape.q_dim()];
+        attention_ref(&tasks, &shape, scale, &mut want);
+        for n in 1..=8 {
+            let th = Threads::new(n).unwrap();
+            let mut got = vec![f32::NAN; want.len()];
+            attention(&th, &tasks, &shape, scale, &mut got);
+            assert_eq!(bits(&got), bits(&want), "shape {shape:?}, {n} threads");
+        }
+    }
+}
+
 #[test]
 fn attention_over_one_key_returns_its_value() {
     // Softmax over a single key is exactly 1: out == v (independent expectation).
