@@ -18,6 +18,11 @@
 //!
 //! The KV store is seen through [`KvView`]: fixed-length blocks of positions,
 //! so a per-sequence buffer (one block) and a paged pool look the same here.
+//!
+//! Threads take (token, K/V head) groups: a group's query heads walk the
+//! tiles together, so each K and V tile comes from memory once for all of
+//! them; where a step has fewer groups than threads, a group is cut into
+//! parts of its heads. Which thread or group computes a head moves no bit.
 
 use crate::exp::det_exp;
 use crate::threads::{SendPtr, Threads};
