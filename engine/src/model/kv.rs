@@ -3,7 +3,8 @@
 //!
 //! A store holds, per sequence and layer, K and V rows of `kv_dim` floats for
 //! positions `0..len`, and an auxiliary row of `aux_dim` floats where the
-//! family keeps more per position (mini-v4: its indexer keys; see
+//! family keeps more or other rows per position (the MLA families: the
+//! compressed latent, the rotated RoPE key and, for mini-v4, the indexer key; see
 //! [`crate::model::KvLayout`]). The forward pass calls [`KvCache::prepare`] for each span
 //! (the span must start exactly at `len`), writes rows (one position at a
 //! time, a run of consecutive positions at once, or a whole step's runs in

@@ -90,9 +90,10 @@ impl std::fmt::Display for Family {
 
 /// What a family keeps in the KV store per layer and position: a K and a V
 /// row of `kv_dim` floats each (what attention reads), and an auxiliary row
-/// of `aux_dim` floats (0 for none; mini-v4's indexer keys). deepseek_v3
-/// keeps no K/V rows (`kv_dim` 0): its auxiliary row is the compressed
-/// latent and the rotated shared key its attention reads.
+/// of `aux_dim` floats (0 for none). The MLA families, deepseek_v3 and
+/// mini-v4, keep no K/V rows (`kv_dim` 0): their auxiliary row is the
+/// compressed latent and the rotated shared key their attention reads,
+/// then for mini-v4 the indexer key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvLayout {
     pub layers: usize,

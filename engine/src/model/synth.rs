@@ -195,15 +195,18 @@ impl SynthSpec {
 
     /// The mini-v4 config of a mini-v4 preset (`None` for another family).
     pub fn mini_v4_config(&self) -> Option<MiniV4Config> {
-        // (hidden, layers, heads, kv heads, head dim, vocab, context,
+        // (hidden, layers, heads, vocab, context,
         //  experts, top-k, expert width, hash layers,
         //  indexer heads, indexer dim, top-k blocks, block, window)
         let p = match self.preset {
-            Preset::MiniV4Tiny => (128, 4, 4, 2, 32, 1024, 4096, 8, 2, 128, 1, 2, 16, 4, 16, 16),
-            Preset::MiniV4Small => (
-                512, 8, 8, 2, 64, 32768, 8192, 64, 6, 256, 2, 4, 32, 16, 64, 64,
-            ),
+            Preset::MiniV4Tiny => (128, 4, 4, 1024, 4096, 8, 2, 128, 1, 2, 16, 4, 16, 16),
+            Preset::MiniV4Small => (512, 8, 8, 32768, 8192, 64, 6, 256, 2, 4, 32, 16, 64, 64),
             Preset::Tiny | Preset::Small | Preset::OneB | Preset::EightB => return None,
+        };
+        // MLA: (q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v) per head.
+        let m = match self.preset {
+            Preset::MiniV4Tiny => (64, 32, 32, 16, 32),
+            _ => (192, 128, 64, 32, 64),
         };
         Some(MiniV4Config {
             architectures: vec!["MiniV4ForCausalLM".into()],
@@ -211,10 +214,14 @@ impl SynthSpec {
             hidden_size: p.0,
             num_hidden_layers: p.1,
             num_attention_heads: p.2,
-            num_key_value_heads: p.3,
-            head_dim: p.4,
-            vocab_size: p.5,
-            max_position_embeddings: p.6,
+            q_lora_rank: Some(m.0),
+            kv_lora_rank: m.1,
+            qk_nope_head_dim: m.2,
+            qk_rope_head_dim: m.3,
+            v_head_dim: m.4,
+            rope_interleave: true,
+            vocab_size: p.3,
+            max_position_embeddings: p.4,
             rms_norm_eps: 1e-5,
             rope_theta: 100_000.0,
             tie_word_embeddings: false,
@@ -223,17 +230,17 @@ impl SynthSpec {
             torch_dtype: Some(self.torch_dtype().into()),
             hc_mult: 4,
             hc_sinkhorn_iters: 20,
-            n_routed_experts: p.7,
-            num_experts_per_tok: p.8,
+            n_routed_experts: p.5,
+            num_experts_per_tok: p.6,
             n_shared_experts: 1,
-            moe_intermediate_size: p.9,
+            moe_intermediate_size: p.7,
             routed_scaling_factor: 2.5,
-            n_hash_layers: p.10,
-            index_n_heads: p.11,
-            index_head_dim: p.12,
-            index_topk: p.13,
-            index_block_size: p.14,
-            sliding_window: p.15,
+            n_hash_layers: p.8,
+            index_n_heads: p.9,
+            index_head_dim: p.10,
+            index_topk: p.11,
+            index_block_size: p.12,
+            sliding_window: p.13,
         })
     }
 
@@ -368,10 +375,8 @@ fn llama_specs(cfg: &LlamaConfig) -> Vec<Spec> {
 
 fn mini_v4_specs(cfg: &MiniV4Config) -> Vec<Spec> {
     let (d, v, h) = (cfg.hidden_size, cfg.vocab_size, cfg.hc_mult);
-    let (qd, kvd) = (
-        cfg.num_attention_heads * cfg.head_dim,
-        cfg.num_key_value_heads * cfg.head_dim,
-    );
+    let mla = cfg.mla();
+    let (qr, lr) = (cfg.q_lora_rank.unwrap_or(0), mla.latent);
     let (ih, idim, e, f) = (
         cfg.index_n_heads,
         cfg.index_head_dim,
@@ -404,21 +409,40 @@ fn mini_v4_specs(cfg: &MiniV4Config) -> Vec<Spec> {
         }
         specs.extend([
             (format!("{p}.input_layernorm.weight"), vec![d], Init::Norm),
-            (format!("{p}.self_attn.q_proj.weight"), vec![qd, d], proj(d)),
             (
-                format!("{p}.self_attn.k_proj.weight"),
-                vec![kvd, d],
+                format!("{p}.self_attn.q_a_proj.weight"),
+                vec![qr, d],
                 proj(d),
             ),
             (
-                format!("{p}.self_attn.v_proj.weight"),
-                vec![kvd, d],
+                format!("{p}.self_attn.q_a_layernorm.weight"),
+                vec![qr],
+                Init::Norm,
+            ),
+            (
+                format!("{p}.self_attn.q_b_proj.weight"),
+                vec![mla.q_dim(), qr],
+                proj(qr),
+            ),
+            (
+                format!("{p}.self_attn.kv_a_proj_with_mqa.weight"),
+                vec![mla.row(), d],
                 proj(d),
+            ),
+            (
+                format!("{p}.self_attn.kv_a_layernorm.weight"),
+                vec![lr],
+                Init::Norm,
+            ),
+            (
+                format!("{p}.self_attn.kv_b_proj.weight"),
+                vec![mla.heads * (mla.nope + mla.v), lr],
+                proj(lr),
             ),
             (
                 format!("{p}.self_attn.o_proj.weight"),
-                vec![d, qd],
-                proj(qd),
+                vec![d, mla.out_dim()],
+                proj(mla.out_dim()),
             ),
             (
                 format!("{p}.self_attn.indexer.wq.weight"),

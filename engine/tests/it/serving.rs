@@ -505,16 +505,17 @@ fn page_hashes(kv: &PagedKv) -> Vec<[u8; 32]> {
         .collect()
 }
 
-/// Flips the lowest bit of the last element of one row of sequence 1 at
-/// `pos` in `layer`: `row` 0 is K, 1 is V (`d` floats), 2 the auxiliary row.
-fn flip(kv: &mut PagedKv, row: usize, layer: usize, pos: usize, d: usize) {
+/// Flips the lowest bit of one element of one row of sequence 1 at `pos`
+/// in `layer`: `row` 0 is K, 1 is V (`d` floats; their last element), 2 the
+/// auxiliary row (its element `at`).
+fn flip(kv: &mut PagedKv, (row, at): (usize, usize), layer: usize, pos: usize, d: usize) {
     let flip = |r: &mut Vec<f32>| {
         let x = r.last_mut().unwrap();
         *x = f32::from_bits(x.to_bits() ^ 1);
     };
     if row == 2 {
         let mut a = kv.aux_view(1, layer).row(pos).to_vec();
-        flip(&mut a);
+        a[at] = f32::from_bits(a[at].to_bits() ^ 1);
         kv.write_aux(1, layer, pos, &a);
     } else {
         let view = kv.view(1, layer);
@@ -526,31 +527,50 @@ fn flip(kv: &mut PagedKv, row: usize, layer: usize, pos: usize, d: usize) {
 }
 
 /// What the cache-state hash is made of: each page's content hash covers
-/// every row the family keeps per position: K and V, and for mini-v4 the
-/// indexer key in the auxiliary row. One flipped bit in any of them, at one
-/// position in one layer, changes that page's hash and no other page's;
-/// flipping it back restores it.
+/// every row the family keeps per position: K and V for llama; for mini-v4
+/// (MLA, no K/V rows) the auxiliary row's normalised latent, rotated RoPE
+/// key and indexer key. One flipped bit in any of them, at one position in
+/// one layer, changes that page's hash and no other page's; flipping it
+/// back restores it.
 fn page_hashes_cover_every_row_the_family_stores(p: Preset) {
     let m = model(p);
     let layout = m.net.kv_layout();
-    // mini-v4 keeps its indexer key (index_head_dim floats) per position.
-    let want_aux = m.mini_v4().map_or(0, |v| v.config().index_head_dim);
-    assert_eq!(layout.aux_dim, want_aux);
     let ps = 7;
     let mut kv = filled_pool(m, ps, 8, &toks(21, 40));
     let before = page_hashes(&kv);
     let (layer, pos) = (layout.layers - 1, 3 * ps + 2);
-    let rows: &[(usize, &str)] = if layout.aux_dim > 0 {
-        let key = kv.aux_view(1, layer).row(pos).to_vec();
-        assert!(
-            key.iter().any(|&x| x != 0.0),
-            "the forward pass wrote no indexer key at {pos}"
-        );
-        &[(0, "K"), (1, "V"), (2, "indexer key")]
-    } else {
-        &[(0, "K"), (1, "V")]
+    let rows: Vec<((usize, usize), &str)> = match m.mini_v4() {
+        Some(v) => {
+            // kv_lora_rank latent, qk_rope_head_dim key, index_head_dim key.
+            let c = v.config();
+            let (lr, rope) = (c.kv_lora_rank, c.qk_rope_head_dim);
+            assert_eq!(
+                (layout.kv_dim, layout.aux_dim),
+                (0, lr + rope + c.index_head_dim)
+            );
+            let row = kv.aux_view(1, layer).row(pos).to_vec();
+            for (part, r) in [
+                ("latent", 0..lr),
+                ("rope key", lr..lr + rope),
+                ("indexer key", lr + rope..row.len()),
+            ] {
+                assert!(
+                    row[r].iter().any(|&x| x != 0.0),
+                    "the forward pass wrote no {part} at {pos}"
+                );
+            }
+            vec![
+                ((2, 0), "latent"),
+                ((2, lr), "rope key"),
+                ((2, lr + rope), "indexer key"),
+            ]
+        }
+        None => {
+            assert_eq!(layout.aux_dim, 0);
+            vec![((0, 0), "K"), ((1, 0), "V")]
+        }
     };
-    for &(row, name) in rows {
+    for &(row, name) in &rows {
         flip(&mut kv, row, layer, pos, layout.kv_dim);
         let after = page_hashes(&kv);
         for (i, (a, b)) in before.iter().zip(&after).enumerate() {
@@ -573,8 +593,8 @@ fn page_hashes_cover_every_row_the_family_stores(p: Preset) {
 
 /// The pool's storage is K, V and the auxiliary row per position and layer,
 /// for the pages ever handed out: the same account as the per-sequence
-/// store's, and for mini-v4 more than a pool without the indexer keys by
-/// exactly their rows.
+/// store's, and for mini-v4 (no K/V rows) exactly its latent, RoPE-key and
+/// indexer-key floats.
 fn storage_bytes_count_every_row_the_family_stores(p: Preset) {
     let m = model(p);
     let layout = m.net.kv_layout();
@@ -594,12 +614,8 @@ fn storage_bytes_count_every_row_the_family_stores(p: Preset) {
     store.prepare(1, 0, used * ps).unwrap();
     assert_eq!(bytes, store.bytes());
     if let Some(v) = m.mini_v4() {
-        let bare = lmrr_engine::KvLayout {
-            aux_dim: 0,
-            ..layout
-        };
-        let keys = used * ps * v.config().num_hidden_layers * v.config().index_head_dim * 4;
-        assert!(keys > 0);
-        assert_eq!(bytes - pool_of(bare), keys);
+        let c = v.config();
+        let row = c.kv_lora_rank + c.qk_rope_head_dim + c.index_head_dim;
+        assert_eq!(bytes, used * ps * c.num_hidden_layers * row * 4);
     }
 }

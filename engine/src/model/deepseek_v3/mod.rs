@@ -26,6 +26,7 @@
 //! thread count change no bit. Bad input (a missing tensor, a shape against
 //! the config) is an error naming the tensor and both shapes.
 
+pub mod attention;
 pub mod config;
 
 use lmrr_kernels::{RopeTable, Threads};
@@ -40,6 +41,7 @@ use crate::model::{stored, vector, Device, Family, KvLayout, ModelFamily, NamedT
 use crate::patches::{Patch, PatchSet};
 use crate::weights::{Tensor, TensorFile};
 use crate::{EngineError, ModelFiles};
+use attention::{MlaAttn, MlaBufs, MlaSlots, MlaStep};
 
 pub use config::DeepseekV3Config;
 
@@ -52,18 +54,6 @@ struct Mlp {
     gate: Tensor,
     up: Tensor,
     down: Tensor,
-}
-
-/// How a layer makes its query.
-enum QProj {
-    /// `q_b_proj · norm(q_a_proj · x)`.
-    Lora {
-        a: Tensor,
-        norm: Vec<f32>,
-        b: Tensor,
-    },
-    /// `q_proj · x`.
-    Plain(Tensor),
 }
 
 enum Ffn {
@@ -79,16 +69,7 @@ enum Ffn {
 
 struct Layer {
     attn_norm: Vec<f32>,
-    q: QProj,
-    kv_a: Tensor,
-    kv_norm: Vec<f32>,
-    /// As stored (for the identity); the step reads the two parts below.
-    kv_b: Tensor,
-    /// `(heads · kv_lora_rank, qk_nope_head_dim)`: per head `W_kᵀ`.
-    k_absorb: Tensor,
-    /// `(heads · v_head_dim, kv_lora_rank)`: per head `W_v`.
-    v_up: Tensor,
-    o: Tensor,
+    attn: MlaAttn,
     mlp_norm: Vec<f32>,
     ffn: Ffn,
 }
@@ -111,13 +92,7 @@ pub struct DeepseekV3 {
 struct Slots {
     attn_norm: Vector,
     mlp_norm: Vector,
-    kv_norm: Vector,
-    /// `(q_a, its norm, q_b)` or the plain `q_proj`.
-    q: Result<(Mat, Vector, Mat), Mat>,
-    kv_a: Mat,
-    k_absorb: Mat,
-    v_up: Mat,
-    o: Mat,
+    attn: MlaSlots,
     ffn: FfnSlots,
 }
 
@@ -196,20 +171,7 @@ impl DeepseekV3 {
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            let a = format!("{p}.self_attn");
-            let q = match cfg.q_lora_rank {
-                Some(r) => QProj::Lora {
-                    a: tf.get(&format!("{a}.q_a_proj.weight"), &[r, d])?,
-                    norm: vecf(&format!("{a}.q_a_layernorm.weight"), r)?,
-                    b: tf.get(&format!("{a}.q_b_proj.weight"), &[mla.q_dim(), r])?,
-                },
-                None => QProj::Plain(tf.get(&format!("{a}.q_proj.weight"), &[mla.q_dim(), d])?),
-            };
-            let kv_b = tf.get(
-                &format!("{a}.kv_b_proj.weight"),
-                &[mla.heads * (mla.nope + mla.v), mla.latent],
-            )?;
-            let (absorb, up) = split_kv_b(&kv_b.to_f32_vec(), &mla);
+            let attn = MlaAttn::load(&tf, &format!("{p}.self_attn"), &mla, d, cfg.q_lora_rank)?;
             let ffn = if cfg.is_moe(i) {
                 let m = format!("{p}.mlp");
                 let ne = cfg.n_routed_experts;
@@ -232,21 +194,7 @@ impl DeepseekV3 {
             };
             layers.push(Layer {
                 attn_norm: vecf(&format!("{p}.input_layernorm.weight"), d)?,
-                q,
-                kv_a: tf.get(&format!("{a}.kv_a_proj_with_mqa.weight"), &[mla.row(), d])?,
-                kv_norm: vecf(&format!("{a}.kv_a_layernorm.weight"), mla.latent)?,
-                k_absorb: Tensor::from_f32(
-                    format!("{a}.kv_b_proj.weight:k_absorb"),
-                    vec![mla.heads * mla.latent, mla.nope],
-                    absorb,
-                ),
-                v_up: Tensor::from_f32(
-                    format!("{a}.kv_b_proj.weight:v_up"),
-                    vec![mla.heads * mla.v, mla.latent],
-                    up,
-                ),
-                kv_b,
-                o: tf.get(&format!("{a}.o_proj.weight"), &[d, mla.out_dim()])?,
+                attn,
                 mlp_norm: vecf(&format!("{p}.post_attention_layernorm.weight"), d)?,
                 ffn,
             });
@@ -287,19 +235,7 @@ impl DeepseekV3 {
         for l in &self.layers {
             let attn_norm = push_vec(&mut vecs, &l.attn_norm);
             let mlp_norm = push_vec(&mut vecs, &l.mlp_norm);
-            let kv_norm = push_vec(&mut vecs, &l.kv_norm);
-            let q = match &l.q {
-                QProj::Lora { a, norm, b } => Ok((
-                    push(&mut mats, a),
-                    push_vec(&mut vecs, norm),
-                    push(&mut mats, b),
-                )),
-                QProj::Plain(w) => Err(push(&mut mats, w)),
-            };
-            let kv_a = push(&mut mats, &l.kv_a);
-            let k_absorb = push(&mut mats, &l.k_absorb);
-            let v_up = push(&mut mats, &l.v_up);
-            let o = push(&mut mats, &l.o);
+            let attn = l.attn.push(&mut mats, &mut vecs);
             let ffn = match &l.ffn {
                 Ffn::Dense(m) => FfnSlots::Dense(push_mlp(&mut mats, m)),
                 Ffn::Moe {
@@ -317,12 +253,7 @@ impl DeepseekV3 {
             slots.push(Slots {
                 attn_norm,
                 mlp_norm,
-                kv_norm,
-                q,
-                kv_a,
-                k_absorb,
-                v_up,
-                o,
+                attn,
                 ffn,
             });
         }
@@ -351,12 +282,7 @@ impl DeepseekV3 {
         let mut b = Builder::default();
         let x = b.buf("x", Rows::Tokens, d);
         let h = b.buf("h", Rows::Tokens, d);
-        let qr = cfg.q_lora_rank.unwrap_or(0);
-        let qa = b.buf("q_a", Rows::Tokens, qr);
-        let qan = b.buf("q_a_norm", Rows::Tokens, qr);
-        let q = b.buf("q", Rows::Tokens, mla.q_dim());
-        let ckv = b.buf("compressed_kv", Rows::Tokens, mla.row());
-        let att = b.buf("att", Rows::Tokens, mla.out_dim());
+        let mb = MlaBufs::new(&mut b, &mla, cfg.q_lora_rank.unwrap_or(0));
         let o = b.buf("o", Rows::Tokens, d);
         let ff = cfg.intermediate_size;
         let g = b.buf("gate", Rows::Tokens, ff);
@@ -372,34 +298,13 @@ impl DeepseekV3 {
         });
         for (li, s) in slots.iter().enumerate() {
             b.rms_norm(x, s.attn_norm, eps, h);
-            match s.q {
-                Ok((qa_w, qn, qb_w)) => {
-                    b.op(Op::Matmul {
-                        x: h,
-                        jobs: vec![job(qa_w, qa), job(s.kv_a, ckv)],
-                    });
-                    b.rms_norm(qa, qn, LATENT_NORM_EPS, qan);
-                    b.matmul(qan, qb_w, q);
-                }
-                Err(q_w) => b.op(Op::Matmul {
-                    x: h,
-                    jobs: vec![job(q_w, q), job(s.kv_a, ckv)],
-                }),
-            }
-            b.op(Op::MlaAttend {
+            let at = MlaStep {
                 layer: li,
-                rope: 0,
-                q,
-                ckv,
-                kv_norm: s.kv_norm,
-                eps_bits: LATENT_NORM_EPS.to_bits(),
-                k_absorb: s.k_absorb,
-                v_up: s.v_up,
-                out: att,
                 mla,
                 spec,
-            });
-            b.matmul(att, s.o, o);
+                index: None,
+            };
+            s.attn.emit(&mut b, &mb, h, Vec::new(), at, o);
             b.op(Op::AddInto { x, y: o });
             b.rms_norm(x, s.mlp_norm, eps, h);
             match &s.ffn {
@@ -448,11 +353,7 @@ impl DeepseekV3 {
     /// Every stored matrix of a layer (the identity's and the parameter
     /// count's: `kv_b_proj` as stored, not its two derived parts).
     fn layer_mats(l: &Layer) -> Vec<&Tensor> {
-        let mut out = match &l.q {
-            QProj::Lora { a, b, .. } => vec![a, b],
-            QProj::Plain(w) => vec![w],
-        };
-        out.extend([&l.kv_a, &l.kv_b, &l.o]);
+        let mut out = l.attn.mats();
         match &l.ffn {
             Ffn::Dense(m) => out.extend([&m.gate, &m.up, &m.down]),
             Ffn::Moe {
@@ -479,14 +380,8 @@ impl DeepseekV3 {
                 format!("{p}.post_attention_layernorm.weight"),
                 &l.mlp_norm[..],
             ),
-            (
-                format!("{p}.self_attn.kv_a_layernorm.weight"),
-                &l.kv_norm[..],
-            ),
         ];
-        if let QProj::Lora { norm, .. } = &l.q {
-            out.push((format!("{p}.self_attn.q_a_layernorm.weight"), &norm[..]));
-        }
+        out.extend(l.attn.vecs(&format!("{p}.self_attn")));
         if let Ffn::Moe { bias, .. } = &l.ffn {
             out.push((format!("{p}.mlp.gate.e_score_correction_bias"), &bias[..]));
         }
@@ -594,20 +489,7 @@ impl ModelFamily for DeepseekV3 {
     /// kernel, so nothing is uploaded for it. A latent row wider than the
     /// portable attention kernel takes is refused here, naming the op.
     fn set_device(&mut self, device: Device) -> Result<(), EngineError> {
-        #[cfg(feature = "cuda")]
-        if matches!(device, Device::Cuda(_))
-            && self.mla.row() > lmrr_kernels::cuda::ONE_THREAD_MAX_HEAD_DIM
-        {
-            return Err(EngineError::Device(format!(
-                "deepseek_v3 on CUDA: mla_attend attends over latent rows of {} floats \
-                 (kv_lora_rank {} + qk_rope_head_dim {}), wider than the portable attention \
-                 kernel's {}; run this model on the CPU",
-                self.mla.row(),
-                self.mla.latent,
-                self.mla.rope,
-                lmrr_kernels::cuda::ONE_THREAD_MAX_HEAD_DIM
-            )));
-        }
+        attention::fits_device("deepseek_v3", &self.mla, &device)?;
         let mut exec = std::mem::take(&mut self.exec);
         let r = {
             let (tables, _) = self.tables();
@@ -652,12 +534,7 @@ impl ModelFamily for DeepseekV3 {
             .layers
             .iter()
             .map(|l| {
-                let q = match &l.q {
-                    QProj::Lora { a, b, .. } => a.nbytes() + b.nbytes(),
-                    QProj::Plain(w) => w.nbytes(),
-                };
-                let attn = q + l.kv_a.nbytes() + l.k_absorb.nbytes() + l.v_up.nbytes();
-                attn + l.o.nbytes()
+                l.attn.bytes_per_step()
                     + match &l.ffn {
                         Ffn::Dense(m) => mlp(m),
                         Ffn::Moe {

@@ -159,9 +159,7 @@ impl Executors {
         }
         #[cfg(feature = "cuda")]
         if let (Some(r), None) = (&self.resident, &extras.trace) {
-            if let Some(out) = r.forward(prog, tables, kv, spans, ops.threads)? {
-                return Ok(out);
-            }
+            return r.forward(prog, tables, kv, spans, ops.threads);
         }
         run_host(ops, kv, spans, vocab, prog, tables, extras)
     }

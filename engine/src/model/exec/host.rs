@@ -90,8 +90,8 @@ pub fn run_with(
     let t_step = std::time::Instant::now();
     for op in &prog.ops {
         let t0 = std::time::Instant::now();
-        if let Op::SparseAttend { .. } = op {
-            super::hyper::exec(
+        if let Op::MlaAttend { .. } = op {
+            super::mla::exec(
                 op,
                 tables,
                 step,
@@ -340,12 +340,7 @@ pub(super) fn exec(
             let (x, out) = pair(bufs, *x, *out);
             hyper::stream_mean(x, w / d, d, out);
         }
-        Op::MlaAttend { .. } => super::mla::exec(op, tables, step, kv, ops, bufs)?,
-        Op::SparseAttend { .. } => {
-            return Err(EngineError::Device(
-                "sparse_attend runs through the host executor's traced path".into(),
-            ))
-        }
+        Op::MlaAttend { .. } => super::mla::exec(op, tables, step, kv, ops, bufs, None)?,
         Op::Moe {
             x,
             out,

@@ -47,13 +47,16 @@ pub enum Selection {
 impl IndexerShape {
     /// Chooses the blocks for the query at `pos` with indexer query `q`
     /// (`heads × dim`) and head weights `w` (`heads`), over the keys of
-    /// positions `0..=pos`, scoring on `ops`' device.
+    /// positions `0..=pos` (each `dim` floats from `key_at` in its row of
+    /// `keys`), scoring on `ops`' device.
+    #[allow(clippy::too_many_arguments)]
     pub fn select(
         &self,
         ops: &Ops,
         q: &[f32],
         w: &[f32],
         keys: &RowView,
+        key_at: usize,
         pos: usize,
         early_exit: bool,
     ) -> Result<Selection, EngineError> {
@@ -67,7 +70,15 @@ impl IndexerShape {
         for b in (0..nb).rev() {
             let lo = b * self.block;
             let hi = ((b + 1) * self.block).min(pos + 1);
-            let rows: Vec<&[f32]> = (lo..hi).map(|p| keys.row(p)).collect();
+            let rows: Vec<&[f32]> = (lo..hi)
+                .map(|p| keys.row(p).get(key_at..key_at + self.dim))
+                .collect::<Option<_>>()
+                .ok_or_else(|| {
+                    EngineError::Device(format!(
+                        "indexer keys: rows of {} floats hold no key of {} at {key_at}",
+                        keys.width, self.dim
+                    ))
+                })?;
             let out = &mut buf[..hi - lo];
             ops.index_scores(q, w, self.dim, &rows, out)?;
             let mut best = f32::NEG_INFINITY;
@@ -164,7 +175,8 @@ mod tests {
             threads: &threads,
             numerics: Default::default(),
         };
-        let select = |q: &[f32], pos, early| s.select(&ops, q, &w, &view, pos, early).expect("cpu");
+        let select =
+            |q: &[f32], pos, early| s.select(&ops, q, &w, &view, 0, pos, early).expect("cpu");
         // Short context (2 blocks = topk): dense either way.
         assert_eq!(select(&q, 7, true), Selection::Dense);
         assert_eq!(select(&q, 7, false), Selection::Dense);

@@ -26,6 +26,13 @@
 //! tokens or of how its sequence was chunked: I2, I3 and I4 hold as for
 //! [`super::Op::RopeKvAttend`].
 //!
+//! With an indexer (mini-v4, the DeepSeek-V4 class; [`MlaIndex`]) the
+//! stored row carries the position's indexer key after the latent and
+//! `k_pe`; per token the indexer selects positions ([`super::indexer`]:
+//! blocks of absolute positions, a pure function of the tokens) and every
+//! head attends over those positions' latent rows, gathered in ascending
+//! order (all of `0..=pos` while the selection is dense), the token last.
+//!
 //! [`attend`] runs any consecutive heads given their blocks of the absorb
 //! and decompression tables: a head reads only its own query columns and
 //! table blocks besides the shared stored rows, which is what lets tensor
@@ -33,7 +40,8 @@
 
 use lmrr_kernels::{self as k, AttnTask, KvView};
 
-use super::program::{MlaShape, Op, Tables};
+use super::hyper::Trace;
+use super::program::{MlaIndex, MlaShape, Op, Tables};
 use super::Step;
 use crate::kv::KvCache;
 use crate::model::ops::Ops;
@@ -72,7 +80,8 @@ fn rope_layout(src: &[f32], interleave: bool, dst: &mut [f32]) {
     }
 }
 
-/// Runs one [`Op::MlaAttend`] over the step (module docs).
+/// Runs one [`Op::MlaAttend`] over the step (module docs); `trace` keeps
+/// the indexer's choices of one token (for `explain`).
 pub(super) fn exec(
     op: &Op,
     tables: &Tables,
@@ -80,31 +89,36 @@ pub(super) fn exec(
     kv: &mut dyn KvCache,
     ops: &Ops,
     bufs: &mut [Vec<f32>],
+    trace: Option<&mut Trace>,
 ) -> Result<(), EngineError> {
-    let (q, ckv, out, k_absorb, v_up, heads) = match op {
-        Op::MlaAttend {
-            q,
-            ckv,
-            out,
-            k_absorb,
-            v_up,
-            mla,
-            ..
-        } => (*q, *ckv, *out, *k_absorb, *v_up, mla.heads),
-        _ => {
-            return Err(EngineError::Device(format!(
-                "mla executor given a {} op",
-                op.name()
-            )))
-        }
+    let Op::MlaAttend {
+        q,
+        ckv,
+        out,
+        k_absorb,
+        v_up,
+        mla,
+        index,
+        ..
+    } = op
+    else {
+        return Err(EngineError::Device(format!(
+            "mla executor given a {} op",
+            op.name()
+        )));
     };
     let mut o = std::mem::take(&mut bufs[out.0 as usize]);
     let part = Heads {
-        count: heads,
+        count: mla.heads,
         absorb: tables.mats[k_absorb.0 as usize].matrix(),
         up: tables.mats[v_up.0 as usize].matrix(),
         write: true,
     };
+    let idx = index.map(|ix| IndexIo {
+        iq: &bufs[ix.iq.0 as usize],
+        ik: &bufs[ix.ik.0 as usize],
+        iw: &bufs[ix.iw.0 as usize],
+    });
     let r = attend(
         op,
         tables,
@@ -114,10 +128,22 @@ pub(super) fn exec(
         &part,
         &bufs[q.0 as usize],
         &bufs[ckv.0 as usize],
+        idx,
         &mut o,
+        trace,
     );
     bufs[out.0 as usize] = o;
     r
+}
+
+/// The indexer's inputs of one step ([`super::program::MlaIndex`]): its
+/// queries (`n × heads·dim`), keys (`n × dim`) and head weights before
+/// the sigmoid (`n × heads`).
+#[derive(Clone, Copy)]
+pub(crate) struct IndexIo<'a> {
+    pub iq: &'a [f32],
+    pub ik: &'a [f32],
+    pub iw: &'a [f32],
 }
 
 /// The heads one call of [`attend`] computes: all of them on one device,
@@ -135,10 +161,11 @@ pub(crate) struct Heads<'a> {
 
 /// [`Op::MlaAttend`] for the heads `part` names: `qs` holds those heads'
 /// query columns (`n × count·(nope + rope)`), `cs` the whole compressed
-/// KV rows, and `o` receives those heads' output columns
-/// (`n × count·v`). Each head's values are computed exactly as on one
-/// device: the stored rows are per token, shared by every head, and a
-/// head's absorb, attention and decompression read only its own columns.
+/// KV rows, `idx` the indexer's inputs where the op has an indexer, and
+/// `o` receives those heads' output columns (`n × count·v`). Each head's
+/// values are computed exactly as on one device: the stored rows are per
+/// token, shared by every head, and a head's absorb, attention and
+/// decompression read only its own columns.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attend(
     op: &Op,
@@ -149,7 +176,9 @@ pub(crate) fn attend(
     part: &Heads,
     qs: &[f32],
     cs: &[f32],
+    idx: Option<IndexIo>,
     o: &mut [f32],
+    trace: Option<&mut Trace>,
 ) -> Result<(), EngineError> {
     let Op::MlaAttend {
         layer,
@@ -158,6 +187,7 @@ pub(crate) fn attend(
         eps_bits,
         mla,
         spec,
+        index,
         ..
     } = op
     else {
@@ -190,11 +220,35 @@ pub(crate) fn attend(
         )));
     }
     let table = tables.ropes[*rope];
+    let index = match (index, idx) {
+        (None, _) => None,
+        (Some(ix), Some(io)) => {
+            let s = ix.shape;
+            let want = (n * s.heads * s.dim, n * s.dim, n * s.heads);
+            if (io.iq.len(), io.ik.len(), io.iw.len()) != want {
+                return Err(EngineError::Device(format!(
+                    "mla_attend's indexer over {n} tokens: query, key and head weights hold \
+                     {} {} {} floats, not {want:?}",
+                    io.iq.len(),
+                    io.ik.len(),
+                    io.iw.len()
+                )));
+            }
+            Some((ix, io))
+        }
+        (Some(_), None) => {
+            return Err(EngineError::Device(
+                "mla_attend with an indexer was given no indexer inputs".into(),
+            ))
+        }
+    };
 
-    // The stored rows: normalised latent, rotated shared key.
+    // The stored rows: normalised latent, rotated shared key (then the
+    // indexer key).
     if part.write {
+        let keys = index.map(|(ix, io)| (io.ik, ix.shape.dim));
         store(
-            step, kv, ops, tables, *layer, table, mla, *kv_norm, *eps_bits, cs,
+            step, kv, ops, tables, *layer, table, mla, *kv_norm, *eps_bits, cs, keys,
         )?;
     }
 
@@ -232,29 +286,53 @@ pub(crate) fn attend(
         }
     }
 
-    // Every head over the stored rows, each both key and value.
+    // Every head over the stored rows, each both key and value: all of a
+    // sequence's rows in place, or with an indexer the rows it selects,
+    // gathered in ascending position order.
     let mut att = vec![0.0f32; n * heads * row];
     {
-        let views: Vec<KvView> = step
-            .spans
-            .iter()
-            .map(|s| {
-                let a = kv.aux_view(s.seq, *layer);
-                KvView {
-                    block_len: a.block_len,
-                    k: a.blocks.clone(),
-                    v: a.blocks,
-                }
-            })
-            .collect();
+        let gathered = match index {
+            Some((ix, io)) => select(step, kv, ops, *layer, mla, ix, io, trace)?,
+            None => Vec::new(),
+        };
+        let views: Vec<KvView> = if index.is_some() {
+            gathered
+                .iter()
+                .map(|g| KvView {
+                    block_len: g.len() / row,
+                    k: vec![&g[..]],
+                    v: vec![&g[..]],
+                })
+                .collect()
+        } else {
+            step.spans
+                .iter()
+                .map(|s| {
+                    let a = kv.aux_view(s.seq, *layer);
+                    KvView {
+                        block_len: a.block_len,
+                        k: a.blocks.clone(),
+                        v: a.blocks,
+                    }
+                })
+                .collect()
+        };
         let tasks: Vec<AttnTask> = step
             .tok
             .iter()
             .enumerate()
-            .map(|(i, &(si, pos))| AttnTask {
-                q: &qa[i * heads * row..(i + 1) * heads * row],
-                kv: &views[si],
-                pos,
+            .map(|(i, &(si, pos))| match index {
+                // A token's own gathered rows; it is the last of them.
+                Some(_) => AttnTask {
+                    q: &qa[i * heads * row..(i + 1) * heads * row],
+                    kv: &views[i],
+                    pos: views[i].block_len - 1,
+                },
+                None => AttnTask {
+                    q: &qa[i * heads * row..(i + 1) * heads * row],
+                    kv: &views[si],
+                    pos,
+                },
             })
             .collect();
         let patches: PatchSet = [
@@ -296,8 +374,60 @@ pub(crate) fn attend(
     Ok(())
 }
 
+/// Per token, the indexer's selection over its sequence's stored indexer
+/// keys (head weights through a sigmoid first: never negative) and the
+/// selected positions' latent rows (`mla.row()` floats each, the key part
+/// left out), gathered in ascending position order.
+#[allow(clippy::too_many_arguments)]
+fn select(
+    step: &Step,
+    kv: &dyn KvCache,
+    ops: &Ops,
+    layer: usize,
+    mla: &MlaShape,
+    ix: &MlaIndex,
+    io: IndexIo,
+    mut trace: Option<&mut Trace>,
+) -> Result<Vec<Vec<f32>>, EngineError> {
+    let (s, row) = (ix.shape, mla.row());
+    let keys: Vec<_> = step
+        .spans
+        .iter()
+        .map(|sp| kv.aux_view(sp.seq, layer))
+        .collect();
+    let mut out = Vec::with_capacity(step.tok.len());
+    for (i, &(si, pos)) in step.tok.iter().enumerate() {
+        let w: Vec<f32> = io.iw[i * s.heads..(i + 1) * s.heads]
+            .iter()
+            .map(|&x| k::sigmoid(x))
+            .collect();
+        let sel = s.select(
+            ops,
+            &io.iq[i * s.heads * s.dim..(i + 1) * s.heads * s.dim],
+            &w,
+            &keys[si],
+            row,
+            pos,
+            ix.early_exit,
+        )?;
+        let at = s.positions(&sel, pos);
+        if let Some(t) = trace.as_mut() {
+            if t.token == i {
+                t.chosen.push((layer, sel));
+            }
+        }
+        let mut g = Vec::with_capacity(at.len() * row);
+        for p in at {
+            g.extend_from_slice(&keys[si].row(p)[..row]);
+        }
+        out.push(g);
+    }
+    Ok(out)
+}
+
 /// Stores the step's latent rows (module docs): per token, the latent part
-/// of `cs` RMS-normalised by `kv_norm`, then its shared key part rotated.
+/// of `cs` RMS-normalised by `kv_norm`, then its shared key part rotated,
+/// then (`keys`: the indexer keys and their width) its indexer key.
 #[allow(clippy::too_many_arguments)]
 fn store(
     step: &Step,
@@ -310,8 +440,10 @@ fn store(
     kv_norm: super::program::Vector,
     eps_bits: u32,
     cs: &[f32],
+    keys: Option<(&[f32], usize)>,
 ) -> Result<(), EngineError> {
     let (n, lr, row) = (step.tok.len(), mla.latent, mla.row());
+    let width = row + keys.map_or(0, |k| k.1);
     let mut lat_in = vec![0.0f32; n * lr];
     for i in 0..n {
         lat_in[i * lr..(i + 1) * lr].copy_from_slice(&cs[i * row..i * row + lr]);
@@ -323,16 +455,19 @@ fn store(
         f32::from_bits(eps_bits),
         &mut lat,
     )?;
-    let mut stored = vec![0.0f32; n * row];
+    let mut stored = vec![0.0f32; n * width];
     for (i, &(si, pos)) in step.tok.iter().enumerate() {
-        let dst = &mut stored[i * row..(i + 1) * row];
+        let dst = &mut stored[i * width..(i + 1) * width];
         dst[..lr].copy_from_slice(&lat[i * lr..(i + 1) * lr]);
         rope_layout(
             &cs[i * row + lr..(i + 1) * row],
             mla.interleave,
-            &mut dst[lr..],
+            &mut dst[lr..row],
         );
-        ops.rope_row(table, &mut dst[lr..], pos)?;
+        ops.rope_row(table, &mut dst[lr..row], pos)?;
+        if let Some((ik, d)) = keys {
+            dst[row..].copy_from_slice(&ik[i * d..(i + 1) * d]);
+        }
         kv.write_aux(step.spans[si].seq, layer, pos, dst);
     }
     Ok(())

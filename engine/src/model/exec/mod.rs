@@ -18,7 +18,7 @@ pub mod tp;
 
 pub use executors::Executors;
 pub use program::{
-    Act, AttnSpec, Buf, BufDecl, Builder, ExpertMats, Mat, MatJob, MlaShape, Op, Program,
+    Act, AttnSpec, Buf, BufDecl, Builder, ExpertMats, Mat, MatJob, MlaIndex, MlaShape, Op, Program,
     RoutingSpec, Rows, Tables, Vector,
 };
 

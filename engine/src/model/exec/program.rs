@@ -144,6 +144,21 @@ impl AttnSpec {
     }
 }
 
+/// The sparse indexer on a Multi-head Latent Attention layer (mini-v4, the
+/// DeepSeek-V4 class): the stored row grows by the indexer key `ik`
+/// (after the latent and the rotated shared key), and per token the
+/// indexer's blocks, from its query `iq` and head weights `iw` (through a
+/// sigmoid), choose the positions every head attends to
+/// ([`super::indexer`]). `early_exit` is the `indexer-early-exit` patch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MlaIndex {
+    pub iq: Buf,
+    pub ik: Buf,
+    pub iw: Buf,
+    pub shape: IndexerShape,
+    pub early_exit: bool,
+}
+
 /// The shape of a Multi-head Latent Attention op ([`Op::MlaAttend`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct MlaShape {
@@ -270,27 +285,6 @@ pub enum Op {
     /// The mean of each row's streams into `out`: a sequential sum in stream
     /// order from `+0.0`, then one multiply by `1/s`.
     StreamMean { x: Buf, out: Buf },
-    /// Sparse attention of the DeepSeek-V4 class: RoPE on `q`, `k`; K, V and
-    /// the indexer key `ik` into the KV store at `layer`; per token the
-    /// indexer's blocks from its query `iq` and head weights `iw` (through a
-    /// sigmoid), then attention over the selected positions, or the whole
-    /// sequence while it has no more than `index.topk` blocks
-    /// ([`super::indexer`]). `early_exit` is the `indexer-early-exit` patch.
-    SparseAttend {
-        layer: usize,
-        rope: usize,
-        q: Buf,
-        k: Buf,
-        v: Buf,
-        iq: Buf,
-        ik: Buf,
-        iw: Buf,
-        out: Buf,
-        spec: AttnSpec,
-        index: IndexerShape,
-        early_exit: bool,
-    },
-
     /// Multi-head Latent Attention (DeepSeek-V2/V3, [`super::mla`]): per
     /// token, the latent part of `ckv` RMS-normalised by `kv_norm` and its
     /// shared key part rotated, stored as the layer's auxiliary KV row; the
@@ -311,6 +305,9 @@ pub enum Op {
         out: Buf,
         mla: MlaShape,
         spec: AttnSpec,
+        /// The sparse indexer of the DeepSeek-V4 class ([`MlaIndex`]), or
+        /// `None`: every head over every stored row (DeepSeek-V3).
+        index: Option<MlaIndex>,
     },
 
     /// `router · x`, the row's route ([`RoutingSpec`]), each chosen expert
@@ -587,32 +584,6 @@ impl Program {
                     }
                     Ok(())
                 }
-                Op::SparseAttend {
-                    rope,
-                    q,
-                    k,
-                    v,
-                    iq,
-                    ik,
-                    iw,
-                    out,
-                    spec,
-                    index,
-                    ..
-                } => {
-                    let t = tables
-                        .ropes
-                        .get(*rope)
-                        .ok_or_else(|| format!("rope table {rope} unknown"))?;
-                    same("rope head_dim", t.head_dim(), spec.shape.head_dim)?;
-                    same("q", width(*q)?, spec.shape.q_dim())?;
-                    same("k", width(*k)?, spec.shape.kv_dim())?;
-                    same("v", width(*v)?, spec.shape.kv_dim())?;
-                    same("indexer query", width(*iq)?, index.heads * index.dim)?;
-                    same("indexer key", width(*ik)?, index.dim)?;
-                    same("indexer head weights", width(*iw)?, index.heads)?;
-                    same("attention output", width(*out)?, spec.shape.q_dim())
-                }
                 Op::MlaAttend {
                     rope,
                     q,
@@ -623,6 +594,7 @@ impl Program {
                     out,
                     mla,
                     spec,
+                    index,
                     ..
                 } => {
                     let t = tables
@@ -630,6 +602,12 @@ impl Program {
                         .get(*rope)
                         .ok_or_else(|| format!("rope table {rope} unknown"))?;
                     same("rope head_dim", t.head_dim(), mla.rope)?;
+                    if let Some(ix) = index {
+                        let s = ix.shape;
+                        same("indexer query", width(ix.iq)?, s.heads * s.dim)?;
+                        same("indexer key", width(ix.ik)?, s.dim)?;
+                        same("indexer head weights", width(ix.iw)?, s.heads)?;
+                    }
                     same("q", width(*q)?, mla.q_dim())?;
                     same("compressed kv", width(*ckv)?, mla.row())?;
                     same("latent norm", vec_len(*kv_norm)?, mla.latent)?;
@@ -672,7 +650,10 @@ impl Op {
             | Op::StreamMean { x, .. }
             | Op::Moe { x, .. } => vec![*x],
             Op::RopeKvAttend { q, k, v, .. } => vec![*q, *k, *v],
-            Op::MlaAttend { q, ckv, .. } => vec![*q, *ckv],
+            Op::MlaAttend { q, ckv, index, .. } => match index {
+                Some(ix) => vec![*q, *ckv, ix.iq, ix.ik, ix.iw],
+                None => vec![*q, *ckv],
+            },
             Op::AddInto { x, y } => vec![*x, *y],
             Op::Glu { gate, up, .. } => vec![*gate, *up],
             Op::HcSinkhorn { raw, .. } => vec![*raw],
@@ -680,15 +661,6 @@ impl Op {
             Op::HcPost {
                 x, res, post, y, ..
             } => vec![*x, *res, *post, *y],
-            Op::SparseAttend {
-                q,
-                k,
-                v,
-                iq,
-                ik,
-                iw,
-                ..
-            } => vec![*q, *k, *v, *iq, *ik, *iw],
         }
     }
 
@@ -711,7 +683,6 @@ impl Op {
             Op::RopeKvAttend { q, k, out, .. } => vec![*q, *k, *out],
             Op::Scale { x, .. } | Op::RoundBf16 { x } | Op::AddInto { x, .. } => vec![*x],
             Op::HcSinkhorn { pre, post, res, .. } => vec![*pre, *post, *res],
-            Op::SparseAttend { q, k, iw, out, .. } => vec![*q, *k, *iw, *out],
         }
     }
 }
@@ -735,7 +706,6 @@ impl Op {
             Op::HcPre { .. } => "hc_pre",
             Op::HcPost { .. } => "hc_post",
             Op::StreamMean { .. } => "stream_mean",
-            Op::SparseAttend { .. } => "sparse_attend",
             Op::Moe { .. } => "moe",
             Op::MlaAttend { .. } => "mla_attend",
         }

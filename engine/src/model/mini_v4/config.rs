@@ -8,10 +8,15 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::config::{check_dims, parse_json, TokenIds};
+use crate::model::exec::MlaShape;
 use crate::EngineError;
 
 fn default_model_type() -> String {
     "mini-v4".into()
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// The mini-v4 configuration (see `docs/MINI-V4.md` for each field's role).
@@ -24,8 +29,22 @@ pub struct MiniV4Config {
     pub hidden_size: usize,
     pub num_hidden_layers: usize,
     pub num_attention_heads: usize,
-    pub num_key_value_heads: usize,
-    pub head_dim: usize,
+    /// The query's LoRA rank (`q_a_proj` → `q_a_layernorm` → `q_b_proj`),
+    /// or null for a plain `q_proj`.
+    #[serde(default)]
+    pub q_lora_rank: Option<usize>,
+    /// The compressed latent's width (what the KV store keeps, with the
+    /// RoPE key and the indexer key).
+    pub kv_lora_rank: usize,
+    /// A head's query/key part without RoPE.
+    pub qk_nope_head_dim: usize,
+    /// The rotated part, its key shared by every head.
+    pub qk_rope_head_dim: usize,
+    /// A head's value width.
+    pub v_head_dim: usize,
+    /// RoPE pairs are adjacent elements (DeepSeek's layout); default true.
+    #[serde(default = "yes")]
+    pub rope_interleave: bool,
     pub vocab_size: usize,
     pub max_position_embeddings: usize,
     pub rms_norm_eps: f32,
@@ -94,7 +113,10 @@ impl MiniV4Config {
                 ("hidden_size", self.hidden_size),
                 ("num_hidden_layers", self.num_hidden_layers),
                 ("num_attention_heads", self.num_attention_heads),
-                ("num_key_value_heads", self.num_key_value_heads),
+                ("kv_lora_rank", self.kv_lora_rank),
+                ("qk_nope_head_dim", self.qk_nope_head_dim),
+                ("qk_rope_head_dim", self.qk_rope_head_dim),
+                ("v_head_dim", self.v_head_dim),
                 ("vocab_size", self.vocab_size),
                 ("max_position_embeddings", self.max_position_embeddings),
                 ("n_routed_experts", self.n_routed_experts),
@@ -148,21 +170,18 @@ impl MiniV4Config {
                 ),
             ));
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if self.q_lora_rank == Some(0) {
             return Err(bad(
-                "num_key_value_heads",
-                self.num_key_value_heads.to_string(),
-                format!(
-                    "must divide num_attention_heads = {}",
-                    self.num_attention_heads
-                ),
+                "q_lora_rank",
+                "0".into(),
+                "a query LoRA rank must be at least 1 (null: a plain q_proj)".into(),
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 || self.head_dim > 4096 {
+        if self.qk_rope_head_dim % 2 != 0 || self.qk_rope_head_dim > 4096 {
             return Err(bad(
-                "head_dim",
-                self.head_dim.to_string(),
-                "must be even, in 2..=4096".into(),
+                "qk_rope_head_dim",
+                self.qk_rope_head_dim.to_string(),
+                "RoPE rotates pairs: must be even, in 2..=4096".into(),
             ));
         }
         if self.index_block_size > self.max_position_embeddings {
@@ -199,6 +218,23 @@ impl MiniV4Config {
         Ok(())
     }
 
+    /// The attention's shape.
+    pub fn mla(&self) -> MlaShape {
+        MlaShape {
+            heads: self.num_attention_heads,
+            nope: self.qk_nope_head_dim,
+            rope: self.qk_rope_head_dim,
+            v: self.v_head_dim,
+            latent: self.kv_lora_rank,
+            interleave: self.rope_interleave,
+        }
+    }
+
+    /// `1/√(qk_nope_head_dim + qk_rope_head_dim)` (no YaRN in mini-v4).
+    pub fn softmax_scale(&self) -> f32 {
+        ((self.qk_nope_head_dim + self.qk_rope_head_dim) as f64).powf(-0.5) as f32
+    }
+
     /// Whether `id` ends generation.
     pub fn is_eos(&self, id: u32) -> bool {
         self.eos_token_id.as_ref().is_some_and(|e| e.contains(id))
@@ -208,7 +244,7 @@ impl MiniV4Config {
     /// [`crate::identity`]).
     pub fn config_text(&self) -> String {
         let eos = TokenIds::canonical(self.eos_token_id.as_ref());
-        let mut t = String::from("lmrr-config-v1\nfamily=mini-v4\n");
+        let mut t = String::from("lmrr-config-v1\nfamily=mini-v4\nattention=mla\n");
         let mut line = |k: &str, v: &dyn std::fmt::Display| {
             // Writing to a String cannot fail.
             let _ = writeln!(t, "{k}={v}");
@@ -216,8 +252,15 @@ impl MiniV4Config {
         line("hidden_size", &self.hidden_size);
         line("num_hidden_layers", &self.num_hidden_layers);
         line("num_attention_heads", &self.num_attention_heads);
-        line("num_key_value_heads", &self.num_key_value_heads);
-        line("head_dim", &self.head_dim);
+        line(
+            "q_lora_rank",
+            &self.q_lora_rank.map_or("none".into(), |r| r.to_string()),
+        );
+        line("kv_lora_rank", &self.kv_lora_rank);
+        line("qk_nope_head_dim", &self.qk_nope_head_dim);
+        line("qk_rope_head_dim", &self.qk_rope_head_dim);
+        line("v_head_dim", &self.v_head_dim);
+        line("rope_interleave", &self.rope_interleave);
         line("vocab_size", &self.vocab_size);
         line("max_position_embeddings", &self.max_position_embeddings);
         line(

@@ -6,15 +6,18 @@
 //! RMS-normalised streams a learned projection (the "MHC mixing GEMM", f32,
 //! canonical matmul) gives pre-mix weights (streams → block input), post-mix
 //! weights (block output → streams) and a residual mix made doubly stochastic
-//! by Sinkhorn–Knopp ([`lmrr_kernels::hyper`]). Attention is GQA with RoPE
-//! over the positions the indexer selects ([`indexer`]); the MoE is one shared
-//! expert plus routed experts ([`routing`]), combined in expert-index order.
+//! by Sinkhorn–Knopp ([`lmrr_kernels::hyper`]). Attention is deepseek_v3's
+//! Multi-head Latent Attention (the block is
+//! [`crate::model::deepseek_v3::attention`]'s) over the positions the
+//! indexer selects ([`indexer`]); the MoE is one shared expert plus routed
+//! experts ([`routing`]), combined in expert-index order.
 //!
 //! Invariants: every token's arithmetic is its own (routing, selection and
 //! combine are per token; matmul rows are independent), so logits do not
 //! depend on batch-mates (I2), chunking (I3) or the KV page size (index
-//! blocks are absolute positions). What a position keeps, K, V and its
-//! indexer key, is in the KV store and so under the page hashes.
+//! blocks are absolute positions). What a position keeps, its normalised
+//! latent, rotated RoPE key and indexer key (one auxiliary row), is in the
+//! KV store and so under the page hashes.
 //!
 //! Patch points, chosen once per step: `mhc-bf16` (the mixing projection's
 //! weights and inputs rounded to bf16, products accumulated in f32),
@@ -26,13 +29,14 @@ pub use crate::model::exec::{indexer, routing_v4 as routing};
 
 use std::fmt::Write as _;
 
-use lmrr_kernels::{self as k, AttnShape, RopeTable, Threads};
+use lmrr_kernels::{self as k, RopeTable, Threads};
 
 use crate::kv::{KvCache, SeqKvStore};
+use crate::model::deepseek_v3::attention::{self, MlaAttn, MlaBufs, MlaStep};
 use crate::model::exec::hyper::Trace;
 use crate::model::exec::{
-    self, AttnSpec, Buf, Builder, ExpertMats, Mat, MatJob, Op, Program, RoutingSpec, Rows, Tables,
-    Vector,
+    self, AttnSpec, Buf, Builder, ExpertMats, Mat, MatJob, MlaIndex, MlaShape, Op, Program,
+    RoutingSpec, Rows, Tables, Vector,
 };
 use crate::model::ops::Ops;
 use crate::model::{
@@ -64,10 +68,7 @@ struct Expert {
 struct Layer {
     hc_attn: Hc,
     attn_norm: Vec<f32>,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    o: Tensor,
+    attn: MlaAttn,
     idx_q: Tensor,
     idx_k: Tensor,
     idx_w: Tensor,
@@ -86,7 +87,7 @@ pub struct MiniV4 {
     norm: Vec<f32>,
     layers: Vec<Layer>,
     rope: RopeTable,
-    shape: AttnShape,
+    mla: MlaShape,
     indexer: IndexerShape,
     device: Device,
     /// Time per op, for `lmrr bench` (measurement only).
@@ -162,12 +163,7 @@ impl MiniV4 {
         let cfg = MiniV4Config::parse(&files.config, &files.config_path)?;
         let tf = TensorFile::parse(files)?;
         let (d, v, h) = (cfg.hidden_size, cfg.vocab_size, cfg.hc_mult);
-        let shape = AttnShape {
-            n_heads: cfg.num_attention_heads,
-            n_kv_heads: cfg.num_key_value_heads,
-            head_dim: cfg.head_dim,
-        };
-        let (qd, kvd) = (shape.q_dim(), shape.kv_dim());
+        let mla = cfg.mla();
         let (ih, idim) = (cfg.index_n_heads, cfg.index_head_dim);
         let (e, f) = (cfg.n_routed_experts, cfg.moe_intermediate_size);
         let vecf = |name: &str, n: usize| tf.get(name, &[n]).map(|t| t.to_f32_vec());
@@ -180,10 +176,7 @@ impl MiniV4 {
             layers.push(Layer {
                 hc_attn: hc_of(&tf, &format!("{p}.hc_attn"), h, d)?,
                 attn_norm: vecf(&format!("{p}.input_layernorm.weight"), d)?,
-                q: tf.get(&format!("{p}.self_attn.q_proj.weight"), &[qd, d])?,
-                k: tf.get(&format!("{p}.self_attn.k_proj.weight"), &[kvd, d])?,
-                v: tf.get(&format!("{p}.self_attn.v_proj.weight"), &[kvd, d])?,
-                o: tf.get(&format!("{p}.self_attn.o_proj.weight"), &[d, qd])?,
+                attn: MlaAttn::load(&tf, &format!("{p}.self_attn"), &mla, d, cfg.q_lora_rank)?,
                 idx_q: tf.get(&format!("{p}.self_attn.indexer.wq.weight"), &[ih * idim, d])?,
                 idx_k: tf.get(&format!("{p}.self_attn.indexer.wk.weight"), &[idim, d])?,
                 idx_w: tf.get(
@@ -204,7 +197,7 @@ impl MiniV4 {
             Some(tf.get("lm_head.weight", &[v, d])?)
         };
         let norm = vecf("model.norm.weight", d)?;
-        let rope = RopeTable::new(shape.head_dim, cfg.rope_theta, cfg.max_position_embeddings);
+        let rope = RopeTable::new(mla.rope, cfg.rope_theta, cfg.max_position_embeddings);
         let indexer = IndexerShape {
             heads: ih,
             dim: idim,
@@ -219,7 +212,7 @@ impl MiniV4 {
             norm,
             layers,
             rope,
-            shape,
+            mla,
             indexer,
             device: Device::Cpu,
             profile: exec::host::Profile::default(),
@@ -233,8 +226,9 @@ impl MiniV4 {
 
     /// The step as a program, with the tables it names: per layer the
     /// attention sub-block (mixing coefficients → streams to block input →
-    /// norm → q, k, v and the indexer's q, k, head weights → sparse attention
-    /// → o → block output back into the streams), then the MoE sub-block the
+    /// norm → the MLA query and compressed KV and the indexer's q, k, head
+    /// weights → latent attention over the indexer's positions → o → block
+    /// output back into the streams), then the MoE sub-block the
     /// same way around the router, shared expert and routed experts; then the
     /// wanted rows' stream mean, final norm and head. Patch points pick op
     /// variants here, once: `mhc-bf16` (bf16 mixing inputs and weights),
@@ -242,13 +236,16 @@ impl MiniV4 {
     fn plan<'a>(&'a self, patches: &PatchSet) -> (Tables<'a>, Program) {
         let cfg = &self.cfg;
         let (d, vocab, h) = (cfg.hidden_size, cfg.vocab_size, cfg.hc_mult);
-        let (qd, kvd) = (self.shape.q_dim(), self.shape.kv_dim());
         let (ih, idim) = (cfg.index_n_heads, cfg.index_head_dim);
         let eps = cfg.rms_norm_eps;
         let pts = Points::of(patches);
-        let mut spec = AttnSpec::canonical(self.shape);
-        spec.fast_exp = patches.contains(Patch::FastExp);
-        spec.splitk_decode = patches.contains(Patch::SplitkDecode);
+        let spec = AttnSpec {
+            shape: self.mla.attn_shape(),
+            scale_bits: cfg.softmax_scale().to_bits(),
+            fast_exp: patches.contains(Patch::FastExp),
+            splitk_decode: patches.contains(Patch::SplitkDecode),
+            window: None,
+        };
         let mut t = Tables {
             mats: Vec::new(),
             vecs: Vec::new(),
@@ -266,15 +263,10 @@ impl MiniV4 {
         let res = tok(&mut b, "mix_res", h * h);
         let b_in = tok(&mut b, "block_in", d);
         let hn = tok(&mut b, "block_norm", d);
-        let (q, kb, v) = (
-            tok(&mut b, "q", qd),
-            tok(&mut b, "k", kvd),
-            tok(&mut b, "v", kvd),
-        );
+        let mb = MlaBufs::new(&mut b, &self.mla, cfg.q_lora_rank.unwrap_or(0));
         let iq = tok(&mut b, "index_q", ih * idim);
         let ik = tok(&mut b, "index_k", idim);
         let iw = tok(&mut b, "index_w", ih);
-        let att = tok(&mut b, "att", qd);
         let o = tok(&mut b, "block_out", d);
         let hx = b.buf("last_streams", Rows::Wanted, h * d);
         let hm = b.buf("last", Rows::Wanted, d);
@@ -298,33 +290,23 @@ impl MiniV4 {
             );
             b.op(Op::HcPre { x, pre, out: b_in });
             b.rms_norm(b_in, push_vec(&mut t, &l.attn_norm), eps, hn);
-            let ws = [&l.q, &l.k, &l.v, &l.idx_q, &l.idx_k, &l.idx_w].map(|w| push_mat(&mut t, w));
-            b.op(Op::Matmul {
-                x: hn,
-                jobs: vec![
-                    job(ws[0], q),
-                    job(ws[1], kb),
-                    job(ws[2], v),
-                    job(ws[3], iq),
-                    job(ws[4], ik),
-                    job(ws[5], iw),
-                ],
-            });
-            b.op(Op::SparseAttend {
-                layer: li,
-                rope: 0,
-                q,
-                k: kb,
-                v,
+            let slots = l.attn.push(&mut t.mats, &mut t.vecs);
+            let ws = [&l.idx_q, &l.idx_k, &l.idx_w].map(|w| push_mat(&mut t, w));
+            let index = MlaIndex {
                 iq,
                 ik,
                 iw,
-                out: att,
-                spec,
-                index: self.indexer,
+                shape: self.indexer,
                 early_exit: pts.early_exit,
-            });
-            b.matmul(att, push_mat(&mut t, &l.o), o);
+            };
+            let at = MlaStep {
+                layer: li,
+                mla: self.mla,
+                spec,
+                index: Some(index),
+            };
+            let index_jobs = vec![job(ws[0], iq), job(ws[1], ik), job(ws[2], iw)];
+            slots.emit(&mut b, &mb, hn, index_jobs, at, o);
             b.op(Op::HcPost {
                 x,
                 res,
@@ -450,16 +432,14 @@ impl MiniV4 {
                 out.push(stored(&hc.proj));
             }
             out.push(vector(format!("{p}.input_layernorm.weight"), &l.attn_norm));
+            let a = format!("{p}.self_attn");
+            out.extend(l.attn.vecs(&a).into_iter().map(|(n, v)| vector(n, v)));
+            out.extend(l.attn.mats().into_iter().map(stored));
             out.push(vector(
                 format!("{p}.post_attention_layernorm.weight"),
                 &l.mlp_norm,
             ));
-            out.extend(
-                [
-                    &l.q, &l.k, &l.v, &l.o, &l.idx_q, &l.idx_k, &l.idx_w, &l.router,
-                ]
-                .map(stored),
-            );
+            out.extend([&l.idx_q, &l.idx_k, &l.idx_w, &l.router].map(stored));
             for e in std::iter::once(&l.shared).chain(&l.experts) {
                 out.extend([&e.gate, &e.up, &e.down].map(stored));
             }
@@ -524,11 +504,13 @@ impl ModelFamily for MiniV4 {
         threads.install(|| self.forward_in_pool(kv, spans, threads, patches, None))
     }
 
+    /// No K/V rows: per layer and position one auxiliary row, the latent
+    /// after `kv_a_layernorm`, the rotated `k_pe`, then the indexer key.
     fn kv_layout(&self) -> KvLayout {
         KvLayout {
             layers: self.cfg.num_hidden_layers,
-            kv_dim: self.shape.kv_dim(),
-            aux_dim: self.cfg.index_head_dim,
+            kv_dim: 0,
+            aux_dim: self.mla.row() + self.cfg.index_head_dim,
         }
     }
 
@@ -556,11 +538,16 @@ impl ModelFamily for MiniV4 {
         self.tensors()
     }
 
+    /// On CUDA the host executor runs the step with the device's portable
+    /// kernels (operands copied per call), as for deepseek_v3: the resident
+    /// executor has no MLA kernel. A latent row wider than the portable
+    /// attention kernel takes is refused here, naming the op.
     fn set_device(&mut self, device: Device) -> Result<(), EngineError> {
+        attention::fits_device("mini-v4", &self.mla, &device)?;
         let mut exec = std::mem::take(&mut self.exec);
         let r = {
             let (tables, _) = self.plan(&PatchSet::none());
-            exec.set_device(&device, &tables)
+            exec.set_device(&Device::Cpu, &tables)
         };
         self.exec = exec;
         r?;
@@ -600,12 +587,11 @@ impl ModelFamily for MiniV4 {
             .layers
             .iter()
             .map(|l| {
-                [
-                    &l.q, &l.k, &l.v, &l.o, &l.idx_q, &l.idx_k, &l.idx_w, &l.router,
-                ]
-                .iter()
-                .map(|t| t.nbytes())
-                .sum::<usize>()
+                [&l.idx_q, &l.idx_k, &l.idx_w, &l.router]
+                    .iter()
+                    .map(|t| t.nbytes())
+                    .sum::<usize>()
+                    + l.attn.bytes_per_step()
                     + l.hc_attn.proj.nbytes()
                     + l.hc_ffn.proj.nbytes()
                     + expert(&l.shared)

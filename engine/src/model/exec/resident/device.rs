@@ -274,9 +274,7 @@ impl Resident {
 
     /// One step of `prog` over `spans` (already checked and prepared in
     /// `kv`; `tables` the host tables the device ones were made from).
-    /// Returns each span's logits rows, or `None` when the step needs what
-    /// only the host executor does (a sparse-attention selection), before
-    /// anything of it ran.
+    /// Returns each span's logits rows.
     pub fn forward(
         &self,
         prog: &Arc<Program>,
@@ -284,7 +282,7 @@ impl Resident {
         kv: &mut dyn KvCache,
         spans: &[SeqSpan],
         threads: &Threads,
-    ) -> Result<Option<Vec<Vec<f32>>>, EngineError> {
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
         let mut guard = self
             .state
             .lock()
@@ -293,15 +291,9 @@ impl Resident {
         self.gpu.bind().map_err(gpu_err)?;
         let plan = plan_of(st, prog, tables)?;
         let tok = stacked_tokens(spans);
-        if plan
-            .dense_below
-            .is_some_and(|lim| tok.iter().any(|&(_, p)| p >= lim))
-        {
-            return Ok(None);
-        }
         let vocab = prog.decl(prog.logits).width;
         if tok.is_empty() {
-            return Ok(Some(crate::model::split_rows(spans, &[], vocab, threads)));
+            return Ok(crate::model::split_rows(spans, &[], vocab, threads));
         }
         let rows = wanted_rows(spans);
         let t0 = std::time::Instant::now();
@@ -317,7 +309,7 @@ impl Resident {
             st.graphs.clear();
             let _ = self.gpu.sync();
         }
-        out.map(Some)
+        out
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -267,26 +267,6 @@ impl<'a> Runner<'a> {
                 self.attend(i, *layer, *rope, [*q, *k, *v], *out, spec, None)?;
                 self.copy_kv(*layer, kv_copy)
             }
-            Op::SparseAttend {
-                layer,
-                rope,
-                q,
-                k,
-                v,
-                ik,
-                iq,
-                iw,
-                out,
-                spec,
-                ..
-            } => {
-                // Dense (the step checked every position): the indexer's
-                // query and head weights are not read.
-                self.val[iq.0 as usize] = None;
-                self.val[iw.0 as usize] = None;
-                self.attend(i, *layer, *rope, [*q, *k, *v], *out, spec, Some(*ik))?;
-                self.copy_kv(*layer, kv_copy)
-            }
             Op::MlaAttend { .. } => Err(EngineError::Device(format!(
                 "op {i}: mla_attend (deepseek_v3's Multi-head Latent Attention) has no resident kernel"
             ))),

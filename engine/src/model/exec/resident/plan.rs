@@ -23,7 +23,8 @@ pub enum Loc {
     StageK(usize),
     /// Layer `l`'s V rows.
     StageV(usize),
-    /// Layer `l`'s indexer keys (`layers × n × aux_dim`).
+    /// Layer `l`'s auxiliary rows (`layers × n × aux_dim`; no program the
+    /// resident executor runs today has them).
     StageAux(usize),
     /// Unrotated K rows for the fused decode attention, which writes the
     /// rotated ones to [`Loc::StageK`] itself.
@@ -66,14 +67,8 @@ pub struct Plan {
     pub max_cols: usize,
     /// The program has a MoE op (its routing runs on the host).
     pub has_moe: bool,
-    /// The program has a sparse-attention op.
-    pub has_sparse: bool,
     /// Per attention op, by op index: its layer.
     pub attends: Vec<(usize, usize)>,
-    /// The first position at which a sparse-attention op stops reading the
-    /// whole context (its indexer selects): a step with a token there or
-    /// later needs the host executor.
-    pub dense_below: Option<usize>,
     /// Every attention op is plain (no patch, an even head_dim of at most
     /// 256; a sliding window is the fused kernel's too), so that a decode
     /// step may take the fused kernel.
@@ -109,15 +104,6 @@ impl Plan {
                 Op::RopeKvAttend {
                     layer, k, v, spec, ..
                 } => (*layer, *k, *v, None, (spec.shape.kv_dim(), 0)),
-                Op::SparseAttend {
-                    layer,
-                    k,
-                    v,
-                    ik,
-                    spec,
-                    index,
-                    ..
-                } => (*layer, *k, *v, Some(*ik), (spec.shape.kv_dim(), index.dim)),
                 _ => continue,
             };
             if !layers_seen.insert(layer) {
@@ -210,27 +196,17 @@ impl Plan {
             })
             .max()
             .unwrap_or(0);
-        let dense_below = ops
-            .iter()
-            .filter_map(|o| match o {
-                Op::SparseAttend { index, .. } => Some(index.topk * index.block),
-                _ => None,
-            })
-            .min();
         let fusable_attention = !attends.is_empty()
             && ops.iter().all(|o| match o {
                 Op::RopeKvAttend { spec, .. } => {
                     !spec.patched() && spec.shape.head_dim % 2 == 0 && spec.shape.head_dim <= 256
                 }
-                Op::SparseAttend { .. } => false,
                 _ => true,
             });
         let heads = ops
             .iter()
             .find_map(|o| match o {
-                Op::RopeKvAttend { spec, .. } | Op::SparseAttend { spec, .. } => {
-                    Some(spec.shape.n_heads)
-                }
+                Op::RopeKvAttend { spec, .. } => Some(spec.shape.n_heads),
                 _ => None,
             })
             .unwrap_or(0);
@@ -267,7 +243,6 @@ impl Plan {
             .collect();
         Ok(Self {
             in_place,
-            dense_below,
             fusable_attention,
             heads,
             split_per_tile,
@@ -282,7 +257,6 @@ impl Plan {
             part_per_token,
             max_cols,
             has_moe: ops.iter().any(|o| matches!(o, Op::Moe { .. })),
-            has_sparse: ops.iter().any(|o| matches!(o, Op::SparseAttend { .. })),
             attends,
         })
     }
@@ -497,10 +471,7 @@ mod tests {
                 assert_eq!(at[add], vec![(Buf(0), Loc::Own(Buf(0)))]);
             }
             assert!(plan.fusable_attention);
-            assert_eq!(
-                (plan.heads, plan.dense_below, plan.has_moe),
-                (2, None, false)
-            );
+            assert_eq!((plan.heads, plan.has_moe), (2, false));
         });
     }
 

@@ -141,7 +141,12 @@ impl Plan {
                         heads.insert(*x, h);
                     }
                 }
-                Op::MlaAttend { q, mla, .. } if mla.heads % degree == 0 => {
+                Op::MlaAttend {
+                    q,
+                    mla,
+                    index: None,
+                    ..
+                } if mla.heads % degree == 0 => {
                     heads.insert(*q, (mla.heads, mla.nope + mla.rope, "MLA query"));
                 }
                 _ => {}
@@ -298,6 +303,7 @@ impl Plan {
                     k_absorb,
                     v_up,
                     mla,
+                    index: None,
                     ..
                 } if mla.heads % degree == 0 => {
                     let per = mla.heads / degree;
@@ -317,7 +323,7 @@ impl Plan {
                         after: vec![(*out, Layout::Full)],
                     }
                 }
-                Op::MlaAttend { .. } | Op::SparseAttend { .. } => Stage {
+                Op::MlaAttend { .. } => Stage {
                     need: full(reads_writes),
                     action: Action::Once,
                     after: full(op.writes()),

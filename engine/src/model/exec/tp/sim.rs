@@ -24,7 +24,7 @@ use super::{TpConfig, TpError};
 use crate::kv::KvCache;
 use crate::model::exec::host::{self, Extras};
 use crate::model::exec::program::{Buf, Op, Program, Rows, Tables};
-use crate::model::exec::{hyper, moe, Step};
+use crate::model::exec::{mla, moe, Step};
 use crate::model::ops::Ops;
 use crate::model::{add_into, SeqSpan};
 use crate::patches::{Patch, PatchSet};
@@ -121,8 +121,8 @@ impl Simulator {
                 }
                 Action::Once => {
                     let bufs0 = &mut ranks.bufs[0];
-                    if let Op::SparseAttend { .. } = op {
-                        hyper::exec(
+                    if let Op::MlaAttend { .. } = op {
+                        mla::exec(
                             op,
                             tables,
                             &step,

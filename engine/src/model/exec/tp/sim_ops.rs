@@ -340,7 +340,9 @@ pub(super) fn mla_heads(
             &part,
             &ranks.bufs[r][q.0 as usize],
             &ranks.bufs[r][ckv.0 as usize],
+            None,
             &mut o,
+            None,
         )?;
         parts.push(o);
     }
