@@ -262,14 +262,14 @@ fi  # families
 # without programmatic dependent launch; matmul_rows4 for every matrix of
 # 1,000 rows or more (the embedded model's lm head), graphs on and off;
 # decode attention split over the KV length for every small decode step,
-# graphs on and off.
+# graphs on and off, and never (the default splits from 512 positions).
 tunings="LMRR_CUDA_GEMM_MIN=9;LMRR_CUDA_GEMM_MIN=1000000"
 tunings+=";LMRR_CUDA_ATTN_DECODE_MAX=0;LMRR_CUDA_ATTN_DECODE_MAX=100000"
 tunings+=";LMRR_CUDA_PDL=0;LMRR_CUDA_PDL=0 LMRR_CUDA_GEMM_MIN=9"
 tunings+=";LMRR_CUDA_KV_OVERLAP_MIN=1 LMRR_CUDA_GRAPHS=0"
 tunings+=";LMRR_CUDA_LOADS_FIRST_MIN=1;LMRR_CUDA_LOADS_FIRST_MIN=1 LMRR_CUDA_PDL=0"
 tunings+=";LMRR_CUDA_ROWS4_MIN=1000;LMRR_CUDA_ROWS4_MIN=1000 LMRR_CUDA_GRAPHS=0"
-tunings+=";LMRR_CUDA_SPLIT_KV_MIN=1;LMRR_CUDA_SPLIT_KV_MIN=1 LMRR_CUDA_GRAPHS=0"
+tunings+=";LMRR_CUDA_SPLIT_KV_MIN=1;LMRR_CUDA_SPLIT_KV_MIN=1 LMRR_CUDA_GRAPHS=0;LMRR_CUDA_SPLIT_KV_MIN=0"
 IFS=';' read -r -a tuning_list <<<"${DEVICE_CHECK_TUNINGS:-$tunings}"
 case $part in core|tc|families) tuning_list=() ;; esac
 # gpu_check under plain launches: the resident kernels as a pre-Hopper

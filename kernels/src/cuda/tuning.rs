@@ -78,11 +78,12 @@ pub struct Tuning {
     /// (one full token tile; at batch 1 `matmul_rows4` is no faster). Not
     /// a variable.
     pub rows4_tokens: usize,
-    /// `LMRR_CUDA_SPLIT_KV_MIN` (positions, default 0: never): decode steps
-    /// of at most [`Tuning::attn_decode_max`] blocks whose longest context
+    /// `LMRR_CUDA_SPLIT_KV_MIN` (positions; 0: never): decode steps of at
+    /// most [`Tuning::attn_decode_max`] blocks whose longest context
     /// reaches this many positions take the attention split over the KV
     /// length (`attention_split_*`, the same bits) instead of one block per
-    /// (token, head). Off until a device has measured where it pays.
+    /// (token, head). The default is the shortest context docs/PERFORMANCE.md
+    /// timed, where the split already led.
     pub split_kv_min: usize,
 }
 
@@ -101,7 +102,7 @@ impl Default for Tuning {
             loads_first_min: 128,
             rows4_min: 32_768,
             rows4_tokens: MM_TOKENS,
-            split_kv_min: 0,
+            split_kv_min: 512,
         }
     }
 }
