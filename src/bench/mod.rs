@@ -401,10 +401,22 @@ fn host_costs(model: &lmrr_engine::Model, th: &Threads, r: usize) -> Result<()> 
         // same rows and digests). A 512-token prefill and a batch-64 decode.
         let l = model.net.kv_layout();
         let ps = lmrr_engine::EngineConfig::default().page_size;
-        for (what, seqs, n) in [
-            ("a 512-token step", 1, 512),
-            ("a batch-64 decode step (64 sequences × 1 row)", 64, 1),
-        ] {
+        if l.kv_dim == 0 {
+            // The MLA families keep no K/V rows: their stored rows are
+            // auxiliary ones, which only the host executor writes.
+            println!(
+                "| host K/V writes | none: this model keeps no K/V rows (its {} floats a position and layer are an auxiliary row) |",
+                l.aux_dim
+            );
+        }
+        for (what, seqs, n) in (l.kv_dim > 0)
+            .then_some([
+                ("a 512-token step", 1, 512),
+                ("a batch-64 decode step (64 sequences × 1 row)", 64, 1),
+            ])
+            .into_iter()
+            .flatten()
+        {
             let [rows, runs, step] = kv_writes(model, seqs, n, th, r)?;
             println!(
                 "| host K/V writes of {what} ({} layers × 2 × {} floats, pages of {ps}) | per row {:.3} ms, runs {:.3} ms, step on {} threads {:.3} ms |",
