@@ -13,8 +13,9 @@
 # quoted); DEVICE_CHECK_TUNINGS="A=1 B=2;C=3" replaces the list of kernel
 # choices the sessions are recorded under (';' between choices).
 # DEVICE_CHECK_PART=core runs everything but those recordings, =tunings only
-# them: on a machine lent 10 minutes a command the whole check (about 11
-# minutes on an H100) takes two calls, one of each. =tc runs only the
+# them: on a machine lent 10 minutes a command the whole check (about 12
+# minutes on an H100) takes three calls: gpu_check alone (over 330 s),
+# DEVICE_CHECK_GPU_CHECK=0 DEVICE_CHECK_PART=core, then =tunings. =tc runs only the
 # tensor-core section (part of core), =families the section of the
 # families beyond llama (part of core).
 set -uo pipefail
