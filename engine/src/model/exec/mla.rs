@@ -476,6 +476,133 @@ fn store(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kv::SeqKvStore;
+    use crate::model::exec::indexer::IndexerShape;
+    use crate::model::exec::program::{AttnSpec, Buf, Mat, Vector};
+    use crate::model::{Device, KvLayout, LogitsWanted, SeqSpan};
+    use crate::weights::Tensor;
+
+    /// Deterministic values in [-1, 1).
+    fn noise(seed: u64, n: usize) -> Vec<f32> {
+        let mut r = k::SplitMix64(seed);
+        (0..n)
+            .map(|_| (r.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+            .collect()
+    }
+
+    /// One MLA op over `n` tokens of one sequence from position 0, with or
+    /// without an indexer of `topk` blocks of 4 (window 4); its output.
+    fn run(n: usize, topk: Option<usize>) -> Vec<f32> {
+        let mla = MlaShape {
+            heads: 2,
+            nope: 4,
+            rope: 2,
+            v: 3,
+            latent: 6,
+            interleave: true,
+        };
+        let idx = IndexerShape {
+            heads: 2,
+            dim: 3,
+            topk: topk.unwrap_or(1),
+            block: 4,
+            window: 4,
+        };
+        let absorb = Tensor::from_f32(
+            "k_absorb".into(),
+            vec![mla.heads * mla.latent, mla.nope],
+            noise(1, mla.heads * mla.latent * mla.nope),
+        );
+        let up = Tensor::from_f32(
+            "v_up".into(),
+            vec![mla.heads * mla.v, mla.latent],
+            noise(2, mla.heads * mla.v * mla.latent),
+        );
+        let norm = vec![1.0f32; mla.latent];
+        let rope = k::RopeTable::new(mla.rope, 10_000.0, 64);
+        let tables = Tables {
+            mats: vec![&absorb, &up],
+            vecs: vec![&norm],
+            ropes: vec![&rope],
+        };
+        let index = topk.map(|_| MlaIndex {
+            iq: Buf(2),
+            ik: Buf(3),
+            iw: Buf(4),
+            shape: idx,
+            early_exit: false,
+        });
+        let op = Op::MlaAttend {
+            layer: 0,
+            rope: 0,
+            q: Buf(0),
+            ckv: Buf(1),
+            kv_norm: Vector(0),
+            eps_bits: 1e-6f32.to_bits(),
+            k_absorb: Mat(0),
+            v_up: Mat(1),
+            out: Buf(5),
+            mla,
+            spec: AttnSpec {
+                shape: mla.attn_shape(),
+                scale_bits: 0.4f32.to_bits(),
+                fast_exp: false,
+                splitk_decode: false,
+                window: None,
+            },
+            index,
+        };
+        let extra = topk.map_or(0, |_| idx.dim);
+        let mut kv = SeqKvStore::new(KvLayout {
+            layers: 1,
+            kv_dim: 0,
+            aux_dim: mla.row() + extra,
+        });
+        kv.prepare(7, 0, n).expect("prepare");
+        let tokens: Vec<u32> = (0..n as u32).collect();
+        let spans = [SeqSpan {
+            seq: 7,
+            start: 0,
+            tokens: &tokens,
+            logits: LogitsWanted::None,
+        }];
+        let step = Step::new(&spans);
+        let th = k::Threads::new(2).expect("threads");
+        let ops = Ops {
+            device: &Device::Cpu,
+            threads: &th,
+            numerics: Default::default(),
+        };
+        let mut bufs = vec![
+            noise(3, n * mla.q_dim()),
+            noise(4, n * mla.row()),
+            noise(5, n * idx.heads * idx.dim),
+            noise(6, n * idx.dim),
+            noise(7, n * idx.heads),
+            vec![0.0; n * mla.out_dim()],
+        ];
+        exec(&op, &tables, &step, &mut kv, &ops, &mut bufs, None).expect("mla_attend");
+        bufs.swap_remove(5)
+    }
+
+    /// With an indexer whose selection stays dense, every head attends over
+    /// gathered rows `0..=pos` at their own positions: the same bits as the
+    /// rows read in place (the op without an indexer). A selective one
+    /// (one block of 4 and a window of 4 over 24 positions) changes them
+    /// from the first position that sees two blocks.
+    #[test]
+    fn a_dense_indexer_selection_gives_the_bits_of_no_indexer() {
+        let n = 24;
+        let plain = run(n, None);
+        let dense = run(n, Some(n / 4 + 1));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&plain), bits(&dense));
+        let sparse = run(n, Some(1));
+        let per = plain.len() / n;
+        // Positions of the first block are dense (one block, topk 1).
+        assert_eq!(bits(&plain[..4 * per]), bits(&sparse[..4 * per]));
+        assert_ne!(bits(&plain[4 * per..]), bits(&sparse[4 * per..]));
+    }
 
     /// The interleaved layout puts pair `i`'s two elements at `i` and
     /// `half + i`, which is where rotate-half RoPE pairs them.
