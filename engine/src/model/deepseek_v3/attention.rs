@@ -208,6 +208,24 @@ pub fn fits_device(family: &str, mla: &MlaShape, device: &Device) -> Result<(), 
     Ok(())
 }
 
+/// The attention's lines of a config's identity text, in the order both
+/// MLA families write them (`line(key, value)`).
+pub fn config_lines(
+    line: &mut dyn FnMut(&str, &dyn std::fmt::Display),
+    q_lora_rank: Option<usize>,
+    mla: &MlaShape,
+) {
+    line(
+        "q_lora_rank",
+        &q_lora_rank.map_or("none".into(), |r| r.to_string()),
+    );
+    line("kv_lora_rank", &mla.latent);
+    line("qk_nope_head_dim", &mla.nope);
+    line("qk_rope_head_dim", &mla.rope);
+    line("v_head_dim", &mla.v);
+    line("rope_interleave", &mla.interleave);
+}
+
 /// One layer's attention block, as [`MlaSlots::emit`] programs it.
 pub struct MlaStep {
     pub layer: usize,

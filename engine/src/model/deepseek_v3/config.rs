@@ -26,6 +26,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::hf_config::{self, RopeParams};
+use crate::model::exec::MlaShape;
 use crate::{EngineError, ModelFiles};
 
 #[derive(Deserialize)]
@@ -297,6 +298,18 @@ impl DeepseekV3Config {
             .table(self.qk_rope_head_dim, self.max_position_embeddings)
     }
 
+    /// The attention's shape.
+    pub fn mla_shape(&self) -> MlaShape {
+        MlaShape {
+            heads: self.num_attention_heads,
+            nope: self.qk_nope_head_dim,
+            rope: self.qk_rope_head_dim,
+            v: self.v_head_dim,
+            latent: self.kv_lora_rank,
+            interleave: self.rope_interleave,
+        }
+    }
+
     /// The canonical `key=value` text of every field that changes the
     /// arithmetic (floats as their bits), for the model identity.
     pub fn config_text(&self) -> String {
@@ -310,15 +323,7 @@ impl DeepseekV3Config {
         line("moe_intermediate_size", &self.moe_intermediate_size);
         line("num_hidden_layers", &self.num_hidden_layers);
         line("num_attention_heads", &self.num_attention_heads);
-        line(
-            "q_lora_rank",
-            &self.q_lora_rank.map_or("none".into(), |r| r.to_string()),
-        );
-        line("kv_lora_rank", &self.kv_lora_rank);
-        line("qk_nope_head_dim", &self.qk_nope_head_dim);
-        line("qk_rope_head_dim", &self.qk_rope_head_dim);
-        line("v_head_dim", &self.v_head_dim);
-        line("rope_interleave", &self.rope_interleave);
+        super::attention::config_lines(&mut line, self.q_lora_rank, &self.mla_shape());
         line("vocab_size", &self.vocab_size);
         line("max_position_embeddings", &self.max_position_embeddings);
         line(

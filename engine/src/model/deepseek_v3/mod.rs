@@ -159,14 +159,7 @@ impl DeepseekV3 {
         let cfg = DeepseekV3Config::load(files)?;
         let tf = TensorFile::parse(files)?;
         let (d, v) = (cfg.hidden_size, cfg.vocab_size);
-        let mla = MlaShape {
-            heads: cfg.num_attention_heads,
-            nope: cfg.qk_nope_head_dim,
-            rope: cfg.qk_rope_head_dim,
-            v: cfg.v_head_dim,
-            latent: cfg.kv_lora_rank,
-            interleave: cfg.rope_interleave,
-        };
+        let mla = cfg.mla_shape();
         let vecf = |name: &str, n: usize| tf.get(name, &[n]).map(|t| t.to_f32_vec());
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {

@@ -252,15 +252,11 @@ impl MiniV4Config {
         line("hidden_size", &self.hidden_size);
         line("num_hidden_layers", &self.num_hidden_layers);
         line("num_attention_heads", &self.num_attention_heads);
-        line(
-            "q_lora_rank",
-            &self.q_lora_rank.map_or("none".into(), |r| r.to_string()),
+        crate::model::deepseek_v3::attention::config_lines(
+            &mut line,
+            self.q_lora_rank,
+            &self.mla(),
         );
-        line("kv_lora_rank", &self.kv_lora_rank);
-        line("qk_nope_head_dim", &self.qk_nope_head_dim);
-        line("qk_rope_head_dim", &self.qk_rope_head_dim);
-        line("v_head_dim", &self.v_head_dim);
-        line("rope_interleave", &self.rope_interleave);
         line("vocab_size", &self.vocab_size);
         line("max_position_embeddings", &self.max_position_embeddings);
         line(
