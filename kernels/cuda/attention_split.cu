@@ -4,8 +4,7 @@
 //
 //  1. attention_split_scores, `segs` blocks per (token, K/V head), each
 //     serving the query heads of that K/V head (K and V rows read once for
-//     all of them), block b taking the segments of `seg` tiles (at most
-//     SPLIT_TILES; the host's choice, which no bit depends on) b,
+//     all of them), block b taking the segments of SPLIT_TILES tiles b,
 //     b + segs, … (so that one launch shape serves any context: a graph
 //     replays it): every score s_j = dot(q, k_j) · scale (lane j's FMA chain of
 //     each chunk, the xor tree 4, 2, 1, chunk partials in order from +0.0)
@@ -35,8 +34,7 @@
 // past the scratch): sc[r · cap · ATTN_TILE + j - base0],
 // tm, ta, tl [r · cap + tile], at [(r · cap + tile) · head_dim + d].
 
-// The most tiles a segment has (the shared arrays' size).
-#define SPLIT_TILES 16
+#define SPLIT_TILES 4
 #define SPLIT_POS (SPLIT_TILES * ATTN_TILE)
 // Query heads of one K/V head a block of steps 1 and 2 serves (each K and V
 // row read once for all of them); a model with more takes the other forms.
@@ -67,8 +65,7 @@ extern "C" __global__ void attention_split_scores(const float* q, const unsigned
                                                   const unsigned long long* seq_off,
                                                   const unsigned long long* pos, int n_heads, int n_kv_heads,
                                                   int head_dim, int layer, int page_len, int aux, float scale,
-                                                  int window, int segs, int seg, int cap, float* sc,
-                                                  float* tm) {
+                                                  int window, int segs, int cap, float* sc, float* tm) {
     PDL_ENTRY();
     int rk = blockIdx.x / segs;
     int t = rk / n_kv_heads, kvh = rk % n_kv_heads;
@@ -77,16 +74,15 @@ extern "C" __global__ void attention_split_scores(const float* q, const unsigned
     int hd = head_dim, kvd = n_kv_heads * head_dim, qd = n_heads * head_dim;
     SplitRow w = split_row(pos, t, window);
     // A walk past the scratch is the host's error: the merge writes NaN.
-    if (w.tiles > cap || G > SPLIT_MAX_GROUP || seg > SPLIT_TILES || blockIdx.x % segs * seg >= w.tiles)
-        return;  // uniform
+    if (w.tiles > cap || G > SPLIT_MAX_GROUP || blockIdx.x % segs * SPLIT_TILES >= w.tiles) return;  // uniform
     __shared__ float qs[SPLIT_MAX_GROUP * MAX_HEAD_DIM];
     __shared__ float ss[SPLIT_MAX_GROUP * SPLIT_POS];
     for (int e = tid; e < G * hd; e += ATTN_THREADS) qs[e] = q[(long long)t * qd + h0 * hd + e];
     const unsigned long long* pt = pages + seq_off[t];
     long long row0 = (long long)t * n_heads + h0;
-    for (int si = blockIdx.x % segs; si * seg < w.tiles; si += segs) {
+    for (int seg = blockIdx.x % segs; seg * SPLIT_TILES < w.tiles; seg += segs) {
         __syncthreads();  // qs written; the last segment's ss read
-        int i0 = si * seg, i1 = min(i0 + seg, w.tiles), nt = i1 - i0;
+        int i0 = seg * SPLIT_TILES, i1 = min(i0 + SPLIT_TILES, w.tiles), nt = i1 - i0;
         // Positions of the segment relative to base0: [jb0, jb1); those below
         // cut (the window's first key) are not keys.
         int jb0 = i0 * ATTN_TILE, jb1 = min(i1 * ATTN_TILE, w.p_end + 1 - w.base0), cut = w.lo - w.base0;
@@ -163,8 +159,8 @@ __device__ __forceinline__ void split_pick(float& v, int& i, float ov, int oi) {
 extern "C" __global__ void attention_split_pv(const unsigned long long* pages, const unsigned long long* seq_off,
                                               const unsigned long long* pos, int n_heads, int n_kv_heads,
                                               int head_dim, int layer, int page_len, int aux, int window, int segs,
-                                              int seg, int cap, const float* sc, const float* tm, float* ta,
-                                              float* tl, float* at) {
+                                              int cap, const float* sc, const float* tm, float* ta, float* tl,
+                                              float* at) {
     PDL_ENTRY();
     int rk = blockIdx.x / segs;
     int t = rk / n_kv_heads, kvh = rk % n_kv_heads;
@@ -172,15 +168,15 @@ extern "C" __global__ void attention_split_pv(const unsigned long long* pages, c
     int tid = threadIdx.x;
     int hd = head_dim, kvd = n_kv_heads * head_dim;
     SplitRow w = split_row(pos, t, window);
-    if (w.tiles > cap || G > SPLIT_MAX_GROUP || seg > SPLIT_TILES) return;  // uniform over the block
+    if (w.tiles > cap || G > SPLIT_MAX_GROUP) return;  // uniform over the block
     __shared__ float ps[SPLIT_MAX_GROUP * SPLIT_POS];
     __shared__ float mb[SPLIT_MAX_GROUP * SPLIT_TILES], ma[SPLIT_MAX_GROUP * SPLIT_TILES];
     __shared__ float rv[ATTN_THREADS / 32];
     __shared__ int ri[ATTN_THREADS / 32];
     const unsigned long long* pt = pages + seq_off[t];
     long long row0 = (long long)t * n_heads + h0;
-    for (int si = blockIdx.x % segs; si * seg < w.tiles; si += segs) {
-        int i0 = si * seg, i1 = min(i0 + seg, w.tiles), nt = i1 - i0;
+    for (int seg = blockIdx.x % segs; seg * SPLIT_TILES < w.tiles; seg += segs) {
+        int i0 = seg * SPLIT_TILES, i1 = min(i0 + SPLIT_TILES, w.tiles), nt = i1 - i0;
         for (int g = 0; g < G; ++g) {
             const float* tmr = tm + (row0 + g) * cap;
             __syncthreads();  // rv and ri read; the last segment's ma and ps read

@@ -388,16 +388,14 @@ int main() {
         if (decode == 7 || decode == 8) {
             // The split decode attention: scores, then p and the tiles'
             // partials, then the merge, over scratch for the most tiles any
-            // task has: segments of 4 tiles, a block per segment (7), or
-            // segments of SPLIT_TILES, two blocks per row each taking every
-            // other segment (8); the bits are the same either way.
+            // task has, in segments of SPLIT_TILES: a block per segment (7),
+            // or two blocks per row each taking every other segment (8).
             int cap = 0;
             for (int t = 0; t < tasks; ++t) {
                 int lo = first_key((int)ps[t], window), base0 = lo / ATTN_TILE * ATTN_TILE;
                 cap = std::max(cap, ((int)ps[t] - base0) / ATTN_TILE + 1);
             }
-            int seg = decode == 8 ? SPLIT_TILES : 4;
-            int segs = decode == 8 ? 2 : (cap + seg - 1) / seg;
+            int segs = decode == 8 ? 2 : (cap + SPLIT_TILES - 1) / SPLIT_TILES;
             size_t rows_n = (size_t)tasks * nh;
             std::vector<float> sc(rows_n * cap * ATTN_TILE, std::nanf("")), tm(rows_n * cap, std::nanf("")),
                 ta(rows_n * cap, std::nanf("")), tl(rows_n * cap, std::nanf("")),
@@ -405,11 +403,11 @@ int main() {
             unsigned blocks = (unsigned)((size_t)tasks * nkv * segs);
             emu::launch(blocks, ATTN_THREADS, [&] {
                 attention_split_scores(q.data(), table.data(), so.data(), ps.data(), nh, nkv, hd, 0, page_len, 0,
-                                       scale, window, segs, seg, cap, sc.data(), tm.data());
+                                       scale, window, segs, cap, sc.data(), tm.data());
             });
             emu::launch(blocks, ATTN_THREADS, [&] {
-                attention_split_pv(table.data(), so.data(), ps.data(), nh, nkv, hd, 0, page_len, 0, window, segs, seg,
-                                   cap, sc.data(), tm.data(), ta.data(), tl.data(), at.data());
+                attention_split_pv(table.data(), so.data(), ps.data(), nh, nkv, hd, 0, page_len, 0, window, segs, cap,
+                                   sc.data(), tm.data(), ta.data(), tl.data(), at.data());
             });
             emu::launch((unsigned)rows_n, ATTN_THREADS, [&] {
                 attention_split_merge(ps.data(), nh, hd, window, cap, ta.data(), tl.data(), at.data(), out.data());

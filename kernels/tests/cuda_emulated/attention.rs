@@ -100,7 +100,7 @@ fn paged_attention_matches_the_cpu() {
             ),
             // The portable mirror's one-thread kernel over gathered rows.
             ("attention (one thread)", 6, emulator()),
-            // Decode split over the KV length (segments of 4 tiles).
+            // Decode split over the KV length (segments of SPLIT_TILES tiles).
             ("attention_split_*", 7, emulator()),
         ] {
             let Some(bin) = bin else { continue };

@@ -1,7 +1,7 @@
 //! The decode attention split over the KV length (`attention_split_scores`,
 //! `_pv`, `_merge`) against the CPU's attention: a batch of decode tokens
 //! of different context lengths (one tile, segment edges, many segments of
-//! 4 and of SPLIT_TILES tiles), GQA at head_dim 64 and 128, pages of several sizes; and its
+//! SPLIT_TILES tiles), GQA at head_dim 64 and 128, pages of several sizes; and its
 //! own negative controls (each mutation of the split source must change
 //! bits on the same case).
 
@@ -96,8 +96,8 @@ fn split_decode_attention_matches_the_cpu() {
         head_dim,
     };
     // Positions: one tile (0, 31), a segment's last and first tile (127,
-    // 128 at 4 tiles a segment; 511, 512 at 16, which is also as many tiles
-    // as the merge loads ahead), many segments (1100, 2100), within one batch.
+    // 128 at 4 tiles a segment), more tiles than the merge loads ahead (511,
+    // 512 and on), many segments (1100, 2100), within one batch.
     for (shape, positions, page_len) in [
         (
             gqa(4, 2, 64),
@@ -108,13 +108,9 @@ fn split_decode_attention_matches_the_cpu() {
         (gqa(3, 3, 80), vec![95, 600], 7),
     ] {
         let (line, arrays, cpu) = batch(&mut r, &th, shape, &positions, page_len);
-        // A block per segment of 4 tiles, then segments of SPLIT_TILES, two
-        // blocks a row taking every other one (one launch shape for any
-        // context): the same bits.
-        for (code, how) in [
-            ("7", "a block per segment of 4 tiles"),
-            ("8", "two blocks a row, segments of 16 tiles"),
-        ] {
+        // A block per segment, then two blocks a row taking every other
+        // segment (one launch shape for any context).
+        for (code, how) in [("7", "a block per segment"), ("8", "two blocks a row")] {
             let line = format!("{} {code}", line.trim_end_matches(" 7"));
             let dev = run(bin, &line, &arrays);
             assert_eq!(

@@ -20,12 +20,8 @@ use crate::paged::PageLayout;
 
 pub use crate::ATTN_TILE;
 
-/// The most tiles a segment of the split has (`SPLIT_TILES` in
-/// attention_split.cu, its shared arrays' size).
-pub const SPLIT_TILES: usize = 16;
-
-/// The fewest tiles a segment has.
-const SPLIT_MIN_TILES: usize = 4;
+/// Tiles per segment of the split (`SPLIT_TILES` in attention_split.cu).
+pub const SPLIT_TILES: usize = 4;
 
 /// Query heads per K/V head the split serves (`SPLIT_MAX_GROUP`); a shape
 /// with more takes [`Gpu::attention_paged`] (the same bits).
@@ -41,22 +37,6 @@ const SPLIT_BLOCKS: usize = 1024;
 pub struct SplitKv {
     pub addr: u64,
     pub cap_tiles: usize,
-}
-
-/// Tiles per segment for a launch of `groups` (token, K/V head) pairs over
-/// scratch of `cap_tiles` tiles a row: the fewest (a short context keeps
-/// the GPU's SMs busy) that stay within [`SPLIT_BLOCKS`] blocks, in
-/// `SPLIT_MIN_TILES..=SPLIT_TILES` (a long one folds fewer segments, each
-/// of which scans the tile maxima before it). A function of the launch
-/// shape and the scratch only, so a graph replays it; no bit depends on it
-/// (each tile's partials and the merge over them in tile order are the
-/// same whatever the segments).
-pub fn seg_tiles(groups: usize, cap_tiles: usize) -> usize {
-    let mut seg = SPLIT_MIN_TILES;
-    while seg < SPLIT_TILES && groups * cap_tiles.div_ceil(seg) > SPLIT_BLOCKS {
-        seg *= 2;
-    }
-    seg
 }
 
 impl SplitKv {
@@ -115,17 +95,15 @@ impl Gpu {
         }
         let rows = n * shape.n_heads;
         let groups = n * shape.n_kv_heads;
-        let seg = seg_tiles(groups, split.cap_tiles);
         let segs = split
             .cap_tiles
-            .div_ceil(seg)
+            .div_ceil(SPLIT_TILES)
             .min((SPLIT_BLOCKS / groups).max(1));
         // Every index the kernels form inside the scratch fits 32 bits per
         // factor and 64 in all; the block count fits the grid.
         as_i32("attention_split", groups * segs)?;
-        let (segs_i, seg_i, cap) = (
+        let (segs_i, cap) = (
             as_i32("attention_split", segs)?,
-            as_i32("attention_split", seg)?,
             as_i32("attention_split", split.cap_tiles)?,
         );
         let per = rows * split.cap_tiles;
@@ -156,7 +134,6 @@ impl Gpu {
             .arg(&scale)
             .arg(&win)
             .arg(&segs_i)
-            .arg(&seg_i)
             .arg(&cap)
             .arg(&sc)
             .arg(&tm);
@@ -177,7 +154,6 @@ impl Gpu {
             .arg(&aux)
             .arg(&win)
             .arg(&segs_i)
-            .arg(&seg_i)
             .arg(&cap)
             .arg(&sc)
             .arg(&tm)
@@ -204,23 +180,5 @@ impl Gpu {
         // SAFETY: matches `attention_split_merge`; out holds n rows of
         // n_heads·head_dim floats; the scratch as above.
         unsafe { b.launch(merge) }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A few thousand positions at batch 1 keep the smallest segments; a
-    /// long context or a larger batch doubles them up to the most.
-    #[test]
-    fn segments_grow_with_the_context_and_the_batch() {
-        // 8 K/V heads: batch 1 at 4k positions (256 tiles of 16), 32k.
-        assert_eq!(seg_tiles(8, 256), 4);
-        assert_eq!(seg_tiles(8, 2048), 16);
-        // Batch 4 at 4k: 32 groups × 64 segments of 4 is past 1024 blocks.
-        assert_eq!(seg_tiles(32, 256), 8);
-        assert_eq!(seg_tiles(32, 2048), SPLIT_TILES);
-        assert_eq!(seg_tiles(1, 1), SPLIT_MIN_TILES);
     }
 }
