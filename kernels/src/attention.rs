@@ -89,7 +89,7 @@ pub struct AttnTask<'a> {
 
 fn check(tasks: &[AttnTask], shape: &AttnShape, out: &[f32]) {
     assert!(
-        shape.n_kv_heads > 0 && shape.n_heads % shape.n_kv_heads == 0,
+        shape.n_kv_heads > 0 && shape.n_heads.is_multiple_of(shape.n_kv_heads),
         "attention: bad GQA"
     );
     assert_eq!(

@@ -142,7 +142,7 @@ fn le16(b: &[u8], i: usize) -> f32 {
 pub fn dequant_format_ref(fmt: BlockFormat, bytes: &[u8], out: &mut [f32]) {
     let (bw, bb) = (fmt.block_weights(), fmt.block_bytes());
     assert!(
-        bytes.len() % bb == 0 && bytes.len() / bb * bw == out.len(),
+        bytes.len().is_multiple_of(bb) && bytes.len() / bb * bw == out.len(),
         "dequant: {} bytes of {} do not fill {} weights",
         bytes.len(),
         fmt.name(),

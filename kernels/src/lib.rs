@@ -47,6 +47,8 @@ pub mod tensor_core;
 pub mod threads;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_512;
 
 pub use act::{geglu, geglu_ref, gelu_tanh_scalar, silu, silu_ref, swiglu, swiglu_ref};
 pub use argmax::{argmax, argmax_ref};
@@ -121,6 +123,19 @@ fn detect() -> Isa {
 #[cfg(not(target_arch = "x86_64"))]
 fn detect() -> Isa {
     Isa::Scalar
+}
+
+/// Whether decode over `Q4_K` / `Q6_K` weights runs the AVX-512 kernels
+/// (the same bits as the AVX2 ones; `LMRR_NO_AVX512=1` turns them off).
+pub fn kquant_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        x86_512::use_avx512()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
 }
 
 #[inline]

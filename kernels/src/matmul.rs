@@ -44,7 +44,7 @@ impl<'a> Matrix<'a> {
             Weights::F32(s) => rows.checked_mul(cols) == Some(s.len()),
             Weights::Bf16(s) => rows.checked_mul(cols) == Some(s.len()),
             Weights::Quant(kind, s) => {
-                cols % kind.block_weights() == 0
+                cols.is_multiple_of(kind.block_weights())
                     && rows.checked_mul(kind.row_bytes(cols)) == Some(s.len())
             }
         };
@@ -306,13 +306,18 @@ mod avx2 {
         range: std::ops::Range<usize>,
         y: SendPtr<f32>,
     ) {
+        let wide = (K == Q4K || K == Q6K) && crate::x86_512::use_avx512();
         let mut o = range.start;
         while o < range.end {
             let mut ws = [wp; 8];
             for (r, p) in ws.iter_mut().enumerate() {
                 *p = wp.add((o + r).min(range.end - 1) * rb);
             }
-            let v = dot8q::<K>(x.as_ptr(), &ws, k, 8 * rb);
+            let v = if wide {
+                crate::x86_512::dot8k::<K>(x.as_ptr(), &ws, k, 8 * rb)
+            } else {
+                dot8q::<K>(x.as_ptr(), &ws, k, 8 * rb)
+            };
             let mut out = [0.0f32; 8];
             _mm256_storeu_ps(out.as_mut_ptr(), v);
             for (r, &val) in out.iter().enumerate().take(range.end - o) {

@@ -114,7 +114,10 @@ impl GroupTopK {
     /// (at least 2, for the top-2 group score), `topk_group` of them holding
     /// at least `k` experts. `Err` names the field that is not.
     pub fn check(&self, n_experts: usize) -> Result<(), String> {
-        if self.n_group == 0 || n_experts % self.n_group != 0 || n_experts / self.n_group < 2 {
+        if self.n_group == 0
+            || !n_experts.is_multiple_of(self.n_group)
+            || n_experts / self.n_group < 2
+        {
             return Err(format!(
                 "n_group {} must split {n_experts} experts into equal groups of at least 2",
                 self.n_group

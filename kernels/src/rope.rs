@@ -29,7 +29,7 @@ impl RopeTable {
     /// Builds the table for positions `0..max_pos`. `head_dim` must be even.
     pub fn new(head_dim: usize, theta: f64, max_pos: usize) -> Self {
         assert!(
-            head_dim % 2 == 0 && head_dim > 0,
+            head_dim.is_multiple_of(2) && head_dim > 0,
             "rope: head_dim must be even"
         );
         Self::from_inv_freq(&default_inv_freq(head_dim, theta), 1.0, max_pos)

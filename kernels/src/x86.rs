@@ -416,7 +416,7 @@ unsafe fn dequant_row_k<const K: u8>(p: *const u8, out: &mut [f32]) {
 }
 
 /// Chunks per window of parked accumulators (8 × 16 × 32 B = 4 KiB).
-const WINDOW: usize = 16;
+pub(crate) const WINDOW: usize = 16;
 
 /// 8 canonical dot products of one activation row `x` with 8 quantized rows
 /// of `k` weights (`k` a multiple of 32) in format `K`: output `r` is
@@ -485,11 +485,11 @@ pub(crate) unsafe fn dot8q<const K: u8>(
 /// chunks: `Q4_K` sub-block `j`'s `dl[j] = d·sc` and `ml[j] = dmin·m`; `Q6_K`
 /// 16-weight group `i`'s `dl[i] = d·s`. Each is the reference's product.
 pub(crate) struct KScales {
-    dl: [f32; 16],
-    ml: [f32; 8],
+    pub(crate) dl: [f32; 16],
+    pub(crate) ml: [f32; 8],
     /// `Q4_K`: `d` and `dmin` finite, so the fused form is exact (see
     /// [`q4k_chunk`]).
-    fused: bool,
+    pub(crate) fused: bool,
 }
 
 /// [`KScales`] of the super-block at `b`.
@@ -659,7 +659,7 @@ unsafe fn q6k_chunk(b: *const u8, cb: usize, s: &KScales) -> [__m256; 8] {
 unsafe fn dot8k<const K: u8>(x: *const f32, ws: &[*const u8; 8], k: usize, ahead: usize) -> __m256 {
     let block_bytes = kind_of::<K>().block_bytes();
     let chunk_bytes = block_bytes / 4;
-    const { assert!(WINDOW % 4 == 0) };
+    const { assert!(WINDOW.is_multiple_of(4)) };
     // Every slot read below is written first (rows 0..8 × chunks w0..w1).
     let mut parked = std::mem::MaybeUninit::<[[__m256; 8]; WINDOW]>::uninit();
     let slots = parked.as_mut_ptr() as *mut [__m256; 8];

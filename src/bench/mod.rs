@@ -125,14 +125,19 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let r = a.repeats;
     let (layers, vocab) = (m.kv_layout().layers, m.vocab_size());
     println!(
-        "# lmrr bench — model {} ({:.1}M params, {} layers, hidden {}, vocab {}), {} threads, ISA {:?}",
+        "# lmrr bench — model {} ({:.1}M params, {} layers, hidden {}, vocab {}), {} threads, ISA {:?}{}",
         model.origin,
         m.param_count() as f64 / 1e6,
         layers,
         m.hidden_size(),
         vocab,
         th.count(),
-        lmrr_kernels::isa()
+        lmrr_kernels::isa(),
+        if lmrr_kernels::kquant_avx512() {
+            " (K-quant decode: AVX-512)"
+        } else {
+            ""
+        }
     );
     println!("model built/loaded in {load_s:.2}s");
     if on_gpu {

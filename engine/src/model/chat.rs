@@ -269,7 +269,7 @@ impl ChatTemplate {
             .map_err(|e| e.to_string())?;
         // Pieces alternate: text, placeholder index, text, …, text.
         let pieces: Vec<&str> = text.split(s).collect();
-        if pieces.len() % 2 == 0 {
+        if pieces.len().is_multiple_of(2) {
             return Err(format!(
                 "the template cut a spliced output's placeholder (U+{:04X} appears {} times)",
                 s as u32,

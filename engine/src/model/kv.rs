@@ -204,7 +204,7 @@ pub(crate) fn copy_step(
     threads: &Threads,
 ) {
     let task = |t: usize, bufs: &mut [&mut [f32]]| {
-        let src = if t % 2 == 0 { k } else { v };
+        let src = if t.is_multiple_of(2) { k } else { v };
         let src = &src[t / 2 * per..(t / 2 + 1) * per];
         for p in pieces {
             bufs[p.buf][p.dst..p.dst + p.len].copy_from_slice(&src[p.src..p.src + p.len]);

@@ -510,7 +510,7 @@ impl Init {
             Self::Normal(std) | Self::MixF32(std) => (unit * std) as f32,
             Self::Norm | Self::NormF32 => (1.0 + 0.1 * unit) as f32,
             Self::HcBias(h) => {
-                let diagonal = i >= 2 * h && (i - 2 * h) % (h + 1) == 0;
+                let diagonal = i >= 2 * h && (i - 2 * h).is_multiple_of(h + 1);
                 (0.1 * unit + if diagonal { 2.0 } else { 0.0 }) as f32
             }
         }

@@ -570,7 +570,8 @@ impl<'a> TensorFile<'a> {
         };
         let (dtype, data) = match view.dtype() {
             safetensors::Dtype::F32
-                if bytes.as_ptr() as usize % 4 == 0 && cfg!(target_endian = "little") =>
+                if (bytes.as_ptr() as usize).is_multiple_of(4)
+                    && cfg!(target_endian = "little") =>
             {
                 (DType::F32, mapped(4))
             }
@@ -584,7 +585,8 @@ impl<'a> TensorFile<'a> {
                 ),
             ),
             safetensors::Dtype::BF16
-                if bytes.as_ptr() as usize % 2 == 0 && cfg!(target_endian = "little") =>
+                if (bytes.as_ptr() as usize).is_multiple_of(2)
+                    && cfg!(target_endian = "little") =>
             {
                 (DType::Bf16, mapped(2))
             }

@@ -25,7 +25,7 @@ const KERNELS: [(&str, usize, usize, u32, u32, bool); 6] = [
 
 /// Whether `kernel` serves k (tc_mm_*: a multiple of 8).
 fn fits(kernel: usize, k: usize) -> bool {
-    !KERNELS[kernel].5 || k % 8 == 0
+    !KERNELS[kernel].5 || k.is_multiple_of(8)
 }
 
 struct Gemm<'a> {

@@ -270,7 +270,7 @@ impl Gpu {
         kernel: NormKernel,
         out: &mut [f32],
     ) -> Result<(), GpuError> {
-        if w.is_empty() || x.len() % w.len() != 0 || out.len() != x.len() {
+        if w.is_empty() || !x.len().is_multiple_of(w.len()) || out.len() != x.len() {
             return Err(GpuError::Shape {
                 what: "rms_norm",
                 detail: format!("x {}, w {}, out {}", x.len(), w.len(), out.len()),

@@ -163,7 +163,7 @@ impl Gpu {
         eps: f32,
         out: &mut [f32],
     ) -> Result<(), GpuError> {
-        if w.is_empty() || x.len() % w.len() != 0 || out.len() != x.len() {
+        if w.is_empty() || !x.len().is_multiple_of(w.len()) || out.len() != x.len() {
             return Err(GpuError::Shape {
                 what: "rms_norm",
                 detail: format!("x {}, w {}, out {}", x.len(), w.len(), out.len()),
@@ -240,7 +240,7 @@ impl Gpu {
     /// [`crate::rope`] of one row (whole heads) at `pos`, in place.
     pub fn rope(&self, table: &RopeTable, x: &mut [f32], pos: usize) -> Result<(), GpuError> {
         let d = table.head_dim();
-        if x.len() % d != 0 {
+        if !x.len().is_multiple_of(d) {
             return Err(GpuError::Shape {
                 what: "rope",
                 detail: format!("row of {} values is not whole heads of {d}", x.len()),
@@ -290,7 +290,7 @@ impl Gpu {
         let win = crate::cuda::ops::attention::window_arg(window)?;
         let (qd, kvd) = (shape.q_dim(), shape.kv_dim());
         let bad = shape.n_kv_heads == 0
-            || shape.n_heads % shape.n_kv_heads != 0
+            || !shape.n_heads.is_multiple_of(shape.n_kv_heads)
             || shape.head_dim > ONE_THREAD_MAX_HEAD_DIM
             || out.len() != tasks.len() * qd
             || tasks

@@ -161,7 +161,7 @@ impl Gpu {
     /// [`Gpu::tc_round`]) for a matrix of `cols` columns: a multiple of 8.
     /// Otherwise it reads the f32 input itself.
     pub fn tc_rounds_first(cols: usize) -> bool {
-        cols % 8 == 0
+        cols.is_multiple_of(8)
     }
 
     /// `y (n, rows) = bf16(x (n, cols)) · Wᵀ` on tensor cores, `W` stored as

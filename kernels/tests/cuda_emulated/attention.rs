@@ -119,7 +119,7 @@ fn paged_attention_matches_the_cpu() {
             // their count is even (the second span's table a copy of the
             // first; attention_prefill's groups end at the span's end).
             let mut layouts = vec![(index.clone(), seq_off.clone())];
-            if tasks.len() >= 4 && tasks.len() % 2 == 0 {
+            if tasks.len() >= 4 && tasks.len().is_multiple_of(2) {
                 let half = tasks.len() / 2;
                 layouts.push((
                     [index.clone(), index.clone()].concat(),

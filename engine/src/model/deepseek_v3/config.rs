@@ -155,7 +155,7 @@ impl DeepseekV3Config {
         // transformers' num_key_value_heads only repeats its decompressed
         // K/V, which already has a row per head.
         if let Some(kvh) = raw.num_key_value_heads {
-            if kvh == 0 || heads % kvh != 0 {
+            if kvh == 0 || !heads.is_multiple_of(kvh) {
                 return Err(bad(
                     path,
                     "num_key_value_heads",
@@ -181,7 +181,7 @@ impl DeepseekV3Config {
                 return Err(bad(path, "dimension", field, "must be positive"));
             }
         }
-        if raw.qk_rope_head_dim % 2 != 0 {
+        if !raw.qk_rope_head_dim.is_multiple_of(2) {
             return Err(bad(
                 path,
                 "qk_rope_head_dim",

@@ -174,7 +174,10 @@ impl Gemma3Config {
                 ("max_position_embeddings", raw.max_position_embeddings),
             ],
         )?;
-        if raw.num_attention_heads % raw.num_key_value_heads != 0 {
+        if !raw
+            .num_attention_heads
+            .is_multiple_of(raw.num_key_value_heads)
+        {
             return Err(bad(
                 path,
                 "num_key_value_heads",
@@ -185,7 +188,7 @@ impl Gemma3Config {
                 ),
             ));
         }
-        if raw.head_dim % 2 != 0 || raw.head_dim > 4096 {
+        if !raw.head_dim.is_multiple_of(2) || raw.head_dim > 4096 {
             return Err(bad(
                 path,
                 "head_dim",

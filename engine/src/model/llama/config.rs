@@ -237,7 +237,7 @@ impl LlamaConfig {
             ],
         )?;
         let kv = self.n_kv_heads();
-        if kv == 0 || self.num_attention_heads % kv != 0 {
+        if kv == 0 || !self.num_attention_heads.is_multiple_of(kv) {
             return Err(bad(
                 "num_key_value_heads",
                 kv.to_string(),
@@ -247,7 +247,7 @@ impl LlamaConfig {
                 ),
             ));
         }
-        if self.head_dim.is_none() && self.hidden_size % self.num_attention_heads != 0 {
+        if self.head_dim.is_none() && !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return Err(bad(
                 "hidden_size",
                 self.hidden_size.to_string(),
@@ -258,7 +258,7 @@ impl LlamaConfig {
             ));
         }
         let hd = self.head_dim();
-        if hd == 0 || hd % 2 != 0 || hd > 4096 {
+        if hd == 0 || !hd.is_multiple_of(2) || hd > 4096 {
             return Err(bad("head_dim", hd.to_string(), "must be even, in 2..=4096"));
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {

@@ -177,7 +177,7 @@ impl MiniV4Config {
                 "a query LoRA rank must be at least 1 (null: a plain q_proj)".into(),
             ));
         }
-        if self.qk_rope_head_dim % 2 != 0 || self.qk_rope_head_dim > 4096 {
+        if !self.qk_rope_head_dim.is_multiple_of(2) || self.qk_rope_head_dim > 4096 {
             return Err(bad(
                 "qk_rope_head_dim",
                 self.qk_rope_head_dim.to_string(),

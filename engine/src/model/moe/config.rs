@@ -206,7 +206,7 @@ impl MoeConfig {
                 return Err(bad(path, "dimension", field, "must be positive"));
             }
         }
-        if heads % kv_heads != 0 {
+        if !heads.is_multiple_of(kv_heads) {
             return Err(bad(
                 path,
                 "num_key_value_heads",
@@ -214,7 +214,7 @@ impl MoeConfig {
                 "must divide num_attention_heads",
             ));
         }
-        if head_dim % 2 != 0 {
+        if !head_dim.is_multiple_of(2) {
             return Err(bad(
                 path,
                 "head_dim",

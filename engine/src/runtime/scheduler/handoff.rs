@@ -154,7 +154,7 @@ impl Scheduler<'_> {
     ) -> Result<(), EngineError> {
         let w = self.kv.slot_width();
         let ps = self.cfg.page_size;
-        if w == 0 || rows.len() % w != 0 {
+        if w == 0 || !rows.len().is_multiple_of(w) {
             return Err(infeasible(format!(
                 "K/V rows of {} floats, not a multiple of a slot's {w}",
                 rows.len()

@@ -66,7 +66,8 @@ impl AttnKernel {
 /// starts on one). `None`: `attention_prefill` (any head_dim up to
 /// [`PF_MAXHD`]).
 pub fn prefill_fixed(shape: &crate::AttnShape, layout: &PageLayout) -> Option<AttnKernel> {
-    let aligned = layout.kv_dim % 4 == 0 && (layout.page_len * layout.aux_dim) % 4 == 0;
+    let aligned =
+        layout.kv_dim.is_multiple_of(4) && (layout.page_len * layout.aux_dim).is_multiple_of(4);
     match shape.head_dim {
         64 if aligned => Some(AttnKernel::PrefillHd64),
         128 if aligned => Some(AttnKernel::PrefillHd128),
@@ -79,7 +80,7 @@ pub fn prefill_fixed(shape: &crate::AttnShape, layout: &PageLayout) -> Option<At
 /// pages' kv_dim the shape's.
 pub(crate) fn attn_shape_ok(shape: &crate::AttnShape, layout: &PageLayout) -> bool {
     shape.n_kv_heads != 0
-        && shape.n_heads % shape.n_kv_heads == 0
+        && shape.n_heads.is_multiple_of(shape.n_kv_heads)
         && shape.head_dim <= MAX_HEAD_DIM
         && shape.kv_dim() == layout.kv_dim
 }
@@ -389,7 +390,10 @@ impl Gpu {
             return Ok(());
         }
         let win = window_arg(window)?;
-        if !attn_shape_ok(shape, &layout) || shape.head_dim % 2 != 0 || table.n_groups != 0 {
+        if !attn_shape_ok(shape, &layout)
+            || !shape.head_dim.is_multiple_of(2)
+            || table.n_groups != 0
+        {
             return Err(GpuError::Shape {
                 what: "attention_decode_rope",
                 detail: format!(

@@ -109,7 +109,7 @@ fn by_heads(
     head_dim: usize,
     degree: usize,
 ) -> Result<Vec<Range<usize>>, TpError> {
-    if heads % degree != 0 {
+    if !heads.is_multiple_of(degree) {
         return Err(TpError::Heads {
             what: what.to_string(),
             heads,

@@ -74,7 +74,9 @@ impl Slice {
                     .flat_map(|o| s[o * c + a..o * c + b].to_vec())
                     .collect(),
             ),
-            Weights::Quant(k, s) if a % k.block_weights() == 0 && b % k.block_weights() == 0 => {
+            Weights::Quant(k, s)
+                if a.is_multiple_of(k.block_weights()) && b.is_multiple_of(k.block_weights()) =>
+            {
                 let (rb, bw, bb) = (k.row_bytes(c), k.block_weights(), k.block_bytes());
                 let (x, y) = (a / bw * bb, b / bw * bb);
                 Owned::Quant(
