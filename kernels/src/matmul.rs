@@ -270,13 +270,28 @@ mod avx2 {
         // four buffered rows stay in L1 while x streams from L2, two loads of
         // x per 8 FMAs instead of the 2 × 4 shape's four.
         const GROUP: usize = 8;
-        let mut buf = vec![0.0f32; GROUP * k];
+        // With AVX-512 the group's rows are dequantized in pairs for
+        // `prefill8` instead (8 rows × 4 tokens a call, the same bits).
+        let wide = crate::x86_512::use_avx512();
+        let (mut buf, mut pairs) = if wide {
+            (Vec::new(), vec![0.0f32; GROUP * k])
+        } else {
+            (vec![0.0f32; GROUP * k], Vec::new())
+        };
         let mut t0 = 0;
         while t0 < n {
             let t1 = (t0 + TOKEN_BLOCK).min(n);
             let mut g0 = range.start;
             while g0 < range.end {
                 let g1 = (g0 + GROUP).min(range.end);
+                if wide && t1 - t0 >= 2 {
+                    // Rows past the range repeat its last one.
+                    let ws = std::array::from_fn(|r| wp.add((g0 + r).min(g1 - 1) * rb));
+                    crate::x86_512::dequant_pairs(kind, ws, k, &mut pairs);
+                    prefill_group(x, k, rows, t0, t1, g0..g1, &pairs, y);
+                    g0 = g1;
+                    continue;
+                }
                 for o in g0..g1 {
                     let dst = &mut buf[(o - g0) * k..(o - g0 + 1) * k];
                     dequant_row(kind, wp.add(o * rb), dst);
@@ -291,6 +306,39 @@ mod avx2 {
                 g0 = g1;
             }
             t0 = t1;
+        }
+    }
+
+    /// Tokens `t0..t1` against the rows `g` (at most 8) dequantized in
+    /// pairs (`pairs`, [`crate::x86_512::dequant_pairs`]), by
+    /// [`crate::x86_512::prefill8`]: a short token edge repeats the last
+    /// token; outputs past the edges are discarded.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn prefill_group(
+        x: &[f32],
+        k: usize,
+        rows: usize,
+        t0: usize,
+        t1: usize,
+        g: std::ops::Range<usize>,
+        pairs: &[f32],
+        y: SendPtr<f32>,
+    ) {
+        use crate::x86_512::{prefill8, PREFILL_TOKENS};
+        let valid = g.end - g.start;
+        let mut t = t0;
+        while t < t1 {
+            let xs = std::array::from_fn(|j| x.as_ptr().add((t + j).min(t1 - 1) * k));
+            let v = prefill8(xs, pairs.as_ptr(), k);
+            for (j, vj) in v.iter().enumerate().take(t1 - t) {
+                let mut out = [0.0f32; 8];
+                _mm256_storeu_ps(out.as_mut_ptr(), *vj);
+                for (r, &val) in out.iter().enumerate().take(valid) {
+                    *y.0.add((t + j) * rows + g.start + r) = val;
+                }
+            }
+            t += PREFILL_TOKENS;
         }
     }
 

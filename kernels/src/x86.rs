@@ -381,36 +381,50 @@ unsafe fn i8x8(v: __m128i) -> __m256 {
 /// Dequantizes `out.len() / 32` blocks starting at `p`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dequant_row(kind: QuantKind, p: *const u8, out: &mut [f32]) {
+    dequant_groups(kind, p, out.len(), out.as_mut_ptr(), 8);
+}
+
+/// Dequantizes `n / 32` blocks starting at `p` (`n` weights), writing the
+/// row's 8-weight group `g` at `out + g·step` (`step` ≥ 8; 8 is the plain
+/// row). The caller owns `out` up to the last group written.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dequant_groups(
+    kind: QuantKind,
+    p: *const u8,
+    n: usize,
+    out: *mut f32,
+    step: usize,
+) {
     match kind {
-        QuantKind::Q4_0 => dequant_row_k::<Q4_0>(p, out),
-        QuantKind::Q4_1 => dequant_row_k::<Q4_1>(p, out),
-        QuantKind::Q8_0 => dequant_row_k::<Q8_0>(p, out),
-        QuantKind::Q4K => dequant_row_k::<Q4K>(p, out),
-        QuantKind::Q6K => dequant_row_k::<Q6K>(p, out),
+        QuantKind::Q4_0 => dequant_row_k::<Q4_0>(p, n, out, step),
+        QuantKind::Q4_1 => dequant_row_k::<Q4_1>(p, n, out, step),
+        QuantKind::Q8_0 => dequant_row_k::<Q8_0>(p, n, out, step),
+        QuantKind::Q4K => dequant_row_k::<Q4K>(p, n, out, step),
+        QuantKind::Q6K => dequant_row_k::<Q6K>(p, n, out, step),
     }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dequant_row_k<const K: u8>(p: *const u8, out: &mut [f32]) {
+unsafe fn dequant_row_k<const K: u8>(p: *const u8, n: usize, out: *mut f32, step: usize) {
+    let bb = kind_of::<K>().block_bytes();
     if is_k::<K>() {
-        let bb = kind_of::<K>().block_bytes();
-        for (sb, o) in out.chunks_exact_mut(4 * CHUNK).enumerate() {
+        for sb in 0..n / (4 * CHUNK) {
             let b = p.add(sb * bb);
             let scales = kscales::<K>(b);
-            for (cb, oc) in o.chunks_exact_mut(CHUNK).enumerate() {
+            for cb in 0..4 {
                 let v = kchunk_in::<K>(b, cb, &scales);
+                let g0 = (4 * sb + cb) * (CHUNK / 8);
                 for (j, x) in v.iter().enumerate() {
-                    _mm256_storeu_ps(oc.as_mut_ptr().add(8 * j), *x);
+                    _mm256_storeu_ps(out.add((g0 + j) * step), *x);
                 }
             }
         }
         return;
     }
-    let bb = kind_of::<K>().block_bytes();
-    for (b, o) in out.chunks_exact_mut(QBLOCK).enumerate() {
+    for b in 0..n / QBLOCK {
         let v = qblock::<K>(p.add(b * bb));
         for (j, x) in v.iter().enumerate() {
-            _mm256_storeu_ps(o.as_mut_ptr().add(8 * j), *x);
+            _mm256_storeu_ps(out.add((b * (QBLOCK / 8) + j) * step), *x);
         }
     }
 }

@@ -143,6 +143,68 @@ pub(crate) unsafe fn dot8k<const K: u8>(
     tot
 }
 
+/// Tokens per call of [`prefill8`].
+pub(crate) const PREFILL_TOKENS: usize = 4;
+
+/// Dequantizes 8 rows of `k` weights in `kind` (`rows[r]`) in pairs for
+/// [`prefill8`]: pair `p`'s 8-element group `g` is 16 floats at
+/// `(p·k/8 + g)·16`, row `2p`'s elements `8g..8g + 8` then row `2p + 1`'s.
+/// `out` holds at least `8k` floats.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dequant_pairs(
+    kind: QuantKind,
+    rows: [*const u8; 8],
+    k: usize,
+    out: &mut [f32],
+) {
+    assert!(out.len() >= 8 * k && k % 8 == 0);
+    for (r, &w) in rows.iter().enumerate() {
+        let at = (r / 2) * (k / 8) * 16 + (r % 2) * 8;
+        crate::x86::dequant_groups(kind, w, k, out.as_mut_ptr().add(at), 16);
+    }
+}
+
+/// 8 rows × [`PREFILL_TOKENS`] tokens of canonical dot products over
+/// dequantized rows laid out by [`dequant_pairs`] (`w`), `k` a multiple
+/// of 8: element `r` of result `t` is `dot(xs[t], row r)`. Every output's
+/// lane `l` runs the chain of [`crate::x86`]'s `dot8` (elements
+/// `64c + l + 8j`, `j` ascending, from +0.0), its chunk partials joined by
+/// [`tree8`] and added in chunk order: the AVX2 micro-kernels' bits, with
+/// 16 FMA chains a register and 16 registers of them.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vbmi,avx2,fma,f16c")]
+pub(crate) unsafe fn prefill8(
+    xs: [*const f32; PREFILL_TOKENS],
+    w: *const f32,
+    k: usize,
+) -> [__m256; PREFILL_TOKENS] {
+    const T: usize = PREFILL_TOKENS;
+    let pair = k / 8 * 16;
+    let mut tot = [_mm256_setzero_ps(); T];
+    let mut c0 = 0;
+    while c0 < k {
+        let cend = (c0 + CHUNK).min(k);
+        let mut acc = [[_mm512_setzero_ps(); 4]; T];
+        let mut i = c0;
+        while i < cend {
+            let g = i / 8 * 16;
+            let wv: [__m512; 4] = std::array::from_fn(|p| _mm512_loadu_ps(w.add(p * pair + g)));
+            for t in 0..T {
+                let xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(xs[t].add(i)));
+                for p in 0..4 {
+                    acc[t][p] = _mm512_fmadd_ps(xv, wv[p], acc[t][p]);
+                }
+            }
+            i += 8;
+        }
+        for t in 0..T {
+            tot[t] = _mm256_add_ps(tot[t], tree8(acc[t]));
+        }
+        c0 = cend;
+    }
+    tot
+}
+
 /// The lane trees of 8 rows' chunk partials, `a[i]` holding rows `2i` and
 /// `2i + 1`: element `e` of the result is row `e`'s tree, the adds of
 /// [`hsum8x`] ((0,4) (1,5) (2,6) (3,7), then (0,2) (1,3), then (0,1)), with
@@ -365,6 +427,54 @@ mod tests {
     #[test]
     fn q6k_avx512_equals_avx2() {
         check::<Q6K>(210);
+    }
+
+    /// The prefill micro-kernel against the scalar reference dot over the
+    /// same rows, for chunked and ragged `k` and rows with wild values.
+    #[test]
+    fn prefill8_equals_the_reference_dot() {
+        if !use_avx512() {
+            eprintln!("SKIPPED: no AVX-512 (F, BW, DQ, VBMI) on this CPU, or LMRR_NO_AVX512=1");
+            return;
+        }
+        let mut r = SplitMix64(77);
+        for k in [8usize, 64, 96, 256, 1544] {
+            let rows: Vec<Vec<f32>> = (0..8)
+                .map(|i| {
+                    (0..k)
+                        .map(|j| match (i, j % 97) {
+                            (3, 5) => f32::INFINITY,
+                            (6, 11) => -0.0,
+                            (7, 13) => f32::from_bits(1),
+                            _ => r.uniform(1.0),
+                        })
+                        .collect()
+                })
+                .collect();
+            let x: Vec<Vec<f32>> = (0..PREFILL_TOKENS)
+                .map(|_| (0..k).map(|_| r.uniform(3.0)).collect())
+                .collect();
+            // The pair layout of `dequant_pairs`, from f32 rows.
+            let mut buf = vec![0f32; 8 * k];
+            for (i, row) in rows.iter().enumerate() {
+                for g in 0..k / 8 {
+                    let o = ((i / 2) * (k / 8) + g) * 16 + (i % 2) * 8;
+                    buf[o..o + 8].copy_from_slice(&row[8 * g..8 * g + 8]);
+                }
+            }
+            // SAFETY: AVX-512 is present (checked above); every row and
+            // token holds `k` elements.
+            let got = unsafe { prefill8(std::array::from_fn(|t| x[t].as_ptr()), buf.as_ptr(), k) };
+            for (t, v) in got.iter().enumerate() {
+                let mut out = [0f32; 8];
+                // SAFETY: as above.
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr(), *v) };
+                for (i, o) in out.iter().enumerate() {
+                    let want = crate::dot_ref(&x[t], &rows[i]);
+                    assert_eq!(o.to_bits(), want.to_bits(), "k={k} token {t} row {i}");
+                }
+            }
+        }
     }
 
     #[test]
