@@ -157,7 +157,7 @@ pub(crate) unsafe fn dequant_pairs(
     k: usize,
     out: &mut [f32],
 ) {
-    assert!(out.len() >= 8 * k && k % 8 == 0);
+    assert!(out.len() >= 8 * k && k.is_multiple_of(8));
     for (r, &w) in rows.iter().enumerate() {
         let at = (r / 2) * (k / 8) * 16 + (r % 2) * 8;
         crate::x86::dequant_groups(kind, w, k, out.as_mut_ptr().add(at), 16);
