@@ -284,8 +284,9 @@ mod avx2 {
             let mut g0 = range.start;
             while g0 < range.end {
                 let g1 = (g0 + GROUP).min(range.end);
-                if wide && t1 - t0 >= 2 {
-                    // Rows past the range repeat its last one.
+                if wide {
+                    // Every token block, a one-token tail included. Rows
+                    // past the range repeat its last one.
                     let ws = std::array::from_fn(|r| wp.add((g0 + r).min(g1 - 1) * rb));
                     crate::x86_512::dequant_pairs(kind, ws, k, &mut pairs);
                     prefill_group(x, k, rows, t0, t1, g0..g1, &pairs, y);
