@@ -125,9 +125,10 @@ fn detect() -> Isa {
     Isa::Scalar
 }
 
-/// Whether decode over `Q4_K` / `Q6_K` weights runs the AVX-512 kernels
-/// (the same bits as the AVX2 ones; `LMRR_NO_AVX512=1` turns them off).
-pub fn kquant_avx512() -> bool {
+/// Whether quantized matmuls run the AVX-512 kernels (`Q4_K` / `Q6_K`
+/// decode, every quantized prefill; the same bits as the AVX2 ones;
+/// `LMRR_NO_AVX512=1` turns them off).
+pub fn quant_avx512() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         x86_512::use_avx512()

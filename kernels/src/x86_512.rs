@@ -1,5 +1,8 @@
-//! AVX-512 decode of the K-quants (`Q4_K`, `Q6_K`): one token against 8
-//! quantized rows, the same bits as [`crate::x86`]'s AVX2 `dot8q`.
+//! AVX-512 kernels over quantized weights, the same bits as [`crate::x86`]'s
+//! AVX2 ones: decode of the K-quants (`Q4_K`, `Q6_K`; one token against 8
+//! rows, [`dot8k`], AVX2's `dot8q`), and the prefill micro-kernel of every
+//! quantized kind over rows dequantized in pairs ([`prefill8`], AVX2's
+//! `dot8` micro-kernels).
 //!
 //! A 512-bit register holds two rows' 8 canonical lanes (row `r` in lanes
 //! 0–7, row `r + 1` in lanes 8–15), so every lane runs exactly the FMA chain
@@ -30,7 +33,7 @@ use crate::x86::hsum8x;
 use crate::x86::{kscales, KScales, Q4K};
 use crate::CHUNK;
 
-/// Whether the K-quant decode takes this module's kernels: the AVX2 path
+/// Whether quantized matmuls take this module's kernels: the AVX2 path
 /// is in use (no `LMRR_FORCE_SCALAR`), the CPU has AVX-512 F, BW, DQ and
 /// VBMI, and `LMRR_NO_AVX512` is not `1`. Detected once.
 pub fn use_avx512() -> bool {
@@ -50,25 +53,37 @@ pub fn use_avx512() -> bool {
 /// bytes `32..` for the second row, lanes `L ≥ 8`): quant `m` of lane `l`
 /// in the top byte of a 32-bit lane, ready for an arithmetic shift. Only
 /// the top bytes are kept (mask `0x8888…`).
-fn top_byte_index(m: usize) -> [u8; 64] {
+const fn top_byte_index(m: usize) -> [u8; 64] {
     let mut idx = [0u8; 64];
-    for lane in 0..16 {
+    let mut lane = 0;
+    while lane < 16 {
         idx[4 * lane + 3] = ((lane / 8) * 32 + 8 * m + lane % 8) as u8;
+        lane += 1;
     }
     idx
 }
 
 /// Byte `4L + m` of the result holds byte `8m + l` of the row: the four
 /// 8-weight groups of lane `l`, one per byte of its 32-bit lane.
-fn transpose_index() -> [u8; 64] {
+const fn transpose_index() -> [u8; 64] {
     let mut idx = [0u8; 64];
-    for lane in 0..16 {
-        for m in 0..4 {
-            idx[4 * lane + m] = ((lane / 8) * 32 + 8 * m + lane % 8) as u8;
-        }
+    let mut i = 0;
+    while i < 64 {
+        let (lane, m) = (i / 4, i % 4);
+        idx[i] = ((lane / 8) * 32 + 8 * m + lane % 8) as u8;
+        i += 1;
     }
     idx
 }
+
+/// The byte permutes' indices, built at compile time (not per call).
+static TRANSPOSE: [u8; 64] = transpose_index();
+static TOPS: [[u8; 64]; 4] = [
+    top_byte_index(0),
+    top_byte_index(1),
+    top_byte_index(2),
+    top_byte_index(3),
+];
 
 /// Two 256-bit loads as one register: `a` in lanes 0–7, `b` in 8–15.
 #[inline]
@@ -250,8 +265,8 @@ impl Consts {
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vbmi")]
     unsafe fn new() -> Self {
         Self {
-            trans: _mm512_loadu_si512(transpose_index().as_ptr() as *const _),
-            tops: [0, 1, 2, 3].map(|m| _mm512_loadu_si512(top_byte_index(m).as_ptr() as *const _)),
+            trans: _mm512_loadu_si512(TRANSPOSE.as_ptr() as *const _),
+            tops: [0, 1, 2, 3].map(|m| _mm512_loadu_si512(TOPS[m].as_ptr() as *const _)),
             row_bit: _mm512_mask_set1_epi8(_mm512_setzero_si512(), !0u64 << 32, 0x10),
             nib: _mm512_set1_epi8(0x0f),
             upper: _mm512_mask_set1_epi32(_mm512_setzero_si512(), 0xff00, 16),

@@ -133,8 +133,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         vocab,
         th.count(),
         lmrr_kernels::isa(),
-        if lmrr_kernels::kquant_avx512() {
-            " (K-quant decode: AVX-512)"
+        if lmrr_kernels::quant_avx512() {
+            " (quantized matmuls: AVX-512)"
         } else {
             ""
         }
