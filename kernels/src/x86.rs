@@ -381,12 +381,13 @@ unsafe fn i8x8(v: __m128i) -> __m256 {
 /// Dequantizes `out.len() / 32` blocks starting at `p`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dequant_row(kind: QuantKind, p: *const u8, out: &mut [f32]) {
-    dequant_groups(kind, p, out.len(), out.as_mut_ptr(), 8);
+    dequant_groups(kind, p, out.len(), out.as_mut_ptr(), 8, 4);
 }
 
 /// Dequantizes `n / 32` blocks starting at `p` (`n` weights), writing the
-/// row's 8-weight group `g` at `out + g·step` (`step` ≥ 8; 8 is the plain
-/// row). The caller owns `out` up to the last group written.
+/// row's 8-weight group `g` at `out + g·step`, its first 4 weights there
+/// and its last 4 at `out + g·step + hi` (`step` ≥ 8 and `hi` = 4 is the
+/// plain row). The caller owns `out` up to the last group written.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dequant_groups(
     kind: QuantKind,
@@ -394,18 +395,38 @@ pub(crate) unsafe fn dequant_groups(
     n: usize,
     out: *mut f32,
     step: usize,
+    hi: usize,
 ) {
     match kind {
-        QuantKind::Q4_0 => dequant_row_k::<Q4_0>(p, n, out, step),
-        QuantKind::Q4_1 => dequant_row_k::<Q4_1>(p, n, out, step),
-        QuantKind::Q8_0 => dequant_row_k::<Q8_0>(p, n, out, step),
-        QuantKind::Q4K => dequant_row_k::<Q4K>(p, n, out, step),
-        QuantKind::Q6K => dequant_row_k::<Q6K>(p, n, out, step),
+        QuantKind::Q4_0 => dequant_row_k::<Q4_0>(p, n, out, step, hi),
+        QuantKind::Q4_1 => dequant_row_k::<Q4_1>(p, n, out, step, hi),
+        QuantKind::Q8_0 => dequant_row_k::<Q8_0>(p, n, out, step, hi),
+        QuantKind::Q4K => dequant_row_k::<Q4K>(p, n, out, step, hi),
+        QuantKind::Q6K => dequant_row_k::<Q6K>(p, n, out, step, hi),
+    }
+}
+
+/// One 8-weight group of [`dequant_groups`] at `dst`, its upper half `hi`
+/// floats on.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn store_group(dst: *mut f32, hi: usize, v: __m256) {
+    if hi == 4 {
+        _mm256_storeu_ps(dst, v);
+    } else {
+        _mm_storeu_ps(dst, _mm256_castps256_ps128(v));
+        _mm_storeu_ps(dst.add(hi), _mm256_extractf128_ps::<1>(v));
     }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dequant_row_k<const K: u8>(p: *const u8, n: usize, out: *mut f32, step: usize) {
+unsafe fn dequant_row_k<const K: u8>(
+    p: *const u8,
+    n: usize,
+    out: *mut f32,
+    step: usize,
+    hi: usize,
+) {
     let bb = kind_of::<K>().block_bytes();
     if is_k::<K>() {
         for sb in 0..n / (4 * CHUNK) {
@@ -415,7 +436,7 @@ unsafe fn dequant_row_k<const K: u8>(p: *const u8, n: usize, out: *mut f32, step
                 let v = kchunk_in::<K>(b, cb, &scales);
                 let g0 = (4 * sb + cb) * (CHUNK / 8);
                 for (j, x) in v.iter().enumerate() {
-                    _mm256_storeu_ps(out.add((g0 + j) * step), *x);
+                    store_group(out.add((g0 + j) * step), hi, *x);
                 }
             }
         }
@@ -424,7 +445,7 @@ unsafe fn dequant_row_k<const K: u8>(p: *const u8, n: usize, out: *mut f32, step
     for b in 0..n / QBLOCK {
         let v = qblock::<K>(p.add(b * bb));
         for (j, x) in v.iter().enumerate() {
-            _mm256_storeu_ps(out.add((b * (QBLOCK / 8) + j) * step), *x);
+            store_group(out.add((b * (QBLOCK / 8) + j) * step), hi, *x);
         }
     }
 }

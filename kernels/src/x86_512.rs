@@ -1,14 +1,17 @@
 //! AVX-512 kernels over quantized weights, the same bits as [`crate::x86`]'s
 //! AVX2 ones: decode of the K-quants (`Q4_K`, `Q6_K`; one token against 8
 //! rows, [`dot8k`], AVX2's `dot8q`), and the prefill micro-kernel of every
-//! quantized kind over rows dequantized in pairs ([`prefill8`], AVX2's
+//! quantized kind over rows dequantized in quads ([`prefill8`], AVX2's
 //! `dot8` micro-kernels).
 //!
-//! A 512-bit register holds two rows' 8 canonical lanes (row `r` in lanes
-//! 0–7, row `r + 1` in lanes 8–15), so every lane runs exactly the FMA chain
-//! of the AVX2 kernel (elements `64c + l + 8j`, `j` ascending, from +0.0),
-//! and the 8 rows' chunk partials are joined by [`hsum8x`]'s adds (moved by
-//! 512-bit shuffles, [`tree8`]) in chunk order. What changes is how a weight
+//! In decode a 512-bit register holds two rows' 8 canonical lanes (row `r`
+//! in lanes 0–7, row `r + 1` in lanes 8–15), so every lane runs exactly the
+//! FMA chain of the AVX2 kernel (elements `64c + l + 8j`, `j` ascending,
+//! from +0.0), and the 8 rows' chunk partials are joined by [`hsum8x`]'s
+//! adds (moved by 512-bit shuffles, [`tree8`]) in chunk order. In prefill a
+//! register holds 4 rows × 4 lanes of one token, lanes `0..4` and `4..8` in
+//! two registers, so the tree's first level is a plain add; the chains and
+//! adds are the same. What changes in decode is how a weight
 //! reaches its lane:
 //! - `Q4_K`: a 32-weight sub-block has only 16 distinct weights, `q = 0..15`
 //!   through the reference's formula. Both rows' tables (16 floats each,
@@ -161,12 +164,13 @@ pub(crate) unsafe fn dot8k<const K: u8>(
 /// Tokens per call of [`prefill8`].
 pub(crate) const PREFILL_TOKENS: usize = 4;
 
-/// Dequantizes 8 rows of `k` weights in `kind` (`rows[r]`) in pairs for
-/// [`prefill8`]: pair `p`'s 8-element group `g` is 16 floats at
-/// `(p·k/8 + g)·16`, row `2p`'s elements `8g..8g + 8` then row `2p + 1`'s.
-/// `out` holds at least `8k` floats.
+/// Dequantizes 8 rows of `k` weights in `kind` (`rows[r]`) in quads for
+/// [`prefill8`]: quad `q` (rows `4q..4q + 4`) holds, for each 4-element
+/// block `e` of the row, 16 floats at `(q·k/4 + e)·16`: row `4q`'s
+/// elements `4e..4e + 4`, then row `4q + 1`'s, and so on. `out` holds at
+/// least `8k` floats.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dequant_pairs(
+pub(crate) unsafe fn dequant_quads(
     kind: QuantKind,
     rows: [*const u8; 8],
     k: usize,
@@ -174,50 +178,89 @@ pub(crate) unsafe fn dequant_pairs(
 ) {
     assert!(out.len() >= 8 * k && k.is_multiple_of(8));
     for (r, &w) in rows.iter().enumerate() {
-        let at = (r / 2) * (k / 8) * 16 + (r % 2) * 8;
-        crate::x86::dequant_groups(kind, w, k, out.as_mut_ptr().add(at), 16);
+        let at = (r / 4) * 4 * k + (r % 4) * 4;
+        // Group g's halves are blocks 2g and 2g + 1: 32 floats a group,
+        // the upper half 16 on.
+        crate::x86::dequant_groups(kind, w, k, out.as_mut_ptr().add(at), 32, 16);
     }
 }
 
-/// 8 rows × [`PREFILL_TOKENS`] tokens of canonical dot products over
-/// dequantized rows laid out by [`dequant_pairs`] (`w`), `k` a multiple
-/// of 8: element `r` of result `t` is `dot(xs[t], row r)`. Every output's
-/// lane `l` runs the chain of [`crate::x86`]'s `dot8` (elements
-/// `64c + l + 8j`, `j` ascending, from +0.0), its chunk partials joined by
-/// [`tree8`] and added in chunk order: the AVX2 micro-kernels' bits, with
-/// 16 FMA chains a register and 16 registers of them.
+/// 8 rows × [`PREFILL_TOKENS`] tokens of canonical dot products over the
+/// `len` elements of dequantized rows laid out by [`dequant_quads`] (`w`,
+/// `len` a multiple of 8), continuing the running totals `tot` (in the
+/// order of [`transpose4`]; `len` is a multiple of [`CHUNK`] unless it
+/// ends the rows): every output's lane `l` runs the chain of
+/// [`crate::x86`]'s `dot8` (elements `64c + l + 8j`, `j` ascending, from
+/// +0.0), its chunk partials joined by [`hsum8x`]'s adds and added to the
+/// total in chunk order: the AVX2 micro-kernels' bits, whether the rows
+/// come in one call or in several.
+///
+/// A register holds 4 rows × 4 lanes of one token: lanes `0..4` in one,
+/// `4..8` in another, so the tree's first level, `(l, l + 4)`, is a plain
+/// add and only its last two levels move data (12 shuffles per chunk for
+/// 32 outputs, against 36 for a register of 2 rows × 8 lanes).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vbmi,avx2,fma,f16c")]
 pub(crate) unsafe fn prefill8(
     xs: [*const f32; PREFILL_TOKENS],
     w: *const f32,
-    k: usize,
-) -> [__m256; PREFILL_TOKENS] {
+    len: usize,
+    mut tot: [__m512; PREFILL_TOKENS / 2],
+) -> [__m512; PREFILL_TOKENS / 2] {
     const T: usize = PREFILL_TOKENS;
-    let pair = k / 8 * 16;
-    let mut tot = [_mm256_setzero_ps(); T];
+    let quad = 4 * len;
     let mut c0 = 0;
-    while c0 < k {
-        let cend = (c0 + CHUNK).min(k);
-        let mut acc = [[_mm512_setzero_ps(); 4]; T];
+    while c0 < len {
+        let cend = (c0 + CHUNK).min(len);
+        // acc[t][q][h]: token t, rows 4q..4q + 4, lanes 4h..4h + 4.
+        let mut acc = [[[_mm512_setzero_ps(); 2]; 2]; T];
         let mut i = c0;
         while i < cend {
-            let g = i / 8 * 16;
-            let wv: [__m512; 4] = std::array::from_fn(|p| _mm512_loadu_ps(w.add(p * pair + g)));
+            let wv: [[__m512; 2]; 2] = std::array::from_fn(|q| {
+                std::array::from_fn(|h| _mm512_loadu_ps(w.add(q * quad + 4 * i + 16 * h)))
+            });
             for t in 0..T {
-                let xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(xs[t].add(i)));
-                for p in 0..4 {
-                    acc[t][p] = _mm512_fmadd_ps(xv, wv[p], acc[t][p]);
+                let xa = _mm512_broadcast_f32x4(_mm_loadu_ps(xs[t].add(i)));
+                let xb = _mm512_broadcast_f32x4(_mm_loadu_ps(xs[t].add(i + 4)));
+                for q in 0..2 {
+                    acc[t][q][0] = _mm512_fmadd_ps(xa, wv[q][0], acc[t][q][0]);
+                    acc[t][q][1] = _mm512_fmadd_ps(xb, wv[q][1], acc[t][q][1]);
                 }
             }
             i += 8;
         }
-        for t in 0..T {
-            tot[t] = _mm256_add_ps(tot[t], tree8(acc[t]));
+        // (l, l + 4); then, per 128-bit block (a row), (0, 2) (1, 3) with
+        // quad 1's row beside quad 0's; then (0, 1) with the next token's.
+        let l2: [__m512; T] = std::array::from_fn(|t| {
+            let a = _mm512_add_ps(acc[t][0][0], acc[t][0][1]);
+            let b = _mm512_add_ps(acc[t][1][0], acc[t][1][1]);
+            _mm512_add_ps(
+                _mm512_shuffle_ps::<0b01_00_01_00>(a, b),
+                _mm512_shuffle_ps::<0b11_10_11_10>(a, b),
+            )
+        });
+        for p in 0..T / 2 {
+            let (a, b) = (l2[2 * p], l2[2 * p + 1]);
+            let r = _mm512_add_ps(
+                _mm512_shuffle_ps::<0b10_00_10_00>(a, b),
+                _mm512_shuffle_ps::<0b11_01_11_01>(a, b),
+            );
+            tot[p] = _mm512_add_ps(tot[p], r);
         }
         c0 = cend;
     }
     tot
+}
+
+/// Between two tokens' 8 outputs each, `[u0..u7, v0..v7]`, and the order of
+/// [`prefill8`]'s totals, element `4b` holding `u[b]`, `4b + 1` `u[4 + b]`,
+/// `4b + 2` `v[b]` and `4b + 3` `v[4 + b]`: a 4 × 4 transpose, so the same
+/// permute goes both ways.
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn transpose4(v: __m512) -> __m512 {
+    let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_permutexvar_ps(idx, v)
 }
 
 /// The lane trees of 8 rows' chunk partials, `a[i]` holding rows `2i` and
@@ -469,24 +512,59 @@ mod tests {
             let x: Vec<Vec<f32>> = (0..PREFILL_TOKENS)
                 .map(|_| (0..k).map(|_| r.uniform(3.0)).collect())
                 .collect();
-            // The pair layout of `dequant_pairs`, from f32 rows.
+            // The quad layout of `dequant_quads`, from f32 rows.
             let mut buf = vec![0f32; 8 * k];
             for (i, row) in rows.iter().enumerate() {
-                for g in 0..k / 8 {
-                    let o = ((i / 2) * (k / 8) + g) * 16 + (i % 2) * 8;
-                    buf[o..o + 8].copy_from_slice(&row[8 * g..8 * g + 8]);
+                for e in 0..k / 4 {
+                    let o = ((i / 4) * (k / 4) + e) * 16 + (i % 4) * 4;
+                    buf[o..o + 4].copy_from_slice(&row[4 * e..4 * e + 4]);
                 }
             }
             // SAFETY: AVX-512 is present (checked above); every row and
             // token holds `k` elements.
-            let got = unsafe { prefill8(std::array::from_fn(|t| x[t].as_ptr()), buf.as_ptr(), k) };
-            for (t, v) in got.iter().enumerate() {
-                let mut out = [0f32; 8];
+            let xs = std::array::from_fn(|t| x[t].as_ptr());
+            let zero = [unsafe { _mm512_setzero_ps() }; PREFILL_TOKENS / 2];
+            // SAFETY: AVX-512 is present (checked above); every row and
+            // token holds `k` elements.
+            let whole = unsafe { prefill8(xs, buf.as_ptr(), k, zero) };
+            // The same rows in two calls, split at a chunk boundary, the
+            // first call's totals carried into the second.
+            let cut = (k / 2 / CHUNK) * CHUNK;
+            let mut head = vec![0f32; 8 * cut];
+            let mut tail = vec![0f32; 8 * (k - cut)];
+            for (i, row) in rows.iter().enumerate() {
+                for e in 0..k / 4 {
+                    let (dst, e2, len) = if 4 * e < cut {
+                        (&mut head, e, cut)
+                    } else {
+                        (&mut tail, e - cut / 4, k - cut)
+                    };
+                    let o = ((i / 4) * (len / 4) + e2) * 16 + (i % 4) * 4;
+                    dst[o..o + 4].copy_from_slice(&row[4 * e..4 * e + 4]);
+                }
+            }
+            // SAFETY: as above; the tail pointers stay inside each token.
+            let split = unsafe {
+                let t = prefill8(xs, head.as_ptr(), cut, zero);
+                prefill8(xs.map(|p| p.add(cut)), tail.as_ptr(), k - cut, t)
+            };
+            for (p, (a, b)) in whole.iter().zip(&split).enumerate() {
+                let mut out = [0f32; 16];
+                let mut two = [0f32; 16];
                 // SAFETY: as above.
-                unsafe { _mm256_storeu_ps(out.as_mut_ptr(), *v) };
-                for (i, o) in out.iter().enumerate() {
+                unsafe {
+                    _mm512_storeu_ps(out.as_mut_ptr(), transpose4(*a));
+                    _mm512_storeu_ps(two.as_mut_ptr(), transpose4(*b));
+                }
+                for (j, (o, s)) in out.iter().zip(&two).enumerate() {
+                    let (t, i) = (2 * p + j / 8, j % 8);
                     let want = crate::dot_ref(&x[t], &rows[i]);
                     assert_eq!(o.to_bits(), want.to_bits(), "k={k} token {t} row {i}");
+                    assert_eq!(
+                        s.to_bits(),
+                        want.to_bits(),
+                        "k={k} split at {cut}, token {t} row {i}"
+                    );
                 }
             }
         }

@@ -142,7 +142,14 @@ fn quantized_matmul_equals_matmul_over_the_dequantized_copy() {
     let mut r = SplitMix64(12);
     let pools: Vec<Threads> = (1..=3).map(|n| Threads::new(n).unwrap()).collect();
     for kind in KINDS {
-        for &(rows, cols) in &[(1usize, 32usize), (7, 96), (13, 64), (37, 576), (9, 160)] {
+        for &(rows, cols) in &[
+            (1usize, 32usize),
+            (7, 96),
+            (13, 64),
+            (37, 576),
+            (9, 160),
+            (1037, 32),
+        ] {
             // The same shapes in blocks: 256-weight super-blocks for K-quants.
             let cols = cols / QBLOCK * kind.block_weights();
             let q = realistic(&mut r, kind, rows * cols / kind.block_weights());
@@ -150,7 +157,7 @@ fn quantized_matmul_equals_matmul_over_the_dequantized_copy() {
             dequant_ref(kind, &q, &mut deq);
             let mq = Matrix::new(Weights::Quant(kind, &q), rows, cols).unwrap();
             let mf = Matrix::new(Weights::F32(&deq), rows, cols).unwrap();
-            for &n in &[1usize, 2, 3, 5, 9, 65, 70] {
+            for &n in &[1usize, 2, 3, 5, 9, 65, 70, 131] {
                 let x: Vec<f32> = (0..n * cols).map(|_| r.uniform(2.0)).collect();
                 let mut want = vec![0.0; n * rows];
                 matmul_ref(&x, n, &mf, &mut want);
