@@ -299,6 +299,40 @@ mod avx2 {
         }
     }
 
+    /// P·V of a tile with 512-bit registers: `acc_t[d] = Σ_j p[j]·v[j][d]`,
+    /// each element's FMA chain in position order from +0.0 (the AVX2
+    /// loop's bits), up to 128 dimensions a pass in registers.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn pv16(p: &[f32], v: &[*const f32], hd: usize, acc_t: &mut [f32]) {
+        let vd = hd / 16 * 16;
+        let mut d0 = 0;
+        while d0 < vd {
+            let nv = ((vd - d0) / 16).min(8);
+            let mut a = [_mm512_setzero_ps(); 8];
+            for (&pj, &vr) in p.iter().zip(v) {
+                let pv = _mm512_set1_ps(pj);
+                let vr = vr.add(d0);
+                for (u, au) in a.iter_mut().enumerate() {
+                    if u < nv {
+                        *au = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vr.add(16 * u)), *au);
+                    }
+                }
+            }
+            for (u, au) in a.iter().enumerate().take(nv) {
+                _mm512_storeu_ps(acc_t.as_mut_ptr().add(d0 + 16 * u), *au);
+            }
+            d0 += 16 * nv;
+        }
+        for d in vd..hd {
+            acc_t[d] = 0.0;
+        }
+        for (&pj, &vr) in p.iter().zip(v) {
+            for d in vd..hd {
+                acc_t[d] = pj.mul_add(*vr.add(d), acc_t[d]);
+            }
+        }
+    }
+
     /// One head's running state: max, sum, output accumulator.
     struct Head {
         q: *const f32,
@@ -368,34 +402,44 @@ mod avx2 {
             for &v in &p[..nt] {
                 lt += v;
             }
-            // P·V: per block of up to 64 dimensions, its accumulators in
-            // registers across the tile's positions (each element's chain
-            // still p_j·v_j in position order from +0.0).
-            let mut d0 = 0;
-            while d0 < vd {
-                let nv = ((vd - d0) / 8).min(8);
-                let mut a = [_mm256_setzero_ps(); 8];
-                for (jj, &pj) in p[..nt].iter().enumerate() {
-                    let pv = _mm256_set1_ps(pj);
-                    let vr = vptr(j0 + jj).add(d0);
-                    for (u, au) in a.iter_mut().enumerate() {
-                        if u < nv {
-                            *au = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr.add(8 * u)), *au);
+            // P·V: every element's chain is p_j·v_j in position order from
+            // +0.0, whatever the vector width.
+            if crate::x86_512::use_avx512() {
+                let mut vs = [q; ATTN_TILE];
+                for (jj, v) in vs.iter_mut().enumerate().take(nt) {
+                    *v = vptr(j0 + jj);
+                }
+                pv16(&p[..nt], &vs[..nt], hd, acc_t);
+            } else {
+                // P·V: per block of up to 64 dimensions, its accumulators in
+                // registers across the tile's positions (each element's chain
+                // still p_j·v_j in position order from +0.0).
+                let mut d0 = 0;
+                while d0 < vd {
+                    let nv = ((vd - d0) / 8).min(8);
+                    let mut a = [_mm256_setzero_ps(); 8];
+                    for (jj, &pj) in p[..nt].iter().enumerate() {
+                        let pv = _mm256_set1_ps(pj);
+                        let vr = vptr(j0 + jj).add(d0);
+                        for (u, au) in a.iter_mut().enumerate() {
+                            if u < nv {
+                                *au = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr.add(8 * u)), *au);
+                            }
                         }
                     }
+                    for (u, au) in a.iter().enumerate().take(nv) {
+                        _mm256_storeu_ps(acc_t.as_mut_ptr().add(d0 + 8 * u), *au);
+                    }
+                    d0 += 8 * nv;
                 }
-                for (u, au) in a.iter().enumerate().take(nv) {
-                    _mm256_storeu_ps(acc_t.as_mut_ptr().add(d0 + 8 * u), *au);
-                }
-                d0 += 8 * nv;
-            }
-            for d in vd..hd {
-                acc_t[d] = 0.0;
-            }
-            for (jj, &pj) in p[..nt].iter().enumerate() {
-                let vr = vptr(j0 + jj);
                 for d in vd..hd {
-                    acc_t[d] = pj.mul_add(*vr.add(d), acc_t[d]);
+                    acc_t[d] = 0.0;
+                }
+                for (jj, &pj) in p[..nt].iter().enumerate() {
+                    let vr = vptr(j0 + jj);
+                    for d in vd..hd {
+                        acc_t[d] = pj.mul_add(*vr.add(d), acc_t[d]);
+                    }
                 }
             }
             self.l = self.l * alpha + lt;
