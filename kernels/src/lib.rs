@@ -38,6 +38,8 @@ pub mod moe;
 pub mod norm;
 pub mod paged;
 pub mod partials;
+#[cfg(target_arch = "x86_64")]
+mod prefill;
 pub mod quant;
 pub mod reduce;
 pub mod rope;

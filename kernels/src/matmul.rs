@@ -192,7 +192,7 @@ fn scalar_rows(x: &[f32], n: usize, w: &Matrix, range: std::ops::Range<usize>, y
 mod avx2 {
     use super::SendPtr;
     use crate::quant::QuantKind;
-    use crate::x86::{dequant_row, dot8, dot8q, Lanes, Q4K, Q4_0, Q4_1, Q6K, Q8_0};
+    use crate::x86::{dot8, dot8q, Lanes, Q4K, Q4_0, Q4_1, Q6K, Q8_0};
     use std::arch::x86_64::*;
 
     /// Tokens per L2-resident block of activations.
@@ -265,36 +265,10 @@ mod avx2 {
             }
             return;
         }
-        if crate::x86_512::use_avx512() {
-            return wide::rows_quant(x, n, kind, w, k, rows, range, y);
-        }
-        // Several tokens: dequantize GROUP rows once per token block, then run
-        // the f32 micro-kernels on the buffer, 4 rows × 2 tokens per call: the
-        // four buffered rows stay in L1 while x streams from L2, two loads of
-        // x per 8 FMAs instead of the 2 × 4 shape's four.
-        const GROUP: usize = 8;
-        let mut buf = vec![0.0f32; GROUP * k];
-        let mut t0 = 0;
-        while t0 < n {
-            let t1 = (t0 + TOKEN_BLOCK).min(n);
-            let mut g0 = range.start;
-            while g0 < range.end {
-                let g1 = (g0 + GROUP).min(range.end);
-                for o in g0..g1 {
-                    let dst = &mut buf[(o - g0) * k..(o - g0 + 1) * k];
-                    dequant_row(kind, wp.add(o * rb), dst);
-                }
-                let bp = buf.as_ptr();
-                let row = |o: usize| bp.add((o - g0) * k);
-                if t1 - t0 >= 2 {
-                    block::<f32, 4, 2>(x.as_ptr(), &row, k, rows, t0, t1, g0..g1, y);
-                } else {
-                    tokens(x, k, rows, t0, t1, g0..g1, row, y);
-                }
-                g0 = g1;
-            }
-            t0 = t1;
-        }
+        // Several tokens: rows dequantized in quads, walked in segments
+        // (`crate::prefill`).
+        let wide = crate::x86_512::use_avx512();
+        crate::prefill::rows_quant(wide, x, n, kind, w, k, rows, range, y);
     }
 
     /// Decode (one token): dequantize in registers, 8 rows per call. Not
@@ -368,123 +342,6 @@ mod avx2 {
                 t += T;
             }
             o += R;
-        }
-    }
-
-    /// Quantized prefill with AVX-512: [`crate::x86_512::prefill8`] over 8
-    /// rows dequantized in quads, 4 tokens a call.
-    mod wide {
-        use super::SendPtr;
-        use crate::quant::QuantKind;
-        use crate::x86_512::{dequant_quads, prefill8, transpose4, PREFILL_TOKENS};
-        use crate::CHUNK;
-        use std::arch::x86_64::*;
-
-        /// Tokens per block: the block's activations over one segment
-        /// (`TOKENS × SEGMENT × 4` bytes, 256 KiB) stay in L2 while the
-        /// row groups of a pass go over them.
-        const TOKENS: usize = 128;
-        /// Weights per segment of a row, a multiple of every block size and
-        /// of [`CHUNK`]: 8 rows' segment (16 KiB) stays in L1 while the
-        /// block's tokens go over it.
-        const SEGMENT: usize = 512;
-        /// Row groups (of 8) per pass: their running totals for a token
-        /// block (`PASS × TOKENS × 32` bytes, 512 KiB) stay in L2 beside
-        /// the segment's activations.
-        const PASS: usize = 128;
-
-        /// Outputs `o ∈ range` for all `n` tokens. For each block of tokens
-        /// and pass of row groups, the rows are walked in segments on chunk
-        /// boundaries, each segment dequantized once and run against every
-        /// token of the block; an output's running total (an f32, as in the
-        /// registers) waits in `tot` between segments, so its chunks are
-        /// still added in order from +0.0.
-        #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vbmi,avx2,fma,f16c")]
-        #[allow(clippy::too_many_arguments)]
-        pub(super) unsafe fn rows_quant(
-            x: &[f32],
-            n: usize,
-            kind: QuantKind,
-            w: &[u8],
-            k: usize,
-            rows: usize,
-            range: std::ops::Range<usize>,
-            y: SendPtr<f32>,
-        ) {
-            const T: usize = PREFILL_TOKENS;
-            debug_assert!(SEGMENT.is_multiple_of(kind.block_weights()));
-            debug_assert!(SEGMENT.is_multiple_of(CHUNK));
-            let rb = kind.row_bytes(k);
-            let wp = w.as_ptr();
-            let groups = range.len().div_ceil(8);
-            let calls = n.min(TOKENS).div_ceil(T);
-            let mut quads = vec![0.0f32; 8 * SEGMENT.min(k)];
-            // tot[(c·pass + g)·T/2 + p]: call c, pass group g, in the
-            // order of `transpose4` (so a token's outputs are contiguous).
-            let pass = groups.min(PASS);
-            let mut tot = vec![_mm512_setzero_ps(); pass * calls * T / 2];
-            let mut t0 = 0;
-            while t0 < n {
-                let t1 = (t0 + TOKENS).min(n);
-                let mut p0 = 0;
-                while p0 < groups {
-                    let p1 = (p0 + PASS).min(groups);
-                    tot.fill(_mm512_setzero_ps());
-                    let mut lo = 0;
-                    while lo < k {
-                        let hi = (lo + SEGMENT).min(k);
-                        let skip = kind.row_bytes(lo);
-                        for g in p0..p1 {
-                            let o0 = range.start + 8 * g;
-                            let last = (o0 + 8).min(range.end) - 1;
-                            // Rows past the range repeat its last one.
-                            let ws =
-                                std::array::from_fn(|r| wp.add((o0 + r).min(last) * rb + skip));
-                            dequant_quads(kind, ws, hi - lo, &mut quads);
-                            let mut t = t0;
-                            let mut at = (g - p0) * T / 2;
-                            while t < t1 {
-                                let xs = std::array::from_fn(|j| {
-                                    x.as_ptr().add((t + j).min(t1 - 1) * k + lo)
-                                });
-                                let sums = std::array::from_fn(|p| tot[at + p]);
-                                let sums = prefill8(xs, quads.as_ptr(), hi - lo, sums);
-                                for (d, v) in tot[at..at + T / 2].iter_mut().zip(sums) {
-                                    *d = v;
-                                }
-                                at += pass * T / 2;
-                                t += T;
-                            }
-                        }
-                        lo = hi;
-                    }
-                    for t in t0..t1 {
-                        let (c, j) = ((t - t0) / T, (t - t0) % T);
-                        for g in p0..p1 {
-                            let o0 = range.start + 8 * g;
-                            let valid = (range.end - o0).min(8);
-                            let both = transpose4(tot[(c * pass + g - p0) * T / 2 + j / 2]);
-                            let v = if j % 2 == 0 {
-                                _mm512_castps512_ps256(both)
-                            } else {
-                                _mm512_extractf32x8_ps::<1>(both)
-                            };
-                            let dst = y.0.add(t * rows + o0);
-                            if valid == 8 {
-                                _mm256_storeu_ps(dst, v);
-                            } else {
-                                let mut out = [0.0f32; 8];
-                                _mm256_storeu_ps(out.as_mut_ptr(), v);
-                                for (r, &val) in out.iter().enumerate().take(valid) {
-                                    *dst.add(r) = val;
-                                }
-                            }
-                        }
-                    }
-                    p0 = p1;
-                }
-                t0 = t1;
-            }
         }
     }
 }

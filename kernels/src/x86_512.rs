@@ -164,29 +164,9 @@ pub(crate) unsafe fn dot8k<const K: u8>(
 /// Tokens per call of [`prefill8`].
 pub(crate) const PREFILL_TOKENS: usize = 4;
 
-/// Dequantizes 8 rows of `k` weights in `kind` (`rows[r]`) in quads for
-/// [`prefill8`]: quad `q` (rows `4q..4q + 4`) holds, for each 4-element
-/// block `e` of the row, 16 floats at `(q·k/4 + e)·16`: row `4q`'s
-/// elements `4e..4e + 4`, then row `4q + 1`'s, and so on. `out` holds at
-/// least `8k` floats.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dequant_quads(
-    kind: QuantKind,
-    rows: [*const u8; 8],
-    k: usize,
-    out: &mut [f32],
-) {
-    assert!(out.len() >= 8 * k && k.is_multiple_of(8));
-    for (r, &w) in rows.iter().enumerate() {
-        let at = (r / 4) * 4 * k + (r % 4) * 4;
-        // Group g's halves are blocks 2g and 2g + 1: 32 floats a group,
-        // the upper half 16 on.
-        crate::x86::dequant_groups(kind, w, k, out.as_mut_ptr().add(at), 32, 16);
-    }
-}
-
 /// 8 rows × [`PREFILL_TOKENS`] tokens of canonical dot products over the
-/// `len` elements of dequantized rows laid out by [`dequant_quads`] (`w`,
+/// `len` elements of dequantized rows laid out by
+/// [`crate::prefill::dequant_quads`] (`w`,
 /// `len` a multiple of 8), continuing the running totals `tot` (in the
 /// order of [`transpose4`]; `len` is a multiple of [`CHUNK`] unless it
 /// ends the rows): every output's lane `l` runs the chain of
@@ -512,7 +492,7 @@ mod tests {
             let x: Vec<Vec<f32>> = (0..PREFILL_TOKENS)
                 .map(|_| (0..k).map(|_| r.uniform(3.0)).collect())
                 .collect();
-            // The quad layout of `dequant_quads`, from f32 rows.
+            // The quad layout of `prefill::dequant_quads`, from f32 rows.
             let mut buf = vec![0f32; 8 * k];
             for (i, row) in rows.iter().enumerate() {
                 for e in 0..k / 4 {

@@ -274,7 +274,13 @@ fn blocks(data: &[f32], kv_dim: usize, block_len: usize) -> Vec<Vec<f32>> {
 #[test]
 fn attention_matches_reference_across_layouts_and_threads() {
     let mut r = SplitMix64(11);
-    for &(nh, nkv, hd) in &[(6usize, 2usize, 10usize), (4, 4, 64), (9, 3, 66), (2, 1, 7), (4, 2, 152)] {
+    for &(nh, nkv, hd) in &[
+        (6usize, 2usize, 10usize),
+        (4, 4, 64),
+        (9, 3, 66),
+        (2, 1, 7),
+        (4, 2, 152),
+    ] {
         let shape = AttnShape {
             n_heads: nh,
             n_kv_heads: nkv,
