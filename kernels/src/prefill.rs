@@ -93,8 +93,8 @@ pub(crate) unsafe fn prefill4x2(
                 std::array::from_fn(|h| _mm256_loadu_ps(w.add(4 * i + 16 * h + 8 * p)))
             });
             for t in 0..2 {
-                let xa = _mm256_broadcast_ps(&*(xs[t].add(i) as *const __m128));
-                let xb = _mm256_broadcast_ps(&*(xs[t].add(i + 4) as *const __m128));
+                let (a, b) = (_mm_loadu_ps(xs[t].add(i)), _mm_loadu_ps(xs[t].add(i + 4)));
+                let (xa, xb) = (_mm256_set_m128(a, a), _mm256_set_m128(b, b));
                 for p in 0..2 {
                     acc[t][p][0] = _mm256_fmadd_ps(xa, wv[p][0], acc[t][p][0]);
                     acc[t][p][1] = _mm256_fmadd_ps(xb, wv[p][1], acc[t][p][1]);
